@@ -1,0 +1,1 @@
+"""realrl: asynchronous RL runtime for LLMs."""
