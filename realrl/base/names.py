@@ -1,0 +1,120 @@
+"""The only place name_resolve keys are built (DESIGN §3).
+
+Every key of a trial lives under `<user>/<experiment>/<trial>/`, so clearing
+one trial (`name_resolve.clear_subtree(names.trial_root(exp, trial))`) never
+touches another. The user part comes from REALRL_USER, else the login name.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+
+
+def _user() -> str:
+    user = os.environ.get("REALRL_USER")
+    if user:
+        return user
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry (some containers)
+        return f"uid{os.getuid()}"
+
+
+def trial_root(experiment_name: str, trial_name: str) -> str:
+    for part, what in ((experiment_name, "experiment_name"), (trial_name, "trial_name")):
+        if not part or "/" in part or part in (".", ".."):
+            raise ValueError(f"invalid {what} {part!r}: non-empty, no '/'")
+    return f"{_user()}/{experiment_name}/{trial_name}"
+
+
+# ---- trial lifecycle -------------------------------------------------------
+
+
+def experiment_status(experiment_name: str, trial_name: str) -> str:
+    """Value: RUNNING | COMPLETE | ABORTED. Workers exit on the last two."""
+    return f"{trial_root(experiment_name, trial_name)}/experiment_status"
+
+
+def launcher_keepalive(experiment_name: str, trial_name: str) -> str:
+    """Held with a TTL by the launcher; workers exit when it disappears."""
+    return f"{trial_root(experiment_name, trial_name)}/launcher_keepalive"
+
+
+def worker_status_root(experiment_name: str, trial_name: str) -> str:
+    return f"{trial_root(experiment_name, trial_name)}/worker_status"
+
+
+def worker_status(experiment_name: str, trial_name: str, worker_type: str, worker_index: int) -> str:
+    """Value: READY | RUNNING | PAUSED | COMPLETED | ERROR, refreshed with a TTL."""
+    return f"{worker_status_root(experiment_name, trial_name)}/{worker_type}/{worker_index}"
+
+
+def worker_error(experiment_name: str, trial_name: str, worker_type: str, worker_index: int) -> str:
+    """Value: the traceback of the exception that stopped the worker."""
+    return f"{trial_root(experiment_name, trial_name)}/worker_error/{worker_type}/{worker_index}"
+
+
+def used_ports(experiment_name: str, trial_name: str, host: str) -> str:
+    """Subtree of `<port>` keys: ports already handed to a process of the trial."""
+    return f"{trial_root(experiment_name, trial_name)}/used_ports/{host}"
+
+
+# ---- streams ---------------------------------------------------------------
+
+
+def push_pull_stream(experiment_name: str, trial_name: str, stream_name: str) -> str:
+    """Value: `host:port` a puller bound, e.g. stream_name = `puller0`."""
+    return f"{trial_root(experiment_name, trial_name)}/push_pull_stream/{stream_name}"
+
+
+def push_pull_stream_root(experiment_name: str, trial_name: str) -> str:
+    return f"{trial_root(experiment_name, trial_name)}/push_pull_stream"
+
+
+def request_reply_stream(experiment_name: str, trial_name: str, stream_name: str) -> str:
+    return f"{trial_root(experiment_name, trial_name)}/request_reply_stream/{stream_name}"
+
+
+def request_reply_stream_root(experiment_name: str, trial_name: str) -> str:
+    return f"{trial_root(experiment_name, trial_name)}/request_reply_stream"
+
+
+def distributed_init(experiment_name: str, trial_name: str, group: str) -> str:
+    """Value: `host:port` of a torch.distributed rendezvous for `group`."""
+    return f"{trial_root(experiment_name, trial_name)}/distributed_init/{group}"
+
+
+# ---- generation ------------------------------------------------------------
+
+
+def gen_servers(experiment_name: str, trial_name: str) -> str:
+    """Subtree: one `<server_index>` key per generation server, value its URL."""
+    return f"{trial_root(experiment_name, trial_name)}/gen_servers"
+
+
+def gen_server(experiment_name: str, trial_name: str, server_index: int) -> str:
+    return f"{gen_servers(experiment_name, trial_name)}/{server_index}"
+
+
+def gen_server_manager(experiment_name: str, trial_name: str) -> str:
+    """Value: the GserverManager's base URL."""
+    return f"{trial_root(experiment_name, trial_name)}/gen_server_manager"
+
+
+# ---- training progress -----------------------------------------------------
+
+
+def model_version(experiment_name: str, trial_name: str, role: str) -> str:
+    """Value: the newest published weight version of `role` (an int as str)."""
+    return f"{trial_root(experiment_name, trial_name)}/model_version/{role}"
+
+
+def training_samples(experiment_name: str, trial_name: str) -> str:
+    """Value: trajectories the trainer has consumed so far."""
+    return f"{trial_root(experiment_name, trial_name)}/training_samples"
+
+
+def dropped_samples(experiment_name: str, trial_name: str) -> str:
+    """Value: trajectories the trainer dropped (stale/invalid); their rollout budget is given back."""
+    return f"{trial_root(experiment_name, trial_name)}/dropped_samples"
