@@ -1,0 +1,335 @@
+"""Local launcher: one subprocess per worker on this machine.
+
+`LocalLauncher(...).run(groups)`:
+1. starts a private etcd (under the trial's run directory) when the config
+   asks for etcd3 without an address, and clears the trial's keys;
+2. holds the launcher keep-alive key (workers exit if it disappears, so even a
+   SIGKILLed launcher leaves nothing behind) and sets experiment_status RUNNING;
+3. starts each worker as `python -m realrl.system.worker_base --spec F`, in
+   its own process group, with its log in `<fileroot>/logs/<exp>/<trial>/`;
+4. waits. When a worker fails, it prints which one and the tail of its
+   traceback, sets ABORTED, stops the rest (SIGTERM, then SIGKILL at
+   `stop_timeout`), and returns non-zero. When the master sets COMPLETE, it
+   waits for the workers to finish. Ctrl-C stops everything.
+When `run` returns, no process of the trial is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+
+from realrl.api.system_api import WorkerInfo, WorkerSpec, to_plain
+from realrl.base import name_resolve, names
+from realrl.base.etcd_server import start_supervised
+from realrl.base.logging import getLogger
+from realrl.system import worker_class_path
+from realrl.system.worker_base import ExperimentStatus, set_experiment_status
+
+logger = getLogger("launcher")
+
+_TRACEBACK_TAIL_LINES = 40
+
+
+@dataclasses.dataclass
+class WorkerGroup:
+    worker_type: str  # a registered worker type, or "module:Class"
+    count: int
+    # One config for every index, or a list with one per index.
+    config: Any = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def config_for(self, index: int) -> Any:
+        if isinstance(self.config, list):
+            if len(self.config) != self.count:
+                raise ValueError(f"{self.worker_type}: {len(self.config)} configs for {self.count} workers")
+            return self.config[index]
+        return self.config
+
+
+@dataclasses.dataclass
+class _Proc:
+    tag: str
+    worker_type: str
+    index: int
+    popen: subprocess.Popen
+    log_path: str
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class LocalLauncher:
+    def __init__(
+        self,
+        experiment_name: str,
+        trial_name: str,
+        fileroot: str,
+        name_resolve_config: name_resolve.NameResolveConfig,
+        heartbeat_ttl: float = 5.0,
+        plugins: list[str] | tuple[str, ...] = (),
+        stop_timeout: float = 30.0,
+        poll_interval: float = 0.2,
+    ):
+        names.trial_root(experiment_name, trial_name)  # validates both names
+        name_resolve_config.validate()
+        self.experiment_name = experiment_name
+        self.trial_name = trial_name
+        self.fileroot = os.path.abspath(fileroot)
+        self.nr_config = dataclasses.replace(name_resolve_config)
+        self.heartbeat_ttl = heartbeat_ttl
+        self.plugins = list(plugins)
+        self.stop_timeout = stop_timeout
+        self.poll_interval = poll_interval
+        self.log_dir = os.path.join(self.fileroot, "logs", experiment_name, trial_name)
+        self.run_dir = os.path.join(self.fileroot, "run", experiment_name, trial_name)
+        self._procs: list[_Proc] = []
+        self._etcd_supervisor: subprocess.Popen | None = None
+        self.failed_worker: str | None = None
+
+    # ---- public ---------------------------------------------------------------
+    def run(self, groups: list[WorkerGroup], timeout: float | None = None) -> int:
+        """Runs the trial to the end. Returns 0 on success, 1 when a worker
+        failed, 124 on `timeout`, 130 when interrupted."""
+        previous_sigterm = signal.getsignal(signal.SIGTERM)
+        if _in_main_thread():
+            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            self._start_name_resolve()
+            self._start_workers(groups)
+            return self._wait(timeout)
+        except KeyboardInterrupt:
+            print(f"realrl: interrupted; stopping trial {self.experiment_name}/{self.trial_name}", file=sys.stderr)
+            self._set_experiment_status(ExperimentStatus.ABORTED)
+            return 130
+        finally:
+            self._stop_all()
+            self._stop_name_resolve()
+            if _in_main_thread():
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.popen.pid for p in self._procs]
+
+    def log_path(self, worker_type: str, index: int) -> str:
+        return os.path.join(self.log_dir, f"{worker_type}-{index}.log")
+
+    # ---- set-up -----------------------------------------------------------------
+    def _start_name_resolve(self) -> None:
+        if self.nr_config.type == "etcd3" and not self.nr_config.etcd3_addr:
+            # Outlive this process long enough for workers to see our
+            # keep-alive key expire if we are SIGKILLed, then stop.
+            linger = 3 * self.heartbeat_ttl + 5
+            self._etcd_supervisor, addr = start_supervised(os.path.join(self.run_dir, "etcd"), os.getpid(), linger)
+            self.nr_config.etcd3_addr = addr
+            logger.info("started private etcd at %s", addr)
+        name_resolve.reconfigure(self.nr_config)
+        name_resolve.clear_subtree(names.trial_root(self.experiment_name, self.trial_name))
+        name_resolve.add(
+            names.launcher_keepalive(self.experiment_name, self.trial_name),
+            str(os.getpid()),
+            keepalive_ttl=self.heartbeat_ttl,
+            replace=True,
+        )
+        self._set_experiment_status(ExperimentStatus.RUNNING)
+
+    def _start_workers(self, groups: list[WorkerGroup]) -> None:
+        os.makedirs(os.path.join(self.log_dir, "specs"), exist_ok=True)
+        base_env = dict(os.environ)
+        base_env.update(name_resolve.config_to_env(self.nr_config))
+        base_env["PYTHONUNBUFFERED"] = "1"
+        # Worker classes given as module paths (tests, plugins) import from here.
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), base_env.get("PYTHONPATH", "")) if p)
+        for group in groups:
+            class_path = worker_class_path(group.worker_type)
+            worker_type = group.worker_type if ":" not in group.worker_type else class_path.rsplit(":", 1)[1]
+            for index in range(group.count):
+                info = WorkerInfo(
+                    experiment_name=self.experiment_name,
+                    trial_name=self.trial_name,
+                    worker_type=worker_type,
+                    worker_index=index,
+                    worker_count=group.count,
+                    name_resolve=self.nr_config,
+                    log_dir=self.log_dir,
+                    heartbeat_ttl=self.heartbeat_ttl,
+                    plugins=self.plugins,
+                )
+                config = group.config_for(index)
+                if dataclasses.is_dataclass(config):
+                    config = to_plain(config)
+                spec_path = os.path.join(self.log_dir, "specs", f"{worker_type}-{index}.json")
+                with open(spec_path, "w") as f:
+                    f.write(WorkerSpec(class_path, info, config).to_json())
+                log_path = self.log_path(worker_type, index)
+                env = dict(base_env, **group.env)
+                with open(log_path, "ab") as log:
+                    popen = subprocess.Popen(
+                        [sys.executable, "-m", "realrl.system.worker_base", "--spec", spec_path],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        start_new_session=True,  # its own process group: we can stop its whole tree
+                    )
+                self._procs.append(_Proc(info.tag, worker_type, index, popen, log_path))
+        logger.info("started %d workers; logs in %s", len(self._procs), self.log_dir)
+
+    # ---- waiting ----------------------------------------------------------------
+    def _experiment_status(self) -> str | None:
+        try:
+            return name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
+        except name_resolve.NameEntryNotFoundError:
+            return None
+
+    def _set_experiment_status(self, status: str) -> None:
+        try:
+            set_experiment_status(self.experiment_name, self.trial_name, status)
+        except Exception as e:
+            logger.warning("could not set experiment status %s: %s", status, e)
+
+    def _wait(self, timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            failed = [p for p in self._procs if p.popen.poll() not in (None, 0)]
+            if failed:
+                first = min(failed, key=lambda p: _exit_time_key(p))
+                self._report_failure(first)
+                self._set_experiment_status(ExperimentStatus.ABORTED)
+                return 1
+            if all(p.popen.poll() == 0 for p in self._procs):
+                logger.info("all workers exited cleanly")
+                return 0
+            status = self._experiment_status()
+            if status == ExperimentStatus.COMPLETE:
+                return self._wait_for_completion()
+            if status == ExperimentStatus.ABORTED:
+                print("realrl: trial aborted (experiment_status=ABORTED)", file=sys.stderr)
+                return 1
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"realrl: trial did not finish within {timeout}s; stopping it", file=sys.stderr)
+                self._set_experiment_status(ExperimentStatus.ABORTED)
+                return 124
+            time.sleep(self.poll_interval)
+
+    def _wait_for_completion(self) -> int:
+        logger.info("experiment COMPLETE; waiting for workers to exit")
+        deadline = time.monotonic() + self.stop_timeout
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self._procs):
+            time.sleep(self.poll_interval)
+        for p in self._procs:
+            if p.popen.poll() not in (None, 0):
+                logger.warning("%s exited with %s after completion; log: %s", p.tag, p.popen.returncode, p.log_path)
+        return 0
+
+    def _report_failure(self, proc: _Proc) -> None:
+        self.failed_worker = proc.tag
+        code = proc.popen.returncode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        try:
+            tb = name_resolve.get(names.worker_error(self.experiment_name, self.trial_name, proc.worker_type, proc.index))
+            source = "traceback"
+        except name_resolve.NameEntryNotFoundError:
+            tb, source = _tail(proc.log_path, _TRACEBACK_TAIL_LINES), "log tail"
+        lines = tb.rstrip().splitlines()[-_TRACEBACK_TAIL_LINES:]
+        print(
+            f"realrl: worker {proc.tag} failed ({how}); stopping the trial.\n"
+            f"---- {proc.tag} {source} ----\n" + "\n".join(lines) + f"\n---- full log: {proc.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # ---- teardown -----------------------------------------------------------------
+    def _stop_all(self) -> None:
+        if not self._procs:
+            return
+        if any(p.popen.poll() is None for p in self._procs):
+            self._set_experiment_status(ExperimentStatus.ABORTED)
+            # Workers notice ABORTED within a poll; give them a moment, then
+            # SIGTERM, then SIGKILL at stop_timeout.
+            self._wait_exit(min(3.0, self.stop_timeout / 3))
+            for p in self._procs:
+                _signal_tree(p.popen.pid, signal.SIGTERM)
+            self._wait_exit(self.stop_timeout - min(3.0, self.stop_timeout / 3))
+        for p in self._procs:
+            _signal_tree(p.popen.pid, signal.SIGKILL)  # also reaps stragglers in the group
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logger.error("%s (pid %d) did not die after SIGKILL", p.tag, p.popen.pid)
+
+    def _wait_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self._procs):
+            time.sleep(0.05)
+
+    def _stop_name_resolve(self) -> None:
+        try:
+            name_resolve.delete(names.launcher_keepalive(self.experiment_name, self.trial_name))
+        except Exception:
+            pass
+        name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
+        if self._etcd_supervisor is not None and self._etcd_supervisor.poll() is None:
+            self._etcd_supervisor.terminate()
+            try:
+                self._etcd_supervisor.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                _signal_tree(self._etcd_supervisor.pid, signal.SIGKILL)
+                self._etcd_supervisor.wait()
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    """Signals a worker's process group and every descendant (also those that
+    moved to another session)."""
+    procs = []
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        pass
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _tail(path: str, n: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def _exit_time_key(proc: _Proc) -> float:
+    # Popen has no exit time; the log's mtime is when the worker last wrote.
+    try:
+        return os.path.getmtime(proc.log_path)
+    except OSError:
+        return 0.0
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

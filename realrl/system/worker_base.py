@@ -1,0 +1,284 @@
+"""The skeleton every worker process lives in (DESIGN §2).
+
+A worker is a loop: `_configure` once, then `_poll` (or `_poll_async`) until
+the trial ends. The base class owns everything that is the same for every
+kind of worker:
+
+- a status key (READY / RUNNING / PAUSED / COMPLETED / ERROR) held with a TTL,
+  so a worker that dies even by SIGKILL drops out of name_resolve;
+- exit when `experiment_status` becomes COMPLETE or ABORTED, when the
+  launcher's keep-alive key disappears (the launcher died), or on SIGTERM /
+  SIGINT;
+- on an exception: status ERROR, the traceback in the log and under
+  `names.worker_error`, where the launcher reads it to say what failed.
+
+Run a worker process with `python -m realrl.system.worker_base --spec F`
+(the launcher writes F; see `realrl.api.system_api.WorkerSpec`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, NamedTuple
+
+from realrl.api.system_api import WorkerInfo, WorkerSpec, from_plain
+from realrl.base import logging as realrl_logging
+from realrl.base import name_resolve, names
+from realrl.base.plugins import load_plugins
+
+
+class WorkerStatus:
+    READY = "READY"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    COMPLETED = "COMPLETED"
+    ERROR = "ERROR"
+
+
+class ExperimentStatus:
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+    ABORTED = "ABORTED"
+
+
+def set_experiment_status(experiment_name: str, trial_name: str, status: str) -> None:
+    """Sets the trial's status. The key outlives the writer (delete_on_exit is
+    off): every worker must get to see COMPLETE/ABORTED."""
+    name_resolve.add(names.experiment_status(experiment_name, trial_name), status, replace=True, delete_on_exit=False)
+
+
+class PollResult(NamedTuple):
+    sample_count: int = 0
+    batch_count: int = 0
+
+
+IDLE = PollResult(0, 0)
+_MAX_IDLE_SLEEP = 0.05  # seconds; a poll that found nothing backs off up to this
+_STATUS_CHECK_INTERVAL = 0.5  # seconds between reads of experiment_status
+
+
+class Worker:
+    """Synchronous worker: subclasses implement `_configure` and `_poll`."""
+
+    config_cls: type | None = None  # the dataclass the spec's config is parsed into
+
+    def __init__(self, info: WorkerInfo, config: Any = None):
+        self.info = info
+        self.config = config
+        self.logger = realrl_logging.getLogger(f"realrl.{info.worker_type}")
+        self.exit_reason = ""
+        self._stop = threading.Event()
+        self._last_status_check = 0.0
+        self._status = ""
+
+    # ---- hooks for subclasses ---------------------------------------------
+    def _configure(self, config: Any) -> None:
+        """Set up sockets, models, servers. Runs once before the first poll."""
+
+    def _poll(self) -> PollResult:
+        raise NotImplementedError
+
+    def _exit_hook(self) -> None:
+        """Release what `_configure` acquired (child processes, sockets)."""
+
+    # ---- control ------------------------------------------------------------
+    @property
+    def experiment_name(self) -> str:
+        return self.info.experiment_name
+
+    @property
+    def trial_name(self) -> str:
+        return self.info.trial_name
+
+    def request_exit(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.exit_reason = reason
+            self.logger.info("exiting: %s", reason)
+        self._stop.set()
+
+    @property
+    def exiting(self) -> bool:
+        return self._stop.is_set()
+
+    def set_status(self, status: str) -> None:
+        key = names.worker_status(self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index)
+        final = status in (WorkerStatus.COMPLETED, WorkerStatus.ERROR)
+        # Live states carry a TTL (a dead worker's key vanishes); final states
+        # stay after exit so the launcher can read how the worker ended.
+        name_resolve.add(
+            key,
+            status,
+            keepalive_ttl=None if final else self.info.heartbeat_ttl,
+            replace=True,
+            delete_on_exit=not final,
+        )
+        self._status = status
+
+    def _check_exit_conditions(self) -> bool:
+        if self._stop.is_set():
+            return True
+        now = time.monotonic()
+        if now - self._last_status_check >= _STATUS_CHECK_INTERVAL:
+            self._last_status_check = now
+            try:
+                status = name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
+            except name_resolve.NameEntryNotFoundError:
+                status = None
+            if status in (ExperimentStatus.COMPLETE, ExperimentStatus.ABORTED):
+                self.request_exit(f"experiment status {status}")
+        return self._stop.is_set()
+
+    # ---- the process ----------------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_signal(signum, frame):
+            if self._stop.is_set():  # second signal: stop now
+                raise SystemExit(128 + signum)
+            self.request_exit(f"signal {signal.Signals(signum).name}")
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _watch_launcher(self) -> None:
+        if not self.info.watch_launcher:
+            return
+        key = names.launcher_keepalive(self.experiment_name, self.trial_name)
+        try:
+            name_resolve.get(key)
+        except name_resolve.NameEntryNotFoundError:
+            self.logger.warning("no launcher keep-alive key %s; not watching the launcher", key)
+            return
+        name_resolve.watch_names(key, lambda: self.request_exit("launcher keep-alive key disappeared"),
+                                 poll_frequency=min(1.0, self.info.heartbeat_ttl / 4))  # fmt: skip
+
+    def _main_loop(self) -> None:
+        idle_sleep = 0.001
+        while not self._check_exit_conditions():
+            result = self._poll()
+            if result.sample_count or result.batch_count:
+                idle_sleep = 0.001
+            else:
+                time.sleep(idle_sleep)
+                idle_sleep = min(idle_sleep * 2, _MAX_IDLE_SLEEP)
+
+    def run(self) -> int:
+        """Runs the worker to the end; returns the process exit code."""
+        realrl_logging.configure(self.info.tag)
+        self._install_signal_handlers()
+        code = 0
+        try:
+            self.set_status(WorkerStatus.READY)
+            self._watch_launcher()
+            self._configure(self.config)
+            self.set_status(WorkerStatus.RUNNING)
+            self.logger.info("running")
+            self._main_loop()
+        except BaseException as e:  # noqa: BLE001 - everything must be reported
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) and self._stop.is_set():
+                self.logger.info("stopped by %s", type(e).__name__)
+            else:
+                code = 1
+                self._report_error(traceback.format_exc())
+        finally:
+            try:
+                self._exit_hook()
+            except Exception:
+                self.logger.error("exit hook failed:\n%s", traceback.format_exc())
+                if code == 0:
+                    code = 1
+                    self._report_error(traceback.format_exc())
+            try:
+                self.set_status(WorkerStatus.ERROR if code else WorkerStatus.COMPLETED)
+                name_resolve.reset()
+            except Exception as e:  # name service gone at shutdown: nothing to tell
+                self.logger.debug("final status not recorded: %s", e)
+        self.logger.info("exited with code %d", code)
+        return code
+
+    def _report_error(self, tb: str) -> None:
+        self.logger.error("worker failed:\n%s", tb)
+        try:
+            key = names.worker_error(self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index)
+            name_resolve.add(key, tb, replace=True, delete_on_exit=False)
+        except Exception as e:
+            self.logger.error("could not record the traceback in name_resolve: %s", e)
+
+
+class AsyncWorker(Worker):
+    """Worker whose loop is a coroutine: implement `_poll_async`; optional
+    `_setup_async` / `_teardown_async` run inside the event loop (e.g. to start
+    and stop an HTTP service)."""
+
+    async def _setup_async(self) -> None:
+        pass
+
+    async def _poll_async(self) -> PollResult:
+        raise NotImplementedError
+
+    async def _teardown_async(self) -> None:
+        pass
+
+    def _main_loop(self) -> None:
+        asyncio.run(self._main_loop_async())
+
+    async def _main_loop_async(self) -> None:
+        await self._setup_async()
+        try:
+            idle_sleep = 0.001
+            while not self._check_exit_conditions():
+                result = await self._poll_async()
+                if result.sample_count or result.batch_count:
+                    idle_sleep = 0.001
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.sleep(idle_sleep)
+                    idle_sleep = min(idle_sleep * 2, _MAX_IDLE_SLEEP)
+        finally:
+            await self._teardown_async()
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """Builds the worker a spec names and runs it. Errors while building
+    (plugins, config, imports) are reported like errors in the loop."""
+    from realrl.system import load_worker_class
+
+    info = spec.info
+    realrl_logging.configure(info.tag)
+    name_resolve.reconfigure(info.name_resolve)
+    try:
+        load_plugins(info.plugins)
+        cls = load_worker_class(spec.worker_class)
+        config = from_plain(cls.config_cls, spec.config) if cls.config_cls is not None else spec.config
+        worker = cls(info, config)
+    except Exception:
+        tb = traceback.format_exc()
+        realrl_logging.getLogger("worker_base").error("could not build worker %s:\n%s", info.tag, tb)
+        key = names.worker_error(info.experiment_name, info.trial_name, info.worker_type, info.worker_index)
+        name_resolve.add(key, tb, replace=True, delete_on_exit=False)
+        return 1
+    return worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one realrl worker process.")
+    parser.add_argument("--spec", required=True, help="path of the WorkerSpec JSON the launcher wrote")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = WorkerSpec.from_json(f.read())
+    return run_worker(spec)
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy, so worker classes
+    # and the entry point share one `realrl.system.worker_base`.
+    from realrl.system.worker_base import main as _main
+
+    sys.exit(_main())
