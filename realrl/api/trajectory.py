@@ -1,0 +1,170 @@
+"""The trajectory schema (DESIGN §5): what rollout workers push and trainers pull.
+
+One `Trajectory` is one prompt's group of sampled answers (group_size
+sequences; a multi-turn agent adds one sequence per turn and answer). Per
+sequence: `input_ids` = prompt + completion (int32), `prompt_len`, behaviour
+`logprobs` and weight `versions` per completion token, `version_start` /
+`version_end` (weights at the first / last token), `reward`, `no_eos`
+(truncated). `to_wire()` packs the sequences into a few flat arrays for the
+wire format (realrl.base.wire); `from_wire()` validates everything a peer sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+class TrajectoryError(ValueError):
+    """A trajectory that breaks the schema (and what is wrong with it)."""
+
+
+@dataclasses.dataclass
+class Trajectory:
+    qid: str
+    task: str
+    birth_time: float
+    input_ids: list[np.ndarray]
+    prompt_len: list[int]
+    logprobs: list[np.ndarray]
+    versions: list[np.ndarray]
+    version_start: list[int]
+    version_end: list[int]
+    reward: list[float]
+    no_eos: list[bool]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [len(x) for x in self.input_ids]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def min_version_start(self) -> int:
+        """The staleness of a trajectory is that of its oldest sequence."""
+        return min(self.version_start)
+
+    def completion_ids(self, i: int) -> np.ndarray:
+        return self.input_ids[i][self.prompt_len[i] :]
+
+    def validate(self) -> "Trajectory":
+        n = len(self.input_ids)
+        if not isinstance(self.qid, str) or not self.qid:
+            raise TrajectoryError(f"qid must be a non-empty str, got {self.qid!r}")
+        if n == 0:
+            raise TrajectoryError(f"trajectory {self.qid} has no sequences")
+        per_seq = dict(prompt_len=self.prompt_len, logprobs=self.logprobs, versions=self.versions,
+                       version_start=self.version_start, version_end=self.version_end,
+                       reward=self.reward, no_eos=self.no_eos)  # fmt: skip
+        for field, values in per_seq.items():
+            if len(values) != n:
+                raise TrajectoryError(f"trajectory {self.qid}: {field} has {len(values)} entries for {n} sequences")
+        for i in range(n):
+            ids, plen = self.input_ids[i], self.prompt_len[i]
+            if ids.ndim != 1 or ids.dtype != np.int32:
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: input_ids must be 1-D int32, got {ids.dtype}{ids.shape}")
+            if not 0 < plen <= len(ids):
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: prompt_len {plen} outside 1..{len(ids)}")
+            n_gen = len(ids) - plen
+            for name, arr, dtype in (("logprobs", self.logprobs[i], np.float32), ("versions", self.versions[i], np.int32)):
+                if arr.ndim != 1 or arr.dtype != dtype or len(arr) != n_gen:
+                    raise TrajectoryError(
+                        f"trajectory {self.qid} seq {i}: {name} must be 1-D {np.dtype(dtype).name} of length "
+                        f"{n_gen} (completion tokens), got {arr.dtype}{arr.shape}"
+                    )
+            if n_gen and not np.all(np.isfinite(self.logprobs[i])):
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite logprobs")
+            if self.version_start[i] > self.version_end[i]:
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: version_start > version_end")
+            if not math.isfinite(self.reward[i]):
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite reward")
+        return self
+
+    # ---- wire ------------------------------------------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        """Flat arrays + lengths: few frames per trajectory, zero-copy on receipt."""
+        return {
+            "qid": self.qid,
+            "task": self.task,
+            "birth_time": float(self.birth_time),
+            "seq_lens": np.asarray(self.seq_lens, dtype=np.int32),
+            "prompt_len": np.asarray(self.prompt_len, dtype=np.int32),
+            "input_ids": np.concatenate(self.input_ids).astype(np.int32, copy=False),
+            "logprobs": _concat(self.logprobs, np.float32),
+            "versions": _concat(self.versions, np.int32),
+            "version_start": np.asarray(self.version_start, dtype=np.int32),
+            "version_end": np.asarray(self.version_end, dtype=np.int32),
+            "reward": np.asarray(self.reward, dtype=np.float32),
+            "no_eos": np.asarray(self.no_eos, dtype=np.bool_),
+            "metadata": self.metadata,
+        }
+
+    @staticmethod
+    def from_wire(msg: Any) -> "Trajectory":
+        if not isinstance(msg, dict):
+            raise TrajectoryError(f"trajectory message must be a dict, got {type(msg).__name__}")
+        try:
+            seq_lens = _array(msg, "seq_lens", np.int32)
+            prompt_len = _array(msg, "prompt_len", np.int32)
+            input_ids = _array(msg, "input_ids", np.int32)
+            logprobs = _array(msg, "logprobs", np.float32)
+            versions = _array(msg, "versions", np.int32)
+            n = len(seq_lens)
+            if np.any(seq_lens <= 0) or int(seq_lens.sum()) != len(input_ids):
+                raise TrajectoryError("seq_lens do not add up to len(input_ids)")
+            if len(prompt_len) != n or np.any(prompt_len <= 0) or np.any(prompt_len > seq_lens):
+                raise TrajectoryError("prompt_len inconsistent with seq_lens")
+            gen_lens = seq_lens - prompt_len
+            if int(gen_lens.sum()) != len(logprobs) or len(versions) != len(logprobs):
+                raise TrajectoryError("logprobs/versions lengths do not match completion lengths")
+            seq_ends, gen_ends = np.cumsum(seq_lens)[:-1], np.cumsum(gen_lens)[:-1]
+            meta = msg.get("metadata") or {}
+            if not isinstance(meta, dict):
+                raise TrajectoryError("metadata must be a dict")
+            traj = Trajectory(
+                qid=msg["qid"],
+                task=str(msg["task"]),
+                birth_time=float(msg["birth_time"]),
+                input_ids=np.split(input_ids, seq_ends),
+                prompt_len=prompt_len.tolist(),
+                logprobs=np.split(logprobs, gen_ends),
+                versions=np.split(versions, gen_ends),
+                version_start=_array(msg, "version_start", np.int32, n).tolist(),
+                version_end=_array(msg, "version_end", np.int32, n).tolist(),
+                reward=_array(msg, "reward", np.float32, n).astype(float).tolist(),
+                no_eos=_array(msg, "no_eos", np.bool_, n).tolist(),
+                metadata=meta,
+            )
+        except KeyError as e:
+            raise TrajectoryError(f"trajectory message lacks field {e}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, TrajectoryError):
+                raise
+            raise TrajectoryError(f"malformed trajectory message: {e}") from None
+        return traj.validate()
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    if not arrays:
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays])
+
+
+def _array(msg: dict, field: str, dtype, length: int | None = None) -> np.ndarray:
+    arr = msg[field]
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != dtype:
+        got = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise TrajectoryError(f"field {field} must be a 1-D {np.dtype(dtype).name} array, got {got}")
+    if length is not None and len(arr) != length:
+        raise TrajectoryError(f"field {field} has {len(arr)} entries, expected {length}")
+    return arr

@@ -1,0 +1,46 @@
+"""A named registry of factories (agents, environments, backends, ...).
+
+Duplicate registrations and unknown names are errors that list what is
+registered, so a typo in a config says what the choices were.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._factories: dict[str, Callable[..., T]] = {}
+
+    def register(self, name: str, factory: Callable[..., T]) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty str, got {name!r}")
+        existing = self._factories.get(name)
+        if existing is not None and existing is not factory:
+            raise ValueError(
+                f"{self.kind} {name!r} is already registered (by {_where(existing)}); registered: {self.names()}"
+            )
+        self._factories[name] = factory
+
+    def make(self, name: str, *args, **kwargs) -> T:
+        return self.get(name)(*args, **kwargs)
+
+    def get(self, name: str) -> Callable[..., T]:
+        try:
+            return self._factories[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {self.names()}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._factories
+
+
+def _where(factory: Callable) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"

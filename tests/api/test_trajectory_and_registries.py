@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+
+from realrl.api.agent_api import AGENTS, register_agent
+from realrl.api.trajectory import Trajectory, TrajectoryError
+from realrl.base.registry import Registry
+
+
+def make_traj(n=3) -> Trajectory:
+    rng = np.random.default_rng(0)
+    ids, lps, vers = [], [], []
+    for i in range(n):
+        plen, glen = 5, 3 + i
+        ids.append(rng.integers(0, 50, plen + glen).astype(np.int32))
+        lps.append(-rng.random(glen).astype(np.float32))
+        vers.append(np.array([1] * (glen - 1) + [2], dtype=np.int32))
+    return Trajectory(qid="q1", task="math", birth_time=12.5, input_ids=ids, prompt_len=[5] * n, logprobs=lps,
+                      versions=vers, version_start=[1] * n, version_end=[2] * n, reward=[1.0, -1.0, 1.0][:n],
+                      no_eos=[False, True, False][:n], metadata={"answer": "7"})  # fmt: skip
+
+
+def test_wire_round_trip_is_exact():
+    t = make_traj().validate()
+    back = Trajectory.from_wire(t.to_wire())
+    assert back.qid == "q1" and back.metadata == {"answer": "7"} and back.birth_time == 12.5
+    for a, b in zip(t.input_ids + t.logprobs + t.versions, back.input_ids + back.logprobs + back.versions):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert back.reward == t.reward and back.no_eos == t.no_eos and back.n_tokens == t.n_tokens
+    assert back.min_version_start == 1 and back.group_size == 3
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda w: w.update(seq_lens=w["seq_lens"] + 1), "add up"),
+        (lambda w: w.update(logprobs=w["logprobs"][:-1]), "lengths"),
+        (lambda w: w.update(input_ids=w["input_ids"].astype(np.int64)), "int32"),
+        (lambda w: w.update(reward=[1.0, 2.0, 3.0]), "reward"),
+        (lambda w: w.pop("qid"), "qid"),
+        (lambda w: w.update(prompt_len=np.array([5, 5, 50], dtype=np.int32)), "prompt_len"),
+        (lambda w: w.update(version_start=np.array([3, 1, 1], dtype=np.int32)), "version_start"),
+    ],
+)
+def test_malformed_wire_messages_are_rejected(mutate, message):
+    w = make_traj().to_wire()
+    mutate(w)
+    with pytest.raises(TrajectoryError, match=message):
+        Trajectory.from_wire(w)
+
+
+def test_nan_logprob_rejected():
+    t = make_traj()
+    t.logprobs[0][0] = np.nan
+    with pytest.raises(TrajectoryError, match="non-finite"):
+        t.validate()
+
+
+def test_registry_errors_list_registered_names():
+    reg = Registry("widget")
+    reg.register("a", dict)
+    with pytest.raises(ValueError, match=r"already registered.*\['a'\]"):
+        reg.register("a", list)
+    with pytest.raises(KeyError, match=r"unknown widget 'b'; registered: \['a'\]"):
+        reg.make("b")
+    register_agent("test-dummy-agent", dict)
+    assert "test-dummy-agent" in AGENTS
