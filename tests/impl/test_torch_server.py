@@ -1,0 +1,375 @@
+"""The torch generation server, as a real subprocess on 127.0.0.1, against the
+same tiny Llama run in the test process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from realrl.impl.generation.client import GenerationClient, GenerationServerError
+from tests.impl.conftest import EOS_ID, MAX_POSITIONS, load_reference, save_perturbed
+
+PROMPTS = [[0, 5], [0, 7, 9, 11], [0, 3, 3, 8, 20, 41, 12, 9, 50], [0] + [(7 * i + 3) % 60 + 2 for i in range(25)]]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_client(fn, timeout_s: float = 300.0):
+    async with GenerationClient(timeout_s=timeout_s) as client:
+        return await fn(client)
+
+
+def forward_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each output token from one fresh forward pass."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    t = temperature if temperature > 0 else 1.0
+    logprobs = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    ids = torch.tensor([prompt])
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    if ignore_eos:
+        kwargs["eos_token_id"] = None
+        kwargs["min_new_tokens"] = max_new_tokens
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def post_raw(url: str, path: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def get_json(url: str, path: str) -> dict:
+    with urllib.request.urlopen(f"{url}{path}", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_fresh_forward(shared_server, reference_model, temperature):
+    params = {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True}
+
+    async def go(client):
+        return await asyncio.gather(*[client.generate(shared_server.url, p, params) for p in PROMPTS])
+
+    results = run(_with_client(go))
+    for prompt, res in zip(PROMPTS, results):
+        assert res.finish_reason == "length"
+        assert len(res.output_ids) == len(res.output_logprobs) == res.completion_tokens == 24
+        assert res.prompt_tokens == len(prompt)
+        expected = forward_logprobs(reference_model, prompt, res.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_logprobs_are_taken_before_top_k_top_p(shared_server, reference_model):
+    temperature = 0.8
+    params = {"max_new_tokens": 30, "temperature": temperature, "top_k": 3, "top_p": 0.9, "ignore_eos": True}
+    prompt = PROMPTS[2]
+    res = run(_with_client(lambda c: c.generate(shared_server.url, prompt, params)))
+    expected = forward_logprobs(reference_model, prompt, res.output_ids, temperature)
+    torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-4, rtol=0)
+    # ... and the tokens themselves respect top-k: each is among the 3 most likely.
+    ids = torch.tensor([prompt + res.output_ids])
+    with torch.no_grad():
+        logits = reference_model(ids).logits[0, len(prompt) - 1 : -1]
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(tok in top3[i].tolist() for i, tok in enumerate(res.output_ids))
+
+
+def test_greedy_equals_hf_generate(shared_server, reference_model):
+    max_new = 40
+
+    async def go(client):
+        return [await client.generate(shared_server.url, p, {"max_new_tokens": max_new, "temperature": 0}) for p in PROMPTS]
+
+    results = run(_with_client(go))
+    for prompt, res in zip(PROMPTS, results):
+        expected = hf_greedy(reference_model, prompt, max_new)
+        assert res.output_ids == expected
+        if res.output_ids[-1] == EOS_ID:
+            assert res.finish_reason == "stop" and res.matched_stop == EOS_ID
+        else:
+            assert res.finish_reason == "length" and len(res.output_ids) == max_new
+        assert res.weight_version == "0"
+
+
+def test_concurrent_requests_equal_one_at_a_time(shared_server):
+    """Batching, left padding, cache merging and row removal change nothing."""
+    prompts = [[0] + [(5 * i + 3 * j) % 61 + 2 for j in range(1 + (7 * i) % 23)] for i in range(16)]
+    lengths = [5 + (11 * i) % 37 for i in range(16)]
+
+    def params(n):
+        return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+
+    async def one_at_a_time(client):
+        return [await client.generate(shared_server.url, p, params(n)) for p, n in zip(prompts, lengths)]
+
+    async def concurrent(client):
+        return await asyncio.gather(*[client.generate(shared_server.url, p, params(n)) for p, n in zip(prompts, lengths)])
+
+    sequential = run(_with_client(one_at_a_time))
+    before = get_json(shared_server.url, "/get_server_info")["stats"]
+    together = run(_with_client(concurrent))
+    after = get_json(shared_server.url, "/get_server_info")["stats"]
+    for seq, con, n in zip(sequential, together, lengths):
+        assert len(seq.output_ids) == n
+        assert con.output_ids == seq.output_ids
+        torch.testing.assert_close(torch.tensor(con.output_logprobs), torch.tensor(seq.output_logprobs), atol=1e-4, rtol=0)
+    # The concurrent run really was batched: far fewer decode steps than tokens.
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert steps < sum(lengths) / 2
+
+
+def test_batched_input_and_zero_tokens(shared_server):
+    body = {
+        "input_ids": PROMPTS[:3],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    status, batched = post_raw(shared_server.url, "/generate", json.dumps(body).encode())
+    assert status == 200 and isinstance(batched, list) and len(batched) == 3
+
+    async def singles(client):
+        return [
+            await client.generate(shared_server.url, p, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+            for p in PROMPTS[:3]
+        ]
+
+    for out, single in zip(batched, run(_with_client(singles))):
+        assert out["output_ids"] == single.output_ids
+    zero = run(_with_client(lambda c: c.generate(shared_server.url, PROMPTS[0], {"max_new_tokens": 0})))
+    assert zero.output_ids == [] and zero.finish_reason == "length"
+
+
+def test_stop_token_ids_and_min_new_tokens(shared_server, reference_model):
+    prompt = PROMPTS[1]
+    free = hf_greedy(reference_model, prompt, 30, ignore_eos=True)
+    stop = free[5]
+    first = free.index(stop)
+
+    async def go(client):
+        stopped = await client.generate(
+            shared_server.url, prompt, {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}
+        )
+        delayed = await client.generate(
+            shared_server.url,
+            prompt,
+            {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop], "min_new_tokens": first + 2},
+        )
+        return stopped, delayed
+
+    stopped, delayed = run(_with_client(go))
+    assert stopped.output_ids == free[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.matched_stop == stop
+    # min_new_tokens bans the stop token until enough tokens are out.
+    assert stop not in delayed.output_ids[: first + 1]
+    assert len(delayed.output_ids) >= first + 2
+
+
+def test_bad_requests_get_400_and_server_keeps_serving(shared_server):
+    good = {"input_ids": [0, 5, 6], "sampling_params": {"max_new_tokens": 4}}
+    bad_bodies = [
+        b"{not json",
+        b"",
+        json.dumps([1, 2, 3]).encode(),
+        json.dumps({"input_ids": []}).encode(),
+        json.dumps({"input_ids": [0, 64]}).encode(),  # out of vocabulary
+        json.dumps({"input_ids": [0, -1]}).encode(),
+        json.dumps({"input_ids": [0, "a"]}).encode(),
+        json.dumps({"input_ids": [0, 1.5]}).encode(),
+        json.dumps({"input_ids": "0 1 2"}).encode(),
+        json.dumps(dict(good, sampling_params={"max_new_tokens": -1})).encode(),
+        json.dumps(dict(good, sampling_params={"max_new_tokens": "4"})).encode(),
+        json.dumps(dict(good, sampling_params={"max_new_tokens": MAX_POSITIONS})).encode(),
+        json.dumps(dict(good, sampling_params={"temperature": -0.5})).encode(),
+        json.dumps(dict(good, sampling_params={"top_p": 0.0})).encode(),
+        json.dumps(dict(good, sampling_params={"top_k": True})).encode(),
+        json.dumps(dict(good, sampling_params={"no_such_param": 1})).encode(),
+        json.dumps(dict(good, sampling_params={"frequency_penalty": 0.5})).encode(),
+        json.dumps(dict(good, sampling_params={"stop_token_ids": [99]})).encode(),
+        json.dumps(dict(good, sampling_params=[1, 2])).encode(),
+        json.dumps(dict(good, return_logprob="yes")).encode(),
+        json.dumps(dict(good, rid=7)).encode(),
+        json.dumps(dict(good, unknown_field=1)).encode(),
+        json.dumps({"text": "hello"}).encode(),
+    ]
+    before = get_json(shared_server.url, "/get_server_info")["stats"]["requests_rejected"]
+    for body in bad_bodies:
+        status, answer = post_raw(shared_server.url, "/generate", body)
+        assert status == 400, body
+        assert isinstance(answer.get("error"), str) and answer["error"], body
+    after = get_json(shared_server.url, "/get_server_info")["stats"]["requests_rejected"]
+    assert after - before == len(bad_bodies)
+    status, answer = post_raw(shared_server.url, "/generate", json.dumps(good).encode())
+    assert status == 200 and len(answer["output_ids"]) >= 1
+    info = get_json(shared_server.url, "/model_info")
+    assert info["is_generation"] is True and info["weight_version"] == "0"
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
+    server = start_server(tiny_llama_dir)
+    new_dir, sharded_dir = str(tmp_path / "v1"), str(tmp_path / "v2")
+    save_perturbed(tiny_llama_dir, new_dir, seed=1)
+    save_perturbed(tiny_llama_dir, sharded_dir, seed=2, max_shard_size="100KB")
+    assert os.path.exists(os.path.join(sharded_dir, "model.safetensors.index.json"))
+    assert sum(f.endswith(".safetensors") for f in os.listdir(sharded_dir)) > 1
+    long_params = {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+    probe = PROMPTS[2]
+    greedy = {"max_new_tokens": 30, "temperature": 0}
+
+    async def go(client):
+        url = server.url
+        inflight = [asyncio.create_task(client.generate(url, p, long_params)) for p in PROMPTS]
+        await asyncio.to_thread(
+            wait_until, lambda: get_json(url, "/get_server_info")["num_running_requests"] == len(PROMPTS), 60, "running"
+        )
+        update = await client.update_weights_from_disk(url, new_dir, weight_version=1)
+        aborted = await asyncio.gather(*inflight)
+        after_v1 = await client.generate(url, probe, greedy)
+        # Sharded checkpoint, and a bad path that must leave v2 serving.
+        await client.update_weights_from_disk(url, sharded_dir, weight_version="2")
+        with pytest.raises(GenerationServerError) as bad:
+            await client.update_weights_from_disk(url, str(tmp_path / "missing"), weight_version="3")
+        after_v2 = await client.generate(url, probe, greedy)
+        return update, aborted, after_v1, bad.value, after_v2, await client.model_info(url)
+
+    update, aborted, after_v1, bad, after_v2, info = run(_with_client(go))
+    assert update["success"] is True and update["num_paused_requests"] == len(PROMPTS)
+    for res in aborted:
+        assert res.finish_reason == "abort"
+        assert res.weight_version == "0"
+        assert 0 < len(res.output_ids) < 3000
+        assert len(res.output_logprobs) == len(res.output_ids)
+    assert after_v1.weight_version == "1"
+    assert after_v1.output_ids == hf_greedy(load_reference(new_dir), probe, 30)
+    assert after_v1.output_ids != hf_greedy(load_reference(tiny_llama_dir), probe, 30)
+    assert bad.status == 400 and "missing" in bad.message
+    assert after_v2.weight_version == "2" and info["weight_version"] == "2"
+    assert after_v2.output_ids == hf_greedy(load_reference(sharded_dir), probe, 30)
+
+
+def test_update_weights_without_abort_lets_requests_finish(start_server, tiny_llama_dir, tmp_path):
+    server = start_server(tiny_llama_dir)
+    new_dir = str(tmp_path / "v1")
+    save_perturbed(tiny_llama_dir, new_dir, seed=3)
+    params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+
+    async def go(client):
+        url = server.url
+        inflight = [asyncio.create_task(client.generate(url, p, params)) for p in PROMPTS]
+        await asyncio.to_thread(
+            wait_until, lambda: get_json(url, "/get_server_info")["num_running_requests"] == len(PROMPTS), 60, "running"
+        )
+        update = await client.update_weights_from_disk(url, new_dir, weight_version=7, abort_all_requests=False)
+        results = await asyncio.gather(*inflight)
+        after = await client.generate(url, PROMPTS[0], {"max_new_tokens": 3})
+        return update, results, after
+
+    update, results, after = run(_with_client(go))
+    assert update["success"] and update["num_paused_requests"] == 0
+    # Each request ran to its end under the old weights (a version is stamped
+    # when a request finishes, so a mid-flight swap would show "7").
+    for res in results:
+        assert res.finish_reason == "length" and len(res.output_ids) == 200 and res.weight_version == "0"
+    assert after.weight_version == "7"
+
+
+# --------------------------------------------------------------------------- control
+
+
+def test_pause_continue_and_abort(start_server, tiny_llama_dir):
+    server = start_server(tiny_llama_dir)
+    long_params = {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+    short = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    def info():
+        return get_json(server.url, "/get_server_info")
+
+    async def go(client):
+        url = server.url
+        first = asyncio.create_task(client.generate(url, PROMPTS[0], long_params))
+        await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == 1, 60, "running")
+        await client.pause_generation(url)
+        paused_result = await first
+        # While paused a new request waits...
+        waiting = asyncio.create_task(client.generate(url, PROMPTS[1], short))
+        await asyncio.to_thread(wait_until, lambda: info()["num_waiting_requests"] == 1, 60, "queued")
+        state_while_paused = info()
+        assert not waiting.done()
+        # ... and runs after continue.
+        await client.continue_generation(url)
+        resumed = await waiting
+
+        # abort_request by rid: only that request ends.
+        a = asyncio.create_task(client.generate(url, PROMPTS[2], long_params, rid="victim"))
+        b = asyncio.create_task(client.generate(url, PROMPTS[3], dict(long_params, max_new_tokens=60), rid="bystander"))
+        await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == 2, 60, "running")
+        await client.abort_request(url, rid="victim")
+        victim, bystander = await a, await b
+
+        # abort_all ends everything.
+        c = [asyncio.create_task(client.generate(url, p, long_params)) for p in PROMPTS]
+        await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == len(PROMPTS), 60, "running")
+        await client.abort_request(url, abort_all=True)
+        all_aborted = await asyncio.gather(*c)
+        return paused_result, state_while_paused, resumed, victim, bystander, all_aborted
+
+    paused_result, state_while_paused, resumed, victim, bystander, all_aborted = run(_with_client(go))
+    assert paused_result.finish_reason == "abort" and 0 < len(paused_result.output_ids) < 3000
+    assert len(paused_result.output_logprobs) == len(paused_result.output_ids)
+    assert state_while_paused["paused"] is True and state_while_paused["num_running_requests"] == 0
+    assert resumed.finish_reason == "length" and len(resumed.output_ids) == 5
+    assert victim.finish_reason == "abort" and victim.rid == "victim"
+    assert bystander.finish_reason == "length" and len(bystander.output_ids) == 60
+    assert all(r.finish_reason == "abort" for r in all_aborted)
+
+
+def test_sigterm_shuts_down_cleanly(start_server, tiny_llama_dir):
+    server = start_server(tiny_llama_dir)
+
+    async def go(client):
+        task = asyncio.create_task(
+            client.generate(server.url, PROMPTS[0], {"max_new_tokens": 3000, "ignore_eos": True})
+        )
+        await asyncio.to_thread(
+            wait_until, lambda: get_json(server.url, "/get_server_info")["num_running_requests"] == 1, 60, "running"
+        )
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        return await task
+
+    res = run(_with_client(go))
+    assert res.finish_reason == "abort"
+    assert server.proc.wait(timeout=60) == 0
