@@ -47,6 +47,11 @@ class Agent(abc.ABC):
         act_queue: asyncio.Queue,
     ) -> list[Trajectory]: ...
 
+    def pop_stats(self) -> dict[str, float]:
+        """Counters since the last call (e.g. episodes, accuracy) for the
+        rollout worker's log; agents without any return {}."""
+        return {}
+
 
 AGENTS: Registry[Agent] = Registry("agent")
 

@@ -29,33 +29,50 @@ class PluginError(ImportError):
 
 
 def _import_file(path: str) -> ModuleType:
-    path = os.path.abspath(path)
     name = "realrl_plugin_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise PluginError(f"plugin {path!r} is not an importable Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)  # a failed import must not look loaded
+        raise
     return module
+
+
+def _key(spec: str) -> str:
+    """One key per plugin however it is named: a file by its real path, a
+    module by the real path of its file when it is importable from one."""
+    if spec.endswith(".py") or os.sep in spec:
+        return os.path.realpath(spec)
+    found = importlib.util.find_spec(spec) if importlib.util.find_spec is not None else None
+    origin = getattr(found, "origin", None)
+    return os.path.realpath(origin) if origin and origin.endswith(".py") else spec
 
 
 def load_plugin(spec: str) -> ModuleType:
     """Imports one plugin given as a module path or a .py file path."""
-    if spec in _loaded:
-        return _loaded[spec]
+    try:
+        key = _key(spec)
+    except (ImportError, ValueError) as e:
+        raise PluginError(f"could not import plugin {spec!r}: {type(e).__name__}: {e}") from e
+    if key in _loaded:
+        return _loaded[key]
     try:
         if spec.endswith(".py") or os.sep in spec:
             if not os.path.isfile(spec):
                 raise PluginError(f"plugin file {spec!r} does not exist")
-            module = _import_file(spec)
+            module = _import_file(key)
         else:
             module = importlib.import_module(spec)
     except PluginError:
         raise
     except Exception as e:
         raise PluginError(f"could not import plugin {spec!r}: {type(e).__name__}: {e}") from e
-    _loaded[spec] = module
+    _loaded[key] = module
     logger.debug("loaded plugin %s", spec)
     return module
 
