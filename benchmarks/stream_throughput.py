@@ -1,0 +1,202 @@
+"""Throughput of the push-pull stream against raw pyzmq.
+
+For trajectories of 256, 2k and 16k tokens (int32 input_ids, float32
+logprobs, int32 versions and the usual metadata), a pusher process sends
+messages over tcp on 127.0.0.1 to a puller in this process:
+
+- `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode);
+- `raw`:  a plain PUSH socket sends one pre-built bytes blob of the same size
+  -> a plain PULL socket recv() (no encode, no decode).
+
+The two modes alternate, several rounds each; the table shows the median
+msgs/s, MB/s and wire/raw. `--json PATH` writes the numbers with a top-level
+"ratio" (the 2k-token ratio). `--quick` runs fewer, shorter rounds (< 60 s).
+
+    python benchmarks/stream_throughput.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import zmq
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from realrl.base import wire  # noqa: E402
+from realrl.system.push_pull_stream import DEFAULT_HWM, ZMQPuller, ZMQPusher  # noqa: E402
+
+SIZES = [256, 2048, 16384]
+
+
+def make_trajectory(n_tokens: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "qid": f"question-{seed:08d}",
+        "input_ids": rng.integers(0, 32000, n_tokens, dtype=np.int32),
+        "logprobs": rng.standard_normal(n_tokens).astype(np.float32),
+        "versions": np.full(n_tokens, 7, dtype=np.int32),
+        "reward": 1.0,
+        "prompt_len": n_tokens // 4,
+        "version_start": 7,
+        "version_end": 8,
+        "birth_time": time.time(),
+    }
+
+
+def message_bytes(n_tokens: int) -> int:
+    return sum(memoryview(f).nbytes for f in wire.encode(make_trajectory(n_tokens)))
+
+
+# ---- the pusher process -------------------------------------------------------
+
+
+def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
+    if mode == "wire":
+        trajectory = make_trajectory(n_tokens)
+        pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM)
+        for _ in range(count):
+            pusher.push(trajectory)
+        pusher.close()
+    else:
+        blob = os.urandom(message_bytes(n_tokens))
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for _ in range(count):
+            sock.send(blob)
+        sock.close()
+        context.term()
+
+
+# ---- the puller (this process) -------------------------------------------------
+
+
+def spawn_pusher(mode: str, port: int, n_tokens: int, count: int) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_pusher", mode, str(port), str(n_tokens), str(count)]
+    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+
+
+def measure(mode: str, n_tokens: int, count: int) -> float:
+    """msgs/s from the first message received to the last."""
+    if mode == "wire":
+        puller = ZMQPuller("127.0.0.1", None, hwm=DEFAULT_HWM)
+        port = puller.port
+    else:
+        context = zmq.Context()
+        sock = context.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+    child = spawn_pusher(mode, port, n_tokens, count)
+    try:
+        received, start = 0, 0.0
+        if mode == "wire":
+            while received < count:
+                batch = puller.pull(timeout=30.0)
+                if not batch:
+                    raise RuntimeError("pusher stalled")
+                if received == 0:
+                    start = time.perf_counter()
+                    batch = batch[1:]  # the clock starts at the first message
+                    received = 1
+                for trajectory in batch:  # touch every message like a consumer would
+                    assert trajectory["input_ids"].shape[0] == n_tokens
+                received += len(batch)
+        else:
+            if not sock.poll(30000):
+                raise RuntimeError("pusher stalled")
+            sock.recv()
+            start = time.perf_counter()
+            received = 1
+            while received < count:
+                blob = sock.recv()
+                assert len(blob) > 0
+                received += 1
+        elapsed = time.perf_counter() - start
+    finally:
+        child.wait(timeout=60)
+        if mode == "wire":
+            puller.close()
+        else:
+            sock.close()
+            context.term()
+    if mode == "wire":
+        assert puller.n_rejected == 0
+    return (count - 1) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds (< 60 s)")
+    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--_pusher", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._pusher:
+        mode, port, n_tokens, count = args._pusher
+        run_pusher(mode, int(port), int(n_tokens), int(count))
+        return
+
+    rounds = 3 if args.quick else 7
+    seconds_per_round = 0.6 if args.quick else 2.0
+    rows = []
+    for n_tokens in SIZES:
+        size = message_bytes(n_tokens)
+        # Calibrate the message count so one round takes about seconds_per_round.
+        rate_guess = measure("raw", n_tokens, 2000 if n_tokens < 16384 else 500)
+        count = max(200, int(rate_guess * seconds_per_round))
+        rates: dict[str, list[float]] = {"raw": [], "wire": []}
+        for _ in range(rounds):
+            for mode in ("raw", "wire"):
+                rates[mode].append(measure(mode, n_tokens, count))
+        raw, wire_rate = statistics.median(rates["raw"]), statistics.median(rates["wire"])
+        rows.append(
+            {
+                "tokens": n_tokens,
+                "message_bytes": size,
+                "messages_per_round": count,
+                "raw_msgs_per_s": raw,
+                "wire_msgs_per_s": wire_rate,
+                "raw_MB_per_s": raw * size / 1e6,
+                "wire_MB_per_s": wire_rate * size / 1e6,
+                "ratio": wire_rate / raw,
+                "raw_rounds": rates["raw"],
+                "wire_rounds": rates["wire"],
+            }
+        )
+        print(f"... {n_tokens} tokens done", file=sys.stderr, flush=True)
+
+    header = f"{'tokens':>7} {'bytes':>8} {'raw msg/s':>10} {'wire msg/s':>11} {'raw MB/s':>9} {'wire MB/s':>10} {'ratio':>6}"
+    print(header)
+    for r in rows:
+        print(
+            f"{r['tokens']:>7} {r['message_bytes']:>8} {r['raw_msgs_per_s']:>10.0f} {r['wire_msgs_per_s']:>11.0f} "
+            f"{r['raw_MB_per_s']:>9.1f} {r['wire_MB_per_s']:>10.1f} {r['ratio']:>6.2f}"
+        )
+    ratio_2k = next(r["ratio"] for r in rows if r["tokens"] == 2048)
+    print(f"ratio at 2k tokens: {ratio_2k:.2f}")
+    if args.json:
+        result = {
+            "benchmark": "stream_throughput",
+            "quick": args.quick,
+            "rounds": rounds,
+            "cpu_count": os.cpu_count(),
+            "ratio": ratio_2k,
+            "sizes": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Push-pull stream: rollout workers push trajectories to the trainers' pullers
+(DESIGN §4).
+
+- `ZMQPuller` binds a PULL socket (127.0.0.1 in local mode; a free port when
+  none is given) and `pull(timeout)` returns a batch of decoded messages.
+- `ZMQPusher` connects a PUSH socket; `push(obj, timeout)` blocks when the
+  high-water marks (sender's + receiver's, plus the kernel's socket buffers)
+  are full, which is how a slow trainer slows the rollout workers down.
+- Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
+  never pickle). A message that does not decode or validate (garbage from a
+  stray peer, a bad array frame, an oversized message) is dropped, counted in
+  `n_rejected` and logged (rate-limited); the puller keeps running.
+- `NameResolvingZmqPuller` registers its address under
+  `names.push_pull_stream(exp, trial, "puller{i}")`; `NameResolvingZmqPusher`
+  picks its puller with `grouping(pusher_count, puller_count)` and waits for
+  that key. `puller_count` comes from the configuration, not from discovery,
+  so a puller that starts late cannot change which puller a pusher uses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from realrl.base import name_resolve, names, network, wire
+from realrl.base.logging import getLogger
+
+logger = getLogger("push_pull_stream")
+
+DEFAULT_HWM = 1000  # messages queued per socket before push blocks
+DEFAULT_MAX_PULL = 1000  # messages one pull() returns at most
+CLOSE_LINGER_S = 2.0  # a pusher's close() waits at most this long to flush queued messages
+
+
+class RateLimitedLog:
+    """Logs the first event and then at most one summary line per `interval` seconds."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += f" ({self._suppressed} similar messages suppressed)"
+        self._last, self._suppressed = now, 0
+        logger.warning(msg, *args)
+
+
+def grouping(num_pushers: int, num_pullers: int) -> dict[int, list[int]]:
+    """Assigns pushers to pullers in contiguous blocks: puller i gets
+    `num_pushers // num_pullers` pushers, and the first `num_pushers %
+    num_pullers` pullers one more each. E.g. 7 pushers on 3 pullers ->
+    {0: [0, 1, 2], 1: [3, 4], 2: [5, 6]}."""
+    if num_pullers < 1 or num_pushers < 1:
+        raise ValueError(f"grouping needs at least one pusher and one puller, got {num_pushers} and {num_pullers}")
+    if num_pushers < num_pullers:
+        raise ValueError(
+            f"{num_pushers} pushers cannot feed {num_pullers} pullers: every puller (data-parallel "
+            "rank) needs at least one pusher (rollout worker); use at least as many rollout workers as pullers"
+        )
+    per_puller, remainder = divmod(num_pushers, num_pullers)
+    groups: dict[int, list[int]] = {}
+    start = 0
+    for puller in range(num_pullers):
+        size = per_puller + (1 if puller < remainder else 0)
+        groups[puller] = list(range(start, start + size))
+        start += size
+    return groups
+
+
+def puller_of(pusher_index: int, num_pushers: int, num_pullers: int) -> int:
+    """The puller `grouping` assigns `pusher_index` to."""
+    if not 0 <= pusher_index < num_pushers:
+        raise ValueError(f"pusher_index {pusher_index} is out of range for {num_pushers} pushers")
+    for puller, pushers in grouping(num_pushers, num_pullers).items():
+        if pusher_index in pushers:
+            return puller
+    raise AssertionError("unreachable: grouping covers every pusher")
+
+
+class ZMQPusher:
+    """Connects a PUSH socket to a puller at `host:port`."""
+
+    def __init__(self, host: str, port: int, hwm: int = DEFAULT_HWM) -> None:
+        self.address = f"{host}:{port}"
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._socket.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))  # zmq's default waits forever
+        self._socket.connect(f"tcp://{self.address}")
+        self.n_pushed = 0
+
+    def push(self, obj: Any, timeout: float | None = None) -> None:
+        """Sends `obj` (see `realrl.base.wire` for what may be sent). Blocks
+        while the queues are full; with `timeout` (seconds) raises TimeoutError
+        if the message could not be queued in time (it is then not sent).
+        `obj` is serialized into a new buffer first, so the caller may modify
+        it as soon as push returns."""
+        message = wire.dumps(obj)
+        if timeout is None:
+            self._socket.send(message, copy=False)
+        else:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"push to {self.address} timed out after {timeout}s: the puller is not "
+                            "reading (high-water mark reached)"
+                        ) from None
+                    self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLOUT)
+        self.n_pushed += 1
+
+    def close(self, linger: float = CLOSE_LINGER_S) -> None:
+        """Closes the socket, first trying for up to `linger` seconds to
+        deliver what is still queued (bounded, so close never hangs)."""
+        if not self._socket.closed:
+            self._socket.close(linger=int(linger * 1000))
+            self._context.term()
+
+
+class ZMQPuller:
+    """Binds a PULL socket on `host:port` (a free port chosen by the OS when
+    `port` is None) and decodes what arrives."""
+
+    def __init__(
+        self,
+        host: str = network.LOOPBACK,
+        port: int | None = None,
+        hwm: int = DEFAULT_HWM,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        max_pull: int = DEFAULT_MAX_PULL,
+    ) -> None:
+        if host in ("0.0.0.0", "*", ""):
+            raise ValueError(f"refusing to bind {host!r}: bind a concrete address (127.0.0.1 in local mode)")
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.RCVHWM, hwm)
+        self._socket.setsockopt(zmq.LINGER, 0)  # a puller has nothing to flush
+        try:
+            self._socket.bind(f"tcp://{host}:{'*' if port is None else port}")
+        except zmq.ZMQError:
+            self._socket.close()
+            self._context.term()
+            raise
+        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
+        self.host = host
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self.address = f"{host}:{self.port}"
+        self.max_message_bytes = max_message_bytes
+        self.max_pull = max_pull
+        self.n_received = 0
+        self.n_rejected = 0
+        self._reject_log = RateLimitedLog()
+
+    def pull(self, timeout: float = 1.0, max_count: int | None = None) -> list:
+        """Waits up to `timeout` seconds for a message, then also takes every
+        message already queued (up to `max_count`, default `max_pull`).
+        Returns the decoded messages, [] if none arrived in time."""
+        limit = self.max_pull if max_count is None else max_count
+        out: list = []
+        if not self._socket.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+            return out
+        recv = self._socket.recv
+        while len(out) < limit:
+            try:
+                frame = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if frame.more:  # streams send one frame per message: a multipart one is not ours
+                while recv(copy=False).more:  # the rest of a multipart message is already here
+                    pass
+                self._reject("a multipart message (realrl streams send single frames)")
+                continue
+            try:
+                out.append(wire.loads(frame, self.max_message_bytes))
+            except wire.WireFormatError as e:
+                self._reject(str(e))
+        self.n_received += len(out)
+        return out
+
+    def _reject(self, reason: str) -> None:
+        self.n_rejected += 1
+        self._reject_log.warning(
+            "puller %s rejected a malformed message (%d rejected so far): %s", self.address, self.n_rejected, reason
+        )
+
+    def close(self) -> None:
+        if not self._socket.closed:
+            self._socket.close()
+            self._context.term()
+
+
+class NameResolvingZmqPuller(ZMQPuller):
+    """A puller registered as `push_pull_stream/puller{puller_index}`."""
+
+    def __init__(
+        self,
+        experiment_name: str,
+        trial_name: str,
+        puller_index: int,
+        host: str | None = None,
+        bind_retries: int = 5,
+        **kwargs: Any,
+    ) -> None:
+        host = host or network.bind_address("local")
+        for attempt in range(bind_retries):
+            # A port claimed in name_resolve, so no other process of the trial is handed it.
+            port = network.find_free_port(experiment_name, trial_name, host=host)
+            try:
+                super().__init__(host, port, **kwargs)
+                break
+            except zmq.ZMQError as e:  # taken by a process outside the trial meanwhile
+                if attempt == bind_retries - 1:
+                    raise
+                logger.info("port %d was taken (%s), trying another", port, e)
+        self.name = names.push_pull_stream(experiment_name, trial_name, f"puller{puller_index}")
+        # replace=True: a restarted puller takes over its index.
+        name_resolve.add(self.name, self.address, replace=True)
+        logger.info("puller %d listening on %s", puller_index, self.address)
+
+    def close(self) -> None:
+        if not self._socket.closed:
+            try:
+                name_resolve.delete(self.name)
+            except name_resolve.NameEntryNotFoundError:
+                pass
+            except Exception as e:  # name service already gone at shutdown
+                logger.debug("could not delete %s: %s", self.name, e)
+        super().close()
+
+
+class NameResolvingZmqPusher(ZMQPusher):
+    """A pusher connected to the puller `grouping` assigns it to."""
+
+    def __init__(
+        self,
+        experiment_name: str,
+        trial_name: str,
+        pusher_index: int,
+        pusher_count: int,
+        puller_count: int,
+        timeout: float = 300.0,
+        **kwargs: Any,
+    ) -> None:
+        self.puller_index = puller_of(pusher_index, pusher_count, puller_count)
+        key = names.push_pull_stream(experiment_name, trial_name, f"puller{self.puller_index}")
+        try:
+            address = name_resolve.wait(key, timeout=timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"pusher {pusher_index}: puller {self.puller_index} did not register {key!r} within {timeout}s"
+            ) from None
+        host, port = address.rsplit(":", 1)
+        super().__init__(host, int(port), **kwargs)
+        logger.info("pusher %d -> puller %d at %s", pusher_index, self.puller_index, address)

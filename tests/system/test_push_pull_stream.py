@@ -1,0 +1,217 @@
+"""Push-pull stream over real sockets: pusher processes found through
+name_resolve (etcd3 and file backends), back-pressure, and malformed input."""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from realrl.base import name_resolve, wire
+from realrl.system.push_pull_stream import (
+    NameResolvingZmqPuller,
+    NameResolvingZmqPusher,
+    ZMQPuller,
+    ZMQPusher,
+    grouping,
+    puller_of,
+)
+from tests.conftest import make_nr_config
+from tests.system.stream_child import kill, message, spawn
+
+
+@pytest.fixture(params=["etcd3", "file"])
+def nr_config(request, tmp_path, etcd_server):
+    config = make_nr_config(request.param, tmp_path, etcd_server)
+    name_resolve.reconfigure(config)
+    yield config
+    name_resolve.reconfigure(name_resolve.NameResolveConfig())
+
+
+def pull_until(pullers: list, total: int, patience: float = 60.0) -> list[list]:
+    """Pulls from every puller until `total` messages came in (or gives up after `patience` s)."""
+    got: list[list] = [[] for _ in pullers]
+    give_up = time.monotonic() + patience
+    while sum(map(len, got)) < total and time.monotonic() < give_up:
+        for i, puller in enumerate(pullers):
+            got[i] += puller.pull(timeout=0.02)
+    return got
+
+
+# ---- grouping -----------------------------------------------------------------------
+
+
+def test_grouping_is_contiguous_with_remainder_first():
+    assert grouping(7, 3) == {0: [0, 1, 2], 1: [3, 4], 2: [5, 6]}
+    assert grouping(6, 3) == {0: [0, 1], 1: [2, 3], 2: [4, 5]}
+    assert grouping(3, 3) == {0: [0], 1: [1], 2: [2]}
+    assert grouping(5, 1) == {0: [0, 1, 2, 3, 4]}
+    for pushers in range(1, 30):
+        for pullers in range(1, pushers + 1):
+            groups = grouping(pushers, pullers)
+            flat = [p for i in range(pullers) for p in groups[i]]
+            assert flat == list(range(pushers))  # contiguous blocks, in puller order
+            sizes = [len(groups[i]) for i in range(pullers)]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+            assert all(puller_of(p, pushers, pullers) == i for i in groups for p in groups[i])
+
+
+def test_fewer_pushers_than_pullers_is_a_clear_error():
+    with pytest.raises(ValueError, match="2 pushers cannot feed 3 pullers"):
+        grouping(2, 3)
+    with pytest.raises(ValueError, match="at least one"):
+        grouping(3, 0)
+
+
+def test_name_resolving_pusher_rejects_too_few_pushers(nr_config):
+    with pytest.raises(ValueError, match="cannot feed"):
+        NameResolvingZmqPusher("pp", uuid.uuid4().hex[:8], 0, 1, 2, timeout=1)
+
+
+def test_pusher_times_out_naming_the_missing_puller(nr_config):
+    with pytest.raises(TimeoutError, match="puller 1 did not register"):
+        NameResolvingZmqPusher("pp", uuid.uuid4().hex[:8], 3, 4, 2, timeout=0.3)
+
+
+# ---- many pusher processes -> pullers -------------------------------------------------
+
+
+def test_five_pusher_processes_to_two_pullers_exactly_once_in_order(nr_config):
+    exp, trial = "pp", uuid.uuid4().hex[:8]
+    n_pushers, n_pullers, n_messages = 5, 2, 40
+    # Pushers start first: they wait for their puller's key to appear.
+    children = [
+        spawn(nr_config, "pusher", exp, trial, str(i), str(n_pushers), str(n_pullers), str(n_messages))
+        for i in range(n_pushers)
+    ]
+    pullers = []
+    try:
+        pullers = [NameResolvingZmqPuller(exp, trial, j) for j in range(n_pullers)]
+        for j, puller in enumerate(pullers):
+            assert puller.address.startswith("127.0.0.1:")
+            assert name_resolve.get(puller.name) == puller.address
+        got = pull_until(pullers, n_pushers * n_messages)
+        # Nothing more arrives: every message was delivered once.
+        for puller in pullers:
+            assert puller.pull(timeout=0.2) == []
+        groups = grouping(n_pushers, n_pullers)
+        for j, messages in enumerate(got):
+            by_pusher: dict[int, list[int]] = {}
+            for msg in messages:
+                by_pusher.setdefault(msg["pusher"], []).append(msg["seq"])
+                expected = message(msg["pusher"], msg["seq"])
+                np.testing.assert_array_equal(msg["tokens"], expected["tokens"])
+                assert msg["tokens"].dtype == np.int32
+                np.testing.assert_array_equal(msg["logprobs"], expected["logprobs"])
+                assert msg["meta"] == expected["meta"]
+            assert sorted(by_pusher) == groups[j]  # only its own group
+            for seqs in by_pusher.values():
+                assert seqs == list(range(n_messages))  # exactly once, in order
+            assert pullers[j].n_received == len(messages) and pullers[j].n_rejected == 0
+        for i, child in enumerate(children):
+            out, _ = child.communicate(timeout=60)
+            assert child.returncode == 0
+            assert f"to puller {puller_of(i, n_pushers, n_pullers)}" in out
+    finally:
+        for child in children:
+            kill(child)
+        for puller in pullers:
+            puller.close()
+    # close() takes the address back out of name_resolve
+    with pytest.raises(name_resolve.NameEntryNotFoundError):
+        name_resolve.get(pullers[0].name)
+
+
+# ---- back-pressure -------------------------------------------------------------------
+
+
+def test_back_pressure_times_out_then_resumes_without_loss():
+    puller = ZMQPuller(hwm=2)
+    pusher = ZMQPusher("127.0.0.1", puller.port, hwm=2)
+    big = np.arange(64 * 1024, dtype=np.int32)  # 256 KiB: kernel buffers fill after a few dozen
+    try:
+        pushed = 0
+        with pytest.raises(TimeoutError, match="high-water mark"):
+            while pushed < 5000:
+                pusher.push({"seq": pushed, "x": big}, timeout=0.2)
+                pushed += 1
+        assert 0 < pushed < 5000
+        # The reader comes back: everything queued arrives, then pushing works again.
+        got = pull_until([puller], pushed)[0]
+        for seq in range(pushed, pushed + 5):
+            pusher.push({"seq": seq, "x": big}, timeout=10)
+        got += pull_until([puller], 5)[0]
+        assert [m["seq"] for m in got] == list(range(pushed + 5))
+        np.testing.assert_array_equal(got[-1]["x"], big)
+        assert puller.n_rejected == 0
+    finally:
+        pusher.close(linger=0)
+        puller.close()
+
+
+# ---- malformed input ---------------------------------------------------------------------
+
+
+def _marker(index: int, dtype_code: int, shape: tuple) -> msgpack.ExtType:
+    return msgpack.ExtType(1, struct.pack(f"<IBB{len(shape)}q", index, dtype_code, len(shape), *shape))
+
+
+def _raw_message(structure, *frames: bytes) -> bytes:
+    head = b"RL" + bytes([wire.VERSION]) + msgpack.packb(structure)
+    return wire.join_frames([head, *frames])
+
+
+def test_garbage_oversized_and_bad_arrays_are_rejected_and_the_puller_keeps_going():
+    puller = ZMQPuller(max_message_bytes=1 << 20)
+    context = zmq.Context()
+    raw = context.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{puller.address}")
+    try:
+        bad = [
+            [b"garbage"],
+            [b"two", b"parts"],  # a multipart message
+            [wire.join_frames([b"RL" + bytes([wire.VERSION]) + b"\xc1"])],  # invalid msgpack
+            [_raw_message({"x": _marker(1, 99, (4,))}, b"\0" * 4)],  # dtype not whitelisted
+            [_raw_message({"x": _marker(1, 3, (5,))}, b"\0" * 16)],  # 5 int32 need 20 bytes
+            [_raw_message({"x": _marker(1, 3, (-1, -4))}, b"\0" * 16)],  # negative dims
+            [_raw_message({"x": _marker(2, 3, (4,))}, b"\0" * 16)],  # points past the frames
+            [wire.dumps({"x": np.zeros(300_000, np.float32)})],  # 1.2 MB > 1 MiB limit
+            [wire.dumps({"x": 1})[:-1]],  # truncated
+        ]
+        for parts in bad:
+            raw.send_multipart(parts)
+        raw.send(wire.dumps({"good": np.arange(3, dtype=np.int64)}))
+        got = []
+        give_up = time.monotonic() + 30
+        while not got and time.monotonic() < give_up:
+            got = puller.pull(timeout=0.1)
+        assert len(got) == 1
+        np.testing.assert_array_equal(got[0]["good"], [0, 1, 2])
+        assert puller.n_rejected == len(bad)
+        assert puller.n_received == 1
+        # Still healthy for a real pusher afterwards.
+        pusher = ZMQPusher("127.0.0.1", puller.port)
+        pusher.push({"after": True}, timeout=5)
+        assert pull_until([puller], 1)[0] == [{"after": True}]
+        pusher.close()
+    finally:
+        raw.close()
+        context.term()
+        puller.close()
+
+
+def test_puller_refuses_wildcard_bind():
+    with pytest.raises(ValueError, match="0.0.0.0"):
+        ZMQPuller(host="0.0.0.0")
+
+
+def test_pusher_close_does_not_hang_without_a_puller():
+    pusher = ZMQPusher("127.0.0.1", 1)  # nobody listens there
+    pusher.push({"x": 1}, timeout=1)  # queued locally
+    pusher.close(linger=0.1)
