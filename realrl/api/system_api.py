@@ -75,3 +75,108 @@ def from_plain(config_cls: type, raw: Any) -> Any:
         return config_cls()
     merged = OmegaConf.merge(OmegaConf.structured(config_cls), raw)
     return OmegaConf.to_object(merged)
+
+
+# ---- per-worker configs -------------------------------------------------------
+# training/utils.py derives these from the user's AsyncPPOConfig; each worker
+# gets only what it needs, so a worker can also be started on its own (tests).
+
+from realrl.api.cli_args import (  # noqa: E402
+    AgentConfig,
+    EnvConfig,
+    OptimizerConfig,
+    PPOConfig,
+    SGLangConfig,
+    TorchServerConfig,
+)
+from realrl.api.generation_api import GenerationHyperparameters  # noqa: E402
+
+
+@dataclasses.dataclass
+class GenerationServerConfig:
+    backend: str = "torch"  # torch | sglang
+    model_path: str = ""  # initial weights (version `weight_version`)
+    weight_version: int = 0
+    seed: int = 1
+    tp_size: int = 1  # sglang tensor parallelism
+    startup_timeout: float = 300.0
+    torch: TorchServerConfig = dataclasses.field(default_factory=TorchServerConfig)
+    sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+
+
+@dataclasses.dataclass
+class GserverManagerConfig:
+    n_servers: int = 1
+    train_batch_size: int = 16  # trajectories per train step (the staleness unit)
+    max_head_offpolicyness: int = 4
+    max_concurrent_rollouts: int = 64
+    # Weight version v of the actor lives in <weights_dir>/<v>/ (DESIGN §8).
+    weights_dir: str = ""
+    weight_update_timeout: float = 120.0
+    weight_update_retries: int = 3
+    poll_interval: float = 0.1  # seconds between reads of model_version
+
+
+@dataclasses.dataclass
+class RolloutWorkerConfig:
+    dataset_path: str = ""
+    tokenizer_path: str = ""
+    max_prompt_len: int = 256
+    shuffle: bool = True
+    seed: int = 1
+    group_size: int = 8
+    gconfig: GenerationHyperparameters = dataclasses.field(default_factory=GenerationHyperparameters)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    max_concurrent_rollouts: int = 64  # episodes in flight in this worker
+    new_tokens_per_chunk: int = 1 << 30
+    n_pullers: int = 1  # trainer data-parallel size (pushers are grouped onto pullers)
+    request_timeout: float = 600.0
+    request_retries: int = 3
+    sample_log_every: int = 20  # write every N-th finished trajectory's text to the log dir
+
+
+@dataclasses.dataclass
+class ModelWorkerConfig:
+    model_path: str = ""
+    tokenizer_path: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int = 1
+    fsdp: bool = False
+    gradient_checkpointing: bool = False
+    seed: int = 1
+    dp_size: int = 1
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    total_train_steps: int = 1  # for lr schedules
+    temperature: float = 1.0  # sampling temperature: training logprobs use the same scaling
+    ref_model_path: str = ""  # a frozen reference policy when ppo.kl_ctl > 0
+    weights_dir: str = ""  # publish version v of the actor to <weights_dir>/<v>/
+    checkpoint_dir: str = ""  # recovery checkpoints
+    max_buffered_trajectories: int = 100000
+    # evaluation (greedy accuracy on the test split, run by data-parallel rank 0)
+    eval_dataset_path: str = ""
+    eval_max_new_tokens: int = 16
+    eval_batch_size: int = 256
+    eval_max_prompts: int = 0
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+
+
+@dataclasses.dataclass
+class MasterWorkerConfig:
+    n_model_workers: int = 1
+    total_train_steps: int = 1
+    train_batch_size: int = 16
+    max_head_offpolicyness: int = 4
+    algorithm: str = "grpo"
+    use_decoupled_loss: bool = True
+    kl_ctl: float = 0.0
+    eval_every_n_steps: int = 0
+    checkpoint_every_n_steps: int = 0
+    save_final_model: bool = True
+    recover: bool = False
+    checkpoint_dir: str = ""  # the model workers' checkpoints (step<N>/ subdirectories)
+    final_model_dir: str = ""  # the trained model is saved here at the end
+    rpc_timeout: float = 3600.0
+    fetch_poll_interval: float = 0.05

@@ -78,6 +78,7 @@ class LocalLauncher:
         plugins: list[str] | tuple[str, ...] = (),
         stop_timeout: float = 30.0,
         poll_interval: float = 0.2,
+        echo_worker: str | None = None,
     ):
         names.trial_root(experiment_name, trial_name)  # validates both names
         name_resolve_config.validate()
@@ -91,6 +92,8 @@ class LocalLauncher:
         self.poll_interval = poll_interval
         self.log_dir = os.path.join(self.fileroot, "logs", experiment_name, trial_name)
         self.run_dir = os.path.join(self.fileroot, "run", experiment_name, trial_name)
+        self.echo_worker = echo_worker  # copy this worker type's log (index 0) to our stdout
+        self._echo_offset = 0
         self._procs: list[_Proc] = []
         self._etcd_supervisor: subprocess.Popen | None = None
         self.failed_worker: str | None = None
@@ -200,6 +203,7 @@ class LocalLauncher:
     def _wait(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._echo()
             failed = [p for p in self._procs if p.popen.poll() not in (None, 0)]
             if failed:
                 first = min(failed, key=lambda p: _exit_time_key(p))
@@ -221,11 +225,28 @@ class LocalLauncher:
                 return 124
             time.sleep(self.poll_interval)
 
+    def _echo(self) -> None:
+        """Copies what the echoed worker wrote since the last call to stdout."""
+        if self.echo_worker is None:
+            return
+        try:
+            with open(self.log_path(self.echo_worker, 0), "rb") as f:
+                f.seek(self._echo_offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        if chunk:
+            self._echo_offset += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+
     def _wait_for_completion(self) -> int:
         logger.info("experiment COMPLETE; waiting for workers to exit")
         deadline = time.monotonic() + self.stop_timeout
         while time.monotonic() < deadline and any(p.popen.poll() is None for p in self._procs):
+            self._echo()
             time.sleep(self.poll_interval)
+        self._echo()
         for p in self._procs:
             if p.popen.poll() not in (None, 0):
                 logger.warning("%s exited with %s after completion; log: %s", p.tag, p.popen.returncode, p.log_path)

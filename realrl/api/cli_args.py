@@ -1,0 +1,322 @@
+"""User-facing configuration (Hydra structured configs, DESIGN §10).
+
+`training/configs/async-ppo.yaml` holds the defaults; every field can be
+overridden on the command line, e.g.
+
+    python training/main_async_ppo.py ppo.train_batch_size=32 rollout.max_head_offpolicyness=2
+
+`validate(config)` checks everything that can be checked before a process
+starts and raises `ConfigError` with a one-line message naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Optional
+
+from realrl.api.generation_api import GenerationHyperparameters
+from realrl.base.name_resolve import NameResolveConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = ""  # an HF model directory; "" = the tiny model kit, built locally
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False
+
+
+@dataclasses.dataclass
+class TinyKitConfig:
+    """Used when model.path is empty: a tiny Llama + char tokenizer + synthetic
+    arithmetic, warm-started so RL has a reward signal (cached under fileroot)."""
+
+    seed: int = 1
+
+
+@dataclasses.dataclass
+class DatasetConfig:
+    train_path: str = ""  # math JSONL: {query_id, prompt, answer|solutions, task}; "" = the tiny kit's
+    test_path: str = ""
+    max_prompt_len: int = 256  # longer prompts are skipped (and counted)
+    shuffle: bool = True
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gradient_clipping: float = 1.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | linear | cosine
+
+
+@dataclasses.dataclass
+class PPOConfig:
+    algorithm: str = "grpo"  # grpo (group-normalised advantages) | ppo (critic + GAE)
+    group_size: int = 8  # answers sampled per prompt
+    train_batch_size: int = 16  # trajectories (prompts) per train step
+    ppo_n_minibatches: int = 1  # optimizer steps per train step
+    eps_clip: float = 0.2
+    c_clip: Optional[float] = None  # dual clip for negative advantages
+    value_eps_clip: float = 0.2
+    use_decoupled_loss: bool = True  # recompute proximal logprobs; DESIGN §9
+    behav_imp_weight_cap: Optional[float] = 5.0
+    kl_ctl: float = 0.0  # > 0 loads a frozen reference model
+    kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    reward_scaling: float = 1.0
+    reward_bias: float = 0.0
+    adv_norm: bool = True  # PPO: whiten advantages over the batch
+    group_std_norm: bool = True  # GRPO: divide by the group's std
+    loss_aggregation: str = "token"  # token | seq
+    max_tokens_per_mb: int = 8192  # micro-batch token budget (FFD packing)
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    type: str = "math-single-step"
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    type: str = "math"
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    n_workers: int = 1  # rollout worker processes (>= train data-parallel size)
+    max_head_offpolicyness: int = 4  # η; 0 = synchronous PPO
+    max_concurrent_rollouts: int = 64  # prompts in flight across all rollout workers
+    new_tokens_per_chunk: int = 1 << 30  # chunked generation (partial rollouts)
+    success_rate_lb: float = 0.0  # drop groups whose accuracy is below ...
+    success_rate_ub: float = 1.0  # ... or above this (e.g. 0.99 drops all-correct groups)
+    gconfig: GenerationHyperparameters = dataclasses.field(default_factory=GenerationHyperparameters)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    request_timeout: float = 600.0
+    request_retries: int = 3
+
+
+@dataclasses.dataclass
+class TorchServerConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running_requests: int = 256
+    num_threads: int = 1  # torch CPU threads of the server process
+
+
+@dataclasses.dataclass
+class SGLangConfig:
+    dtype: str = "bfloat16"
+    mem_fraction_static: float = 0.8
+    context_length: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    disable_radix_cache: bool = False
+    log_level: str = "warning"
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    torch: TorchServerConfig = dataclasses.field(default_factory=TorchServerConfig)
+    sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+    startup_timeout: float = 300.0
+    weight_update_timeout: float = 120.0
+    weight_update_retries: int = 3
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    device: str = "cpu"  # cpu | cuda
+    num_threads: int = 1  # torch CPU threads per model worker
+    fsdp: bool = False  # shard params/grads/optimizer across data-parallel ranks (CUDA)
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every_n_steps: int = 10  # 0 = only before and after training
+    max_new_tokens: int = 0  # 0 = rollout.gconfig.max_new_tokens
+    batch_size: int = 256
+    max_prompts: int = 0  # 0 = the whole test split
+
+
+@dataclasses.dataclass
+class SaverConfig:
+    checkpoint_every_n_steps: int = 0  # 0 = never (recovery checkpoints)
+    save_final_model: bool = True
+
+
+@dataclasses.dataclass
+class AsyncPPOConfig:
+    experiment_name: str = "async-ppo"
+    trial_name: str = "run0"
+    mode: str = "local"  # local | ray | slurm
+    seed: int = 1
+    fileroot: str = "runs"  # logs, weights, checkpoints, caches live under here
+    # "<gen backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>": generation servers + trainers
+    allocation_mode: str = "torch.d1p1m1+d1p1m1"
+    total_train_steps: int = 40
+    heartbeat_ttl: float = 5.0
+    bind_address: str = ""  # multi-node modes only; local mode binds 127.0.0.1
+    recover: str = "disabled"  # disabled | auto (resume from the newest checkpoint)
+    plugins: list[str] = dataclasses.field(default_factory=list)
+    name_resolve: NameResolveConfig = dataclasses.field(default_factory=lambda: NameResolveConfig(type="etcd3"))
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    tiny_kit: TinyKitConfig = dataclasses.field(default_factory=TinyKitConfig)
+    dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    saver: SaverConfig = dataclasses.field(default_factory=SaverConfig)
+
+
+# ---- allocation_mode --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelShape:
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationMode:
+    gen_backend: str  # torch | sglang
+    gen: ParallelShape  # dp = number of generation servers, tp = tensor parallel per server
+    train: ParallelShape  # dp = number of model workers
+
+
+GEN_BACKENDS = ("torch", "sglang")
+_SHAPE = r"d(\d+)p(\d+)m(\d+)"
+_ALLOC = re.compile(rf"^(?P<backend>[a-z]+)\.{_SHAPE}\+{_SHAPE}$")
+
+
+def parse_allocation_mode(mode: str) -> AllocationMode:
+    """Parses the legacy syntax, e.g. `sglang.d4p1m1+d2p1m1`, and rejects the
+    shapes realrl does not run, saying what is supported."""
+    m = _ALLOC.match(mode.strip())
+    if m is None:
+        raise ConfigError(
+            f"allocation_mode={mode!r} is not '<backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>' "
+            "(e.g. torch.d1p1m1+d1p1m1 or sglang.d4p1m1+d2p1m1)"
+        )
+    backend = m.group("backend")
+    g = ParallelShape(*(int(x) for x in m.groups()[1:4]))
+    t = ParallelShape(*(int(x) for x in m.groups()[4:7]))
+    if backend not in GEN_BACKENDS:
+        raise ConfigError(f"allocation_mode: unknown generation backend {backend!r}; supported: {', '.join(GEN_BACKENDS)}")
+    if min(g.dp, g.pp, g.tp, t.dp, t.pp, t.tp) < 1:
+        raise ConfigError(f"allocation_mode={mode!r}: every degree must be >= 1")
+    if g.pp != 1:
+        raise ConfigError(f"allocation_mode={mode!r}: generation pipeline parallelism (p{g.pp}) is not supported; use p1")
+    if backend == "torch" and g.tp != 1:
+        raise ConfigError(
+            f"allocation_mode={mode!r}: the torch backend runs one device per server (m1); "
+            "use more servers (d) or the sglang backend for tensor parallelism"
+        )
+    if t.pp != 1 or t.tp != 1:
+        raise ConfigError(
+            f"allocation_mode={mode!r}: training supports data parallelism only (d<N>p1m1; "
+            "set train.fsdp=true to shard parameters across the data-parallel ranks)"
+        )
+    return AllocationMode(backend, g, t)
+
+
+# ---- validation -------------------------------------------------------------
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(cfg: AsyncPPOConfig) -> AllocationMode:
+    """Checks `cfg` before any process starts; returns the parsed allocation."""
+    _check(cfg.mode in ("local", "ray", "slurm"), "mode", f"must be local|ray|slurm, got {cfg.mode!r}")
+    for key in ("experiment_name", "trial_name"):
+        value = getattr(cfg, key)
+        _check(bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", value or "")), key,
+               f"must be non-empty letters, digits, '_', '-', '.', got {value!r}")  # fmt: skip
+    try:
+        alloc = parse_allocation_mode(cfg.allocation_mode)
+    except ConfigError as e:
+        raise ConfigError(str(e)) from None
+    _check(cfg.recover in ("disabled", "auto"), "recover", f"must be disabled|auto, got {cfg.recover!r}")
+    _check(cfg.total_train_steps >= 1, "total_train_steps", "must be >= 1")
+    _check(cfg.heartbeat_ttl >= 1, "heartbeat_ttl", "must be >= 1 second")
+    try:
+        cfg.name_resolve.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"got {cfg.model.dtype!r}")
+    _check(bool(cfg.dataset.train_path) or not cfg.dataset.test_path,
+           "dataset.test_path", "set dataset.train_path too (or neither, for the synthetic arithmetic task)")  # fmt: skip
+    _check(cfg.dataset.max_prompt_len >= 1, "dataset.max_prompt_len", "must be >= 1")
+
+    p = cfg.ppo
+    _check(p.algorithm in ("grpo", "ppo"), "ppo.algorithm", f"must be grpo|ppo, got {p.algorithm!r}")
+    _check(p.group_size >= 1, "ppo.group_size", "must be >= 1")
+    _check(p.algorithm != "grpo" or p.group_size >= 2, "ppo.group_size", "GRPO needs >= 2 answers per prompt")
+    _check(p.train_batch_size >= alloc.train.dp, "ppo.train_batch_size",
+           f"must be >= the number of trainers ({alloc.train.dp})")  # fmt: skip
+    _check(p.ppo_n_minibatches >= 1, "ppo.ppo_n_minibatches", "must be >= 1")
+    _check(p.train_batch_size // alloc.train.dp >= p.ppo_n_minibatches, "ppo.ppo_n_minibatches",
+           "must not exceed the trajectories per trainer per step")  # fmt: skip
+    _check(0 < p.eps_clip < 1, "ppo.eps_clip", "must be in (0, 1)")
+    _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", "must be > 1 (or null)")
+    _check(p.behav_imp_weight_cap is None or p.behav_imp_weight_cap > 1, "ppo.behav_imp_weight_cap", "must be > 1 (or null)")
+    _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
+    _check(p.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator", f"got {p.kl_estimator!r}")
+    _check(0 <= p.discount <= 1, "ppo.discount", "must be in [0, 1]")
+    _check(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", "must be in [0, 1]")
+    _check(p.loss_aggregation in ("token", "seq"), "ppo.loss_aggregation", "must be token|seq")
+    _check(p.max_tokens_per_mb >= 16, "ppo.max_tokens_per_mb", "must be >= 16")
+
+    o = cfg.optimizer
+    _check(o.lr > 0, "optimizer.lr", "must be > 0")
+    _check(o.lr_scheduler in ("constant", "linear", "cosine"), "optimizer.lr_scheduler", f"got {o.lr_scheduler!r}")
+    _check(o.gradient_clipping >= 0, "optimizer.gradient_clipping", "must be >= 0 (0 = off)")
+
+    r = cfg.rollout
+    _check(r.n_workers >= alloc.train.dp, "rollout.n_workers",
+           f"must be >= the number of trainers ({alloc.train.dp}): each trainer pulls from its own rollout workers")  # fmt: skip
+    _check(r.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness", "must be >= 0")
+    _check(r.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts", "must be >= 1")
+    _check(r.new_tokens_per_chunk >= 1, "rollout.new_tokens_per_chunk", "must be >= 1")
+    _check(0 <= r.success_rate_lb <= r.success_rate_ub <= 1, "rollout.success_rate_lb",
+           "need 0 <= success_rate_lb <= success_rate_ub <= 1")  # fmt: skip
+    try:
+        r.gconfig.validate("rollout.gconfig")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+    _check(cfg.train.device in ("cpu", "cuda"), "train.device", f"must be cpu|cuda, got {cfg.train.device!r}")
+    _check(not cfg.train.fsdp or cfg.train.device == "cuda", "train.fsdp", "needs train.device=cuda")
+    _check(cfg.train.num_threads >= 1, "train.num_threads", "must be >= 1")
+    _check(cfg.server.torch.device in ("cpu", "cuda"), "server.torch.device", "must be cpu|cuda")
+    _check(cfg.server.torch.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
+    _check(cfg.eval.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0")
+    _check(cfg.saver.checkpoint_every_n_steps >= 0, "saver.checkpoint_every_n_steps", "must be >= 0")
+    if cfg.mode != "local":
+        _check(bool(cfg.bind_address), "bind_address", f"mode={cfg.mode} needs the address of the network to use")
+    return alloc

@@ -1,0 +1,68 @@
+"""Per-step statistics: one JSON line per step and TensorBoard scalars.
+
+`StatsLogger(log_dir)` appends `{"step": ..., **stats}` to `stats.jsonl` and
+writes every numeric value to TensorBoard under `tensorboard/` (tensorboardX,
+imported lazily; a machine without it still gets the JSONL).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from realrl.base.logging import getLogger
+
+logger = getLogger("stats")
+
+
+class StatsLogger:
+    def __init__(self, log_dir: str, tensorboard: bool = True):
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, "stats.jsonl")
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(log_dir, "tensorboard"))
+            except ImportError:
+                logger.warning("tensorboardX is not installed: stats go to %s only", self.path)
+
+    def log(self, step: int, stats: dict[str, Any]) -> None:
+        record = {"step": step, **stats}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def summarize(values: list[float], prefix: str) -> dict[str, float]:
+    """mean/min/max of a list under `prefix/...` (empty lists give nothing)."""
+    if not values:
+        return {}
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/min": min(values), f"{prefix}/max": max(values)}
+
+
+def histogram(values: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for v in values:
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))

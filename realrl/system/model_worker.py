@@ -1,0 +1,345 @@
+"""ModelWorker: holds the policy (and optional critic / reference) and trains it.
+
+One ModelWorker per data-parallel rank. It pulls trajectories from its own
+puller (`PullerStreamDataset`) and answers the master's requests:
+
+| handle      | kind  | what                                                         |
+|-------------|-------|--------------------------------------------------------------|
+| spec        | cheap | rank, sizes, current weight version, buffer stats            |
+| fetch       | cheap | move up to n trajectories (oldest first, stale ones dropped) |
+|             |       | from the buffer into this step's batch                       |
+| stats       | cheap | stream accounting (received/taken/dropped/buffered)          |
+| inference   | long  | proximal / reference logprobs and values for the step batch  |
+| train_step  | long  | one PPO/GRPO update, then publish the new weights            |
+| evaluate    | long  | greedy accuracy on the test split (rank 0)                   |
+| save        | long  | save the HF model to a directory                             |
+| checkpoint  | long  | save a recovery checkpoint; `load` restores one               |
+
+Cheap handles run on the serving thread and are answered even while a long
+one runs on the worker thread (so the master can keep filling the next batch).
+
+Weights (DESIGN §8): after each train step rank 0 writes the actor as HF
+safetensors into a temp directory, renames it to `<weights_dir>/<version>/`,
+and only then sets `model_version/actor`; a half-written version is never
+visible. Data parallelism uses torch.distributed (gloo on CPU, NCCL on CUDA);
+gradients are summed over ranks and the loss is normalised by the global token
+count, so every rank ends a step with identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from realrl.api.env_api import make_env
+from realrl.api.system_api import ModelWorkerConfig
+from realrl.base import name_resolve, names, network
+from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, make_optimized
+from realrl.system.request_reply_stream import NameResolvingReplyServer
+from realrl.system.stream_dataset import PullerStreamDataset
+from realrl.system.worker_base import PollResult, Worker
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ACTOR = "actor"
+
+
+def publish_weights(model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB") -> str:
+    """Writes `model` as HF safetensors to `<weights_dir>/<version>/` atomically."""
+    final = os.path.join(weights_dir, str(version))
+    tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(weights_dir, exist_ok=True)
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    if os.path.exists(final):  # a re-run of this version (recovery): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: data-parallel ranks must agree."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class ModelWorker(Worker):
+    config_cls = ModelWorkerConfig
+
+    # ---- set-up ------------------------------------------------------------------
+    def _configure(self, config: ModelWorkerConfig) -> None:
+        self.cfg = config
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed + self.info.worker_index)
+        self.dp_rank, self.dp_size = self.info.worker_index, config.dp_size
+        self.device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
+        if config.device == "cuda":
+            torch.cuda.set_device(self.device)
+        self._init_distributed()
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import realrl.impl.environments  # noqa: F401  built-in envs score evaluations
+
+        dtype = _DTYPES[config.dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
+        if config.gradient_checkpointing:
+            actor.gradient_checkpointing_enable()
+        if config.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(actor)
+        o, ppo = config.optimizer, config.ppo
+        n_opt_steps = config.total_train_steps * ppo.ppo_n_minibatches
+
+        def optimized(model):
+            return make_optimized(model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, o.lr_scheduler,
+                                  o.warmup_steps, n_opt_steps)  # fmt: skip
+
+        self.actor = optimized(actor)
+        self.critic = optimized(CriticModel.from_pretrained(config.model_path, dtype).to(self.device)) if ppo.algorithm == "ppo" else None
+        self.ref = None
+        if ppo.kl_ctl > 0:
+            self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path or config.model_path, dtype=dtype).to(self.device)
+            self.ref.requires_grad_(False).eval()
+        self.trainer = PPOTrainer(
+            self.actor, ppo, config.temperature, self.device, o.gradient_clipping, critic=self.critic, ref=self.ref,
+            all_reduce_sum=self._all_reduce_sum, sync_grads=self._sync_grads,
+            process_group=dist.group.WORLD if self.dp_size > 1 else None,
+        )  # fmt: skip
+
+        self.version = 0
+        self.step_trajectories: list = []
+        self.step_batch: SequenceBatch | None = None
+        self.step_staleness: list[int] = []
+        self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank, config.max_buffered_trajectories)
+        self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index)
+        for name in ("spec", "fetch", "stats"):
+            self.server.register(name, getattr(self, f"_handle_{name}"))
+        for name in ("inference", "train_step", "evaluate", "save", "checkpoint", "load"):
+            self.server.register(name, getattr(self, f"_handle_{name}"), long_running=True)
+        if self.dp_rank == 0:
+            self._set_version(0)
+        self.logger.info("actor with %.2fM parameters on %s; dp %d/%d",
+                         sum(p.numel() for p in actor.parameters()) / 1e6, self.device, self.dp_rank, self.dp_size)  # fmt: skip
+
+    def _init_distributed(self) -> None:
+        if self.dp_size <= 1:
+            return
+        key = names.distributed_init(self.experiment_name, self.trial_name, "model_worker")
+        if self.dp_rank == 0:
+            port = network.find_free_port(self.experiment_name, self.trial_name)
+            name_resolve.add(key, f"{network.LOOPBACK if self.info.mode == 'local' else self.info.bind_address}:{port}", replace=True)
+        addr = name_resolve.wait(key, timeout=300)
+        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{addr}", rank=self.dp_rank, world_size=self.dp_size)
+        self.logger.info("joined %s process group at %s", backend, addr)
+
+    def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+    def _sync_grads(self, model: torch.nn.Module) -> None:
+        """Sums gradients over data-parallel ranks in one flat all-reduce (FSDP
+        reduces its own, as a mean, so its loss is scaled by the world size)."""
+        if self.dp_size <= 1 or self.cfg.fsdp:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a rank with no data this minibatch still joins
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def _set_version(self, version: int) -> None:
+        self.version = version
+        name_resolve.add(names.model_version(self.experiment_name, self.trial_name, ACTOR), str(version),
+                         replace=True, delete_on_exit=False)  # fmt: skip
+
+    # ---- loop ----------------------------------------------------------------------------
+    def _poll(self) -> PollResult:
+        handled = self.server.serve(timeout=0.05)
+        return PollResult(batch_count=handled)
+
+    def _exit_hook(self) -> None:
+        for closer in ("server", "dataset"):
+            obj = getattr(self, closer, None)
+            if obj is not None:
+                obj.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- cheap handles -------------------------------------------------------------------
+    def _handle_spec(self, data=None) -> dict:
+        spec = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "version": self.version,
+                "n_params": sum(p.numel() for p in self.actor.model.parameters()), **self.dataset.stats()}  # fmt: skip
+        if data and data.get("checksum"):
+            spec["checksum"] = weights_checksum(self.actor.model)
+        return spec
+
+    def _handle_stats(self, data=None) -> dict:
+        return self.dataset.stats()
+
+    def _handle_fetch(self, data: dict) -> dict:
+        """Adds up to `n` trajectories to this step's batch; those whose
+        version_start < `min_version` are dropped (and counted)."""
+        taken, dropped = self.dataset.take(int(data["n"]), int(data["min_version"]))
+        self.step_trajectories.extend(taken)
+        current = int(data.get("current_version", self.version))
+        staleness = [current - t.min_version_start for t in taken]
+        self.step_staleness.extend(staleness)
+        accuracy = [float(c) for t in taken for c in t.metadata.get("correct", [])]
+        return {
+            "n_taken": len(taken),
+            "n_step": len(self.step_trajectories),
+            "n_dropped": dropped,
+            "staleness": staleness,
+            "rewards": [r for t in taken for r in t.reward],
+            "correct": accuracy,
+            "seq_lens": [n for t in taken for n in t.seq_lens],
+            "gen_lens": [n - p for t in taken for n, p in zip(t.seq_lens, t.prompt_len)],
+            "buffered": len(self.dataset),
+        }
+
+    # ---- long handles --------------------------------------------------------------------
+    def _handle_inference(self, data: dict) -> dict:
+        t0 = time.monotonic()
+        self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+        self.trainer.inference(self.step_batch, decoupled=bool(data.get("decoupled", True)))
+        return {"seconds": time.monotonic() - t0}
+
+    def _handle_train_step(self, data: dict) -> dict:
+        t0 = time.monotonic()
+        if self.step_batch is None:
+            self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+        stats = self.trainer.train_step(self.step_batch)
+        stats["train_seconds"] = time.monotonic() - t0
+        stats["max_staleness"] = float(max(self.step_staleness, default=0))
+        stats["n_trajectories"] = float(len(self.step_trajectories))
+        self.step_trajectories, self.step_batch, self.step_staleness = [], None, []
+        new_version = int(data["version"])
+        t1 = time.monotonic()
+        if self.dp_rank == 0:
+            publish_weights(self._full_model(self.actor.model), self.cfg.weights_dir, new_version)
+            self._set_version(new_version)
+        else:
+            self.version = new_version
+        stats["publish_seconds"] = time.monotonic() - t1
+        return stats
+
+    def _full_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # FSDP-sharded parameters are gathered by save_pretrained's state_dict
+        # call in recent transformers; plain models are saved as they are.
+        return model
+
+    @torch.no_grad()
+    def _handle_evaluate(self, data: dict) -> dict:
+        """Greedy accuracy of the current actor on the test split, scored by
+        the configured environment (the same verifier that gives rewards)."""
+        import asyncio
+
+        from realrl.api.agent_api import PromptRecord
+        from realrl.impl.math_data import load_math_jsonl
+
+        t0 = time.monotonic()
+        records = load_math_jsonl(self.cfg.eval_dataset_path)
+        if self.cfg.eval_max_prompts:
+            records = records[: self.cfg.eval_max_prompts]
+        model, tok = self.actor.model, self.tokenizer
+        was_training = model.training
+        model.eval()
+        completions: list[str] = []
+        tok.padding_side = "left"
+        for start in range(0, len(records), self.cfg.eval_batch_size):
+            chunk = records[start : start + self.cfg.eval_batch_size]
+            enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(
+                input_ids=enc["input_ids"].to(self.device), attention_mask=enc["attention_mask"].to(self.device),
+                max_new_tokens=self.cfg.eval_max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )  # fmt: skip
+            for row in out[:, enc["input_ids"].shape[1] :].tolist():
+                completions.append(tok.decode(row, skip_special_tokens=True))
+        model.train(was_training)
+
+        async def score() -> list[float]:
+            rewards = []
+            for record, completion in zip(records, completions):
+                solutions = record.get("solutions") or [record["answer"]]
+                env = make_env(self.cfg.env.type, **self.cfg.env.args)
+                prompt = PromptRecord(qid=str(record["query_id"]), prompt=record["prompt"], prompt_ids=[],
+                                      solutions=[str(s) for s in solutions], task=record.get("task", "math"))  # fmt: skip
+                await env.reset(options={"prompt": prompt})
+                _, reward, *_ = await env.step([completion])
+                await env.close()
+                rewards.append(float(reward[0]))
+            return rewards
+
+        rewards = asyncio.run(score())
+        accuracy = sum(r > 0 for r in rewards) / max(len(rewards), 1)
+        samples = [{"prompt": r["prompt"], "completion": c, "reward": w} for r, c, w in list(zip(records, completions, rewards))[:5]]
+        return {"accuracy": accuracy, "n": len(records), "seconds": time.monotonic() - t0, "samples": samples}
+
+    def _handle_save(self, data: dict) -> dict:
+        if self.dp_rank == 0:
+            path = data["path"]
+            os.makedirs(path, exist_ok=True)
+            self._full_model(self.actor.model).save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        return {"path": data["path"]}
+
+    def _handle_checkpoint(self, data: dict) -> dict:
+        """Everything needed to resume: models, optimizers, schedules, version."""
+        path = os.path.join(self.cfg.checkpoint_dir, f"step{int(data['step'])}")
+        if self.dp_rank == 0:
+            tmp = path + f".tmp-{uuid.uuid4().hex[:8]}"
+            os.makedirs(tmp)
+            state = {"actor": self.actor.model.state_dict(), "actor_optimizer": self.actor.optimizer.state_dict(),
+                     "actor_scheduler": self.actor.scheduler.state_dict()}  # fmt: skip
+            if self.critic is not None:
+                state.update(critic=self.critic.model.state_dict(), critic_optimizer=self.critic.optimizer.state_dict(),
+                             critic_scheduler=self.critic.scheduler.state_dict())  # fmt: skip
+            torch.save(state, os.path.join(tmp, "model_worker.pt"))
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({"version": self.version, "step": int(data["step"])}, f)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.rename(tmp, path)
+        return {"path": path}
+
+    def _handle_load(self, data: dict) -> dict:
+        path = data["path"]
+        # Our own checkpoint file on local disk; weights_only keeps it data-only.
+        state = torch.load(os.path.join(path, "model_worker.pt"), map_location=self.device, weights_only=True)
+        self.actor.model.load_state_dict(state["actor"])
+        self.actor.optimizer.load_state_dict(state["actor_optimizer"])
+        self.actor.scheduler.load_state_dict(state["actor_scheduler"])
+        if self.critic is not None and "critic" in state:
+            self.critic.model.load_state_dict(state["critic"])
+            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+        with open(os.path.join(path, "meta.json")) as f:
+            version = int(json.load(f)["version"])
+        if self.dp_rank == 0:
+            publish_weights(self.actor.model, self.cfg.weights_dir, version)
+            self._set_version(version)
+        else:
+            self.version = version
+        return {"version": version}

@@ -1,0 +1,133 @@
+"""The trainer's end of the trajectory stream (DESIGN §4–§5, §7).
+
+`PullerStreamDataset` owns one data-parallel rank's puller. A background thread
+pulls, decodes and validates trajectories into a buffer, so the trainer never
+waits on the network; `take(n, min_version)` hands out the oldest trajectories
+first and drops (and counts) those staler than the bound.
+
+Accounting (DESIGN §5): every message that reaches the puller is either
+rejected (wire format), invalid (schema), taken (consumed), dropped as stale,
+or still buffered: `received_total == n_wire_rejected + n_invalid + n_taken +
+n_dropped_stale + buffered`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+
+from realrl.api.trajectory import Trajectory, TrajectoryError
+from realrl.base.logging import getLogger
+from realrl.system.push_pull_stream import NameResolvingZmqPuller
+
+logger = getLogger("stream_dataset")
+
+
+class PullerStreamDataset:
+    def __init__(self, experiment_name: str, trial_name: str, puller_index: int, max_buffered: int = 100000):
+        self.max_buffered = max_buffered
+        self._lock = threading.Lock()
+        self._heap: list[tuple[int, float, int, Trajectory]] = []  # (version_start, birth_time, seq, traj)
+        self._seq = itertools.count()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.n_received = 0  # decoded messages (valid or not)
+        self.n_wire_rejected = 0
+        self.n_invalid = 0
+        self.n_taken = 0
+        self.n_dropped_stale = 0
+        self.address = ""
+        # zmq sockets are not thread-safe: the puller lives entirely in the thread.
+        self._thread = threading.Thread(
+            target=self._run, args=(experiment_name, trial_name, puller_index), name="stream-dataset", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"puller {puller_index} could not start: {self._error}") from self._error
+
+    def _run(self, experiment_name: str, trial_name: str, puller_index: int) -> None:
+        try:
+            puller = NameResolvingZmqPuller(experiment_name, trial_name, puller_index, hwm=self.max_buffered)
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self.address = puller.address
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if len(self) >= self.max_buffered:  # back-pressure: stop reading, pushers block
+                    self._stop.wait(0.05)
+                    continue
+                messages = puller.pull(timeout=0.05)
+                self.n_wire_rejected = puller.n_rejected
+                for msg in messages:
+                    self._add(msg)
+        except BaseException as e:  # surfaced on the next take()
+            self._error = e
+            logger.error("stream dataset thread failed: %s", e)
+        finally:
+            puller.close()
+
+    def _add(self, msg) -> None:
+        try:
+            traj = Trajectory.from_wire(msg)
+        except TrajectoryError as e:
+            with self._lock:
+                self.n_received += 1
+                self.n_invalid += 1
+            logger.warning("dropped an invalid trajectory (%d so far): %s", self.n_invalid, e)
+            return
+        with self._lock:
+            self.n_received += 1
+            heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._heap)
+
+    def take(self, n: int, min_version: int) -> tuple[list[Trajectory], int]:
+        """Up to `n` trajectories, oldest first, skipping (and counting) those
+        whose `version_start` is below `min_version`. Returns (taken, dropped)."""
+        if self._error is not None:
+            raise RuntimeError(f"stream dataset failed: {self._error}") from self._error
+        taken: list[Trajectory] = []
+        dropped = 0
+        with self._lock:
+            while self._heap and len(taken) < n:
+                version_start, _, _, traj = heapq.heappop(self._heap)
+                if version_start < min_version:
+                    dropped += 1
+                else:
+                    taken.append(traj)
+            self.n_taken += len(taken)
+            self.n_dropped_stale += dropped
+        return taken, dropped
+
+    def drop_stale(self, min_version: int) -> int:
+        """Drops every buffered trajectory staler than `min_version`."""
+        with self._lock:
+            keep = [item for item in self._heap if item[0] >= min_version]
+            dropped = len(self._heap) - len(keep)
+            heapq.heapify(keep)
+            self._heap = keep
+            self.n_dropped_stale += dropped
+        return dropped
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "received": self.n_received + self.n_wire_rejected,
+                "wire_rejected": self.n_wire_rejected,
+                "invalid": self.n_invalid,
+                "taken": self.n_taken,
+                "dropped_stale": self.n_dropped_stale,
+                "buffered": len(self._heap),
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,56 @@
+"""A synthetic rollout worker for training-side tests: pushes well-formed
+trajectories (random tokens) through the real push-pull stream, paced by the
+trainer's published version, with every `stale_every`-th one deliberately stale."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from realrl.api.trajectory import Trajectory
+from realrl.base import name_resolve, names
+from realrl.system.push_pull_stream import NameResolvingZmqPusher
+from realrl.system.worker_base import PollResult, Worker
+
+
+class SyntheticRolloutWorker(Worker):
+    def _configure(self, config):
+        self.cfg = config
+        self.rng = np.random.default_rng(config["seed"] + self.info.worker_index)
+        self.pusher = NameResolvingZmqPusher(self.experiment_name, self.trial_name, self.info.worker_index,
+                                             self.info.worker_count, config["n_pullers"])  # fmt: skip
+        self.produced = 0
+
+    def _version(self) -> int:
+        try:
+            return int(name_resolve.get(names.model_version(self.experiment_name, self.trial_name, "actor")))
+        except name_resolve.NameEntryNotFoundError:
+            return 0
+
+    def _poll(self):
+        version = self._version()
+        # Stay about two batches ahead of the trainer, like admission control would.
+        if self.produced >= (version + 2) * self.cfg["batch_per_worker"]:
+            time.sleep(0.02)
+            return PollResult()
+        self.produced += 1
+        stale = self.cfg["stale_every"] and self.produced % self.cfg["stale_every"] == 0
+        v = max(0, version - 100) if stale else version
+        g, P, G = self.cfg["group_size"], self.cfg["prompt_len"], self.cfg["gen_len"]
+        prompt = self.rng.integers(3, self.cfg["vocab"], P).astype(np.int32)
+        traj = Trajectory(
+            qid=f"w{self.info.worker_index}-{self.produced}", task="math", birth_time=time.time(),
+            input_ids=[np.concatenate([prompt, self.rng.integers(3, self.cfg["vocab"], G).astype(np.int32)]) for _ in range(g)],
+            prompt_len=[P] * g,
+            logprobs=[(-self.rng.random(G) * 3).astype(np.float32) for _ in range(g)],
+            versions=[np.full(G, v, dtype=np.int32) for _ in range(g)],
+            version_start=[v] * g, version_end=[v] * g,
+            reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)], no_eos=[False] * g,
+            metadata={"correct": [0] * g},
+        )  # fmt: skip
+        self.pusher.push(traj.validate().to_wire(), timeout=30)
+        return PollResult(sample_count=1)
+
+    def _exit_hook(self):
+        self.pusher.close()

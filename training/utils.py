@@ -1,0 +1,214 @@
+"""From the user's AsyncPPOConfig to running worker processes.
+
+`build_experiment(cfg)` validates the config, resolves the model and data
+(building the tiny-model kit when no model is given), lays out the trial's
+directories and returns one `WorkerGroup` per worker kind;
+`run_experiment(cfg)` launches them and returns the path of summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from realrl.api.cli_args import AsyncPPOConfig, ConfigError, validate
+from realrl.api.system_api import (
+    GenerationServerConfig,
+    GserverManagerConfig,
+    MasterWorkerConfig,
+    ModelWorkerConfig,
+    RolloutWorkerConfig,
+)
+from realrl.base.logging import getLogger
+from realrl.launcher.local import LocalLauncher, WorkerGroup
+
+logger = getLogger("training")
+
+
+@dataclasses.dataclass
+class TrialPaths:
+    fileroot: str
+    log_dir: str
+    weights_dir: str  # <fileroot>/weights/<exp>/<trial>/actor/<version>/ (DESIGN §8)
+    checkpoint_dir: str
+    final_model_dir: str
+    summary: str
+
+
+@dataclasses.dataclass
+class Experiment:
+    groups: list[WorkerGroup]
+    paths: TrialPaths
+    model_path: str
+    train_path: str
+    test_path: str
+
+
+def trial_paths(cfg: AsyncPPOConfig) -> TrialPaths:
+    root = os.path.abspath(cfg.fileroot)
+    exp, trial = cfg.experiment_name, cfg.trial_name
+    log_dir = os.path.join(root, "logs", exp, trial)
+    return TrialPaths(
+        fileroot=root,
+        log_dir=log_dir,
+        weights_dir=os.path.join(root, "weights", exp, trial, "actor"),
+        checkpoint_dir=os.path.join(root, "checkpoints", exp, trial),
+        final_model_dir=os.path.join(root, "models", exp, trial, "final"),
+        summary=os.path.join(log_dir, "summary.json"),
+    )
+
+
+def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str, str]:
+    """(model_path, train_path, test_path); builds the tiny kit when needed."""
+    model_path, train_path, test_path = cfg.model.path, cfg.dataset.train_path, cfg.dataset.test_path
+    if model_path and not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ConfigError(f"model.path: {model_path!r} is not a Hugging Face model directory (no config.json)")
+    for key, path in (("dataset.train_path", train_path), ("dataset.test_path", test_path)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key}: no such file {path!r}")
+    if not model_path or not train_path:
+        from realrl.impl.tiny_model import TinyKitRecipe, build_tiny_kit
+
+        if model_path and not train_path:
+            raise ConfigError("dataset.train_path: required when model.path is set (the synthetic task needs the tiny model's tokenizer)")
+        kit = build_tiny_kit(os.path.join(fileroot, "cache"), TinyKitRecipe(seed=cfg.tiny_kit.seed))
+        logger.info("tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)", kit.root,
+                    kit.warm_start_stats.accuracy, kit.warm_start_stats.k, kit.warm_start_stats.pass_at_k)  # fmt: skip
+        model_path = model_path or kit.model_path
+        if not train_path:
+            train_path, test_path = kit.train_path, kit.test_path
+    return model_path, train_path, test_path
+
+
+def agent_args(cfg: AsyncPPOConfig, tokenizer_path: str) -> dict:
+    """The built-in agents' arguments from the PPO/rollout config; user args win."""
+    args = {
+        "tokenizer_path": tokenizer_path,
+        "group_size": cfg.ppo.group_size,
+        "gconfig": dataclasses.asdict(cfg.rollout.gconfig),
+        "reward_bias": cfg.ppo.reward_bias,
+        "reward_scaling": cfg.ppo.reward_scaling,
+        "success_rate_lb": cfg.rollout.success_rate_lb,
+        "success_rate_ub": cfg.rollout.success_rate_ub,
+    }
+    args.update(cfg.rollout.agent.args)
+    return args
+
+
+def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
+    alloc = validate(cfg)
+    if cfg.mode != "local":
+        raise ConfigError(f"mode: {cfg.mode!r} is not available yet; use mode=local (one machine)")
+    paths = trial_paths(cfg)
+    model_path, train_path, test_path = resolve_model_and_data(cfg, paths.fileroot)
+    ppo, rollout = cfg.ppo, cfg.rollout
+    n_train = alloc.train.dp
+    temperature = 0.0 if rollout.gconfig.greedy else rollout.gconfig.temperature
+
+    master = MasterWorkerConfig(
+        n_model_workers=n_train,
+        total_train_steps=cfg.total_train_steps,
+        train_batch_size=ppo.train_batch_size,
+        max_head_offpolicyness=rollout.max_head_offpolicyness,
+        algorithm=ppo.algorithm,
+        use_decoupled_loss=ppo.use_decoupled_loss,
+        kl_ctl=ppo.kl_ctl,
+        eval_every_n_steps=cfg.eval.every_n_steps if test_path else 0,
+        checkpoint_every_n_steps=cfg.saver.checkpoint_every_n_steps,
+        save_final_model=cfg.saver.save_final_model,
+        recover=cfg.recover == "auto",
+        checkpoint_dir=paths.checkpoint_dir,
+        final_model_dir=paths.final_model_dir,
+    )
+    model_worker = ModelWorkerConfig(
+        model_path=model_path,
+        tokenizer_path=model_path,
+        dtype=cfg.model.dtype,
+        device=cfg.train.device,
+        num_threads=cfg.train.num_threads,
+        fsdp=cfg.train.fsdp,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        seed=cfg.seed,
+        dp_size=n_train,
+        ppo=ppo,
+        optimizer=cfg.optimizer,
+        total_train_steps=cfg.total_train_steps,
+        temperature=temperature,
+        weights_dir=paths.weights_dir,
+        checkpoint_dir=paths.checkpoint_dir,
+        eval_dataset_path=test_path,
+        eval_max_new_tokens=cfg.eval.max_new_tokens or rollout.gconfig.max_new_tokens,
+        eval_batch_size=cfg.eval.batch_size,
+        eval_max_prompts=cfg.eval.max_prompts,
+        env=rollout.env,
+    )
+    gen_server = GenerationServerConfig(
+        backend=alloc.gen_backend,
+        model_path=model_path,
+        seed=cfg.seed,
+        tp_size=alloc.gen.tp,
+        startup_timeout=cfg.server.startup_timeout,
+        torch=cfg.server.torch,
+        sglang=cfg.server.sglang,
+    )
+    manager = GserverManagerConfig(
+        n_servers=alloc.gen.dp,
+        train_batch_size=ppo.train_batch_size,
+        max_head_offpolicyness=rollout.max_head_offpolicyness,
+        max_concurrent_rollouts=rollout.max_concurrent_rollouts,
+        weights_dir=paths.weights_dir,
+        weight_update_timeout=cfg.server.weight_update_timeout,
+        weight_update_retries=cfg.server.weight_update_retries,
+    )
+    per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
+    rollout_worker = RolloutWorkerConfig(
+        dataset_path=train_path,
+        tokenizer_path=model_path,
+        max_prompt_len=cfg.dataset.max_prompt_len,
+        shuffle=cfg.dataset.shuffle,
+        seed=cfg.seed,
+        group_size=ppo.group_size,
+        gconfig=rollout.gconfig,
+        agent=dataclasses.replace(rollout.agent, args=agent_args(cfg, model_path)),
+        env=rollout.env,
+        max_concurrent_rollouts=per_worker_concurrency,
+        new_tokens_per_chunk=rollout.new_tokens_per_chunk,
+        n_pullers=n_train,
+        request_timeout=rollout.request_timeout,
+        request_retries=rollout.request_retries,
+    )
+    # One CPU thread pool per process: on a small machine, oversubscription
+    # (every process using every core) is the main source of slowness.
+    def threads(n: int) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "TOKENIZERS_PARALLELISM": "false"}
+
+    groups = [
+        WorkerGroup("master_worker", 1, master, env=threads(1)),
+        WorkerGroup("model_worker", n_train, model_worker, env=threads(cfg.train.num_threads)),
+        WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads)),
+        WorkerGroup("gserver_manager", 1, manager, env=threads(1)),
+        WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1)),
+    ]
+    return Experiment(groups, paths, model_path, train_path, test_path)
+
+
+def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[int, str]:
+    """Runs the trial; returns (exit code, summary path)."""
+    experiment = build_experiment(cfg)
+    launcher = LocalLauncher(
+        cfg.experiment_name,
+        cfg.trial_name,
+        experiment.paths.fileroot,
+        cfg.name_resolve,
+        heartbeat_ttl=cfg.heartbeat_ttl,
+        plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
+        echo_worker="master_worker",
+    )
+    if cfg.recover != "auto" and os.path.exists(experiment.paths.summary):
+        os.unlink(experiment.paths.summary)
+    code = launcher.run(experiment.groups, timeout=timeout)
+    if code == 0 and not os.path.exists(experiment.paths.summary):
+        print("realrl: the trial ended without writing a summary", file=sys.stderr)
+        code = 1
+    return code, experiment.paths.summary
