@@ -9,7 +9,10 @@ messages over tcp on 127.0.0.1 to a puller in this process:
   -> a plain PULL socket recv() (no encode, no decode).
 
 The two modes alternate, several rounds each; the table shows the median
-msgs/s, MB/s and wire/raw. `--json PATH` writes the numbers with a top-level
+msgs/s, MB/s and wire/raw ("ratio"), and the CPU time per message of both
+processes together (zmq I/O threads included) with raw/wire ("cpu ratio"):
+on a machine whose cores are busy with other work, throughput follows the
+CPU cost, so the CPU ratio is the steadier number. `--json PATH` writes the numbers with a top-level
 "ratio" (the 2k-token ratio). `--quick` runs fewer, shorter rounds (< 60 s).
 
     python benchmarks/stream_throughput.py [--quick] [--json PATH]
@@ -60,23 +63,26 @@ def message_bytes(n_tokens: int) -> int:
 
 
 def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
+    """Sends `count` messages, then prints the CPU seconds (all threads) the sending took."""
     if mode == "wire":
         trajectory = make_trajectory(n_tokens)
         pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM)
+        cpu = time.process_time()
         for _ in range(count):
             pusher.push(trajectory)
-        pusher.close()
+        pusher.close(linger=60)
     else:
         blob = os.urandom(message_bytes(n_tokens))
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
-        sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(f"tcp://127.0.0.1:{port}")
+        cpu = time.process_time()
         for _ in range(count):
             sock.send(blob)
-        sock.close()
+        sock.close(linger=60000)
         context.term()
+    print(time.process_time() - cpu, flush=True)
 
 
 # ---- the puller (this process) -------------------------------------------------
@@ -84,11 +90,12 @@ def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
 
 def spawn_pusher(mode: str, port: int, n_tokens: int, count: int) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--_pusher", mode, str(port), str(n_tokens), str(count)]
-    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=REPO_ROOT), stdout=subprocess.PIPE, text=True)
 
 
-def measure(mode: str, n_tokens: int, count: int) -> float:
-    """msgs/s from the first message received to the last."""
+def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
+    """(msgs/s from the first message received to the last, CPU microseconds
+    per message of both processes together, zmq I/O threads included)."""
     if mode == "wire":
         puller = ZMQPuller("127.0.0.1", None, hwm=DEFAULT_HWM)
         port = puller.port
@@ -99,6 +106,7 @@ def measure(mode: str, n_tokens: int, count: int) -> float:
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
     child = spawn_pusher(mode, port, n_tokens, count)
+    cpu = time.process_time()
     try:
         received, start = 0, 0.0
         if mode == "wire":
@@ -124,8 +132,12 @@ def measure(mode: str, n_tokens: int, count: int) -> float:
                 assert len(blob) > 0
                 received += 1
         elapsed = time.perf_counter() - start
+        puller_cpu = time.process_time() - cpu
+        pusher_cpu = float(child.communicate(timeout=120)[0].strip())
     finally:
-        child.wait(timeout=60)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
         if mode == "wire":
             puller.close()
         else:
@@ -133,7 +145,7 @@ def measure(mode: str, n_tokens: int, count: int) -> float:
             context.term()
     if mode == "wire":
         assert puller.n_rejected == 0
-    return (count - 1) / elapsed
+    return (count - 1) / elapsed, (puller_cpu + pusher_cpu) / count * 1e6
 
 
 def main() -> None:
@@ -153,13 +165,17 @@ def main() -> None:
     for n_tokens in SIZES:
         size = message_bytes(n_tokens)
         # Calibrate the message count so one round takes about seconds_per_round.
-        rate_guess = measure("raw", n_tokens, 2000 if n_tokens < 16384 else 500)
+        rate_guess, _ = measure("raw", n_tokens, 2000 if n_tokens < 16384 else 500)
         count = max(200, int(rate_guess * seconds_per_round))
         rates: dict[str, list[float]] = {"raw": [], "wire": []}
+        cpus: dict[str, list[float]] = {"raw": [], "wire": []}
         for _ in range(rounds):
             for mode in ("raw", "wire"):
-                rates[mode].append(measure(mode, n_tokens, count))
+                rate, cpu_us = measure(mode, n_tokens, count)
+                rates[mode].append(rate)
+                cpus[mode].append(cpu_us)
         raw, wire_rate = statistics.median(rates["raw"]), statistics.median(rates["wire"])
+        raw_cpu, wire_cpu = statistics.median(cpus["raw"]), statistics.median(cpus["wire"])
         rows.append(
             {
                 "tokens": n_tokens,
@@ -170,18 +186,25 @@ def main() -> None:
                 "raw_MB_per_s": raw * size / 1e6,
                 "wire_MB_per_s": wire_rate * size / 1e6,
                 "ratio": wire_rate / raw,
+                "raw_cpu_us_per_msg": raw_cpu,
+                "wire_cpu_us_per_msg": wire_cpu,
+                "cpu_ratio": raw_cpu / wire_cpu,
                 "raw_rounds": rates["raw"],
                 "wire_rounds": rates["wire"],
             }
         )
         print(f"... {n_tokens} tokens done", file=sys.stderr, flush=True)
 
-    header = f"{'tokens':>7} {'bytes':>8} {'raw msg/s':>10} {'wire msg/s':>11} {'raw MB/s':>9} {'wire MB/s':>10} {'ratio':>6}"
+    header = (
+        f"{'tokens':>7} {'bytes':>8} {'raw msg/s':>10} {'wire msg/s':>11} {'raw MB/s':>9} {'wire MB/s':>10} "
+        f"{'ratio':>6} {'raw cpu us':>11} {'wire cpu us':>12} {'cpu ratio':>10}"
+    )
     print(header)
     for r in rows:
         print(
             f"{r['tokens']:>7} {r['message_bytes']:>8} {r['raw_msgs_per_s']:>10.0f} {r['wire_msgs_per_s']:>11.0f} "
-            f"{r['raw_MB_per_s']:>9.1f} {r['wire_MB_per_s']:>10.1f} {r['ratio']:>6.2f}"
+            f"{r['raw_MB_per_s']:>9.1f} {r['wire_MB_per_s']:>10.1f} {r['ratio']:>6.2f} "
+            f"{r['raw_cpu_us_per_msg']:>11.1f} {r['wire_cpu_us_per_msg']:>12.1f} {r['cpu_ratio']:>10.2f}"
         )
     ratio_2k = next(r["ratio"] for r in rows if r["tokens"] == 2048)
     print(f"ratio at 2k tokens: {ratio_2k:.2f}")

@@ -136,10 +136,10 @@ class _ArrayCollector:
                 raise TypeError(f"wire.encode: unsupported numpy scalar type {value.dtype}")
             return value.item()
         else:
-            array = value if isinstance(value, np.ndarray) else _as_numpy(value)
-            if array is None:
+            array = value if isinstance(value, np.ndarray) else _as_numpy(value)  # subclass (memmap, ...) or tensor
+            if array is None or isinstance(array, np.ma.MaskedArray):  # a mask would be lost silently
                 raise TypeError(f"wire.encode: cannot send a {type(value).__module__}.{type(value).__qualname__}")
-            value, code = _checked_array(np.asarray(array))
+            value, code = _checked_array(array.view(np.ndarray))
         arrays = self.arrays
         arrays.append(value)
         shape = value.shape

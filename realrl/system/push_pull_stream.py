@@ -9,7 +9,9 @@
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
-  `n_rejected` and logged (rate-limited); the puller keeps running.
+  `n_rejected` and logged (rate-limited); the puller keeps running. (A
+  message over twice the size limit is refused by zmq itself, which drops
+  that connection instead of buffering it.)
 - `NameResolvingZmqPuller` registers its address under
   `names.push_pull_stream(exp, trial, "puller{i}")`; `NameResolvingZmqPusher`
   picks its puller with `grouping(pusher_count, puller_count)` and waits for
@@ -148,6 +150,9 @@ class ZMQPuller:
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, hwm)
         self._socket.setsockopt(zmq.LINGER, 0)  # a puller has nothing to flush
+        # Memory backstop: zmq drops a peer whose message exceeds twice the limit before
+        # buffering it. Messages between the limit and that are received, rejected and counted.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes)
         try:
             self._socket.bind(f"tcp://{host}:{'*' if port is None else port}")
         except zmq.ZMQError:

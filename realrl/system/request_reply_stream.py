@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -225,7 +225,7 @@ class NameResolvingRequestClient:
         experiment_name: str,
         trial_name: str,
         n_subscribers: int,
-        handler_routing: dict[Hashable, int],
+        handler_routing: dict[int | str, int],
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         host: str | None = None,
@@ -234,6 +234,9 @@ class NameResolvingRequestClient:
         bad = {h: w for h, w in handler_routing.items() if not (isinstance(w, int) and 0 <= w < n_subscribers)}
         if bad:
             raise ValueError(f"handler_routing maps to workers outside 0..{n_subscribers - 1}: {bad}")
+        bad_keys = [h for h in handler_routing if not isinstance(h, (int, str)) or isinstance(h, bool)]
+        if bad_keys:
+            raise ValueError(f"handlers are worker indices (int) or ids (str), got {bad_keys}")
         self.n_subscribers = n_subscribers
         self.routing = dict(handler_routing)
         self.send_timeout = send_timeout
@@ -255,6 +258,7 @@ class NameResolvingRequestClient:
                 self._keys.append(key(_master_send(i)))
             recv_socket = self._context.socket(zmq.PULL)
             recv_socket.setsockopt(zmq.LINGER, 0)
+            recv_socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes)  # memory backstop, see push_pull_stream
             self.recv_address = _bind_claimed_port(recv_socket, host, experiment_name, trial_name)
             name_resolve.add(key(_MASTER_RECV), self.recv_address, replace=True)
             self._keys.append(key(_MASTER_RECV))
@@ -270,7 +274,7 @@ class NameResolvingRequestClient:
                     pass
             raise
 
-        self._inflight: dict[str, tuple[Hashable, str, int]] = {}  # request id -> (handler, handle name, worker)
+        self._inflight: dict[str, tuple[int | str, str, int]] = {}  # request id -> (handler, handle name, worker)
         self._replies: dict[str, Payload] = {}  # arrived, not yet collected (insertion = arrival order)
         self._syns: set[str] = set()
         self._waiters: dict[tuple[str, str], asyncio.Future] = {}  # (kind, request id) -> future
@@ -297,26 +301,25 @@ class NameResolvingRequestClient:
             time.sleep(0.05)
 
     # ---- sending ------------------------------------------------------------------
-    def _route(self, handler: Hashable) -> int:
+    def _route(self, handler: int | str) -> int:
         try:
             return self.routing[handler]
         except (KeyError, TypeError):
             raise KeyError(f"no route for handler {handler!r}; routing table: {self.routing}") from None
 
-    def _send_requests(self, handlers: Sequence[Hashable], handle_name: str, datas: Sequence[Any] | None, no_syn: bool) -> list[str]:
+    def _send_requests(self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool) -> list[str]:
         if datas is None:
             datas = [None] * len(handlers)
         if len(datas) != len(handlers):
             raise ValueError(f"{len(handlers)} handlers but {len(datas)} datas")
-        workers = [self._route(h) for h in handlers]  # fail before sending anything
-        ids = []
-        for handler, data, worker in zip(handlers, datas, workers):
-            payload = Payload(handler, handle_name, data, no_syn)
-            message = wire.dumps(payload.to_wire())
-            self._inflight[payload.request_id] = (handler, handle_name, worker)
+        # Route and encode everything before sending anything.
+        workers = [self._route(h) for h in handlers]
+        payloads = [Payload(h, handle_name, d, no_syn) for h, d in zip(handlers, datas)]
+        messages = [wire.dumps(p.to_wire()) for p in payloads]
+        for payload, message, worker in zip(payloads, messages, workers):
+            self._inflight[payload.request_id] = (payload.handler, handle_name, worker)
             _send(self._send_sockets[worker], message, self.send_timeout, f"{handle_name!r} to model worker {worker}")
-            ids.append(payload.request_id)
-        return ids
+        return [p.request_id for p in payloads]
 
     def _send_control(self, kind: str, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -326,7 +329,7 @@ class NameResolvingRequestClient:
 
     def request(
         self,
-        handlers: Sequence[Hashable],
+        handlers: Sequence[int | str],
         handle_name: str,
         datas: Sequence[Any] | None = None,
         no_syn: bool = True,
@@ -437,7 +440,7 @@ class NameResolvingRequestClient:
 
     def call(
         self,
-        handlers: Sequence[Hashable],
+        handlers: Sequence[int | str],
         handle_name: str,
         datas: Sequence[Any] | None = None,
         timeout: float = 300.0,
@@ -503,7 +506,7 @@ class NameResolvingRequestClient:
 
     async def request_async(
         self,
-        handlers: Sequence[Hashable],
+        handlers: Sequence[int | str],
         handle_name: str,
         datas: Sequence[Any] | None = None,
         no_syn: bool = True,
@@ -521,7 +524,7 @@ class NameResolvingRequestClient:
 
     async def call_async(
         self,
-        handlers: Sequence[Hashable],
+        handlers: Sequence[int | str],
         handle_name: str,
         datas: Sequence[Any] | None = None,
         timeout: float = 300.0,
@@ -582,6 +585,7 @@ class NameResolvingReplyServer:
         self._context = zmq.Context()
         recv_socket = self._context.socket(zmq.PULL)
         recv_socket.setsockopt(zmq.LINGER, 0)
+        recv_socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes)
         recv_socket.connect(f"tcp://{requests_address}")
         self._send_socket = self._context.socket(zmq.PUSH)
         self._send_socket.setsockopt(zmq.LINGER, _REPLY_LINGER_MS)
