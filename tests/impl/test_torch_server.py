@@ -246,7 +246,7 @@ def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
     save_perturbed(tiny_llama_dir, sharded_dir, seed=2, max_shard_size="100KB")
     assert os.path.exists(os.path.join(sharded_dir, "model.safetensors.index.json"))
     assert sum(f.endswith(".safetensors") for f in os.listdir(sharded_dir)) > 1
-    long_params = {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+    long_params = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
     probe = PROMPTS[2]
     greedy = {"max_new_tokens": 30, "temperature": 0}
 
@@ -271,7 +271,7 @@ def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
     for res in aborted:
         assert res.finish_reason == "abort"
         assert res.weight_version == "0"
-        assert 0 < len(res.output_ids) < 3000
+        assert 0 < len(res.output_ids) < 4000
         assert len(res.output_logprobs) == len(res.output_ids)
     assert after_v1.weight_version == "1"
     assert after_v1.output_ids == hf_greedy(load_reference(new_dir), probe, 30)
@@ -285,25 +285,35 @@ def test_update_weights_without_abort_lets_requests_finish(start_server, tiny_ll
     server = start_server(tiny_llama_dir)
     new_dir = str(tmp_path / "v1")
     save_perturbed(tiny_llama_dir, new_dir, seed=3)
-    params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+    n_tokens = 300
+    # One batched request: its prompts start together and end at the same step,
+    # so "all running" is a state that lasts, not a race.
+    body = {
+        "input_ids": PROMPTS,
+        "sampling_params": {"max_new_tokens": n_tokens, "temperature": 1.0, "ignore_eos": True},
+        "return_logprob": True,
+    }
 
     async def go(client):
         url = server.url
-        inflight = [asyncio.create_task(client.generate(url, p, params)) for p in PROMPTS]
+        inflight = asyncio.create_task(asyncio.to_thread(post_raw, url, "/generate", json.dumps(body).encode()))
         await asyncio.to_thread(
             wait_until, lambda: get_json(url, "/get_server_info")["num_running_requests"] == len(PROMPTS), 60, "running"
         )
         update = await client.update_weights_from_disk(url, new_dir, weight_version=7, abort_all_requests=False)
-        results = await asyncio.gather(*inflight)
+        status, results = await inflight
         after = await client.generate(url, PROMPTS[0], {"max_new_tokens": 3})
-        return update, results, after
+        return update, status, results, after
 
-    update, results, after = run(_with_client(go))
+    update, status, results, after = run(_with_client(go))
     assert update["success"] and update["num_paused_requests"] == 0
     # Each request ran to its end under the old weights (a version is stamped
     # when a request finishes, so a mid-flight swap would show "7").
+    assert status == 200 and len(results) == len(PROMPTS)
     for res in results:
-        assert res.finish_reason == "length" and len(res.output_ids) == 200 and res.weight_version == "0"
+        meta = res["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "0"
+        assert len(res["output_ids"]) == n_tokens
     assert after.weight_version == "7"
 
 
@@ -312,7 +322,8 @@ def test_update_weights_without_abort_lets_requests_finish(start_server, tiny_ll
 
 def test_pause_continue_and_abort(start_server, tiny_llama_dir):
     server = start_server(tiny_llama_dir)
-    long_params = {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+    # Long requests never finish during the test, so "running" states last.
+    long_params = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
     short = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 
     def info():
@@ -335,25 +346,31 @@ def test_pause_continue_and_abort(start_server, tiny_llama_dir):
 
         # abort_request by rid: only that request ends.
         a = asyncio.create_task(client.generate(url, PROMPTS[2], long_params, rid="victim"))
-        b = asyncio.create_task(client.generate(url, PROMPTS[3], dict(long_params, max_new_tokens=60), rid="bystander"))
+        b = asyncio.create_task(client.generate(url, PROMPTS[3], long_params, rid="bystander"))
         await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == 2, 60, "running")
         await client.abort_request(url, rid="victim")
-        victim, bystander = await a, await b
+        victim = await a
+        running_after_victim = info()["num_running_requests"]
+        await client.abort_request(url, rid="bystander")
+        bystander = await b
 
         # abort_all ends everything.
         c = [asyncio.create_task(client.generate(url, p, long_params)) for p in PROMPTS]
         await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == len(PROMPTS), 60, "running")
         await client.abort_request(url, abort_all=True)
         all_aborted = await asyncio.gather(*c)
-        return paused_result, state_while_paused, resumed, victim, bystander, all_aborted
+        return paused_result, state_while_paused, resumed, victim, running_after_victim, bystander, all_aborted
 
-    paused_result, state_while_paused, resumed, victim, bystander, all_aborted = run(_with_client(go))
-    assert paused_result.finish_reason == "abort" and 0 < len(paused_result.output_ids) < 3000
+    paused_result, state_while_paused, resumed, victim, running_after_victim, bystander, all_aborted = run(
+        _with_client(go)
+    )
+    assert paused_result.finish_reason == "abort" and 0 < len(paused_result.output_ids) < 4000
     assert len(paused_result.output_logprobs) == len(paused_result.output_ids)
     assert state_while_paused["paused"] is True and state_while_paused["num_running_requests"] == 0
     assert resumed.finish_reason == "length" and len(resumed.output_ids) == 5
-    assert victim.finish_reason == "abort" and victim.rid == "victim"
-    assert bystander.finish_reason == "length" and len(bystander.output_ids) == 60
+    assert victim.finish_reason == "abort" and victim.rid == "victim" and len(victim.output_ids) > 0
+    assert running_after_victim == 1  # the bystander went on
+    assert bystander.finish_reason == "abort" and bystander.rid == "bystander"
     assert all(r.finish_reason == "abort" for r in all_aborted)
 
 
@@ -373,3 +390,98 @@ def test_sigterm_shuts_down_cleanly(start_server, tiny_llama_dir):
     res = run(_with_client(go))
     assert res.finish_reason == "abort"
     assert server.proc.wait(timeout=60) == 0
+
+
+# --------------------------------------------------------------------------- engine, in process
+
+
+def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeypatch):
+    """Rows joining (left-widening and re-allocating the window), leaving, trimming
+    and column re-allocation, driven hard: a tiny batch limit, a small prefill
+    budget and a 7-column headroom; every output must equal the request run alone."""
+    import random
+    import threading
+
+    from realrl.impl.generation import torch_server
+
+    monkeypatch.setattr(torch_server, "_MAX_HEADROOM", 7)
+    engine = torch_server.GenerationEngine(
+        reference_model,
+        device=torch.device("cpu"),
+        max_running_requests=6,
+        max_prefill_tokens=64,
+        eos_token_ids=torch_server.eos_token_ids_of(reference_model),
+    )
+    engine.start()
+    rng = random.Random(0)
+    n = 30
+    prompts = [[0] + [rng.randrange(2, 64) for _ in range(rng.randint(0, 40))] for _ in range(n)]
+    lengths = [rng.randint(1, 30) for _ in range(n)]
+    results: dict[int, dict] = {}
+
+    def submit(i: int) -> threading.Event:
+        body = {"input_ids": prompts[i], "sampling_params": {"temperature": 0, "max_new_tokens": lengths[i]}}
+        (req,), _ = torch_server.parse_generate_body(body, engine.limits)
+        done = threading.Event()
+
+        def reply(result, i=i):
+            results[i] = result
+            done.set()
+
+        req.reply = reply
+        engine.submit(req)
+        return done
+
+    try:
+        alone = []
+        for i in range(n):
+            assert submit(i).wait(60)
+            alone.append(results[i]["output_ids"])
+        events = []
+        for i in range(n):
+            events.append(submit(i))
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 0.02)
+        assert all(e.wait(120) for e in events)
+    finally:
+        engine.stop()
+    assert [results[i]["output_ids"] for i in range(n)] == alone
+    assert engine.stats["finish_stop"] > 0  # some rows left early at eos
+
+
+def test_weight_checks_refuse_mismatched_checkpoints(reference_model, tiny_llama_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from realrl.impl.generation import torch_server
+    from tests.impl.conftest import tiny_llama_config
+
+    engine = torch_server.GenerationEngine(reference_model, device=torch.device("cpu"))  # thread not started
+    assert set(engine.read_weights(tiny_llama_dir)) == set(reference_model.state_dict())
+
+    other = tiny_llama_config()
+    other.intermediate_size = 128
+    LlamaForCausalLM(other).save_pretrained(str(tmp_path / "wrong_shape"))
+    with pytest.raises(torch_server.WeightLoadError, match="shape"):
+        engine.read_weights(str(tmp_path / "wrong_shape"))
+
+    deeper = tiny_llama_config()
+    deeper.num_hidden_layers = 3
+    LlamaForCausalLM(deeper).save_pretrained(str(tmp_path / "extra_layer"))
+    with pytest.raises(torch_server.WeightLoadError, match="unexpected"):
+        engine.read_weights(str(tmp_path / "extra_layer"))
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(torch_server.WeightLoadError, match="no safetensors"):
+        engine.read_weights(str(tmp_path / "empty"))
+
+    # Tied embeddings: the checkpoint has no lm_head.weight, and that is fine.
+    tied_config = tiny_llama_config()
+    tied_config.tie_word_embeddings = True
+    tied = LlamaForCausalLM(tied_config)
+    tied.save_pretrained(str(tmp_path / "tied"))
+    tied_engine = torch_server.GenerationEngine(tied.eval(), device=torch.device("cpu"))
+    loaded = tied_engine.read_weights(str(tmp_path / "tied"))
+    assert "lm_head.weight" not in loaded
+    # ... but an untied model needs its own lm_head.
+    with pytest.raises(torch_server.WeightLoadError, match="missing"):
+        engine.read_weights(str(tmp_path / "tied"))

@@ -40,12 +40,15 @@ in columns [start, end) of a preallocated buffer per layer, with a boolean
 attention mask and an explicit position id per row. A decode step writes the new
 keys/values in place at column `end` (no re-allocation per step). New requests
 are prefilled together (left-padded, one forward), their first token sampled,
-and their cache merged into the running batch at the next step (the shorter
-cache is padded on the left). Finished rows leave at once (their HTTP response is
-sent immediately) and the cache is compacted by row selection; leading columns
-that became padding in every row are dropped. Sampling is vectorised over the
-batch with per-row temperature / top-p / top-k / min-p tensors and a
-per-server `torch.Generator` seeded from `--seed`.
+and their rows written into free rows of the buffers, right-aligned at `end`
+(the window widens to the left if they are longer), before the next step.
+Finished rows leave at once (their HTTP response is sent immediately): the last
+rows move into their slots with one indexed copy per layer, and leading columns
+that became padding in every row drop out of the window. Buffers are
+re-allocated only when rows or columns run out. Decode steps pass a ready 4D
+boolean mask, so HF builds no mask per step. Sampling is vectorised over the
+batch with per-row temperature / top-p / top-k / min-p tensors and a per-server
+`torch.Generator` seeded from `--seed`.
 
 **Weight updates.** `update_weights_from_disk` reads the safetensors of an HF
 directory (single file or sharded with an index) on a helper thread and checks
@@ -312,20 +315,21 @@ def parse_generate_body(body: Any, limits: GenerateLimits) -> tuple[list[_Reques
 
 
 class _Window:
-    """The live column range [start, end) shared by every layer of a running batch."""
+    """The live part of a running batch's buffers: rows [0, rows), columns
+    [start, end). Shared by every layer."""
 
-    __slots__ = ("start", "end")
+    __slots__ = ("rows", "start", "end")
 
-    def __init__(self, start: int, end: int):
-        self.start, self.end = start, end
+    def __init__(self, rows: int, start: int, end: int):
+        self.rows, self.start, self.end = rows, start, end
 
 
 class _KVBuffer(DynamicLayer):
-    """One layer's keys/values in a preallocated [batch, kv_heads, capacity, head_dim] buffer.
+    """One layer's keys/values in a preallocated [rows, kv_heads, columns, head_dim] buffer.
 
-    `update` writes the new keys/values in place after the live window and returns
-    views; the running batch reserves capacity before each forward and advances
-    the shared window after it.
+    `update` writes the new keys/values in place right after the live window and
+    returns views; the running batch reserves room before each forward and
+    advances the shared window after it.
     """
 
     def __init__(self, keys_buf: torch.Tensor, values_buf: torch.Tensor, window: _Window):
@@ -333,142 +337,177 @@ class _KVBuffer(DynamicLayer):
         self.keys_buf, self.values_buf, self.window = keys_buf, values_buf, window
         self.dtype, self.device = keys_buf.dtype, keys_buf.device
         self.is_initialized = True
-        self.keys = keys_buf[:, :, window.start : window.end]
-        self.values = values_buf[:, :, window.start : window.end]
+        w = window
+        self.keys = keys_buf[: w.rows, :, w.start : w.end]
+        self.values = values_buf[: w.rows, :, w.start : w.end]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         w = self.window
         new_end = w.end + key_states.shape[-2]
-        self.keys_buf[:, :, w.end : new_end].copy_(key_states)
-        self.values_buf[:, :, w.end : new_end].copy_(value_states)
-        self.keys = self.keys_buf[:, :, w.start : new_end]
-        self.values = self.values_buf[:, :, w.start : new_end]
+        self.keys_buf[: w.rows, :, w.end : new_end].copy_(key_states)
+        self.values_buf[: w.rows, :, w.end : new_end].copy_(value_states)
+        self.keys = self.keys_buf[: w.rows, :, w.start : new_end]
+        self.values = self.values_buf[: w.rows, :, w.start : new_end]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.window.end - self.window.start
 
 
-class _RunningBatch:
-    """The requests being decoded, their left-padded KV cache and per-row state."""
+# Keys/values of some rows, (per-layer (keys, values), mask), columns right-aligned.
+_Rows = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
-    def __init__(
-        self,
-        requests: list[_Request],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        mask: torch.Tensor,
-        length: int,
-        config,
-    ):
-        # keys/values/mask hold the live window in columns [0, length) and spare
-        # capacity after it.
-        self.requests = requests
-        self.mask = mask
-        self.window = _Window(0, length)
-        self.cache = DynamicCache(config=config)
-        self.cache.layers = [_KVBuffer(k, v, self.window) for k, v in zip(keys, values)]
+
+class _RunningBatch:
+    """The requests being decoded, their left-padded KV cache and per-row state.
+
+    Buffers are allocated with spare rows and columns and reused: a finished row
+    is replaced by the last row (one indexed copy per layer), a joining group is
+    written into free rows right-aligned at `end`, a decode step writes one
+    column in place. Only when rows or columns run out are the buffers
+    re-allocated (zero-filled, so stale padding is always finite) and the live
+    window copied over.
+    """
+
+    def __init__(self, requests: list[_Request], rows: _Rows, config, max_rows: int):
         self.config = config
-        device = mask.device
-        # Per-row state rebuilt from the requests (cheap; only on batch changes).
-        self.last_tokens = torch.tensor([r.output_ids[-1] for r in requests], dtype=torch.long, device=device)
-        self.positions = torch.tensor(
-            [len(r.input_ids) + len(r.output_ids) - 1 for r in requests], dtype=torch.long, device=device
-        )
-        self.params = _RowParams.from_requests(requests, device)
+        self.max_rows = max_rows
+        self.requests: list[_Request] = []
+        kv, mask = rows
+        self._allocate([(kv, mask)], n_rows=mask.shape[0], length=mask.shape[1], extra_requests=requests)
+        self.requests = list(requests)
+        self._refresh_rows()
+
+    # ---- views and sizes
 
     @property
     def size(self) -> int:
-        return len(self.requests)
+        return self.window.rows
 
     @property
     def length(self) -> int:
         return self.window.end - self.window.start
 
-    @property
-    def capacity(self) -> int:
-        return self.mask.shape[1]
+    def live(self) -> _Rows:
+        w = self.window
+        kv = [(layer.keys_buf[: w.rows, :, w.start : w.end], layer.values_buf[: w.rows, :, w.start : w.end])
+              for layer in self.cache.layers]  # fmt: skip
+        return kv, self.mask[: w.rows, w.start : w.end]
 
-    def live_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.cache.layers[layer]
-        s, e = self.window.start, self.window.end
-        return kv.keys_buf[:, :, s:e], kv.values_buf[:, :, s:e]
-
-    def live_mask(self) -> torch.Tensor:
-        return self.mask[:, self.window.start : self.window.end]
+    def decode_mask(self) -> torch.Tensor:
+        """The 4D boolean mask [rows, 1, 1, length + 1] for the next decode step
+        (HF passes a 4D mask through untouched)."""
+        w = self.window
+        self.mask[: w.rows, w.end] = True
+        return self.mask[: w.rows, None, None, w.start : w.end + 1]
 
     @staticmethod
     def headroom(requests: list[_Request]) -> int:
         remaining = max(r.max_new_tokens - len(r.output_ids) for r in requests)
         return max(1, min(remaining, _MAX_HEADROOM))
 
-    @classmethod
-    def assemble(
-        cls,
-        requests: list[_Request],
-        parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]],
-        config,
-    ) -> "_RunningBatch":
-        """Stack several (per-layer keys/values, mask) groups of rows into one batch,
-        right-aligning each group's columns (the shorter ones get left padding)."""
-        length = max(mask.shape[1] for _, mask in parts)
-        capacity = length + cls.headroom(requests)
-        rows = sum(mask.shape[0] for _, mask in parts)
-        ref_k, ref_v = parts[0][0][0]
-        device = ref_k.device
-        mask = torch.zeros((rows, capacity), dtype=torch.bool, device=device)
-        keys, values = [], []
-        for layer in range(len(parts[0][0])):
-            k0, v0 = parts[0][0][layer]
-            # Zeros, not empty: padding columns are masked, but a NaN there would
-            # still poison the attention output (0 * NaN).
-            keys.append(k0.new_zeros((rows, k0.shape[1], capacity, k0.shape[3])))
-            values.append(v0.new_zeros((rows, v0.shape[1], capacity, v0.shape[3])))
+    # ---- (re)allocation
+
+    def _allocate(self, parts: list[_Rows], n_rows: int, length: int, extra_requests: list[_Request]) -> None:
+        """Fresh zeroed buffers holding `parts` stacked by rows, right-aligned at `length`."""
+        requests = self.requests + extra_requests
+        row_capacity = min(max(self.max_rows, n_rows), max(2 * n_rows, 8))
+        col_capacity = length + self.headroom(requests)
+        device = parts[0][1].device
+        self.mask = torch.zeros((row_capacity, col_capacity), dtype=torch.bool, device=device)
+        self.window = _Window(n_rows, 0, length)
+        layers = []
+        for k0, v0 in parts[0][0]:
+            keys = k0.new_zeros((row_capacity, k0.shape[1], col_capacity, k0.shape[3]))
+            values = v0.new_zeros((row_capacity, v0.shape[1], col_capacity, v0.shape[3]))
+            layers.append(_KVBuffer(keys, values, self.window))
         row = 0
         for kv, part_mask in parts:
             n, cols = part_mask.shape
             offset = length - cols
-            mask[row : row + n, offset:length] = part_mask
-            for layer, (k, v) in enumerate(kv):
-                keys[layer][row : row + n, :, offset:length] = k
-                values[layer][row : row + n, :, offset:length] = v
+            self.mask[row : row + n, offset:length] = part_mask
+            for layer, (k, v) in zip(layers, kv):
+                layer.keys_buf[row : row + n, :, offset:length] = k
+                layer.values_buf[row : row + n, :, offset:length] = v
             row += n
-        return cls(requests, keys, values, mask, length, config)
+        self.cache = DynamicCache(config=self.config)
+        self.cache.layers = layers
 
-    def parts(self, rows: torch.Tensor | None = None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """This batch's live window (optionally only `rows`), trimmed of leading
-        columns that are padding in every kept row."""
-        mask = self.live_mask()
-        if rows is not None:
-            mask = mask.index_select(0, rows)
-        first = int(mask.any(dim=0).int().argmax()) if mask.shape[1] else 0
-        s, e = self.window.start + first, self.window.end
-        kv = []
-        for layer in self.cache.layers:
-            k, v = layer.keys_buf[:, :, s:e], layer.values_buf[:, :, s:e]
-            if rows is not None:
-                k, v = k.index_select(0, rows), v.index_select(0, rows)
-            kv.append((k, v))
-        return kv, mask[:, first:]
-
-    def select(self, keep: list[int]) -> "_RunningBatch | None":
-        if not keep:
-            return None
-        rows = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        return _RunningBatch.assemble([self.requests[i] for i in keep], [self.parts(rows)], self.config)
-
-    def merge(self, other: "_RunningBatch") -> "_RunningBatch":
-        return _RunningBatch.assemble(self.requests + other.requests, [self.parts(), other.parts()], self.config)
+    def _refresh_rows(self) -> None:
+        """Rebuild the per-row tensors from the requests (after rows changed)."""
+        device = self.mask.device
+        self.last_tokens = torch.tensor([r.output_ids[-1] for r in self.requests], dtype=torch.long, device=device)
+        self.positions = torch.tensor(
+            [len(r.input_ids) + len(r.output_ids) - 1 for r in self.requests], dtype=torch.long, device=device
+        )
+        self.params = _RowParams.from_requests(self.requests, device)
+        for layer in self.cache.layers:  # views over the new row count
+            w = self.window
+            layer.keys = layer.keys_buf[: w.rows, :, w.start : w.end]
+            layer.values = layer.values_buf[: w.rows, :, w.start : w.end]
 
     def reserve(self, n: int) -> None:
         """Make room for n more columns (re-allocating, rarely, with fresh headroom)."""
-        if self.window.end + n <= self.capacity:
+        if self.window.end + n <= self.mask.shape[1]:
             return
-        kv, mask = self.parts()
-        grown = _RunningBatch.assemble(self.requests, [(kv, mask)], self.config)
-        if grown.capacity - grown.length < n:  # never: headroom >= 1 and n == 1
-            raise RuntimeError("KV cache headroom too small")
-        self.__dict__.update(grown.__dict__)
+        self._allocate([self.live()], n_rows=self.size, length=self.length, extra_requests=[])
+        self._refresh_rows()
+
+    # ---- membership
+
+    def remove(self, drop: list[int]) -> bool:
+        """Drop rows (by index); returns False if the batch became empty."""
+        w = self.window
+        n_left = w.rows - len(drop)
+        if n_left == 0:
+            return False
+        dropped = set(drop)
+        # Kept rows beyond the new end move into the dropped slots below it.
+        holes = [i for i in sorted(dropped) if i < n_left]
+        movers = [i for i in range(n_left, w.rows) if i not in dropped]
+        if holes:
+            device = self.mask.device
+            dst = torch.tensor(holes, dtype=torch.long, device=device)
+            src = torch.tensor(movers, dtype=torch.long, device=device)
+            for layer in self.cache.layers:
+                for buf in (layer.keys_buf, layer.values_buf):
+                    live = buf[:, :, w.start : w.end]
+                    live.index_copy_(0, dst, live.index_select(0, src))
+            live_mask = self.mask[:, w.start : w.end]
+            live_mask.index_copy_(0, dst, live_mask.index_select(0, src))
+            for h, m in zip(holes, movers):
+                self.requests[h] = self.requests[m]
+        del self.requests[n_left:]
+        w.rows = n_left
+        # Columns that are now padding in every row are dropped from the window.
+        first = int(self.mask[:n_left, w.start : w.end].any(dim=0).int().argmax())
+        w.start += first
+        self._refresh_rows()
+        return True
+
+    def add(self, requests: list[_Request], rows: _Rows) -> None:
+        """Join freshly prefilled rows (keys/values/mask right-aligned)."""
+        kv, mask = rows
+        n, cols = mask.shape
+        w = self.window
+        row_capacity, col_capacity = self.mask.shape
+        if w.rows + n > row_capacity or cols > w.end or w.end >= col_capacity:
+            length = max(self.length, cols)
+            self._allocate([self.live(), rows], n_rows=w.rows + n, length=length, extra_requests=requests)
+        else:
+            c0 = w.end - cols
+            if c0 < w.start:  # the window widens to the left for the longer newcomers
+                self.mask[: w.rows, c0 : w.start] = False
+                w.start = c0
+            r0, r1 = w.rows, w.rows + n
+            self.mask[r0:r1, w.start : w.end] = False
+            self.mask[r0:r1, c0 : w.end] = mask
+            for layer, (k, v) in zip(self.cache.layers, kv):
+                layer.keys_buf[r0:r1, :, c0 : w.end] = k
+                layer.values_buf[r0:r1, :, c0 : w.end] = v
+            w.rows = r1
+        self.requests.extend(requests)
+        self._refresh_rows()
 
 
 @dataclass
@@ -670,6 +709,7 @@ class GenerationEngine:
             "engine_errors": 0,
         }
         self.rejections: dict[str, int] = {}
+        self._stats_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="generation-loop", daemon=True)
 
     def _check_full_attention(self) -> None:
@@ -699,8 +739,9 @@ class GenerationEngine:
         self._inbox.put((name, args, reply))
 
     def count_rejection(self, reason: str) -> None:
-        self.stats["requests_rejected"] += 1
-        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        with self._stats_lock:  # called from the HTTP thread and the loop
+            self.stats["requests_rejected"] += 1
+            self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def read_weights(self, path: str) -> dict[str, torch.Tensor]:
         """Read and check new weights (any thread; the model is not touched)."""
@@ -765,7 +806,16 @@ class GenerationEngine:
             except queue.Empty:
                 break
         for name, args, reply in items:
-            self._handle(name, args, reply)
+            try:
+                self._handle(name, args, reply)
+            except Exception as e:  # keep serving: answer the command with the error
+                logger.exception("command %s failed", name)
+                self.stats["engine_errors"] += 1
+                error = {"success": False, "message": f"{name} failed: {e}"}
+                if name == "generate":
+                    args.reply(RuntimeError(error["message"]))
+                elif reply is not None:
+                    reply(error)
 
     def _handle(self, name: str, args: Any, reply: Callable[[Any], None] | None) -> None:
         if name == "generate":
@@ -850,16 +900,18 @@ class GenerationEngine:
                     kept.append(req)
             self._waiting = kept
         if self._batch is not None:
-            keep = []
+            drop = []
             for i, req in enumerate(self._batch.requests):
                 if match(req):
                     self._finish(req, {"type": "abort", "message": message})
-                    n += 1
-                else:
-                    keep.append(i)
-            if len(keep) < self._batch.size:
-                self._batch = self._batch.select(keep)
+                    drop.append(i)
+            self._drop_rows(drop)
+            n += len(drop)
         return n
+
+    def _drop_rows(self, drop: list[int]) -> None:
+        if drop and not self._batch.remove(drop):
+            self._batch = None
 
     def _abort_all(self, message: str) -> None:
         self._abort(lambda r: True, include_waiting=True, message=message)
@@ -895,11 +947,17 @@ class GenerationEngine:
             if not group:
                 break
             free -= len(group)
-            new = self._prefill(group)
-            if new is not None:
-                self._batch = new if self._batch is None else self._batch.merge(new)
+            joined = self._prefill(group)
+            if joined is not None:
+                requests, rows = joined
+                if self._batch is None:
+                    self._batch = _RunningBatch(requests, rows, self.config, self.max_running_requests)
+                else:
+                    self._batch.add(requests, rows)
 
-    def _prefill(self, group: list[_Request]) -> _RunningBatch | None:
+    def _prefill(self, group: list[_Request]) -> tuple[list[_Request], _Rows] | None:
+        """One forward over the group's prompts (left-padded); samples each first
+        token; returns the rows that go on with their keys/values and mask."""
         self.stats["prefill_batches"] += 1
         prompts = [r.input_ids for r in group]
         length = max(len(p) for p in prompts)
@@ -922,7 +980,8 @@ class GenerationEngine:
         )
         params = _RowParams.from_requests(group, self.device)
         tokens, logprobs = sample_tokens(out.logits[:, -1, :], params, self._generator, self._banned(group))
-        keep = self._record(group, tokens.tolist(), logprobs.tolist())
+        done = set(self._record(group, tokens.tolist(), logprobs.tolist()))
+        keep = [i for i in range(len(group)) if i not in done]
         if not keep:
             return None
         rows = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -933,7 +992,7 @@ class GenerationEngine:
         # they must be finite.
         pad = ~row_mask[:, None, first:, None]
         kv = [(k[:, :, first:].masked_fill(pad, 0), v[:, :, first:].masked_fill(pad, 0)) for k, v in kv]
-        return _RunningBatch.assemble([group[i] for i in keep], [(kv, row_mask[:, first:])], self.config)
+        return [group[i] for i in keep], (kv, row_mask[:, first:])
 
     def _banned(self, requests: list[_Request]) -> list[tuple[int, list[int]]] | None:
         banned = [
@@ -944,35 +1003,33 @@ class GenerationEngine:
         return banned or None
 
     def _record(self, requests: list[_Request], tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Append each row's new token; finish the rows that are done; return the
-        indices of the rows that go on."""
-        keep = []
+        """Append each row's new token; finish the rows that are done and return
+        their indices."""
+        done = []
         for i, (req, tok, lp) in enumerate(zip(requests, tokens, logprobs)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             n = len(req.output_ids)
             if tok in req.stop_ids and n >= req.min_new_tokens:
                 self._finish(req, {"type": "stop", "matched": tok})
+                done.append(i)
             elif n >= req.max_new_tokens:
                 self._finish(req, {"type": "length"})
-            else:
-                keep.append(i)
+                done.append(i)
         self.stats["generated_tokens"] += len(tokens)
-        return keep
+        return done
 
     def _decode_step(self) -> None:
         batch = self._batch
         batch.reserve(1)
-        w = batch.window
-        batch.mask[:, w.end] = True
         out = self.model(
             input_ids=batch.last_tokens[:, None],
-            attention_mask=batch.mask[:, w.start : w.end + 1],
+            attention_mask=batch.decode_mask(),
             position_ids=batch.positions[:, None],
             past_key_values=batch.cache,
             use_cache=True,
         )
-        w.end += 1
+        batch.window.end += 1
         tokens, logprobs = sample_tokens(
             out.logits[:, -1, :], batch.params, self._generator, self._banned(batch.requests)
         )
@@ -980,9 +1037,7 @@ class GenerationEngine:
         batch.positions += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += batch.size
-        keep = self._record(batch.requests, tokens.tolist(), logprobs.tolist())
-        if len(keep) < batch.size:
-            self._batch = batch.select(keep)
+        self._drop_rows(self._record(batch.requests, tokens.tolist(), logprobs.tolist()))
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -1095,7 +1150,7 @@ class TorchGenerationServer:
         async with self._update_lock:
             try:
                 tensors = await asyncio.to_thread(self.engine.read_weights, model_path)
-            except WeightLoadError as e:
+            except Exception as e:  # WeightLoadError, or anything the filesystem throws
                 self.engine.stats["weight_update_failures"] += 1
                 logger.warning("weight update from %s refused: %s", model_path, e)
                 return web.json_response(

@@ -1,0 +1,198 @@
+"""Generation throughput: the torch server vs `model.generate` on the same batch.
+
+    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N]
+
+A small random Llama (hidden 256, 4 layers, vocab 100; about 3M parameters) is
+built and saved to a temp directory. The torch generation server runs it in a
+subprocess; every prompt is one request through the shared `GenerationClient`,
+all submitted at once. `model.generate` runs the same prompts as one
+left-padded batch in this process with the same sampling settings
+(temperature 1.0, no top-k / top-p, eos ignored) and the same number of torch
+threads. Two workloads:
+
+- equal: every prompt asks for the same number of new tokens;
+- mixed: max_new_tokens drawn from 8..128 per prompt; `generate` must run the
+  whole batch to the longest one, the server retires each request when done.
+
+Throughput counts only the tokens the prompts asked for (sum of max_new_tokens)
+over the wall time of the whole batch, best of `--repeats` runs. Prints a table
+and with --json writes {"equal": {...}, "mixed": {...}, "ratio": <mixed ratio>}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from realrl.impl.generation.client import GenerationClient  # noqa: E402
+
+VOCAB = 100
+
+
+def build_model(path: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    return model
+
+
+def make_workload(n: int, mode: str, equal_len: int, mixed_range: tuple[int, int], seed: int):
+    rng = random.Random(seed)
+    prompts = [[0] + [rng.randrange(2, VOCAB) for _ in range(rng.randint(8, 32))] for _ in range(n)]
+    if mode == "equal":
+        lengths = [equal_len] * n
+    else:
+        lengths = [rng.randint(*mixed_range) for _ in range(n)]
+    return prompts, lengths
+
+
+def run_generate(model, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Seconds for one `model.generate` call on the whole left-padded batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max(lengths),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == width + max(lengths)
+    return elapsed
+
+
+async def run_server(client: GenerationClient, url: str, prompts, lengths) -> float:
+    """Seconds from submitting every request at once to the last answer."""
+    start = time.perf_counter()
+    results = await asyncio.gather(
+        *[
+            client.generate(url, p, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
+            for p, n in zip(prompts, lengths)
+        ]
+    )
+    elapsed = time.perf_counter() - start
+    for res, n in zip(results, lengths):
+        assert len(res.output_ids) == n and res.finish_reason == "length", res
+    return elapsed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller batch, one repeat (< 60 s)")
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+
+    batch = args.batch or (32 if args.quick else 64)
+    repeats = args.repeats or (1 if args.quick else 3)
+    equal_len = 64 if args.quick else 128
+    mixed_range = (8, 128)
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        model = build_model(model_dir)
+        n_params = sum(p.numel() for p in model.parameters())
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen(
+            [
+                sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir,
+                "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
+                "--max-running-requests", str(batch), "--log-level", "WARNING",
+            ],
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            results = asyncio.run(_measure(model, url, batch, repeats, equal_len, mixed_range))
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+    print(f"\nmodel: Llama {n_params / 1e6:.1f}M params, batch {batch}, threads {args.threads}, best of {repeats}")
+    print(f"{'mode':<8}{'tokens':>8}{'server tok/s':>15}{'generate tok/s':>17}{'ratio':>8}")
+    for mode in ("equal", "mixed"):
+        r = results[mode]
+        print(f"{mode:<8}{r['tokens']:>8}{r['server_tok_s']:>15.1f}{r['generate_tok_s']:>17.1f}{r['ratio']:>8.2f}")
+    if args.json:
+        out = {"equal": results["equal"], "mixed": results["mixed"], "ratio": results["mixed"]["ratio"]}
+        out["config"] = {"batch": batch, "repeats": repeats, "threads": args.threads, "params": n_params}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+async def _measure(model, url, batch, repeats, equal_len, mixed_range) -> dict:
+    async with GenerationClient(timeout_s=600) as client:
+        await client.wait_healthy(url, timeout_s=120)
+        # Warm-up both sides (first-call allocations, thread pools).
+        warm_prompts, warm_lengths = make_workload(min(batch, 8), "equal", 8, mixed_range, seed=99)
+        await run_server(client, url, warm_prompts, warm_lengths)
+        run_generate(model, warm_prompts, warm_lengths)
+        results = {}
+        for mode in ("equal", "mixed"):
+            prompts, lengths = make_workload(batch, mode, equal_len, mixed_range, seed=1)
+            server_s = min([await run_server(client, url, prompts, lengths) for _ in range(repeats)])
+            generate_s = min(run_generate(model, prompts, lengths) for _ in range(repeats))
+            tokens = sum(lengths)
+            results[mode] = {
+                "tokens": tokens,
+                "server_s": server_s,
+                "generate_s": generate_s,
+                "server_tok_s": tokens / server_s,
+                "generate_tok_s": tokens / generate_s,
+                "ratio": generate_s / server_s,
+            }
+        return results
+
+
+if __name__ == "__main__":
+    main()
