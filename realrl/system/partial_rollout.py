@@ -1,0 +1,336 @@
+"""Partial rollouts: one agent `GenerationRequest` -> `group_size` server requests.
+
+The rollout worker hands every `GenerationRequest` an agent puts on its
+obs_queue to `PartialRolloutManager.generate`, which returns one
+`GenerationResult` (DESIGN §5-§6). Each of the `group_size` answers is produced
+by its own loop, all answers concurrently:
+
+1. ask the GserverManager for a server (`/schedule_request`); after the first
+   chunk the request is sticky: it names the server and the weight version that
+   produced the previous chunk, so the manager keeps it on the server holding
+   its KV cache unless that server's weights changed;
+2. `/generate` with `input_ids = prompt + output so far`,
+   `max_new_tokens = min(new_tokens_per_chunk, remaining budget)` and
+   `min_new_tokens` reduced by what is already generated, `return_logprob`;
+3. append the new tokens with their logprobs and with the `weight_version` the
+   server reported for that response (the weights that produced them);
+4. `/release_request`, then stop on `stop` (eos / stop token) or when the total
+   `max_new_tokens` is reached (`no_eos`: ended by the length budget); resubmit
+   when the response was interrupted (`abort`, e.g. by a weight update; it may
+   hold 0 tokens) or when a chunk ended by length below the total budget.
+
+Tokens are never lost or duplicated across resubmissions: a response's tokens
+are appended exactly once, and the next request continues after them.
+`version_start` is the version of the first generated token (or the version the
+manager reported when the answer was first scheduled, if it has no token) and
+`version_end` that of the last.
+
+Failures: a server that cannot be reached, times out or answers 5xx is retried
+(rescheduled through the manager, exponential backoff) up to `request_retries`
+times in a row; then `PartialRolloutError` names the server, qid, answer index
+and cause. A 4xx answer (e.g. prompt + budget longer than the model's context)
+fails at once: resending the same request cannot help. The manager itself is
+reached through `GserverManagerClient` with the same retry rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any
+
+import aiohttp
+
+from realrl.api.generation_api import GenerationRequest, GenerationResult
+from realrl.base.logging import getLogger
+from realrl.impl.generation.client import (
+    GenerateResult,
+    GenerationClient,
+    GenerationServerError,
+    GenerationServerUnavailable,
+)
+
+logger = getLogger(__name__)
+
+# Interrupted responses with no new token in a row before we give up: a server
+# that aborts everything it is sent (e.g. shutting down) must not loop forever.
+MAX_EMPTY_ABORTS = 50
+
+
+class PartialRolloutError(RuntimeError):
+    """Generation for one answer failed after all retries (or cannot succeed)."""
+
+
+class ManagerError(RuntimeError):
+    """The GserverManager rejected a call (HTTP 4xx) or could not be reached."""
+
+
+def _backoff(attempt: int, base_s: float, cap_s: float = 10.0) -> float:
+    return min(cap_s, base_s * 2 ** max(0, attempt - 1))
+
+
+def _retryable_status(status: int) -> bool:
+    return status >= 500 or status in (408, 429)
+
+
+class GserverManagerClient:
+    """The rollout side of the GserverManager's HTTP contract (notes/manager_api.md).
+
+    One aiohttp session per client (bound to the event loop of first use);
+    `await close()` when done. Calls that cannot reach the manager, time out or
+    get a 5xx are retried `retries` times with backoff; a 4xx raises
+    `ManagerError` at once (a bug on our side, e.g. an unknown qid)."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, retry_backoff_s: float = 0.5):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def call(self, method: str, path: str, payload: dict | None = None, retries: int | None = None) -> Any:
+        retries = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            try:
+                async with self._get_session().request(method, f"{self.url}{path}", json=payload) as resp:
+                    text = await resp.text()
+                    if resp.status < 400:
+                        return await resp.json(content_type=None) if text.strip() else None
+                    if not _retryable_status(resp.status):
+                        raise ManagerError(f"gserver manager {self.url}{path} answered HTTP {resp.status}: {text[:500]}")
+                    cause = f"HTTP {resp.status}: {text[:200]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                cause = f"{type(e).__name__}: {e}"
+            attempt += 1
+            if attempt > retries:
+                raise ManagerError(f"gserver manager {self.url}{path} failed {attempt} times; last error: {cause}")
+            logger.warning("gserver manager %s%s failed (%s); retry %d/%d", self.url, path, cause, attempt, retries)
+            await asyncio.sleep(_backoff(attempt, self.retry_backoff_s))
+
+    # ---- the endpoints
+
+    async def allocate_rollout(self, qid: str) -> dict:
+        return await self.call("POST", "/allocate_rollout", {"qid": qid})
+
+    async def finish_rollout(self, qid: str, accepted: bool, n_tokens: int) -> dict:
+        return await self.call("POST", "/finish_rollout", {"qid": qid, "accepted": accepted, "n_tokens": n_tokens})
+
+    async def schedule_request(
+        self, qid: str, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None
+    ) -> dict:
+        payload = {"qid": qid, "n": n, "previous_server_url": previous_server_url, "previous_version": previous_version}
+        return await self.call("POST", "/schedule_request", payload)
+
+    async def release_request(self, url: str, n: int = 1, retries: int | None = None) -> dict:
+        return await self.call("POST", "/release_request", {"url": url, "n": n}, retries=retries)
+
+    async def get_model_version(self) -> int:
+        return int((await self.call("GET", "/get_model_version"))["version"])
+
+    async def rollout_stats(self) -> dict:
+        return await self.call("GET", "/rollout_stats")
+
+
+@dataclasses.dataclass
+class _Answer:
+    """One answer being generated, across chunks and interruptions."""
+
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    scheduled_version: int | None = None  # the manager's version when first scheduled
+    no_eos: bool = True
+
+
+@dataclasses.dataclass
+class PartialRolloutStats:
+    """Counters since the last `pop()` (the rollout worker logs them)."""
+
+    server_requests: int = 0  # /generate calls
+    interruptions: int = 0  # responses that ended with finish_reason abort
+    chunk_continuations: int = 0  # resubmissions after a chunk ended by length
+    retries: int = 0  # server errors retried
+    generated_tokens: int = 0
+
+    def pop(self) -> dict[str, int]:
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+        return out
+
+
+class PartialRolloutManager:
+    """Serves agents' generation requests; see the module docstring."""
+
+    def __init__(
+        self,
+        manager: GserverManagerClient,
+        client: GenerationClient,
+        new_tokens_per_chunk: int = 1 << 30,
+        request_timeout: float = 600.0,
+        request_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+    ):
+        if new_tokens_per_chunk < 1:
+            raise ValueError(f"new_tokens_per_chunk must be >= 1, got {new_tokens_per_chunk}")
+        if request_retries < 0:
+            raise ValueError(f"request_retries must be >= 0, got {request_retries}")
+        self.manager = manager
+        self.client = client
+        self.new_tokens_per_chunk = new_tokens_per_chunk
+        self.request_timeout = request_timeout
+        self.request_retries = request_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.stats = PartialRolloutStats()
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """All `group_size` answers of `request`, generated concurrently. If one
+        answer fails, the others are cancelled and the error is raised."""
+        if not request.prompt_ids:
+            raise ValueError(f"generation request {request.qid}: empty prompt")
+        if request.group_size < 1:
+            raise ValueError(f"generation request {request.qid}: group_size must be >= 1")
+        request.gconfig.validate()
+        tasks = [asyncio.create_task(self._generate_answer(request, i)) for i in range(request.group_size)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # on failure or cancellation: stop the other answers, release their servers
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        answers = [task.result() for task in tasks]
+        return GenerationResult(
+            qid=request.qid,
+            prompt_ids=list(request.prompt_ids),
+            output_ids=[a.output_ids for a in answers],
+            output_logprobs=[a.logprobs for a in answers],
+            output_versions=[a.versions for a in answers],
+            no_eos=[a.no_eos for a in answers],
+            version_start=[a.versions[0] if a.versions else a.scheduled_version for a in answers],
+            version_end=[a.versions[-1] if a.versions else a.scheduled_version for a in answers],
+        )
+
+    async def _generate_answer(self, request: GenerationRequest, index: int) -> _Answer:
+        gconfig = request.gconfig
+        answer = _Answer()
+        previous_url: str | None = None
+        previous_version: int | None = None
+        failures = empty_aborts = 0
+        while True:
+            remaining = gconfig.max_new_tokens - len(answer.output_ids)
+            chunk = min(self.new_tokens_per_chunk, remaining)
+            params = gconfig.sampling_params(max_new_tokens=chunk)
+            params["min_new_tokens"] = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
+
+            scheduled = await self.manager.schedule_request(request.qid, 1, previous_url, previous_version)
+            url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
+            if answer.scheduled_version is None:
+                answer.scheduled_version = scheduled_version
+            rid = f"{request.qid}/{index}/{uuid.uuid4().hex[:12]}"
+            self.stats.server_requests += 1
+            try:
+                try:
+                    response = await self.client.generate(
+                        url,
+                        list(request.prompt_ids) + answer.output_ids,
+                        params,
+                        return_logprob=True,
+                        rid=rid,
+                        timeout_s=self.request_timeout,
+                    )
+                finally:
+                    await self._release(url)
+            except (GenerationServerUnavailable, GenerationServerError) as e:
+                if isinstance(e, GenerationServerError) and not _retryable_status(e.status):
+                    raise PartialRolloutError(
+                        f"generation for qid {request.qid!r} (answer {index}) was refused by server {url} "
+                        f"(HTTP {e.status}; resending cannot help): {e.message}"
+                    ) from e
+                failures += 1
+                if failures > self.request_retries:
+                    raise PartialRolloutError(
+                        f"generation for qid {request.qid!r} (answer {index}) failed {failures} times in a row; "
+                        f"last server {url}: {e}"
+                    ) from e
+                self.stats.retries += 1
+                logger.warning(
+                    "qid %s answer %d: server %s failed (%s); retry %d/%d",
+                    request.qid, index, url, e, failures, self.request_retries,
+                )  # fmt: skip
+                previous_url = previous_version = None  # let the manager route elsewhere
+                await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
+                continue
+            failures = 0
+
+            version = _parse_version(response.weight_version, scheduled_version)
+            n_new = self._append(answer, response, version, request.qid, url)
+            # Sticky next time: this server, as long as it still holds these weights.
+            previous_url, previous_version = url, version
+            if response.finish_reason == "stop":
+                answer.no_eos = False
+                return answer
+            if len(answer.output_ids) >= gconfig.max_new_tokens:
+                answer.no_eos = True
+                return answer
+            if response.aborted:
+                self.stats.interruptions += 1
+                empty_aborts = 0 if n_new else empty_aborts + 1
+                if empty_aborts > MAX_EMPTY_ABORTS:
+                    raise PartialRolloutError(
+                        f"generation for qid {request.qid!r} (answer {index}): server {url} aborted "
+                        f"{empty_aborts} requests in a row without generating a token"
+                    )
+                if empty_aborts:  # e.g. a weight update in progress: do not hammer the server
+                    await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
+            elif response.finish_reason == "length":
+                self.stats.chunk_continuations += 1
+            else:
+                raise PartialRolloutError(
+                    f"generation for qid {request.qid!r} (answer {index}) on server {url}: "
+                    f"unknown finish_reason {response.finish_reason!r}"
+                )
+
+    def _append(self, answer: _Answer, response: GenerateResult, version: int, qid: str, url: str) -> int:
+        """Appends a response's tokens (exactly once) with their logprobs and version."""
+        n = len(response.output_ids)
+        if len(response.output_logprobs) != n:
+            raise PartialRolloutError(
+                f"server {url} returned {n} tokens but {len(response.output_logprobs)} logprobs for qid {qid!r}"
+            )
+        answer.output_ids.extend(response.output_ids)
+        answer.logprobs.extend(response.output_logprobs)
+        answer.versions.extend([version] * n)
+        self.stats.generated_tokens += n
+        return n
+
+    async def _release(self, url: str) -> None:
+        # One quick attempt: an in-flight count that is off by one only skews
+        # routing, and teardown (cancellation) must not wait on retries.
+        try:
+            await self.manager.release_request(url, 1, retries=0)
+        except ManagerError as e:
+            logger.warning("could not release a request on %s: %s", url, e)
+
+
+def _parse_version(reported: str, fallback: int) -> int:
+    """The server's weight_version as an int (SGLang reports "default" when
+    none was set: then the version the manager reported is the best we know)."""
+    try:
+        return int(reported)
+    except (TypeError, ValueError):
+        return fallback

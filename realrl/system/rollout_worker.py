@@ -1,0 +1,364 @@
+"""The RolloutWorker: prompts in, trajectories out (DESIGN §2, §5-§7).
+
+Each rollout worker owns a shard of the prompt data set
+(`records[worker_index::worker_count]`) and keeps up to
+`max_concurrent_rollouts` episodes in flight:
+
+1. the next prompt (epochs in a per-epoch shuffle seeded by (seed,
+   worker_index, epoch); the episode qid is `"<query_id>@<epoch>"`, unique
+   across epochs) is offered to the GserverManager (`/allocate_rollout`); a
+   refusal (staleness bound, concurrency cap, rollouts stopped) keeps the
+   prompt for the next try after a short, growing back-off;
+2. an admitted episode runs `agent.collect_trajectory(record, env, obs_queue,
+   act_queue)` against a fresh environment; a small task serves the episode's
+   queue pair, passing each `GenerationRequest` to the `PartialRolloutManager`
+   and putting the `GenerationResult` on act_queue;
+3. every returned trajectory is pushed (`traj.to_wire()`) to this worker's
+   trainer puller, from a dedicated thread so that back-pressure (a full
+   high-water mark) never blocks the event loop; then `/finish_rollout`
+   (accepted iff at least one trajectory; an agent that returns [] rejected the
+   prompt, which uses no staleness budget).
+
+An episode that fails (e.g. generation failed after the PartialRolloutManager's
+retries) fails the worker: the exception propagates out of `_poll_async`, the
+worker base records the traceback and the launcher stops the trial.
+
+For inspection, every `sample_log_every`-th trajectory is appended as one JSON
+line to `<log_dir>/samples/rollout-<index>.jsonl` (qid, versions, prompt,
+decoded answers, rewards), and counters are logged every ~10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import os
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from realrl.api.agent_api import PromptRecord, make_agent
+from realrl.api.env_api import make_env
+from realrl.api.generation_api import GenerationRequest
+from realrl.api.system_api import RolloutWorkerConfig
+from realrl.api.trajectory import Trajectory
+from realrl.base import name_resolve, names
+from realrl.impl.generation.client import GenerationClient
+from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutManager
+from realrl.system.push_pull_stream import NameResolvingZmqPusher
+from realrl.system.worker_base import AsyncWorker, PollResult
+
+STATS_INTERVAL_S = 10.0
+PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
+REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after a refused allocation
+MANAGER_CALL_TIMEOUT_S = 30.0
+# How long set-up waits for the manager's URL and the trainer's puller (both
+# appear only once servers / model workers have loaded their models).
+SETUP_TIMEOUT_S = 900.0
+
+
+class RolloutWorker(AsyncWorker):
+    config_cls = RolloutWorkerConfig
+
+    # ---- set-up (before the event loop) ------------------------------------------
+    def _configure(self, config: RolloutWorkerConfig) -> None:
+        # Built-in agents / environments register on import; user plugins were
+        # already loaded by the worker base from info.plugins.
+        import realrl.impl.agents  # noqa: F401
+        import realrl.impl.environments  # noqa: F401
+
+        self.cfg = config
+        if config.max_concurrent_rollouts < 1:
+            raise ValueError(f"max_concurrent_rollouts must be >= 1, got {config.max_concurrent_rollouts}")
+        self.prompts, self.n_skipped_prompts = self._load_prompts(config)
+        self.agent = make_agent(config.agent.type, **config.agent.args)
+
+        self.manager_url = self._wait_for_key(names.gen_server_manager(self.experiment_name, self.trial_name))
+        self.pusher = NameResolvingZmqPusher(
+            self.experiment_name,
+            self.trial_name,
+            self.info.worker_index,
+            self.info.worker_count,
+            config.n_pullers,
+            timeout=SETUP_TIMEOUT_S,
+        )
+        self._push_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
+
+        self._sample_file = None
+        if self.info.log_dir and config.sample_log_every > 0:
+            os.makedirs(os.path.join(self.info.log_dir, "samples"), exist_ok=True)
+            path = os.path.join(self.info.log_dir, "samples", f"rollout-{self.info.worker_index}.jsonl")
+            self._sample_file = open(path, "a", encoding="utf-8")
+
+        # Prompt order: position in this epoch's permutation of the shard.
+        self.epoch = 0
+        self._order = self._epoch_order(0)
+        self._position = 0
+        self._pending: PromptRecord | None = None  # refused prompt, offered again next time
+
+        self._episodes: dict[str, asyncio.Task] = {}
+        self._next_allocate_time = 0.0
+        self._refusal_backoff = REFUSAL_BACKOFF_S[0]
+        self.counters: collections.Counter = collections.Counter()
+        self.refusals: collections.Counter = collections.Counter()
+        self._last_stats_time = time.monotonic()
+        self.logger.info(
+            "rollout worker %d/%d: %d prompts in shard (%d skipped as longer than %d tokens), manager %s",
+            self.info.worker_index, self.info.worker_count, len(self.prompts), self.n_skipped_prompts,
+            config.max_prompt_len, self.manager_url,
+        )  # fmt: skip
+
+    def _load_prompts(self, cfg: RolloutWorkerConfig) -> tuple[list[PromptRecord], int]:
+        """This worker's shard, tokenized the way warm start and evaluation do."""
+        from transformers import AutoTokenizer
+
+        from realrl.impl.math_data import load_math_jsonl
+
+        records = load_math_jsonl(cfg.dataset_path)
+        shard = records[self.info.worker_index :: self.info.worker_count]
+        if not shard:
+            raise ValueError(
+                f"rollout worker {self.info.worker_index}/{self.info.worker_count} has no prompts: "
+                f"{cfg.dataset_path} holds only {len(records)} records"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        prompts, skipped = [], 0
+        seen: collections.Counter = collections.Counter()
+        for r in shard:
+            ids = list(self.tokenizer.encode(r["prompt"], add_special_tokens=False))
+            if not ids or len(ids) > cfg.max_prompt_len:
+                skipped += 1
+                continue
+            query_id = r["query_id"]
+            seen[query_id] += 1
+            if seen[query_id] > 1:  # keep episode qids unique even if the data set repeats an id
+                query_id = f"{query_id}#{seen[query_id] - 1}"
+            metadata = {k: v for k, v in r.items() if k not in ("query_id", "prompt", "answer", "solutions", "task")}
+            prompts.append(
+                PromptRecord(qid=query_id, prompt=r["prompt"], prompt_ids=ids, solutions=list(r["solutions"]),
+                             task=r.get("task", "math"), metadata=metadata)  # fmt: skip
+            )
+        if not prompts:
+            raise ValueError(
+                f"rollout worker {self.info.worker_index}: all {len(shard)} prompts of its shard of "
+                f"{cfg.dataset_path} are longer than max_prompt_len={cfg.max_prompt_len} tokens"
+            )
+        return prompts, skipped
+
+    def _wait_for_key(self, key: str) -> str:
+        """name_resolve.wait, but leaving early if the trial ends meanwhile."""
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while True:
+            try:
+                return name_resolve.wait(key, timeout=1.0)
+            except TimeoutError:
+                if self._check_exit_conditions():
+                    raise RuntimeError(f"exiting ({self.exit_reason}) while waiting for {key}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{key} did not appear within {SETUP_TIMEOUT_S:.0f}s") from None
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.cfg.shuffle:
+            return np.arange(len(self.prompts))
+        rng = np.random.default_rng([self.cfg.seed, self.info.worker_index, epoch])
+        return rng.permutation(len(self.prompts))
+
+    def _next_prompt(self) -> PromptRecord:
+        if self._position == len(self._order):
+            self.epoch += 1
+            self._order = self._epoch_order(self.epoch)
+            self._position = 0
+            self.logger.info("starting epoch %d", self.epoch)
+        base = self.prompts[int(self._order[self._position])]
+        self._position += 1
+        return PromptRecord(
+            qid=f"{base.qid}@{self.epoch}",
+            prompt=base.prompt,
+            prompt_ids=list(base.prompt_ids),
+            solutions=list(base.solutions),
+            task=base.task,
+            metadata=dict(base.metadata, query_id=base.qid, epoch=self.epoch),
+        )
+
+    # ---- the event loop ---------------------------------------------------------
+    async def _setup_async(self) -> None:
+        cfg = self.cfg
+        self.manager = GserverManagerClient(self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S,
+                                            retries=cfg.request_retries)  # fmt: skip
+        self.client = GenerationClient(timeout_s=cfg.request_timeout)
+        self.partial_rollout = PartialRolloutManager(
+            self.manager,
+            self.client,
+            new_tokens_per_chunk=cfg.new_tokens_per_chunk,
+            request_timeout=cfg.request_timeout,
+            request_retries=cfg.request_retries,
+        )
+
+    async def _poll_async(self) -> PollResult:
+        try:
+            return await self._poll_once()
+        except Exception as e:
+            # When the trial ends, the manager and the servers exit on their own
+            # schedule; errors from their going away are expected then. Any
+            # other time the error fails the worker (and the trial).
+            if self._check_exit_conditions():
+                self.logger.warning("ignoring an error while the trial ends (%s): %s: %s", self.exit_reason,
+                                    type(e).__name__, e)  # fmt: skip
+                return PollResult()
+            raise
+
+    async def _poll_once(self) -> PollResult:
+        finished = self._reap_episodes()
+        started = 0
+        while len(self._episodes) < self.cfg.max_concurrent_rollouts and time.monotonic() >= self._next_allocate_time:
+            if self._pending is None:
+                self._pending = self._next_prompt()
+            record = self._pending
+            reply = await self.manager.allocate_rollout(record.qid)
+            if not reply.get("success"):
+                reason = str(reply.get("reason") or "unknown")
+                self.refusals[_reason_kind(reason)] += 1
+                self._next_allocate_time = time.monotonic() + self._refusal_backoff
+                self._refusal_backoff = min(REFUSAL_BACKOFF_S[1], self._refusal_backoff * 2)
+                break
+            self._pending = None
+            self._refusal_backoff = REFUSAL_BACKOFF_S[0]
+            self._episodes[record.qid] = asyncio.create_task(self._run_episode(record), name=f"episode {record.qid}")
+            self.counters["episodes_started"] += 1
+            started += 1
+        if time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S:
+            self._log_stats()
+        return PollResult(sample_count=started + finished)
+
+    def _reap_episodes(self) -> int:
+        """Drop finished episodes; an episode's exception fails the worker."""
+        done = [qid for qid, task in self._episodes.items() if task.done()]
+        for qid in done:
+            task = self._episodes.pop(qid)
+            if task.cancelled():
+                raise RuntimeError(f"episode {qid} was cancelled")
+            task.result()  # raises the episode's error
+        return len(done)
+
+    async def _run_episode(self, record: PromptRecord) -> None:
+        env = make_env(self.cfg.env.type, **self.cfg.env.args)
+        obs_queue: asyncio.Queue = asyncio.Queue()
+        act_queue: asyncio.Queue = asyncio.Queue()
+        collect = asyncio.create_task(self.agent.collect_trajectory(record, env, obs_queue, act_queue))
+        serve = asyncio.create_task(self._serve_generation(obs_queue, act_queue))
+        try:
+            done, _ = await asyncio.wait({collect, serve}, return_when=asyncio.FIRST_COMPLETED)
+            if serve in done:  # it only ends by failing; the agent would wait forever
+                serve.result()
+                raise RuntimeError(f"the generation task of episode {record.qid} ended unexpectedly")
+            trajectories = collect.result()
+        finally:
+            for task in (collect, serve):
+                task.cancel()
+            await asyncio.gather(collect, serve, return_exceptions=True)
+            await env.close()
+        if not isinstance(trajectories, list) or not all(isinstance(t, Trajectory) for t in trajectories):
+            raise TypeError(
+                f"agent {self.cfg.agent.type!r} returned {type(trajectories).__name__} for {record.qid}; "
+                "collect_trajectory must return a list of Trajectory"
+            )
+
+        n_tokens = 0
+        for traj in trajectories:
+            traj.validate()
+            await asyncio.get_running_loop().run_in_executor(self._push_thread, self._push_blocking, traj.to_wire())
+            n_tokens += traj.n_tokens
+            self.counters["trajectories_pushed"] += 1
+            self.counters["tokens_pushed"] += traj.n_tokens
+            if self._sample_file is not None and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0:
+                self._write_sample(record, traj)
+        accepted = bool(trajectories)
+        await self.manager.finish_rollout(record.qid, accepted=accepted, n_tokens=n_tokens)
+        self.counters["episodes_accepted" if accepted else "episodes_rejected"] += 1
+
+    async def _serve_generation(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
+        """Answers the agent's requests in order (an agent awaits each result)."""
+        while True:
+            request = await obs_queue.get()
+            if not isinstance(request, GenerationRequest):
+                raise TypeError(f"agents put GenerationRequest on obs_queue, got {type(request).__name__}")
+            await act_queue.put(await self.partial_rollout.generate(request))
+
+    def _push_blocking(self, message: dict[str, Any]) -> None:
+        """Runs on the push thread (the only thread that touches the socket).
+        Blocks under back-pressure, re-checking for exit every PUSH_POLL_S."""
+        waited = 0.0
+        while True:
+            try:
+                self.pusher.push(message, timeout=PUSH_POLL_S)
+                return
+            except TimeoutError:
+                if self.exiting:
+                    raise RuntimeError("worker exiting while a trajectory push was blocked") from None
+                waited += PUSH_POLL_S
+                if waited % 30 < PUSH_POLL_S:
+                    self.logger.info("push blocked for %.0fs: the trainer is not pulling (back-pressure)", waited)
+
+    # ---- logs ---------------------------------------------------------------------
+    def _write_sample(self, record: PromptRecord, traj: Trajectory) -> None:
+        line = {
+            "qid": traj.qid,
+            "task": traj.task,
+            "time": time.time(),
+            "prompt": record.prompt,
+            "solutions": record.solutions,
+            "version_start": traj.version_start,
+            "version_end": traj.version_end,
+            "answers": [self.tokenizer.decode(traj.completion_ids(i).tolist(), skip_special_tokens=True)
+                        for i in range(traj.group_size)],  # fmt: skip
+            "reward": traj.reward,
+            "no_eos": traj.no_eos,
+            "completion_lens": [len(traj.completion_ids(i)) for i in range(traj.group_size)],
+        }
+        self._sample_file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._sample_file.flush()
+
+    def _log_stats(self) -> None:
+        now = time.monotonic()
+        elapsed, self._last_stats_time = now - self._last_stats_time, now
+        agent_stats = self.agent.pop_stats()
+        generation = self.partial_rollout.stats.pop()
+        c = self.counters
+        self.logger.info(
+            "epoch %d | episodes running %d started %d accepted %d rejected %d | trajectories pushed %d "
+            "(%.1f tokens/s) | agent %s | generation %s | refusals %s | skipped prompts %d",
+            self.epoch, len(self._episodes), c["episodes_started"], c["episodes_accepted"], c["episodes_rejected"],
+            c["trajectories_pushed"], generation["generated_tokens"] / max(elapsed, 1e-9),
+            {k: round(v, 3) for k, v in agent_stats.items()}, generation, dict(self.refusals), self.n_skipped_prompts,
+        )  # fmt: skip
+
+    # ---- exit -----------------------------------------------------------------------
+    async def _teardown_async(self) -> None:
+        if self._episodes:
+            self.logger.info("cancelling %d running episodes", len(self._episodes))
+        for task in self._episodes.values():
+            task.cancel()
+        await asyncio.gather(*self._episodes.values(), return_exceptions=True)
+        self._episodes.clear()
+        self._log_stats()
+        await self.client.close()
+        await self.manager.close()
+
+    def _exit_hook(self) -> None:
+        push_thread = getattr(self, "_push_thread", None)
+        if push_thread is not None:
+            self.request_exit("shutting down")  # a blocked push sees `exiting` within PUSH_POLL_S
+            push_thread.shutdown(wait=True)
+        if getattr(self, "pusher", None) is not None:
+            self.pusher.close()
+        if getattr(self, "_sample_file", None) is not None:
+            self._sample_file.close()
+
+
+def _reason_kind(reason: str) -> str:
+    """'staleness bound: 16 // 8 > 0 + 1' -> 'staleness bound' (counted by kind)."""
+    return re.split(r"[:(]", reason, maxsplit=1)[0].strip() or reason

@@ -1,0 +1,414 @@
+"""The PartialRolloutManager against a real torch server subprocess and a
+GserverManager, with the built-in math agent and env: trajectory schema,
+behaviour logprobs equal to a fresh forward pass, chunked generation, an
+interruption by a weight update, and server failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+from aiohttp import web
+from transformers import AutoModelForCausalLM
+
+from realrl.api.agent_api import PromptRecord, make_agent
+from realrl.api.cli_args import TorchServerConfig
+from realrl.api.env_api import make_env
+from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
+from realrl.api.system_api import GenerationServerConfig, GserverManagerConfig
+from realrl.base import name_resolve, names
+from realrl.base.name_resolve import NameResolveConfig
+from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
+from realrl.impl import environments as _environments  # noqa: F401
+from realrl.impl.generation.client import GenerationClient
+from realrl.impl.math_data import MathDataRecipe, load_math_jsonl, write_math_dataset
+from realrl.impl.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from realrl.impl.verifiers.math_verifier import MathVerifier
+from realrl.launcher.local import LocalLauncher, WorkerGroup
+from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutError, PartialRolloutManager
+from realrl.system.worker_base import ExperimentStatus
+from tests.impl.conftest import save_perturbed
+
+EXP = "rollouttest"
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=2048)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_kit(tmp_path_factory) -> dict:
+    """A random-init tiny Llama + char tokenizer (one HF directory) and a small
+    arithmetic data set. Accuracy is irrelevant here; mechanics are not."""
+    root = tmp_path_factory.mktemp("rollout_kit")
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, TINY, seed=3)
+    model_dir = str(root / "model")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    train_path, _ = write_math_dataset(str(root / "data"), MathDataRecipe(seed=2, n_train=40, n_test=4))
+    return {"model_dir": model_dir, "train_path": train_path, "eos": tokenizer.eos_token_id, "root": str(root)}
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_kit):
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_kit["model_dir"], dtype=torch.float32).eval()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 120.0, what: str = "condition", interval: float = 0.05):
+    """Polls until `predicate()` is truthy (a hang guard, not a performance threshold)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+class Trial:
+    """A LocalLauncher trial in a background thread, with real worker
+    processes; the test reads and writes the trial's keys through its own
+    name_resolve repository."""
+
+    def __init__(self, root: str, etcd_addr: str, groups: list[WorkerGroup]):
+        self.trial = f"t{uuid.uuid4().hex[:8]}"
+        nr_config = NameResolveConfig(type="etcd3", etcd3_addr=etcd_addr)
+        self.launcher = LocalLauncher(EXP, self.trial, root, nr_config, heartbeat_ttl=2, stop_timeout=15)
+        self.repo = name_resolve.make_repository(nr_config)
+        self.groups = groups
+        self.code: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="launcher", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.code = self.launcher.run(self.groups, timeout=400)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+    def start(self) -> "Trial":
+        self.thread.start()
+        # The launcher clears the trial's keys before it sets its keep-alive key:
+        # from then on, keys the test adds stay.
+        self.wait_key(names.launcher_keepalive(EXP, self.trial))
+        return self
+
+    def get(self, key: str) -> str | None:
+        try:
+            return self.repo.get(key)
+        except name_resolve.NameEntryNotFoundError:
+            return None
+
+    def wait_key(self, key: str, timeout: float = 180.0) -> str:
+        def get():
+            if not self.thread.is_alive():
+                pytest.fail(f"the trial ended (code {self.code}, error {self.error!r}) before {key} appeared")
+            return self.get(key)
+
+        return wait_until(get, timeout, key, interval=0.1)
+
+    def set(self, key: str, value: str) -> None:
+        self.repo.add(key, value, replace=True, delete_on_exit=False)
+
+    def join(self, timeout: float = 120.0) -> int:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the launcher did not return"
+        if self.error is not None:
+            raise self.error
+        return self.code
+
+    def close(self) -> None:
+        """Whatever happened, end the trial and wait for the launcher."""
+        if self.thread.is_alive():
+            try:
+                self.set(names.experiment_status(EXP, self.trial), ExperimentStatus.COMPLETE)
+            except Exception:
+                pass
+            self.thread.join(120)
+        self.repo.close()
+
+
+def server_group(model_dir: str) -> WorkerGroup:
+    config = GenerationServerConfig(model_path=model_dir, startup_timeout=180, torch=TorchServerConfig(num_threads=1))
+    return WorkerGroup("generation_server", 1, config, env={"OMP_NUM_THREADS": "1"})
+
+
+def manager_group(**kwargs) -> WorkerGroup:
+    return WorkerGroup("gserver_manager", 1, GserverManagerConfig(**kwargs), env={"OMP_NUM_THREADS": "1"})
+
+
+class HealthOnlyServer:
+    """Answers /health and /model_info only, so the manager accepts it as a
+    server at start-up; stopped, it leaves a dead URL in the manager's routing."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        async def health(request):
+            return web.Response(text="ok")
+
+        async def model_info(request):
+            return web.json_response({"weight_version": "0"})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/model_info", model_info)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory, etcd_server, tiny_kit):
+    """generation_server + gserver_manager as real processes, shared by the
+    tests of this module (the weight-update test restores the weights)."""
+    t = Trial(str(tmp_path_factory.mktemp("prm_trial")), etcd_server.addr,
+              [server_group(tiny_kit["model_dir"]), manager_group(n_servers=1, train_batch_size=4)])  # fmt: skip
+    try:
+        t.start()
+        t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
+        t.server_url = t.get(names.gen_server(EXP, t.trial, 0))
+        yield t
+    finally:
+        t.close()
+
+
+def manager_stats(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/rollout_stats", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def verifier():
+    v = MathVerifier(n_procs=1)
+    yield v
+    v.close()
+
+
+def prompt_records(tiny_kit, n: int) -> list[PromptRecord]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_kit["model_dir"])
+    return [
+        PromptRecord(qid=r["query_id"], prompt=r["prompt"], prompt_ids=tokenizer.encode(r["prompt"], add_special_tokens=False),
+                     solutions=r["solutions"])  # fmt: skip
+        for r in load_math_jsonl(tiny_kit["train_path"])[:n]
+    ]
+
+
+async def run_episode(agent, record, env, prm: PartialRolloutManager):
+    """What the rollout worker does per episode: serve the agent's queue pair."""
+    obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+    async def serve():
+        while True:
+            await act_queue.put(await prm.generate(await obs_queue.get()))
+
+    server_task = asyncio.create_task(serve())
+    try:
+        return await agent.collect_trajectory(record, env, obs_queue, act_queue)
+    finally:
+        server_task.cancel()
+
+
+def forward_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+class ObservedManagerClient(GserverManagerClient):
+    """The real manager client, keeping a log of what it scheduled."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scheduled: list[dict] = []
+
+    async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None):
+        reply = await super().schedule_request(qid, n, previous_server_url, previous_version)
+        self.scheduled.append({"qid": qid, "previous_server_url": previous_server_url,
+                               "previous_version": previous_version, **reply})  # fmt: skip
+        return reply
+
+
+async def with_prm(manager_url: str, fn, **prm_kwargs):
+    manager = ObservedManagerClient(manager_url, retries=1, retry_backoff_s=0.01)
+    async with GenerationClient(timeout_s=120) as client:
+        try:
+            return await fn(PartialRolloutManager(manager, client, **prm_kwargs), manager)
+        finally:
+            await manager.close()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 2])
+def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, trial, verifier, chunk):
+    group_size, max_new = 3, 9
+    agent = make_agent("math-single-step", tokenizer_path=tiny_kit["model_dir"], group_size=group_size,
+                       gconfig={"max_new_tokens": max_new, "temperature": 1.0})  # fmt: skip
+    records = prompt_records(tiny_kit, 4)
+
+    async def go(prm, manager):
+        episodes = [run_episode(agent, r, make_env("math", verifier=verifier), prm) for r in records]
+        return await asyncio.gather(*episodes), prm.stats.pop(), manager.scheduled
+
+    results, stats, scheduled = asyncio.run(with_prm(trial.manager_url, go, new_tokens_per_chunk=chunk))
+    n_no_eos = 0
+    for record, trajectories in zip(records, results):
+        assert len(trajectories) == 1
+        traj = trajectories[0].validate()
+        assert traj.qid == record.qid and traj.group_size == group_size
+        for i in range(group_size):
+            assert traj.prompt_len[i] == len(record.prompt_ids)
+            assert traj.input_ids[i][: traj.prompt_len[i]].tolist() == record.prompt_ids
+            out = traj.completion_ids(i).tolist()
+            # complete: ended by eos, or used the whole budget
+            if traj.no_eos[i]:
+                assert len(out) == max_new and tiny_kit["eos"] not in out
+                n_no_eos += 1
+            else:
+                assert out[-1] == tiny_kit["eos"] and tiny_kit["eos"] not in out[:-1] and len(out) <= max_new
+            expected = forward_logprobs(reference_model, record.prompt_ids, out)
+            torch.testing.assert_close(torch.from_numpy(traj.logprobs[i]), expected, atol=1e-3, rtol=0)
+            assert traj.versions[i].tolist() == [0] * len(out)
+            assert traj.version_start[i] == traj.version_end[i] == 0
+    assert n_no_eos > 0  # the random model rarely emits eos in 9 tokens
+    assert stats["interruptions"] == 0 and stats["retries"] == 0
+    if chunk == 2:
+        # an answer that used the whole budget took ceil(9 / 2) = 5 requests
+        assert stats["chunk_continuations"] >= 4 * n_no_eos
+        continued = [s for s in scheduled if s["previous_server_url"] is not None]
+        assert len(continued) == stats["chunk_continuations"]
+        assert all(s["url"] == s["previous_server_url"] == trial.server_url and s["previous_version"] == 0
+                   for s in continued)  # fmt: skip
+    else:
+        assert stats["chunk_continuations"] == 0 and stats["server_requests"] == len(records) * group_size
+    assert set(manager_stats(trial.manager_url)["server_in_flight"].values()) == {0}  # every request released
+
+
+def test_weight_update_interrupts_and_resumes_without_losing_tokens(tiny_kit, reference_model, trial, tmp_path):
+    new_dir = str(tmp_path / "weights_v1")
+    save_perturbed(tiny_kit["model_dir"], new_dir, seed=7, scale=0.05)
+    updated_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    max_new, group_size = 600, 2
+    # min_new_tokens = max_new_tokens: eos is masked, every answer runs to the budget
+    gconfig = GenerationHyperparameters(max_new_tokens=max_new, min_new_tokens=max_new, temperature=1.0)
+    prompt = prompt_records(tiny_kit, 1)[0].prompt_ids
+    url = trial.server_url
+
+    async def go(prm, manager):
+        task = asyncio.create_task(prm.generate(GenerationRequest("update-0", prompt, group_size, gconfig)))
+        async with GenerationClient(timeout_s=60) as control:
+            start = (await control.server_info(url))["stats"]["generated_tokens"]
+            try:
+                # Update the server directly (not through the manager) once the
+                # answers are under way, and far from done.
+                while (await control.server_info(url))["stats"]["generated_tokens"] < start + 10 * group_size:
+                    assert not task.done(), "generation finished before the update"
+                    await asyncio.sleep(0.005)
+                reply = await control.update_weights_from_disk(url, new_dir, weight_version=1)
+                result = await task
+            finally:  # the module's other tests expect the original weights as version 0
+                await control.update_weights_from_disk(url, tiny_kit["model_dir"], weight_version=0)
+        return result, reply, prm.stats.pop(), manager.scheduled
+
+    result, reply, stats, scheduled = asyncio.run(with_prm(trial.manager_url, go))
+    assert reply["num_paused_requests"] == group_size, "the update did not interrupt the running answers"
+    assert stats["interruptions"] == group_size
+    for i in range(group_size):
+        out, versions = result.output_ids[i], result.output_versions[i]
+        assert len(out) == len(versions) == len(result.output_logprobs[i]) == max_new  # nothing lost or duplicated
+        switch = versions.index(1)
+        assert 0 < switch and versions == [0] * switch + [1] * (max_new - switch)
+        assert (result.version_start[i], result.version_end[i]) == (0, 1) and result.no_eos[i]
+        # Each token's logprob is that of the weights its version names, given
+        # the whole prefix: the resumed request continued exactly after the old tokens.
+        logprobs = torch.tensor(result.output_logprobs[i])
+        old = forward_logprobs(reference_model, prompt, out)
+        new = forward_logprobs(updated_model, prompt, out)
+        torch.testing.assert_close(logprobs[:switch], old[:switch], atol=1e-3, rtol=0)
+        torch.testing.assert_close(logprobs[switch:], new[switch:], atol=1e-3, rtol=0)
+        assert not torch.allclose(old[switch:], new[switch:], atol=1e-3)  # the versions are distinguishable
+    # The resubmissions were sticky: the manager still holds version 0 for the
+    # server (it did not drive this update), so it kept them on the same server.
+    resumed = [s for s in scheduled if s["previous_server_url"] is not None]
+    assert len(resumed) == group_size
+    assert all(s["previous_version"] == 0 and s["url"] == url for s in resumed)
+
+
+def test_request_the_server_refuses_fails_at_once(trial):
+    # prompt + budget exceeds the model's 2048 positions: HTTP 400, retrying cannot help
+    request = GenerationRequest("long-0", [5] * 2000, 1, GenerationHyperparameters(max_new_tokens=100))
+
+    async def go(prm, manager):
+        with pytest.raises(PartialRolloutError, match="refused") as info:
+            await prm.generate(request)
+        return info.value, prm.stats.pop()
+
+    error, stats = asyncio.run(with_prm(trial.manager_url, go, request_retries=3))
+    assert trial.server_url in str(error) and "long-0" in str(error) and "2048" in str(error)
+    assert stats["retries"] == 0 and stats["server_requests"] == 1
+
+
+def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
+    """The manager routes to a server that went away after start-up."""
+    fake = HealthOnlyServer()
+    t = Trial(str(tmp_path), etcd_server.addr, [manager_group(n_servers=1)])
+    try:
+        t.start()
+        t.set(names.gen_server(EXP, t.trial, 0), fake.url)
+        manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
+        fake.stop()  # nothing listens there any more
+        request = GenerationRequest("dead-0", [5, 6, 7], 2, GenerationHyperparameters(max_new_tokens=4))
+
+        async def go(prm, manager):
+            with pytest.raises(PartialRolloutError) as info:
+                await prm.generate(request)
+            return info.value, prm.stats.pop()
+
+        error, stats = asyncio.run(with_prm(manager_url, go, request_retries=2, retry_backoff_s=0.01))
+        message = str(error)
+        assert fake.url in message and "dead-0" in message and "3 times in a row" in message
+        assert "unavailable" in message  # the cause
+        assert stats["retries"] >= 2  # retried before giving up
+        assert set(manager_stats(manager_url)["server_in_flight"].values()) == {0}
+    finally:
+        fake.stop()
+        t.close()
