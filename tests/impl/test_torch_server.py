@@ -485,3 +485,53 @@ def test_weight_checks_refuse_mismatched_checkpoints(reference_model, tiny_llama
     # ... but an untied model needs its own lm_head.
     with pytest.raises(torch_server.WeightLoadError, match="missing"):
         engine.read_weights(str(tmp_path / "tied"))
+
+
+def test_engine_join_widens_trimmed_window(reference_model):
+    """A long prompt leaves (the window is trimmed to the short rows), then a
+    newcomer longer than the trimmed window joins: the window widens to the left
+    again over stale columns, which must stay masked."""
+    import threading
+
+    from realrl.impl.generation import torch_server
+
+    engine = torch_server.GenerationEngine(reference_model, device=torch.device("cpu"))
+    engine.start()
+    results: dict[str, dict] = {}
+    events: dict[str, threading.Event] = {}
+
+    def submit(name: str, prompt: list[int], max_new: int) -> None:
+        body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        (req,), _ = torch_server.parse_generate_body(body, engine.limits)
+        events[name] = threading.Event()
+
+        def reply(result, name=name):
+            results[name] = result
+            events[name].set()
+
+        req.reply = reply
+        engine.submit(req)
+
+    long_prompt = [0] + [(3 * i) % 60 + 2 for i in range(30)]
+    short_prompt = [0, 9, 4]
+    middle_prompt = [0] + [(5 * i) % 60 + 2 for i in range(12)]
+    try:
+        alone = {}
+        for name, prompt, n in [("long", long_prompt, 2), ("short", short_prompt, 1500), ("middle", middle_prompt, 20)]:
+            submit(name, prompt, n)
+            assert events[name].wait(120)
+            alone[name] = results[name]["output_ids"]
+        # Paused, both queue up and are then prefilled as one group.
+        engine.command("pause", {}, lambda result: None)
+        submit("long", long_prompt, 2)
+        submit("short", short_prompt, 1500)
+        engine.command("continue", {}, lambda result: None)
+        assert events["long"].wait(120)
+        # The long row left: the window now starts at the short row's first token.
+        wait_until(lambda: engine._batch is not None and engine._batch.window.start > 0, 60, "trim")
+        assert not events["short"].is_set()  # still running: 1500 tokens
+        submit("middle", middle_prompt, 20)
+        assert events["middle"].wait(120) and events["short"].wait(120)
+    finally:
+        engine.stop()
+    assert {k: results[k]["output_ids"] for k in alone} == alone
