@@ -59,8 +59,6 @@ MAX_FRAMES = 1 << 16
 _ARRAY_EXT = 1  # msgpack ExtType code of an array marker
 # Marker layout per ndim: frame index (u32), dtype code (u8), ndim (u8), dims (i64 each).
 _MARKERS = [struct.Struct(f"<IBB{n}q") for n in range(MAX_NDIM + 1)]
-_MARKER_HEAD_SIZE = 6
-_MAX_MARKER_SIZE = _MARKER_HEAD_SIZE + 8 * MAX_NDIM
 
 # The dtype whitelist. Codes are part of the format: append, never renumber.
 _DTYPES = [
@@ -70,6 +68,8 @@ _DTYPES = [
     np.dtype("<f2"), np.dtype("<f4"), np.dtype("<f8"),
 ]  # fmt: skip
 _DTYPE_CODE = {dt: code for code, dt in enumerate(_DTYPES)}
+_ITEMSIZES = [dt.itemsize for dt in _DTYPES]
+assert _MARKERS[0].size == 6 and _ARRAY_EXT == 1 and len(_DTYPES) == 12  # literals in decode's hook
 _SCALARS = frozenset([type(None), bool, int, float, str, bytes])
 _LEAVES = _SCALARS | {np.ndarray}  # what a decoded structure may hold besides lists and dicts
 
@@ -113,12 +113,6 @@ def _checked_array(array: np.ndarray) -> tuple[np.ndarray, int]:
     return array, code
 
 
-def _marker(code: int, data: bytes) -> msgpack.ExtType:
-    # msgpack.ExtType's own __new__ re-checks its arguments in Python, which
-    # costs more than the rest of an array's encoding; ours are valid by construction.
-    return tuple.__new__(msgpack.ExtType, (code, data))
-
-
 class _ArrayCollector:
     """The `default` hook of a msgpack Packer: swaps each array for a marker
     and collects the (C-contiguous, whitelisted) array as the next frame."""
@@ -143,7 +137,10 @@ class _ArrayCollector:
         arrays = self.arrays
         arrays.append(value)
         shape = value.shape
-        return _marker(_ARRAY_EXT, _MARKERS[len(shape)].pack(len(arrays), code, len(shape), *shape))
+        marker = _MARKERS[len(shape)].pack(len(arrays), code, len(shape), *shape)
+        # msgpack.ExtType's own __new__ re-checks its arguments in Python, which costs
+        # more than the rest of an array's encoding; ours are valid by construction.
+        return tuple.__new__(msgpack.ExtType, (_ARRAY_EXT, marker))
 
 
 _local = threading.local()  # one Packer per thread: building one per message costs more than packing
@@ -216,43 +213,41 @@ def _bad_shape(index: int, nbytes: int, shape: list, dtype: np.dtype) -> str:
     return f"array frame {index} has {nbytes} bytes; shape {tuple(shape)} of {dtype} needs {count * dtype.itemsize}"
 
 
-def _decode_views(buffers: list[memoryview], max_depth: int) -> Any:
-    """Decodes frames given as 1-D byte memoryviews (sizes already checked)."""
-    head = buffers[0]
-    if head.nbytes < len(_HEADER) or head[:2] != MAGIC:
-        raise WireFormatError("not a realrl wire message (bad magic)")
-    if head[2] != VERSION:
+def _decode_frames(bases: list, offsets: Sequence[int], lengths: Sequence[int], max_depth: int) -> Any:
+    """Decodes the frames `bases[i][offsets[i] : offsets[i] + lengths[i]]` (1-D byte
+    memoryviews; sizes already checked). Arrays are built straight over `bases`."""
+    head = bases[0][offsets[0] : offsets[0] + lengths[0]]
+    if head[:3] != _HEADER:
+        if lengths[0] < len(_HEADER) or head[:2] != MAGIC:
+            raise WireFormatError("not a realrl wire message (bad magic)")
         raise WireFormatError(f"wire format version {head[2]} is not supported (this side speaks {VERSION})")
-    n_frames = len(buffers)
+    n_frames = len(lengths)
     used = [False] * n_frames
     used[0] = True
+    # Locals of this function are cheaper than globals inside the hook (it runs per array).
+    markers, dtypes, itemsizes, frombuffer = _MARKERS, _DTYPES, _ITEMSIZES, np.frombuffer
 
     def ext_hook(code: int, data: bytes) -> np.ndarray:
-        size = len(data) - _MARKER_HEAD_SIZE
-        if code != _ARRAY_EXT or size & 7 or not 0 <= size <= _MAX_MARKER_SIZE - _MARKER_HEAD_SIZE:
+        size = len(data) - 6  # the marker's fixed part; then 8 bytes per dim
+        if code != 1 or size & 7 or not 0 <= size <= 8 * MAX_NDIM:
             raise WireFormatError(f"unknown msgpack extension (type {code}, {len(data)} bytes)")
-        index, dtype_code, marked_ndim, *shape = _MARKERS[size >> 3].unpack(data)
-        if marked_ndim != size >> 3 or not 1 <= index < n_frames or used[index] or dtype_code >= len(_DTYPES):
+        index, dtype_code, marked_ndim, *shape = markers[size >> 3].unpack(data)
+        if marked_ndim != size >> 3 or not 0 < index < n_frames or used[index] or dtype_code >= 12:
             raise WireFormatError(_bad_marker(index, dtype_code, marked_ndim, shape, n_frames, used))
         used[index] = True
-        dtype = _DTYPES[dtype_code]
-        buf = buffers[index]
-        if marked_ndim == 1:  # the common case: a flat array
-            if shape[0] * dtype.itemsize != buf.nbytes or shape[0] <= 0:
-                if shape[0] == 0 == buf.nbytes:
-                    return np.empty(0, dtype)
-                raise WireFormatError(_bad_shape(index, buf.nbytes, shape, dtype))
-            return np.frombuffer(buf, dtype)
+        dtype = dtypes[dtype_code]
+        if marked_ndim == 1 and 0 < shape[0] and shape[0] * itemsizes[dtype_code] == lengths[index]:
+            return frombuffer(bases[index], dtype, shape[0], offsets[index])  # the common case
         count = 1
         for dim in shape:
             if dim < 0:
-                raise WireFormatError(_bad_shape(index, buf.nbytes, shape, dtype))
+                raise WireFormatError(_bad_shape(index, lengths[index], shape, dtype))
             count *= dim
-        if count * dtype.itemsize != buf.nbytes:
-            raise WireFormatError(_bad_shape(index, buf.nbytes, shape, dtype))
+        if count * itemsizes[dtype_code] != lengths[index]:
+            raise WireFormatError(_bad_shape(index, lengths[index], shape, dtype))
         if count == 0:
             return np.empty(shape, dtype)
-        return np.frombuffer(buf, dtype).reshape(shape)
+        return frombuffer(bases[index], dtype, count, offsets[index]).reshape(shape)
 
     try:
         obj = msgpack.unpackb(
@@ -297,7 +292,7 @@ def decode(
         raise WireFormatError(f"a message has 1..{MAX_FRAMES} frames, got {len(buffers)}")
     if total > max_message_bytes:
         raise WireFormatError(f"message of {total} bytes exceeds the limit of {max_message_bytes} bytes")
-    return _decode_views(buffers, max_depth)
+    return _decode_frames(buffers, [0] * len(buffers), [b.nbytes for b in buffers], max_depth)
 
 
 # ---- one-buffer form (what the streams send) ------------------------------------
@@ -347,8 +342,8 @@ def join_frames(frames: Sequence[Any]) -> bytes:
     return _join(bytes(frames[0]), list(frames[1:]))
 
 
-def split_frames(buffer: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[memoryview]:
-    """The frames `join_frames` joined, as memoryviews into `buffer` (no copy)."""
+def _frame_table(buffer: Any, max_message_bytes: int) -> tuple[memoryview, list[int], tuple[int, ...]]:
+    """(the buffer as bytes, each frame's offset, each frame's length), validated."""
     try:
         view = memoryview(buffer)
         if view.format != "B" or view.ndim != 1:
@@ -365,20 +360,26 @@ def split_frames(buffer: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
         raise WireFormatError("not a realrl wire message (bad magic)")
     if version != VERSION:
         raise WireFormatError(f"wire format version {version} is not supported (this side speaks {VERSION})")
-    offset = _JOIN_HEAD.size + 8 * n
-    if not 1 <= n <= MAX_FRAMES or offset > size:
+    end = _JOIN_HEAD.size + 8 * n
+    if not 1 <= n <= MAX_FRAMES or end > size:
         raise WireFormatError(f"bad frame count {n} for a message of {size} bytes")
-    frames = []
-    end = offset
-    for length in _table(n).unpack_from(view, _JOIN_HEAD.size):
+    lengths = _table(n).unpack_from(view, _JOIN_HEAD.size)
+    offsets = []
+    for length in lengths:
         offset = (end + 7) & ~7
         end = offset + length
         if end > size:
             raise WireFormatError(f"frame lengths exceed the message size ({size} bytes)")
-        frames.append(view[offset:end])
+        offsets.append(offset)
     if end != size:
         raise WireFormatError(f"{size - end} trailing bytes after the last frame")
-    return frames
+    return view, offsets, lengths
+
+
+def split_frames(buffer: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[memoryview]:
+    """The frames `join_frames` joined, as memoryviews into `buffer` (no copy)."""
+    view, offsets, lengths = _frame_table(buffer, max_message_bytes)
+    return [view[o : o + n] for o, n in zip(offsets, lengths)]
 
 
 def dumps(obj: Any) -> bytes:
@@ -390,4 +391,5 @@ def dumps(obj: Any) -> bytes:
 def loads(buffer: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
     """The object in a `dumps` buffer; arrays are views into `buffer`.
     Raises WireFormatError (only) for anything malformed."""
-    return _decode_views(split_frames(buffer, max_message_bytes), max_depth)
+    view, offsets, lengths = _frame_table(buffer, max_message_bytes)
+    return _decode_frames([view] * len(lengths), offsets, lengths, max_depth)
