@@ -1,0 +1,152 @@
+"""Generation backends: the commands they build and the availability check.
+
+SGLang cannot be installed on a machine without a GPU (DESIGN §6), so its
+path is covered here by the exact argv it builds, and by the worker refusing
+to start a process when SGLang is missing."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import pytest
+
+from realrl.api.cli_args import SGLangConfig, TorchServerConfig
+from realrl.api.system_api import GenerationServerConfig
+from realrl.base.name_resolve import NameResolveConfig
+from realrl.impl.generation.backends import (
+    BackendUnavailableError,
+    GenerationBackend,
+    SGLangBackend,
+    TorchBackend,
+    get_backend,
+    register_backend,
+)
+from realrl.launcher.local import LocalLauncher, WorkerGroup
+
+
+def flags(argv: list[str]) -> dict[str, str | bool]:
+    """`--name value` pairs and bare `--switch`es of an argv, in a dict."""
+    out: dict[str, str | bool] = {}
+    i = 0
+    while i < len(argv):
+        assert argv[i].startswith("--"), argv[i:]
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[argv[i]] = argv[i + 1]
+            i += 2
+        else:
+            out[argv[i]] = True
+            i += 1
+    return out
+
+
+def test_sglang_command_for_a_full_config():
+    config = GenerationServerConfig(
+        backend="sglang",
+        model_path="/models/qwen",
+        weight_version=3,
+        seed=7,
+        tp_size=2,
+        sglang=SGLangConfig(
+            dtype="float16",
+            mem_fraction_static=0.65,
+            context_length=4096,
+            max_running_requests=128,
+            disable_radix_cache=True,
+            log_level="info",
+            extra_args=["--chunked-prefill-size", "2048", "--enable-metrics"],
+        ),
+    )
+    argv = SGLangBackend().command(config, "127.0.0.1", 31000, base_gpu_id=4)
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert argv[-3:] == ["--chunked-prefill-size", "2048", "--enable-metrics"]  # verbatim, last
+    assert flags(argv[3:]) == {
+        "--model-path": "/models/qwen",
+        "--host": "127.0.0.1",
+        "--port": "31000",
+        "--tp-size": "2",
+        "--base-gpu-id": "4",
+        "--mem-fraction-static": "0.65",
+        "--dtype": "float16",
+        "--random-seed": "7",
+        "--weight-version": "3",
+        "--skip-tokenizer-init": True,  # we send token ids and read output ids
+        "--log-level": "info",
+        "--context-length": "4096",
+        "--max-running-requests": "128",
+        "--disable-radix-cache": True,
+        "--chunked-prefill-size": "2048",
+        "--enable-metrics": True,
+    }
+
+
+def test_sglang_command_leaves_unset_options_to_sglang():
+    argv = get_backend("sglang").command(GenerationServerConfig(backend="sglang", model_path="/m"), "127.0.0.1", 30000)
+    f = flags(argv[3:])
+    for unset in ("--context-length", "--max-running-requests", "--disable-radix-cache"):
+        assert unset not in f
+    defaults = (f["--tp-size"], f["--base-gpu-id"], f["--dtype"], f["--mem-fraction-static"])
+    assert defaults == ("1", "0", "bfloat16", "0.8")
+    assert f["--skip-tokenizer-init"] is True
+
+
+def test_torch_command():
+    config = GenerationServerConfig(
+        model_path="/m", seed=5, weight_version=2,
+        torch=TorchServerConfig(device="cpu", dtype="bfloat16", max_running_requests=32, num_threads=3),
+    )  # fmt: skip
+    argv = TorchBackend().command(config, "127.0.0.1", 20001)
+    assert argv[:3] == [sys.executable, "-m", "realrl.impl.generation.torch_server"]
+    assert flags(argv[3:]) == {
+        "--model-path": "/m", "--host": "127.0.0.1", "--port": "20001", "--device": "cpu",
+        "--dtype": "bfloat16", "--max-running-requests": "32", "--seed": "5", "--weight-version": "2",
+        "--num-threads": "3",
+    }  # fmt: skip
+    # On CUDA, server i gets its own device.
+    config.torch.device = "cuda"
+    assert flags(TorchBackend().command(config, "127.0.0.1", 20001, base_gpu_id=1)[3:])["--device"] == "cuda:1"
+    TorchBackend().check_available()  # always available
+
+
+def test_missing_sglang_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # as on a machine without SGLang
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'realrl\[sglang\]'.*torch backend"):
+        get_backend("sglang").check_available()
+
+
+def test_registry_lists_choices_and_takes_plugins():
+    with pytest.raises(KeyError, match=r"unknown generation backend 'vllm'; registered: \[.*'sglang', 'torch'"):
+        get_backend("vllm")
+
+    class EchoBackend(GenerationBackend):
+        name = "echo-test"
+
+        def command(self, config, host, port, base_gpu_id=0):
+            return ["echo", config.model_path, host, str(port)]
+
+    register_backend("echo-test", EchoBackend)
+    assert get_backend("echo-test").command(GenerationServerConfig(model_path="/m"), "h", 1) == ["echo", "/m", "h", "1"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("torch", EchoBackend)
+
+
+def _sglang_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+@pytest.mark.skipif(_sglang_installed(), reason="SGLang is installed here: the worker would launch it")
+def test_sglang_worker_fails_before_starting_any_process(tmp_path, capfd):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    nr = NameResolveConfig(type="file", file_root=str(tmp_path / "nr"))
+    launcher = LocalLauncher("sgltest", f"t{uuid.uuid4().hex[:8]}", str(tmp_path), nr, heartbeat_ttl=2)
+    config = GenerationServerConfig(backend="sglang", model_path=str(model_dir), tp_size=2)
+    assert launcher.run([WorkerGroup("generation_server", 1, config)], timeout=120) == 1
+    err = capfd.readouterr().err
+    assert "worker generation_server/0 failed" in err
+    assert "BackendUnavailableError: the sglang generation backend needs SGLang" in err
+    assert not [f for f in os.listdir(launcher.log_dir) if f.endswith(".server.log")]  # no server was started
+    assert "starting sglang server" not in open(launcher.log_path("generation_server", 0)).read()

@@ -1,0 +1,252 @@
+"""The GenerationServer worker with real processes: a real torch server on a
+tiny random Llama, started by the worker through the local launcher (or as a
+bare worker process), real HTTP, a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+
+from realrl.api.cli_args import TorchServerConfig
+from realrl.api.system_api import GenerationServerConfig, WorkerInfo, WorkerSpec, to_plain
+from realrl.base import name_resolve, names
+from realrl.base.name_resolve import NameResolveConfig
+from realrl.impl.generation.client import GenerationClient
+from realrl.launcher.local import LocalLauncher, WorkerGroup
+from realrl.system.worker_base import ExperimentStatus
+
+EXP = "gentest"
+
+
+# ---------------------------------------------------------------- helpers shared with test_gserver_manager
+
+
+def build_tiny_model(seed: int = 1):
+    """The tiny kit's char tokenizer and a small random Llama (fp32)."""
+    import torch
+
+    from realrl.impl.tiny_model import TinyModelConfig, build_char_tokenizer
+    from realrl.impl.tiny_model import build_tiny_model as build
+
+    torch.set_num_threads(1)
+    tokenizer = build_char_tokenizer()
+    size = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
+    model = build(tokenizer, size, seed=seed)
+    return tokenizer, model
+
+
+def save_tiny_model(path: str, seed: int = 1) -> str:
+    tokenizer, model = build_tiny_model(seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "condition", interval: float = 0.05):
+    """Polls `predicate` until it is truthy; fails the test after `timeout`
+    (a hang guard, not a performance threshold)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+class LauncherThread:
+    """Runs a LocalLauncher trial in a background thread; the test talks to
+    the trial through its own name_resolve repository (the launcher owns the
+    process-global one)."""
+
+    def __init__(self, tmp_path, etcd_addr: str, groups: list[WorkerGroup], trial: str | None = None):
+        self.trial = trial or f"t{uuid.uuid4().hex[:8]}"
+        nr_config = NameResolveConfig(type="etcd3", etcd3_addr=etcd_addr)
+        self.launcher = LocalLauncher(EXP, self.trial, str(tmp_path), nr_config, heartbeat_ttl=2, stop_timeout=15)
+        self.repo = name_resolve.make_repository(nr_config)
+        self.groups = groups
+        self.code: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="launcher", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.code = self.launcher.run(self.groups, timeout=300)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+    def start(self) -> "LauncherThread":
+        self.thread.start()
+        return self
+
+    def wait_key(self, key: str, timeout: float = 120.0) -> str:
+        def get():
+            if not self.thread.is_alive():
+                pytest.fail(f"the trial ended (code {self.code}, error {self.error!r}) before {key} appeared")
+            try:
+                return self.repo.get(key)
+            except name_resolve.NameEntryNotFoundError:
+                return None
+
+        return wait_until(get, timeout, key, interval=0.1)
+
+    def set(self, key: str, value: str) -> None:
+        self.repo.add(key, value, replace=True, delete_on_exit=False)
+
+    def join(self, timeout: float = 90.0) -> int:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the launcher did not return"
+        if self.error is not None:
+            raise self.error
+        return self.code
+
+    def complete(self) -> int:
+        self.set(names.experiment_status(EXP, self.trial), ExperimentStatus.COMPLETE)
+        return self.join()
+
+    def close(self) -> None:
+        """Teardown: whatever happened, end the trial and wait for the launcher."""
+        if self.thread.is_alive():
+            try:
+                self.set(names.experiment_status(EXP, self.trial), ExperimentStatus.ABORTED)
+            except Exception:
+                pass
+            self.thread.join(120)
+        self.repo.close()
+
+
+def worker_children(worker_pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(worker_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def server_config(model_dir: str, **kw) -> GenerationServerConfig:
+    torch_cfg = TorchServerConfig(num_threads=1)
+    return GenerationServerConfig(model_path=model_dir, startup_timeout=120, torch=torch_cfg, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+async def _generate(url: str, n: int = 8):
+    async with GenerationClient(timeout_s=60) as client:
+        info = await client.model_info(url)
+        result = await client.generate(url, [5, 6, 7, 8], {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
+    return info, result
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_server_registers_serves_and_stops_with_the_trial(tmp_path, etcd_server, tiny_model_dir):
+    group = WorkerGroup("generation_server", 1, server_config(tiny_model_dir, seed=3))
+    trial = LauncherThread(tmp_path, etcd_server.addr, [group])
+    try:
+        trial.start()
+        url = trial.wait_key(names.gen_server(EXP, trial.trial, 0))
+        assert url.startswith("http://127.0.0.1:")
+        info, result = asyncio.run(_generate(url))
+        assert info["weight_version"] == "0" and info["model_path"] == tiny_model_dir
+        assert len(result.output_ids) == 8 and len(result.output_logprobs) == 8
+        assert result.finish_reason == "length" and result.weight_version == "0"
+
+        (worker_pid,) = trial.launcher.worker_pids
+        children = worker_children(worker_pid)
+        (server,) = [p for p in children if "realrl.impl.generation.torch_server" in " ".join(p.cmdline())]
+        assert str(url.rsplit(":", 1)[1]) in server.cmdline()
+        # Same process group as the worker (the launcher's group kill reaches it).
+        assert os.getpgid(server.pid) == os.getpgid(worker_pid)
+        server_log = os.path.join(trial.launcher.log_dir, "generation_server-0.server.log")
+        assert "listening on" in open(server_log).read()
+
+        assert trial.complete() == 0
+        assert not alive(worker_pid) and not alive(server.pid)
+        worker_log = open(trial.launcher.log_path("generation_server", 0)).read()
+        assert "stopped the generation server" in worker_log and "exited with code 0" in worker_log
+        with pytest.raises(name_resolve.NameEntryNotFoundError):
+            trial.repo.get(names.gen_server(EXP, trial.trial, 0))
+    finally:
+        trial.close()
+
+
+def test_killed_server_fails_the_worker_and_the_trial(tmp_path, etcd_server, tiny_model_dir, capfd):
+    group = WorkerGroup("generation_server", 1, server_config(tiny_model_dir))
+    trial = LauncherThread(tmp_path, etcd_server.addr, [group])
+    try:
+        trial.start()
+        trial.wait_key(names.gen_server(EXP, trial.trial, 0))
+        (worker_pid,) = trial.launcher.worker_pids
+        (server,) = worker_children(worker_pid)
+        server.send_signal(signal.SIGKILL)
+
+        assert trial.join() == 1
+        assert trial.launcher.failed_worker == "generation_server/0"
+        err = capfd.readouterr().err
+        assert "worker generation_server/0 failed" in err
+        assert "generation server (pid %d) was killed by signal SIGKILL while serving" % server.pid in err
+        assert "listening on" in err  # the tail of the server's log is in the report
+        assert not alive(worker_pid) and not alive(server.pid)
+    finally:
+        trial.close()
+
+
+def test_server_dies_with_its_worker_even_on_sigkill(tmp_path, etcd_server, tiny_model_dir):
+    """PR_SET_PDEATHSIG: a SIGKILLed worker (no exit hook runs) still takes its
+    server down. The worker runs bare here, without a launcher to clean up."""
+    trial_name = f"t{uuid.uuid4().hex[:8]}"
+    nr_config = NameResolveConfig(type="etcd3", etcd3_addr=etcd_server.addr)
+    info = WorkerInfo(EXP, trial_name, "generation_server", name_resolve=nr_config, log_dir=str(tmp_path),
+                      heartbeat_ttl=2, watch_launcher=False)  # fmt: skip
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(WorkerSpec("realrl.system.generation_server:GenerationServer", info,
+                                    to_plain(server_config(tiny_model_dir))).to_json())  # fmt: skip
+    repo = name_resolve.make_repository(nr_config)
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "realrl.system.worker_base", "--spec", str(spec_path)],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    server_pid = None
+    try:
+        wait_until(lambda: _get(repo, names.gen_server(EXP, trial_name, 0)) or worker.poll() is not None, 120, "server")
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+        (server,) = worker_children(worker.pid)
+        server_pid = server.pid
+        os.kill(worker.pid, signal.SIGKILL)  # only the worker, not its group
+        worker.wait()
+        wait_until(lambda: not alive(server_pid), 30, "the server to die with its worker")
+    finally:
+        for pid in (worker.pid, server_pid):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        repo.clear_subtree(names.trial_root(EXP, trial_name))
+        repo.close()
+
+
+def _get(repo, key: str) -> str | None:
+    try:
+        return repo.get(key)
+    except name_resolve.NameEntryNotFoundError:
+        return None

@@ -1,0 +1,411 @@
+"""The GserverManager: its state classes in-process, then the worker with real
+processes (local launcher, real etcd, real torch servers, real HTTP).
+
+Admission trials share one torch server (started once per module, registered
+under each trial's `gen_servers/0`); the routing / weight-update trial runs
+the whole generation side: two GenerationServer workers and the manager."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from realrl.api.system_api import GserverManagerConfig
+from realrl.base import names, network
+from realrl.impl.generation.client import GenerationClient
+from realrl.launcher.local import WorkerGroup
+from realrl.system.gserver_manager import (
+    RequestRouter,
+    StalenessController,
+    delete_old_weight_dirs,
+    within_staleness_bound,
+)
+from tests.system.test_generation_server import (
+    EXP,
+    LauncherThread,
+    build_tiny_model,
+    server_config,
+    wait_until,
+)
+
+B = 2  # train_batch_size in the worker tests
+
+
+# ---------------------------------------------------------------- state classes, in-process
+
+
+def test_staleness_formula():
+    # (accepted - dropped + running) // B <= eta + version
+    assert within_staleness_bound(0, 0, 3, 4, 0, 0)
+    assert not within_staleness_bound(0, 0, 4, 4, 0, 0)
+    assert not within_staleness_bound(2, 0, 2, 4, 0, 0)  # finished-and-accepted count
+    assert within_staleness_bound(2, 1, 2, 4, 0, 0)  # drops give budget back
+    assert not within_staleness_bound(4, 0, 0, 4, 0, 0)
+    assert within_staleness_bound(4, 0, 3, 4, 0, 1)  # a new version opens B more ...
+    assert not within_staleness_bound(4, 0, 4, 4, 0, 1)  # ... and no more
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_controller_admits_at_most_eta_plus_one_batches_per_version(eta):
+    c = StalenessController(train_batch_size=4, max_head_offpolicyness=eta, max_concurrent_rollouts=1000)
+    admitted = [i for i in range(100) if c.allocate(f"q{i}")[0]]
+    assert len(admitted) == (eta + 1) * 4 == c.running
+    ok, reason = c.allocate("x")
+    assert not ok and reason.startswith("staleness bound: (accepted 0 - dropped 0 + running")
+    for i in admitted[:3]:  # accepted finishes keep using the budget
+        c.finish(f"q{i}", accepted=True, n_tokens=5)
+    assert not c.allocate("x")[0]
+    c.finish(f"q{admitted[3]}", accepted=False)  # agent-filtered: budget back
+    assert c.allocate("r")[0] and not c.allocate("x")[0]
+    c.dropped = 2  # the trainer dropped two stale ones
+    assert c.allocate("d1")[0] and c.allocate("d2")[0] and not c.allocate("x")[0]
+    c.trainer_version = 1
+    assert sum(c.allocate(f"v{i}")[0] for i in range(10)) == 4
+    assert (c.accepted, c.rejected, c.n_tokens) == (3, 1, 15)
+    with pytest.raises(KeyError, match="no running rollout with qid 'nope'"):
+        c.finish("nope", accepted=True)
+
+
+def test_controller_concurrency_cap_stop_and_repeated_qids():
+    c = StalenessController(train_batch_size=100, max_head_offpolicyness=0, max_concurrent_rollouts=2)
+    assert c.allocate("same")[0] and c.allocate("same")[0]  # one prompt twice in flight
+    assert c.allocate("other") == (False, "max_concurrent_rollouts reached (2)")
+    c.finish("same", accepted=True)
+    c.finish("same", accepted=True)
+    with pytest.raises(KeyError):
+        c.finish("same", accepted=True)
+    c.stop()
+    assert c.allocate("q") == (False, "rollouts stopped")
+
+
+def test_router_least_requests_ties_and_stickiness():
+    r = RequestRouter(["a", "b"], [0, 0])
+    # Sequential schedule+release: in-flight ties every time, the total breaks them.
+    picks = []
+    for _ in range(4):
+        url, _ = r.schedule()
+        picks.append(url)
+        r.release(url)
+    assert picks == ["a", "b", "a", "b"]
+    assert [r.schedule()[0] for _ in range(4)] == ["a", "b", "a", "b"]  # held: least in flight
+    assert r.in_flight == {"a": 2, "b": 2}
+    assert r.schedule(3, "a", 0) == ("a", 0)  # sticky while a holds version 0
+    assert r.in_flight["a"] == 5
+    r.set_loaded_version("a", 1)
+    assert r.version == 0  # b still on 0
+    assert r.schedule(1, "a", 0) == ("b", 0)  # a changed version: least requests
+    assert r.schedule(1, "zzz", 0)[0] == "b"  # an unknown previous server is ignored
+    r.release("a", 100)
+    assert r.in_flight["a"] == 0  # never below zero
+    with pytest.raises(KeyError):
+        r.release("zzz")
+
+
+def test_delete_old_weight_dirs_only_touches_old_versions(tmp_path):
+    for name in ("0", "1", "2", "3", ".tmp-4-abcd", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "1" / "model.safetensors").write_text("x")
+    (tmp_path / "README").write_text("keep")
+    os.symlink(tmp_path / "notes", tmp_path / "0123")  # a link named like a version: never followed
+    deleted = delete_old_weight_dirs(str(tmp_path), 2)
+    assert sorted(os.path.basename(d) for d in deleted) == ["0", "1"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-4-abcd", "0123", "2", "3", "README", "notes"]
+
+
+# ---------------------------------------------------------------- worker fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_tiny_model(seed=1)[1]
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory, tiny_model):
+    """One real torch server the admission trials share, in its own process group."""
+    from realrl.system.model_worker import publish_weights
+
+    root = tmp_path_factory.mktemp("shared_server")
+    model_dir = publish_weights(tiny_model, str(root / "weights"), 0)
+    port = network.find_free_port()
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir,
+         "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(_wait_healthy(url, proc))
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+async def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
+    async with GenerationClient() as client:
+        for _ in range(600):
+            assert proc.poll() is None, "the shared torch server died at startup"
+            if await client.health(url, timeout_s=2):
+                return
+            await asyncio.sleep(0.2)
+    pytest.fail("the shared torch server never got healthy")
+
+
+def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, **manager_kw) -> tuple[LauncherThread, str]:
+    """A trial with only a manager; the shared server is registered as its server 0."""
+    cfg = GserverManagerConfig(n_servers=1, train_batch_size=B, weights_dir=str(tmp_path / "weights"),
+                               poll_interval=0.05, **manager_kw)  # fmt: skip
+    trial = LauncherThread(tmp_path, etcd_addr, [WorkerGroup("gserver_manager", 1, cfg)]).start()
+    wait_until(lambda: trial.launcher.worker_pids or not trial.thread.is_alive(), 60, "the manager process")
+    # After the launcher cleared the trial's keys, before the manager looks.
+    trial.set(names.gen_server(EXP, trial.trial, 0), server_url)
+    manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+    return trial, manager_url
+
+
+class Manager:
+    """The rollout side of the HTTP contract, as a test client."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str):
+        self.session, self.url = session, url
+
+    async def call(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+        kwargs = {"data": raw} if raw is not None else ({"json": body} if body is not None else {})
+        async with self.session.request(method, self.url + path, **kwargs) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def post(self, path: str, body=None) -> dict:
+        status, reply = await self.call("POST", path, body if body is not None else {})
+        assert status == 200, reply
+        return reply
+
+    async def get(self, path: str) -> dict:
+        status, reply = await self.call("GET", path)
+        assert status == 200, reply
+        return reply
+
+    async def allocate(self, qid: str) -> dict:
+        return await self.post("/allocate_rollout", {"qid": qid})
+
+    async def finish(self, qid: str, accepted: bool) -> dict:
+        return await self.post("/finish_rollout", {"qid": qid, "accepted": accepted, "n_tokens": 3})
+
+    async def wait_stats(self, key: str, value) -> dict:
+        for _ in range(1200):
+            stats = await self.get("/rollout_stats")
+            if stats[key] == value:
+                return stats
+            await asyncio.sleep(0.05)
+        pytest.fail(f"rollout_stats[{key!r}] never became {value!r}: {stats}")
+
+
+def run_with_manager(url: str, scenario):
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return await scenario(Manager(session, url))
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------- worker tests
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_admission_with_concurrent_clients(tmp_path, etcd_server, shared_server, tiny_model, eta):
+    from realrl.system.model_worker import publish_weights
+
+    n_clients, per_client = 3, 4
+    publish_weights(tiny_model, str(tmp_path / "weights"), 1)
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=eta)
+
+    async def scenario(m: Manager):
+        refusals: list[str] = []
+
+        async def client(c: int) -> list[str]:  # tries to keep `per_client` rollouts running
+            held = []
+            for k in range(per_client):
+                reply = await m.allocate(f"c{c}-{k}")
+                assert reply["version"] == 0
+                if reply["success"]:
+                    assert reply["reason"] is None
+                    held.append(f"c{c}-{k}")
+                else:
+                    refusals.append(reply["reason"])
+            return held
+
+        held = [q for qs in await asyncio.gather(*(client(c) for c in range(n_clients))) for q in qs]
+        limit = (eta + 1) * B
+        assert len(held) == min(n_clients * per_client, limit) == limit
+        assert len(refusals) == n_clients * per_client - limit
+        assert all(r.startswith("staleness bound: ") for r in refusals), refusals
+        assert (await m.get("/rollout_stats"))["running"] == limit
+
+        # Finished and accepted rollouts still count: nothing new before a new version.
+        await m.finish(held.pop(), accepted=True)
+        assert not (await m.allocate("late"))["success"]
+        # An agent-rejected rollout gives its budget back (exactly one).
+        await m.finish(held.pop(), accepted=False)
+        assert (await m.allocate("after-reject"))["success"]
+        assert not (await m.allocate("late"))["success"]
+        # So does a trainer drop.
+        trial.set(names.dropped_samples(EXP, trial.trial), "1")
+        await m.wait_stats("dropped", 1)
+        assert (await m.allocate("after-drop"))["success"]
+        assert not (await m.allocate("late"))["success"]
+        # The trainer's version advances: B more.
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
+        await m.wait_stats("trainer_version", 1)
+        more = [(await m.allocate(f"v1-{i}"))["success"] for i in range(B + 2)]
+        assert more == [True] * B + [False, False]
+        stats = await m.get("/rollout_stats")
+        assert (stats["accepted"], stats["rejected"], stats["dropped"]) == (1, 1, 1)
+        assert stats["running"] == limit - 2 + 1 + 1 + B
+        status, reply = await m.call("POST", "/finish_rollout", {"qid": "never-allocated", "accepted": True})
+        assert status == 400 and "never-allocated" in reply["error"]
+
+    try:
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+        log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+        assert "rollouts: running" in log  # the stats line
+    finally:
+        trial.close()
+
+
+def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, shared_server, capfd):
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=4,
+                                     max_concurrent_rollouts=3, weight_update_retries=1)  # fmt: skip
+
+    async def scenario(m: Manager):
+        replies = [await m.allocate(f"q{i}") for i in range(5)]
+        assert [r["success"] for r in replies] == [True, True, True, False, False]
+        assert replies[3]["reason"] == "max_concurrent_rollouts reached (3)"
+        await m.finish("q0", accepted=True)
+        assert (await m.allocate("q5"))["success"]
+
+        # Routing with one server, and the version it holds.
+        reply = await m.post("/schedule_request", {"qid": "q1", "n": 2, "previous_server_url": None,
+                                                   "previous_version": None})  # fmt: skip
+        assert reply["url"] == shared_server and isinstance(reply["version"], int)
+        assert (await m.get("/rollout_stats"))["server_in_flight"] == {shared_server: 2}
+        assert await m.post("/release_request", {"url": shared_server, "n": 2}) == {"success": True}
+        assert (await m.get("/get_model_version"))["version"] == reply["version"]
+
+        bad = [
+            ("POST", "/allocate_rollout", None, b"{not json"),
+            ("POST", "/allocate_rollout", [1, 2], None),
+            ("POST", "/allocate_rollout", {}, None),
+            ("POST", "/allocate_rollout", {"qid": 7}, None),
+            ("POST", "/finish_rollout", {"qid": "q1"}, None),
+            ("POST", "/finish_rollout", {"qid": "q1", "accepted": "yes"}, None),
+            ("POST", "/finish_rollout", {"qid": "unknown", "accepted": True}, None),
+            ("POST", "/schedule_request", {"qid": "q1", "n": 0}, None),
+            ("POST", "/schedule_request", {"qid": "q1", "previous_version": "0"}, None),
+            ("POST", "/release_request", {"url": "http://127.0.0.1:1", "n": 1}, None),
+            ("POST", "/release_request", {"n": True, "url": shared_server}, None),
+        ]
+        for method, path, body, raw in bad:
+            status, reply = await m.call(method, path, body, raw)
+            assert status == 400 and isinstance(reply.get("error"), str), (path, body, raw, status, reply)
+        assert (await m.call("GET", "/health"))[0] == 200
+        stats = await m.get("/rollout_stats")
+        assert stats["bad_requests"] == len(bad)
+        assert (stats["running"], stats["accepted"]) == (3, 1)  # nothing changed by the bad requests
+
+        assert await m.post("/stop_rollouts") == {"success": True}
+        reply = await m.allocate("after-stop")
+        assert reply == {"success": False, "reason": "rollouts stopped", "version": 0}
+        await m.finish("q1", accepted=True)  # rollouts in flight still finish
+
+    try:
+        run_with_manager(url, scenario)
+        # A version whose weights do not exist: the server refuses, the manager
+        # retries, then fails and the trial stops, saying which server and why.
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "7")
+        assert trial.join() == 1
+        assert trial.launcher.failed_worker == "gserver_manager/0"
+        err = capfd.readouterr().err
+        missing = os.path.join(str(tmp_path / "weights"), "7")
+        assert f"generation server {shared_server} could not load weight version 7 from {missing}" in err
+        assert "after 2 attempts" in err  # 1 + weight_update_retries
+    finally:
+        trial.close()
+
+
+def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, tiny_model):
+    from realrl.system.model_worker import publish_weights
+
+    weights_dir = tmp_path / "weights"
+    model_dir = publish_weights(tiny_model, str(weights_dir), 0)
+    (weights_dir / "notes.txt").write_text("not a version")
+    (weights_dir / ".tmp-2-abcd").mkdir()  # a publish in progress
+    manager_cfg = GserverManagerConfig(n_servers=2, train_batch_size=B, max_head_offpolicyness=1,
+                                       weights_dir=str(weights_dir), poll_interval=0.05)  # fmt: skip
+    groups = [
+        WorkerGroup("generation_server", 2, server_config(model_dir)),
+        WorkerGroup("gserver_manager", 1, manager_cfg),
+    ]
+    trial = LauncherThread(tmp_path, etcd_server.addr, groups).start()
+
+    async def scenario(m: Manager):
+        a, b = (trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
+        # Least requests spreads load over both servers.
+        picks = [await m.post("/schedule_request", {"qid": f"q{i}"}) for i in range(4)]
+        assert sorted(p["url"] for p in picks) == sorted([a, a, b, b]) and {p["version"] for p in picks} == {0}
+        assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 2, b: 2}
+        for p in picks:
+            await m.post("/release_request", {"url": p["url"], "n": 1})
+        # Sticky while the version is unchanged, even onto the busier server.
+        for _ in range(3):
+            reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 0})
+            assert reply == {"url": a, "version": 0}
+        assert (await m.post("/schedule_request", {"qid": "t"}))["url"] == b  # least requests
+        assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 3, b: 1}
+
+        # The trainer publishes version 1: every server loads it.
+        _, new_model = build_tiny_model(seed=2)
+        publish_weights(new_model, str(weights_dir), 1)
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
+        for _ in range(1200):
+            if (await m.get("/get_model_version"))["version"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert (await m.get("/get_model_version"))["version"] == 1
+        async with GenerationClient(timeout_s=60) as client:
+            assert [await client.weight_version(u) for u in (a, b)] == ["1", "1"]
+            result = await client.generate(a, [5, 6, 7], {"max_new_tokens": 2, "ignore_eos": True})
+            assert result.weight_version == "1"
+        stats = await m.get("/rollout_stats")
+        assert (stats["trainer_version"], stats["loaded_version"]) == (1, 1)
+        # Version 0 is no longer used by any server: deleted; the rest untouched.
+        for _ in range(200):
+            if not (weights_dir / "0").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(os.listdir(weights_dir)) == [".tmp-2-abcd", "1", "notes.txt"]
+
+        # Stickiness to the old version is released: least requests picks b.
+        reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 0})
+        assert reply == {"url": b, "version": 1}
+        # ... and holds again under the new version.
+        reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 1})
+        assert reply == {"url": a, "version": 1}
+
+    try:
+        url = trial.wait_key(names.gen_server_manager(EXP, trial.trial), timeout=180)
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+        log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+        assert "all servers hold weight version 1" in log and "deleted old weights: 0" in log
+    finally:
+        trial.close()
