@@ -25,10 +25,12 @@ _realrl_stamp_file="$("$_realrl_py" -c 'import sys; print(sys.prefix)')/.realrl-
 _realrl_stamp="$(cat "$_realrl_root/pyproject.toml" "$_realrl_root/scripts/bootstrap.sh" | sha256sum | cut -c1-16)"
 if [ "$(cat "$_realrl_stamp_file" 2>/dev/null || true)" != "$_realrl_stamp" ]; then
   echo "[bootstrap] installing dependencies (first run or pyproject changed)" >&2
+  # (pip's notes about local index mirrors that do not exist are noise here)
+  _realrl_pip() { "$_realrl_py" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
   if ! "$_realrl_py" -c 'import torch' 2>/dev/null; then
-    "$_realrl_py" -m pip install -q "torch==2.13.0"
+    _realrl_pip "torch==2.13.0"
   fi
-  "$_realrl_py" -m pip install -q -e "$_realrl_root[dev]"
+  _realrl_pip -e "$_realrl_root[dev]"
   echo "$_realrl_stamp" > "$_realrl_stamp_file"
 fi
 

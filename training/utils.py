@@ -72,7 +72,8 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
 
         if model_path and not train_path:
             raise ConfigError("dataset.train_path: required when model.path is set (the synthetic task needs the tiny model's tokenizer)")
-        kit = build_tiny_kit(os.path.join(fileroot, "cache"), TinyKitRecipe(seed=cfg.tiny_kit.seed))
+        cache = os.path.abspath(cfg.tiny_kit.cache_dir) if cfg.tiny_kit.cache_dir else os.path.join(fileroot, "cache")
+        kit = build_tiny_kit(cache, TinyKitRecipe(seed=cfg.tiny_kit.seed))
         logger.info("tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)", kit.root,
                     kit.warm_start_stats.accuracy, kit.warm_start_stats.k, kit.warm_start_stats.pass_at_k)  # fmt: skip
         model_path = model_path or kit.model_path

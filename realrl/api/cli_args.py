@@ -36,6 +36,7 @@ class TinyKitConfig:
     arithmetic, warm-started so RL has a reward signal (cached under fileroot)."""
 
     seed: int = 1
+    cache_dir: str = ""  # "" = <fileroot>/cache; built once per recipe, then reused
 
 
 @dataclasses.dataclass

@@ -91,7 +91,7 @@ class MasterWorker(AsyncWorker):
     async def _fetch(self) -> dict:
         shares = self._shares()
         got = [0] * len(shares)
-        collected: dict[str, list] = {k: [] for k in ("staleness", "rewards", "correct", "seq_lens", "gen_lens")}
+        collected: dict[str, list] = {k: [] for k in ("staleness", "version_start", "rewards", "correct", "seq_lens", "gen_lens")}
         dropped = 0
         min_version = self.version - self.cfg.max_head_offpolicyness
         while True:
@@ -147,6 +147,7 @@ class MasterWorker(AsyncWorker):
         stats.update(summarize(batch["correct"], "rollout/accuracy"))
         stats.update(summarize([float(x) for x in batch["gen_lens"]], "rollout/gen_len"))
         stats.update(summarize([float(x) for x in batch["staleness"]], "staleness"))
+        stats.update(summarize([float(x) for x in batch["version_start"]], "rollout/version_start"))
         stats["staleness/histogram"] = histogram(batch["staleness"])
         stats["time/fetch_s"] = t_fetch - t0
         stats["time/inference_s"] = t_inf - t_fetch

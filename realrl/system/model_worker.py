@@ -211,6 +211,7 @@ class ModelWorker(Worker):
             "n_step": len(self.step_trajectories),
             "n_dropped": dropped,
             "staleness": staleness,
+            "version_start": [t.min_version_start for t in taken],
             "rewards": [r for t in taken for r in t.reward],
             "correct": accuracy,
             "seq_lens": [n for t in taken for n in t.seq_lens],
