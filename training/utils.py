@@ -169,8 +169,6 @@ def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
         max_prompt_len=cfg.dataset.max_prompt_len,
         shuffle=cfg.dataset.shuffle,
         seed=cfg.seed,
-        group_size=ppo.group_size,
-        gconfig=rollout.gconfig,
         agent=dataclasses.replace(rollout.agent, args=agent_args(cfg, model_path)),
         env=rollout.env,
         max_concurrent_rollouts=per_worker_concurrency,

@@ -89,7 +89,6 @@ from realrl.api.cli_args import (  # noqa: E402
     SGLangConfig,
     TorchServerConfig,
 )
-from realrl.api.generation_api import GenerationHyperparameters  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -124,8 +123,7 @@ class RolloutWorkerConfig:
     max_prompt_len: int = 256
     shuffle: bool = True
     seed: int = 1
-    group_size: int = 8
-    gconfig: GenerationHyperparameters = dataclasses.field(default_factory=GenerationHyperparameters)
+    # The agent's args carry group_size, gconfig and reward shaping (training/utils.agent_args).
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     max_concurrent_rollouts: int = 64  # episodes in flight in this worker

@@ -54,7 +54,6 @@ def rollout_group(tiny_kit, dataset: str, count: int, **kwargs) -> list:
         dataset_path=dataset,
         tokenizer_path=tiny_kit["model_dir"],
         max_prompt_len=MAX_PROMPT_LEN,
-        group_size=2,
         agent=AgentConfig(type="math-single-step", args=agent_args),
         n_pullers=1,
         **kwargs,
