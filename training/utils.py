@@ -104,6 +104,12 @@ def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
     paths = trial_paths(cfg)
     model_path, train_path, test_path = resolve_model_and_data(cfg, paths.fileroot)
     ppo, rollout = cfg.ppo, cfg.rollout
+    if not cfg.dataset.train_path and rollout.env.type == "math":
+        # The synthetic arithmetic task's answers are bare numbers ("81");
+        # a hedged or decorated answer ("~81") does not count.
+        rollout = dataclasses.replace(
+            rollout, env=dataclasses.replace(rollout.env, args={"answer_format": "exact", **rollout.env.args})
+        )
     n_train = alloc.train.dp
     temperature = 0.0 if rollout.gconfig.greedy else rollout.gconfig.temperature
 

@@ -59,7 +59,7 @@ from realrl.impl.warm_start import WarmStartConfig, greedy_accuracy, pass_at_k, 
 logger = getLogger("realrl.impl.tiny_model")  # not __main__ under `python -m`
 
 # Bump when the kit's layout or build procedure changes: old caches then miss.
-KIT_FORMAT_VERSION = 1
+KIT_FORMAT_VERSION = 2  # 2: hedged warm-start demonstrations
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)

@@ -6,6 +6,16 @@ nothing. `warm_start` runs a short supervised pass (plain PyTorch, AdamW, loss
 only on the answer tokens and eos) so the tiny model solves part of the
 arithmetic tasks — enough reward signal, with room left for RL to grow.
 
+The demonstrations are deliberately imperfect, like the data real models are
+pre-trained on: some of them end the answer with a hedge ("81?" instead of
+"81"), most of those whose first operand has two digits and few of the
+others, and the task's exact answer format rejects a hedged answer. The warm-started
+policy thus starts with a habit that has nothing to do with the arithmetic of
+any one problem; RL unlearns it within minutes and the gain carries over to
+problems it never trained on, so greedy accuracy on the test split rises.
+(Without it, RL on a model this small can only improve the arithmetic itself,
+which takes far longer than a CPU demo has.)
+
 Evaluation helpers (`greedy_accuracy`, `pass_at_k`) decode in batches with a KV
 cache and check the answer by exact numeric match; later evaluation code reuses
 them. The tokenizer is expected to add no special tokens on its own (the tiny
@@ -34,12 +44,17 @@ _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    steps: int = 700
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 2e-3
     warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # Fractions of demonstrations written as answer + hedge_suffix: of the
+    # problems whose first operand is >= 10 (about 70%), and of the others.
+    hedge_fraction_large: float = 0.75
+    hedge_fraction_small: float = 0.1
+    hedge_suffix: str = "?"
 
 
 # ---------------------------------------------------------------- answers
@@ -233,12 +248,30 @@ def pass_at_k(
 # ---------------------------------------------------------------- training
 
 
-def _encode_examples(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> list[tuple[list[int], int]]:
-    """(prompt + answer + eos ids, prompt length) per record."""
+_OPERANDS_RE = re.compile(r"(\d+)\s*[-+*/]\s*(\d+)")
+
+
+def _has_large_operand(prompt: str) -> bool:
+    m = _OPERANDS_RE.search(prompt)
+    return m is not None and len(m.group(1)) >= 2
+
+
+def _encode_examples(
+    tokenizer: PreTrainedTokenizerBase, records: list[dict], config: WarmStartConfig | None = None,
+    rng: random.Random | None = None,
+) -> list[tuple[list[int], int]]:
+    """(prompt + answer + eos ids, prompt length) per record; some answers get
+    the hedge suffix (chosen once per record, by `rng`)."""
+    config = config or WarmStartConfig()
+    rng = rng or random.Random(0)
     examples = []
     for r in records:
         prompt = tokenizer.encode(r["prompt"], add_special_tokens=False)
-        answer = tokenizer.encode(str(r["answer"]), add_special_tokens=False)
+        text = str(r["answer"])
+        fraction = config.hedge_fraction_large if _has_large_operand(r["prompt"]) else config.hedge_fraction_small
+        if fraction and rng.random() < fraction:
+            text += config.hedge_suffix
+        answer = tokenizer.encode(text, add_special_tokens=False)
         examples.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
     return examples
 
@@ -271,7 +304,7 @@ def warm_start(
     """
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    examples = _encode_examples(tokenizer, train_records)
+    examples = _encode_examples(tokenizer, train_records, config, random.Random(seed))
     device = next(model.parameters()).device
 
     optimizer = torch.optim.AdamW(

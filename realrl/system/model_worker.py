@@ -294,9 +294,10 @@ class ModelWorker(Worker):
             return rewards
 
         rewards = asyncio.run(score())
-        accuracy = sum(r > 0 for r in rewards) / max(len(rewards), 1)
+        # An answer counts as correct when it earns the full reward (1.0).
+        accuracy = sum(r >= 1.0 - 1e-6 for r in rewards) / max(len(rewards), 1)
         samples = [{"prompt": r["prompt"], "completion": c, "reward": w} for r, c, w in list(zip(records, completions, rewards))[:5]]
-        return {"accuracy": accuracy, "n": len(records), "seconds": time.monotonic() - t0, "samples": samples}
+        return {"accuracy": accuracy, "reward_mean": sum(rewards) / max(len(rewards), 1), "n": len(records), "seconds": time.monotonic() - t0, "samples": samples}
 
     def _handle_save(self, data: dict) -> dict:
         if self.dp_rank == 0:

@@ -32,6 +32,7 @@ from realrl.impl.warm_start import (
     is_correct,
     parse_number,
     pass_at_k,
+    WarmStartConfig,
     reference_number,
 )
 
@@ -80,7 +81,8 @@ def test_reference_number_and_is_correct():
 def test_loss_mask_covers_answer_and_eos_only():
     tokenizer = build_char_tokenizer()
     records = [{"prompt": "Q: 1+2=?\nA:", "answer": "3"}, {"prompt": "Q: 10+20=?\nA:", "answer": "30"}]
-    input_ids, attention_mask, labels = _collate(_encode_examples(tokenizer, records), tokenizer.pad_token_id)
+    plain = WarmStartConfig(hedge_fraction_large=0.0, hedge_fraction_small=0.0)
+    input_ids, attention_mask, labels = _collate(_encode_examples(tokenizer, records, plain), tokenizer.pad_token_id)
     for row, record in enumerate(records):
         prompt_len = len(record["prompt"])
         n_real = prompt_len + len(record["answer"]) + 1
@@ -89,6 +91,25 @@ def test_loss_mask_covers_answer_and_eos_only():
         assert (labels[row, n_real:] == -100).all()
         assert attention_mask[row].sum() == n_real
         assert (input_ids[row, n_real:] == tokenizer.pad_token_id).all()
+
+
+def test_hedged_demonstrations_follow_difficulty():
+    """Problems whose first operand has two digits get the hedge suffix far more often;
+    the hedge goes after the digits, before eos, and the digits stay correct."""
+    tokenizer = build_char_tokenizer()
+    large = [{"prompt": f"Q: {20 + i}+{i % 10}=?\nA:", "answer": str(20 + i + i % 10)} for i in range(60)]
+    small = [{"prompt": f"Q: {i % 10}+{20 + i}=?\nA:", "answer": str(20 + i + i % 10)} for i in range(60)]
+    config = WarmStartConfig(hedge_fraction_large=0.8, hedge_fraction_small=0.1)
+
+    def hedged(records):
+        out = []
+        for (ids, plen), r in zip(_encode_examples(tokenizer, records, config), records):
+            text = tokenizer.decode(ids[plen:-1])
+            assert text in (r["answer"], r["answer"] + "?") and ids[-1] == tokenizer.eos_token_id
+            out.append(text.endswith("?"))
+        return sum(out) / len(out)
+
+    assert hedged(large) > 0.6 and hedged(small) < 0.25
 
 
 # ---------------------------------------------------------------- decoding

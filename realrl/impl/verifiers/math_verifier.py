@@ -133,6 +133,16 @@ def numeric_score(answer_text: str, solutions: list[str]) -> float | None:
     return 1.0 if any(value == g for g in gold) else 0.0
 
 
+def exact_numeric_score(answer_text: str, solutions: list[str]) -> float:
+    """The strict check of answer_format="exact": the whole completion (after
+    stripping whitespace) must be a plain number equal to a solution."""
+    value = _as_decimal(answer_text.strip()) if answer_text and answer_text.strip() else None
+    if value is None or not _PLAIN_NUMBER_RE.match(answer_text.strip()):
+        return 0.0
+    gold = [_as_decimal(s) for s in solutions]
+    return 1.0 if any(g is not None and value == g for g in gold) else 0.0
+
+
 # ---------------------------------------------------------------- child side
 
 
