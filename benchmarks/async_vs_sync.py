@@ -33,7 +33,7 @@ MODES = {
 
 
 def run(mode: str, steps: int, fileroot: str, extra: list[str]) -> dict:
-    overrides = [f"experiment_name=async-vs-sync", f"trial_name={mode}", f"fileroot={fileroot}",
+    overrides = ["experiment_name=async-vs-sync", f"trial_name={mode}", f"fileroot={fileroot}",
                  f"total_train_steps={steps}", "eval.every_n_steps=0", *MODES[mode], *extra]  # fmt: skip
     cfg = load_config(overrides)
     t0 = time.monotonic()

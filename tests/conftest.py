@@ -31,6 +31,13 @@ def make_nr_config(kind: str, tmp_path, etcd_server=None) -> name_resolve.NameRe
     return name_resolve.NameResolveConfig(type="etcd3", etcd3_addr=etcd_server.addr)
 
 
+@pytest.fixture(scope="session")
+def kit_cache(tmp_path_factory):
+    """One tiny-kit cache for the whole session: the default kit's warm start
+    (about a minute) is paid once."""
+    return str(tmp_path_factory.mktemp("kit_cache"))
+
+
 @pytest.fixture
 def unique_prefix():
     """A key prefix no other test uses (tests share one etcd)."""

@@ -68,12 +68,19 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
         if path and not os.path.isfile(path):
             raise ConfigError(f"{key}: no such file {path!r}")
     if not model_path or not train_path:
-        from realrl.impl.tiny_model import TinyKitRecipe, build_tiny_kit
+        from realrl.impl.tiny_model import TinyKitRecipe, build_tiny_kit, dataset_recipe
 
         if model_path and not train_path:
             raise ConfigError("dataset.train_path: required when model.path is set (the synthetic task needs the tiny model's tokenizer)")
         cache = os.path.abspath(cfg.tiny_kit.cache_dir) if cfg.tiny_kit.cache_dir else os.path.join(fileroot, "cache")
-        kit = build_tiny_kit(cache, TinyKitRecipe(seed=cfg.tiny_kit.seed))
+        dataset = (train_path, test_path or train_path) if train_path else None
+        # the tiny model, warm-started on the user's own task or on arithmetic
+        recipe = dataset_recipe(*dataset, seed=cfg.tiny_kit.seed) if dataset else TinyKitRecipe(seed=cfg.tiny_kit.seed)
+        if cfg.tiny_kit.warm_start_steps:
+            recipe = dataclasses.replace(
+                recipe, warm_start=dataclasses.replace(recipe.warm_start, steps=cfg.tiny_kit.warm_start_steps)
+            )
+        kit = build_tiny_kit(cache, recipe, dataset)
         logger.info("tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)", kit.root,
                     kit.warm_start_stats.accuracy, kit.warm_start_stats.k, kit.warm_start_stats.pass_at_k)  # fmt: skip
         model_path = model_path or kit.model_path
@@ -121,6 +128,7 @@ def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
         algorithm=ppo.algorithm,
         use_decoupled_loss=ppo.use_decoupled_loss,
         kl_ctl=ppo.kl_ctl,
+        evaluate=bool(test_path),
         eval_every_n_steps=cfg.eval.every_n_steps if test_path else 0,
         checkpoint_every_n_steps=cfg.saver.checkpoint_every_n_steps,
         save_final_model=cfg.saver.save_final_model,

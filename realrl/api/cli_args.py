@@ -37,6 +37,9 @@ class TinyKitConfig:
 
     seed: int = 1
     cache_dir: str = ""  # "" = <fileroot>/cache; built once per recipe, then reused
+    # Supervised steps before RL (0 = the recipe's default, 1000). With your own
+    # dataset.train_path, choose them so the policy solves part of the task.
+    warm_start_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -273,6 +276,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(bool(cfg.dataset.train_path) or not cfg.dataset.test_path,
            "dataset.test_path", "set dataset.train_path too (or neither, for the synthetic arithmetic task)")  # fmt: skip
     _check(cfg.dataset.max_prompt_len >= 1, "dataset.max_prompt_len", "must be >= 1")
+    _check(cfg.tiny_kit.warm_start_steps >= 0, "tiny_kit.warm_start_steps", "must be >= 0 (0 = default)")
 
     p = cfg.ppo
     _check(p.algorithm in ("grpo", "ppo"), "ppo.algorithm", f"must be grpo|ppo, got {p.algorithm!r}")

@@ -170,6 +170,7 @@ class MasterWorkerConfig:
     algorithm: str = "grpo"
     use_decoupled_loss: bool = True
     kl_ctl: float = 0.0
+    evaluate: bool = True  # greedy evaluation before/after training (needs a test split)
     eval_every_n_steps: int = 0
     checkpoint_every_n_steps: int = 0
     save_final_model: bool = True

@@ -26,6 +26,7 @@ import time
 import urllib.request
 
 from realrl.base.logging import getLogger
+from realrl.base.process import pid_alive
 
 logger = getLogger("etcd_server")
 
@@ -176,7 +177,7 @@ def _supervise(run_dir: str, parent_pid: int, linger: float) -> None:
     os.replace(tmp, os.path.join(run_dir, "etcd.addr"))
     try:
         while not stopping and server.process is not None and server.process.poll() is None:
-            if not _pid_alive(parent_pid):
+            if not pid_alive(parent_pid):
                 logger.info("parent %d is gone; stopping etcd in %.1fs", parent_pid, linger)
                 deadline = time.monotonic() + linger
                 while not stopping and time.monotonic() < deadline:
@@ -185,21 +186,6 @@ def _supervise(run_dir: str, parent_pid: int, linger: float) -> None:
             time.sleep(0.2)
     finally:
         server.stop()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still "exists"; our parent is not our child, but check anyway.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 if __name__ == "__main__":

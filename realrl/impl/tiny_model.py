@@ -53,6 +53,7 @@ from transformers import (
 )
 
 from realrl.base.logging import getLogger
+from realrl.base.process import pid_alive
 from realrl.impl.math_data import MathDataRecipe, load_math_jsonl, write_math_dataset
 from realrl.impl.warm_start import WarmStartConfig, greedy_accuracy, pass_at_k, warm_start
 
@@ -169,6 +170,9 @@ class TinyKitRecipe:
     eval_temperature: float = 1.0
     eval_max_new_tokens: int = 8
     format_version: int = KIT_FORMAT_VERSION
+    # Set by `dataset_recipe`: warm start on a user's JSONL (identified by the
+    # SHA-256 of its train and test files) instead of the synthetic arithmetic.
+    dataset_sha256: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,9 +231,34 @@ def _kit_from_dir(root: str) -> TinyKit:
     )
 
 
-def _build_into(build_dir: str, recipe: TinyKitRecipe) -> None:
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dataset_recipe(train_path: str, test_path: str, seed: int = 1) -> TinyKitRecipe:
+    """The recipe of a kit warm-started on a user's dataset (math JSONL format):
+    the tiny model learns that task's answers instead of arithmetic. No hedged
+    demonstrations: those belong to the synthetic task."""
+    base = TinyKitRecipe(seed=seed)
+    return dataclasses.replace(
+        base,
+        warm_start=dataclasses.replace(base.warm_start, hedge_fraction_large=0.0, hedge_fraction_small=0.0),
+        dataset_sha256=_file_sha256(train_path)[:32] + _file_sha256(test_path)[:32],
+    )
+
+
+def _build_into(build_dir: str, recipe: TinyKitRecipe, dataset: tuple[str, str] | None = None) -> None:
     """Build every kit file into `build_dir` (not yet visible to readers)."""
-    train_path, test_path = write_math_dataset(build_dir, recipe.data)
+    if dataset is None:
+        train_path, test_path = write_math_dataset(build_dir, recipe.data)
+    else:  # the kit keeps its own copy, so it stays valid if the user's files change
+        train_path, test_path = os.path.join(build_dir, "train.jsonl"), os.path.join(build_dir, "test.jsonl")
+        shutil.copyfile(dataset[0], train_path)
+        shutil.copyfile(dataset[1], test_path)
     train_records, test_records = load_math_jsonl(train_path), load_math_jsonl(test_path)
 
     tokenizer = build_char_tokenizer()
@@ -286,23 +315,18 @@ def _sweep_dead_builds(kit_parent: str) -> None:
         if not name.startswith(f"{_BUILD_PREFIX}{host}-"):
             continue
         pid_text = name[len(f"{_BUILD_PREFIX}{host}-") :].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             logger.info("removing %s (its builder, pid %s, is gone)", name, pid_text)
             shutil.rmtree(os.path.join(kit_parent, name), ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def build_tiny_kit(cache_root: str, recipe: TinyKitRecipe = TinyKitRecipe()) -> TinyKit:
+def build_tiny_kit(
+    cache_root: str, recipe: TinyKitRecipe = TinyKitRecipe(), dataset: tuple[str, str] | None = None
+) -> TinyKit:
     """Build (or find cached) tokenizer + warm-started model + arithmetic data.
+
+    With `dataset=(train_path, test_path)` (and `recipe=dataset_recipe(...)`)
+    the model is warm-started on that dataset instead.
 
     The kit lives in `<cache_root>/tiny_kit/<recipe.hash()>/`. If that directory
     exists it is complete (it only ever appears by an atomic rename) and is
@@ -310,6 +334,8 @@ def build_tiny_kit(cache_root: str, recipe: TinyKitRecipe = TinyKitRecipe()) -> 
     renamed into place; if another process won the race, its kit is used and
     ours is discarded.
     """
+    if (dataset is None) != (not recipe.dataset_sha256):
+        raise ValueError("a dataset kit needs both `dataset` and a recipe from dataset_recipe(), or neither")
     kit_parent = os.path.join(os.path.abspath(cache_root), "tiny_kit")
     final_dir = os.path.join(kit_parent, recipe.hash())
     if os.path.isfile(os.path.join(final_dir, _KIT_MANIFEST)):
@@ -321,7 +347,7 @@ def build_tiny_kit(cache_root: str, recipe: TinyKitRecipe = TinyKitRecipe()) -> 
     build_dir = tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=kit_parent)
     try:
         logger.info("building tiny kit in %s", final_dir)
-        _build_into(build_dir, recipe)
+        _build_into(build_dir, recipe, dataset)
         os.chmod(build_dir, 0o755)  # mkdtemp makes it private; the kit is for everyone
         try:
             os.rename(build_dir, final_dir)  # atomic; fails if final_dir exists

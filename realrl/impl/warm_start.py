@@ -83,10 +83,15 @@ def reference_number(answer: str) -> float | None:
 
 
 def is_correct(completion: str, record: dict) -> bool:
+    """Numeric answers: exactly one number, equal to a solution's. Other
+    answers (e.g. a plugin task's strings): equal to a solution after strip."""
+    solutions = record.get("solutions") or [record["answer"]]
+    if all(reference_number(str(s)) is None for s in solutions):
+        return any(completion.strip() == str(s).strip() for s in solutions)
     predicted = parse_number(completion)
     if predicted is None:
         return False
-    for solution in record.get("solutions") or [record["answer"]]:
+    for solution in solutions:
         reference = reference_number(str(solution))
         if reference is not None and math.isclose(predicted, reference, rel_tol=0.0, abs_tol=1e-6):
             return True

@@ -24,12 +24,11 @@ import sys
 import time
 from typing import Any
 
-import psutil
-
 from realrl.api.system_api import WorkerInfo, WorkerSpec, to_plain
 from realrl.base import name_resolve, names
 from realrl.base.etcd_server import start_supervised
 from realrl.base.logging import getLogger
+from realrl.base.process import log_tail, signal_tree
 from realrl.system import worker_class_path
 from realrl.system.worker_base import ExperimentStatus, set_experiment_status
 
@@ -260,7 +259,7 @@ class LocalLauncher:
             tb = name_resolve.get(names.worker_error(self.experiment_name, self.trial_name, proc.worker_type, proc.index))
             source = "traceback"
         except name_resolve.NameEntryNotFoundError:
-            tb, source = _tail(proc.log_path, _TRACEBACK_TAIL_LINES), "log tail"
+            tb, source = log_tail(proc.log_path, _TRACEBACK_TAIL_LINES), "log tail"
         lines = tb.rstrip().splitlines()[-_TRACEBACK_TAIL_LINES:]
         print(
             f"realrl: worker {proc.tag} failed ({how}); stopping the trial.\n"
@@ -279,10 +278,10 @@ class LocalLauncher:
             # SIGTERM, then SIGKILL at stop_timeout.
             self._wait_exit(min(3.0, self.stop_timeout / 3))
             for p in self._procs:
-                _signal_tree(p.popen.pid, signal.SIGTERM)
+                signal_tree(p.popen.pid, signal.SIGTERM)
             self._wait_exit(self.stop_timeout - min(3.0, self.stop_timeout / 3))
         for p in self._procs:
-            _signal_tree(p.popen.pid, signal.SIGKILL)  # also reaps stragglers in the group
+            signal_tree(p.popen.pid, signal.SIGKILL)  # also reaps stragglers in the group
             try:
                 p.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -304,38 +303,8 @@ class LocalLauncher:
             try:
                 self._etcd_supervisor.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                _signal_tree(self._etcd_supervisor.pid, signal.SIGKILL)
+                signal_tree(self._etcd_supervisor.pid, signal.SIGKILL)
                 self._etcd_supervisor.wait()
-
-
-def _signal_tree(pid: int, sig: int) -> None:
-    """Signals a worker's process group and every descendant (also those that
-    moved to another session)."""
-    procs = []
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        pass
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _tail(path: str, n: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
-    except OSError as e:
-        return f"(no log: {e})"
 
 
 def _exit_time_key(proc: _Proc) -> float:

@@ -30,10 +30,9 @@ import sys
 import tempfile
 import time
 
-import psutil
-
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base import name_resolve, names, network
+from realrl.base.process import log_tail, stop_process_tree
 from realrl.impl.generation.backends import get_backend
 from realrl.impl.generation.client import GenerationClient
 from realrl.system.worker_base import IDLE, PollResult, Worker
@@ -62,48 +61,6 @@ os.execvp(argv[0], argv)
 def with_parent_death_signal(cmd: list[str], parent_pid: int) -> list[str]:
     """`cmd`, started so that it gets SIGKILL when process `parent_pid` dies."""
     return [sys.executable, "-c", _PDEATHSIG_EXEC, str(parent_pid), *cmd]
-
-
-def log_tail(path: str, n: int = _LOG_TAIL_LINES) -> str:
-    """The last `n` lines of a log file (reads at most its last 64 KiB)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
-    except OSError as e:
-        return f"(no server log: {e})"
-
-
-def stop_process_tree(proc: subprocess.Popen | None, grace_s: float = _STOP_GRACE_S) -> None:
-    """SIGTERM `proc` and all its descendants, SIGKILL what is left after
-    `grace_s`, and reap `proc`."""
-    if proc is None:
-        return
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    if proc.poll() is None:
-        proc.terminate()
-    for p in descendants:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    deadline = time.monotonic() + grace_s
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    _, alive = psutil.wait_procs(descendants, timeout=max(0.0, deadline - time.monotonic()))
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
 
 
 class GenerationServer(Worker):
@@ -171,7 +128,7 @@ class GenerationServer(Worker):
                     raise TimeoutError(
                         f"{self.cfg.backend} server (pid {self.process.pid}) at {url} was not healthy after "
                         f"startup_timeout={self.cfg.startup_timeout}s; last lines of {self.log_path}:\n"
-                        f"{log_tail(self.log_path)}"
+                        f"{log_tail(self.log_path, _LOG_TAIL_LINES)}"
                     )
                 await asyncio.sleep(0.25)
 
@@ -185,7 +142,7 @@ class GenerationServer(Worker):
             how = f"exited with code {code}"
         raise RuntimeError(
             f"{self.cfg.backend} generation server (pid {self.process.pid}) {how} {when}; "
-            f"last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+            f"last lines of {self.log_path}:\n{log_tail(self.log_path, _LOG_TAIL_LINES)}"
         )
 
     def _poll(self) -> PollResult:
@@ -201,7 +158,7 @@ class GenerationServer(Worker):
         process = getattr(self, "process", None)
         if process is not None:
             running = process.poll() is None
-            stop_process_tree(process)
+            stop_process_tree(process, _STOP_GRACE_S)
             if running:
                 self.logger.info("stopped the generation server (pid %d, exit code %s)", process.pid,
                                  process.returncode)  # fmt: skip

@@ -19,6 +19,7 @@ and finally `summary.json` and `experiment_status` COMPLETE.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -30,6 +31,8 @@ from realrl.base import name_resolve, names
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system.request_reply_stream import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
+
+STARVED_WARNING_S = 30.0  # warn (again) after this long without new trajectories
 
 
 class MasterWorker(AsyncWorker):
@@ -65,7 +68,7 @@ class MasterWorker(AsyncWorker):
 
         self._progress = tqdm(total=self.cfg.total_train_steps, initial=self.step, desc="train steps",
                               mininterval=1.0, dynamic_ncols=False, ncols=100)  # fmt: skip
-        if not self.eval_history:
+        if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
 
     async def _teardown_async(self) -> None:
@@ -94,6 +97,7 @@ class MasterWorker(AsyncWorker):
         collected: dict[str, list] = {k: [] for k in ("staleness", "version_start", "rewards", "correct", "seq_lens", "gen_lens")}
         dropped = 0
         min_version = self.version - self.cfg.max_head_offpolicyness
+        waiting_since = last_warning = time.monotonic()
         while True:
             ranks = [r for r in range(len(shares)) if got[r] < shares[r]]
             if not ranks:
@@ -113,9 +117,13 @@ class MasterWorker(AsyncWorker):
                     self._publish_counters()  # give the dropped rollouts' budget back now
                 for k in collected:
                     collected[k].extend(reply[k])
+            now = time.monotonic()
+            if progress:
+                waiting_since = now
+            elif now - waiting_since > STARVED_WARNING_S and now - last_warning > STARVED_WARNING_S:
+                last_warning = now
+                await self._warn_starved(sum(got), sum(shares), now - waiting_since)
             if not progress:
-                import asyncio
-
                 await asyncio.sleep(self.cfg.fetch_poll_interval)
         collected["dropped"] = dropped
         return collected
@@ -172,6 +180,21 @@ class MasterWorker(AsyncWorker):
             self._progress.set_postfix(acc=f"{acc:.3f}", v=self.version)
             self._progress.update(1)
 
+    async def _warn_starved(self, have: int, want: int, waited: float) -> None:
+        """Says why a step is waiting, so a starved run is not silent."""
+        try:
+            rs = await self._manager("GET", "/rollout_stats")
+        except Exception as e:  # the warning itself must not fail the step
+            rs = None
+            self.logger.debug("no rollout stats: %s", e)
+        msg = f"step {self.step + 1}: no new trajectories for {waited:.0f}s (have {have}/{want})"
+        if rs is not None:
+            msg += f"; rollouts running {rs['running']}, accepted {rs['accepted']}, rejected by the agent {rs['rejected']}"
+            if rs["rejected"] > 10 * max(rs["accepted"], 1):
+                msg += (" -- the agent rejects almost every group (e.g. its success-rate filter): does the policy"
+                        " solve none, or all, of the prompts?")  # fmt: skip
+        self.logger.warning(msg)
+
     def _publish_counters(self) -> None:
         name_resolve.add(names.training_samples(self.experiment_name, self.trial_name), str(self.consumed),
                          replace=True, delete_on_exit=False)  # fmt: skip
@@ -226,9 +249,7 @@ class MasterWorker(AsyncWorker):
                 return await resp.json()
 
     async def _finish(self) -> None:
-        import asyncio
-
-        final_eval = await self._evaluate()
+        final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}
         if self.cfg.save_final_model and self.cfg.final_model_dir:
             path = self.cfg.final_model_dir
             await self.stream.call_async(["__data0__"], "save", [{"path": path}], timeout=self.cfg.rpc_timeout)
@@ -236,14 +257,17 @@ class MasterWorker(AsyncWorker):
 
         # Stop admitting rollouts, let in-flight ones finish, then account for every trajectory.
         produced = filtered = None
-        if await self._manager("POST", "/stop_rollouts") is not None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                rs = await self._manager("GET", "/rollout_stats")
-                if rs["running"] == 0:
-                    produced, filtered = rs["accepted"] + rs["rejected"], rs["rejected"]
-                    break
-                await asyncio.sleep(0.2)
+        try:
+            if await self._manager("POST", "/stop_rollouts") is not None:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    rs = await self._manager("GET", "/rollout_stats")
+                    if rs["running"] == 0:
+                        produced, filtered = rs["accepted"] + rs["rejected"], rs["rejected"]
+                        break
+                    await asyncio.sleep(0.2)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.logger.warning("no final rollout accounting from the gserver manager: %s", e)
         all_ranks = list(range(self.cfg.n_model_workers))
         deadline = time.monotonic() + 15
         while True:  # wait until every pushed trajectory reached a puller
@@ -258,7 +282,7 @@ class MasterWorker(AsyncWorker):
         if len(checksums) > 1:
             self.logger.error("data-parallel ranks hold different weights: %s", [s["checksum"] for s in specs])
         summary = {
-            "initial_eval_accuracy": self.eval_history[0]["accuracy"],
+            "initial_eval_accuracy": self.eval_history[0]["accuracy"] if self.eval_history else None,
             "final_eval_accuracy": final_eval["accuracy"],
             "eval_history": self.eval_history,
             "steps": self.step,
@@ -282,7 +306,7 @@ class MasterWorker(AsyncWorker):
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(tmp, self.summary_path)
-        self.logger.info("training complete: eval accuracy %.3f -> %.3f in %d steps, %.0fs; summary %s",
+        self.logger.info("training complete: eval accuracy %s -> %s in %d steps, %.0fs; summary %s",
                          summary["initial_eval_accuracy"], summary["final_eval_accuracy"], self.step,
                          summary["wall_time_s"], self.summary_path)  # fmt: skip
         self._finished = True

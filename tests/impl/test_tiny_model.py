@@ -13,7 +13,6 @@ import signal
 import string
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -228,8 +227,8 @@ import realrl.impl.tiny_model as tm
 recipe = tm.TinyKitRecipe.from_dict(json.loads(sys.argv[2]))
 if sys.argv[3] == "slow":
     real_build = tm._build_into
-    def slow_build(build_dir, recipe):
-        real_build(build_dir, recipe)
+    def slow_build(build_dir, recipe, dataset=None):
+        real_build(build_dir, recipe, dataset)
         print("built", flush=True)
         time.sleep(600)
     tm._build_into = slow_build

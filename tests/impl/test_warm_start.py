@@ -40,9 +40,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 @pytest.fixture(scope="module")
-def default_kit(tmp_path_factory):
-    cache_root = str(tmp_path_factory.mktemp("default_kit"))
-    return cache_root, build_tiny_kit(cache_root, TinyKitRecipe())
+def default_kit(kit_cache):
+    # The session-wide cache: the end-to-end tests use the same default kit.
+    return kit_cache, build_tiny_kit(kit_cache, TinyKitRecipe())
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,8 @@ import time
 import psutil
 import pytest
 
-from realrl.base import name_resolve, names
 from realrl.base.name_resolve import NameResolveConfig
 from realrl.launcher.local import LocalLauncher, WorkerGroup
-from realrl.system.worker_base import WorkerStatus
 
 W = "tests.launcher.workers_for_tests"
 

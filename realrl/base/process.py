@@ -1,0 +1,88 @@
+"""Small process utilities shared by the launcher, workers and helpers.
+
+realrl only ever ends processes it started, by PID or process group
+(`signal_tree`, `stop_process_tree`), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import psutil
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live (non-zombie) process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def log_tail(path: str, n: int = 40) -> str:
+    """The last `n` lines of a log file (reads at most its last 64 KiB)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Signals process group `pid` (a process started with its own session)
+    and every descendant of `pid`, also those that moved to another group."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in descendants:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def stop_process_tree(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """SIGTERM `proc` and all its descendants, SIGKILL what is left after
+    `grace_s`, and reap `proc`."""
+    if proc is None:
+        return
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    if proc.poll() is None:
+        proc.terminate()
+    for p in descendants:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + grace_s
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
