@@ -205,6 +205,7 @@ class PPOTrainer:
         all_reduce_sum: AllReduceSum = _identity,
         sync_grads: Callable[[nn.Module], None] = lambda m: None,
         process_group=None,
+        loss_scale: float = 1.0,
     ):
         self.actor, self.critic, self.ref = actor, critic, ref
         self.cfg = cfg
@@ -214,6 +215,7 @@ class PPOTrainer:
         self.all_reduce_sum = all_reduce_sum
         self.sync_grads = sync_grads
         self.process_group = process_group
+        self.loss_scale = loss_scale  # multiplies every loss before backward (see ModelWorker for FSDP)
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
 
@@ -339,7 +341,7 @@ class PPOTrainer:
                 aggregation=cfg.loss_aggregation,
                 normalizer=normalizer,
             )
-            loss.backward()
+            (loss * self.loss_scale).backward()
             n = float(mb.loss_mask.sum())
             weight_sum += n
             totals["actor_loss"] = totals.get("actor_loss", 0.0) + float(loss.detach())
@@ -371,7 +373,7 @@ class PPOTrainer:
             values = critic.model(mb.input_ids, mb.attention_mask)[:, :-1]
             loss, st = F.critic_loss(values, mb.scatter(old_values), mb.scatter(returns), mb.loss_mask,
                                      cfg.value_eps_clip, cfg.loss_aggregation, normalizer)  # fmt: skip
-            loss.backward()
+            (loss * self.loss_scale).backward()
             n = float(mb.loss_mask.sum())
             total_loss += float(loss.detach())
             clip_weighted += st.get("clip_frac", 0.0) * n

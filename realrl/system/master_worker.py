@@ -203,8 +203,18 @@ class MasterWorker(AsyncWorker):
 
     # ---- evaluation, saving, recovery --------------------------------------------------------
     async def _evaluate(self) -> dict:
-        (result,) = await self.stream.call_async(["__data0__"], "evaluate", [{}], timeout=self.cfg.rpc_timeout)
-        result = {"step": self.step, "version": self.version, **result}
+        n = self.cfg.n_model_workers
+        parts = await self.stream.call_async(list(range(n)), "evaluate", [{}] * n, timeout=self.cfg.rpc_timeout)
+        total = max(sum(p["n"] for p in parts), 1)
+        result = {
+            "step": self.step,
+            "version": self.version,
+            "accuracy": sum(p["n_correct"] for p in parts) / total,
+            "reward_mean": sum(p["reward_sum"] for p in parts) / total,
+            "n": sum(p["n"] for p in parts),
+            "seconds": max(p["seconds"] for p in parts),
+            "samples": [s for p in parts for s in p["samples"]],
+        }
         self.eval_history.append({k: v for k, v in result.items() if k != "samples"})
         self.logger.info("eval at step %d: greedy accuracy %.3f on %d prompts (%.1fs); e.g. %s",
                          self.step, result["accuracy"], result["n"], result["seconds"], result["samples"][:2])  # fmt: skip
@@ -252,7 +262,8 @@ class MasterWorker(AsyncWorker):
         final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}
         if self.cfg.save_final_model and self.cfg.final_model_dir:
             path = self.cfg.final_model_dir
-            await self.stream.call_async(["__data0__"], "save", [{"path": path}], timeout=self.cfg.rpc_timeout)
+            n = self.cfg.n_model_workers  # every rank: gathering FSDP shards is a collective
+            await self.stream.call_async(list(range(n)), "save", [{"path": path}] * n, timeout=self.cfg.rpc_timeout)
             self.logger.info("saved the final model to %s", path)
 
         # Stop admitting rollouts, let in-flight ones finish, then account for every trajectory.

@@ -49,12 +49,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 ACTOR = "actor"
 
 
-def publish_weights(model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB") -> str:
-    """Writes `model` as HF safetensors to `<weights_dir>/<version>/` atomically."""
+def publish_weights(model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB",
+                    state_dict: dict | None = None) -> str:  # fmt: skip
+    """Writes `model` (or `state_dict` in its layout) as HF safetensors to
+    `<weights_dir>/<version>/` atomically."""
     final = os.path.join(weights_dir, str(version))
     tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
     os.makedirs(weights_dir, exist_ok=True)
-    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state_dict)
     if os.path.exists(final):  # a re-run of this version (recovery): replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -98,6 +100,8 @@ class ModelWorker(Worker):
         if config.fsdp:
             from torch.distributed.fsdp import fully_shard
 
+            for layer in getattr(getattr(actor, "model", None), "layers", []):
+                fully_shard(layer)  # one all-gather per decoder layer, not one for the whole model
             fully_shard(actor)
         o, ppo = config.optimizer, config.ppo
         n_opt_steps = config.total_train_steps * ppo.ppo_n_minibatches
@@ -116,6 +120,9 @@ class ModelWorker(Worker):
             self.actor, ppo, config.temperature, self.device, o.gradient_clipping, critic=self.critic, ref=self.ref,
             all_reduce_sum=self._all_reduce_sum, sync_grads=self._sync_grads,
             process_group=dist.group.WORLD if self.dp_size > 1 else None,
+            # FSDP averages gradients over ranks; our losses are normalised by
+            # the global token count and must be summed, so scale by the world size.
+            loss_scale=float(self.dp_size) if config.fsdp else 1.0,
         )  # fmt: skip
 
         self.version = 0
@@ -237,23 +244,29 @@ class ModelWorker(Worker):
         self.step_trajectories, self.step_batch, self.step_staleness = [], None, []
         new_version = int(data["version"])
         t1 = time.monotonic()
+        state_dict = self._full_state_dict(self.actor.model)  # a collective under FSDP: every rank calls it
         if self.dp_rank == 0:
-            publish_weights(self._full_model(self.actor.model), self.cfg.weights_dir, new_version)
+            publish_weights(self.actor.model, self.cfg.weights_dir, new_version, state_dict=state_dict)
             self._set_version(new_version)
         else:
             self.version = new_version
         stats["publish_seconds"] = time.monotonic() - t1
         return stats
 
-    def _full_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # FSDP-sharded parameters are gathered by save_pretrained's state_dict
-        # call in recent transformers; plain models are saved as they are.
-        return model
+    def _full_state_dict(self, model: torch.nn.Module) -> dict | None:
+        """The full (unsharded, CPU) state dict under FSDP; None for a plain
+        model, which save_pretrained reads itself."""
+        if not self.cfg.fsdp:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     @torch.no_grad()
     def _handle_evaluate(self, data: dict) -> dict:
-        """Greedy accuracy of the current actor on the test split, scored by
-        the configured environment (the same verifier that gives rewards)."""
+        """Greedy answers of the current actor on this rank's share of the test
+        split, scored by the configured environment (the verifier that gives
+        rewards). Every rank evaluates its shard; the master sums the counts."""
         import asyncio
 
         from realrl.api.agent_api import PromptRecord
@@ -263,26 +276,31 @@ class ModelWorker(Worker):
         records = load_math_jsonl(self.cfg.eval_dataset_path)
         if self.cfg.eval_max_prompts:
             records = records[: self.cfg.eval_max_prompts]
+        mine = records[self.dp_rank :: self.dp_size]
+        # Under FSDP every forward is a collective: all ranks run the same
+        # number of batches (the shortest shards repeat a prompt, not scored).
+        n_batches = -(-len(records[0 :: self.dp_size]) // self.cfg.eval_batch_size)
         model, tok = self.actor.model, self.tokenizer
         was_training = model.training
         model.eval()
         completions: list[str] = []
         tok.padding_side = "left"
-        for start in range(0, len(records), self.cfg.eval_batch_size):
-            chunk = records[start : start + self.cfg.eval_batch_size]
+        for b in range(n_batches):
+            chunk = mine[b * self.cfg.eval_batch_size : (b + 1) * self.cfg.eval_batch_size] or records[:1]
             enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
             out = model.generate(
                 input_ids=enc["input_ids"].to(self.device), attention_mask=enc["attention_mask"].to(self.device),
                 max_new_tokens=self.cfg.eval_max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id, synced_gpus=self.cfg.fsdp,
             )  # fmt: skip
             for row in out[:, enc["input_ids"].shape[1] :].tolist():
                 completions.append(tok.decode(row, skip_special_tokens=True))
+        completions = completions[: len(mine)]
         model.train(was_training)
 
         async def score() -> list[float]:
             rewards = []
-            for record, completion in zip(records, completions):
+            for record, completion in zip(mine, completions):
                 solutions = record.get("solutions") or [record["answer"]]
                 env = make_env(self.cfg.env.type, **self.cfg.env.args)
                 prompt = PromptRecord(qid=str(record["query_id"]), prompt=record["prompt"], prompt_ids=[],
@@ -294,30 +312,57 @@ class ModelWorker(Worker):
             return rewards
 
         rewards = asyncio.run(score())
-        # An answer counts as correct when it earns the full reward (1.0).
-        accuracy = sum(r >= 1.0 - 1e-6 for r in rewards) / max(len(rewards), 1)
-        samples = [{"prompt": r["prompt"], "completion": c, "reward": w} for r, c, w in list(zip(records, completions, rewards))[:5]]
-        return {"accuracy": accuracy, "reward_mean": sum(rewards) / max(len(rewards), 1), "n": len(records), "seconds": time.monotonic() - t0, "samples": samples}
+        samples = [{"prompt": r["prompt"], "completion": c, "reward": w} for r, c, w in list(zip(mine, completions, rewards))[:3]]
+        return {
+            # An answer counts as correct when it earns the full reward (1.0).
+            "n_correct": sum(r >= 1.0 - 1e-6 for r in rewards),
+            "reward_sum": sum(rewards),
+            "n": len(mine),
+            "seconds": time.monotonic() - t0,
+            "samples": samples,
+        }
 
     def _handle_save(self, data: dict) -> dict:
+        state_dict = self._full_state_dict(self.actor.model)
         if self.dp_rank == 0:
             path = data["path"]
             os.makedirs(path, exist_ok=True)
-            self._full_model(self.actor.model).save_pretrained(path)
+            self.actor.model.save_pretrained(path, state_dict=state_dict)
             self.tokenizer.save_pretrained(path)
         return {"path": data["path"]}
+
+    def _gather(self, opt) -> dict:
+        """Model + optimizer + schedule state of one Optimized, full (gathered
+        to every rank, on CPU) under FSDP."""
+        if self.cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            model_sd, optim_sd = get_state_dict(opt.model, opt.optimizer,
+                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        else:
+            model_sd, optim_sd = opt.model.state_dict(), opt.optimizer.state_dict()
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": opt.scheduler.state_dict()}
+
+    def _restore(self, opt, state: dict) -> None:
+        if self.cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(opt.model, opt.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        else:
+            opt.model.load_state_dict(state["model"])
+            opt.optimizer.load_state_dict(state["optimizer"])
+        opt.scheduler.load_state_dict(state["scheduler"])
 
     def _handle_checkpoint(self, data: dict) -> dict:
         """Everything needed to resume: models, optimizers, schedules, version."""
         path = os.path.join(self.cfg.checkpoint_dir, f"step{int(data['step'])}")
+        state = {"actor": self._gather(self.actor)}  # every rank: a collective under FSDP
+        if self.critic is not None:
+            state["critic"] = self._gather(self.critic)
         if self.dp_rank == 0:
             tmp = path + f".tmp-{uuid.uuid4().hex[:8]}"
             os.makedirs(tmp)
-            state = {"actor": self.actor.model.state_dict(), "actor_optimizer": self.actor.optimizer.state_dict(),
-                     "actor_scheduler": self.actor.scheduler.state_dict()}  # fmt: skip
-            if self.critic is not None:
-                state.update(critic=self.critic.model.state_dict(), critic_optimizer=self.critic.optimizer.state_dict(),
-                             critic_scheduler=self.critic.scheduler.state_dict())  # fmt: skip
             torch.save(state, os.path.join(tmp, "model_worker.pt"))
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump({"version": self.version, "step": int(data["step"])}, f)
@@ -329,18 +374,15 @@ class ModelWorker(Worker):
     def _handle_load(self, data: dict) -> dict:
         path = data["path"]
         # Our own checkpoint file on local disk; weights_only keeps it data-only.
-        state = torch.load(os.path.join(path, "model_worker.pt"), map_location=self.device, weights_only=True)
-        self.actor.model.load_state_dict(state["actor"])
-        self.actor.optimizer.load_state_dict(state["actor_optimizer"])
-        self.actor.scheduler.load_state_dict(state["actor_scheduler"])
+        state = torch.load(os.path.join(path, "model_worker.pt"), map_location="cpu", weights_only=True)
+        self._restore(self.actor, state["actor"])
         if self.critic is not None and "critic" in state:
-            self.critic.model.load_state_dict(state["critic"])
-            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
-            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+            self._restore(self.critic, state["critic"])
         with open(os.path.join(path, "meta.json")) as f:
             version = int(json.load(f)["version"])
+        state_dict = self._full_state_dict(self.actor.model)
         if self.dp_rank == 0:
-            publish_weights(self.actor.model, self.cfg.weights_dir, version)
+            publish_weights(self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict)
             self._set_version(version)
         else:
             self.version = version
