@@ -105,9 +105,9 @@ def agent_args(cfg: AsyncPPOConfig, tokenizer_path: str) -> dict:
 
 
 def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
-    alloc = validate(cfg)
-    if cfg.mode != "local":
+    if cfg.mode in ("ray", "slurm"):  # valid values whose launchers do not exist yet
         raise ConfigError(f"mode: {cfg.mode!r} is not available yet; use mode=local (one machine)")
+    alloc = validate(cfg)
     paths = trial_paths(cfg)
     model_path, train_path, test_path = resolve_model_and_data(cfg, paths.fileroot)
     ppo, rollout = cfg.ppo, cfg.rollout

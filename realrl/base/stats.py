@@ -1,8 +1,11 @@
 """Per-step statistics: one JSON line per step and TensorBoard scalars.
 
-`StatsLogger(log_dir)` appends `{"step": ..., **stats}` to `stats.jsonl` and
-writes every numeric value to TensorBoard under `tensorboard/` (tensorboardX,
-imported lazily; a machine without it still gets the JSONL).
+`StatsLogger(log_dir, resume_step)` appends `{"step": ..., **stats}` to
+`stats.jsonl` and writes every numeric value to TensorBoard under
+`tensorboard/` (tensorboardX, imported lazily; a machine without it still gets
+the JSONL). A fresh trial (`resume_step=0`) starts both anew; a trial recovered
+at step k keeps the records of steps <= k and drops the later ones, which the
+resumed run is about to write again.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from typing import Any
 
 from realrl.base.logging import getLogger
@@ -18,16 +22,22 @@ logger = getLogger("stats")
 
 
 class StatsLogger:
-    def __init__(self, log_dir: str, tensorboard: bool = True):
+    def __init__(self, log_dir: str, resume_step: int = 0, tensorboard: bool = True):
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "stats.jsonl")
-        self._file = open(self.path, "a")
+        tb_dir = os.path.join(log_dir, "tensorboard")
+        if resume_step > 0:
+            _truncate_after(self.path, resume_step)
+        else:
+            shutil.rmtree(tb_dir, ignore_errors=True)
+        self._file = open(self.path, "a" if resume_step > 0 else "w")
         self._tb = None
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(log_dir, "tensorboard"))
+                # purge_step hides events a crashed run wrote after the checkpoint
+                self._tb = SummaryWriter(tb_dir, purge_step=resume_step + 1 if resume_step > 0 else None)
             except ImportError:
                 logger.warning("tensorboardX is not installed: stats go to %s only", self.path)
 
@@ -45,6 +55,18 @@ class StatsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Rewrites the JSONL at `path` (atomically) without records of steps > `step`."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:

@@ -51,7 +51,7 @@ class MasterWorker(AsyncWorker):
         self.max_staleness_trained = 0
         self.eval_history: list[dict] = []
         self.started = time.monotonic()
-        self.stats_logger = StatsLogger(self.info.log_dir)
+        self.stats_logger: StatsLogger | None = None  # opened once we know whether we resume
         self.state_path = os.path.join(self.info.log_dir, "master_state.json")
         self.summary_path = os.path.join(self.info.log_dir, "summary.json")
         self._progress = None
@@ -63,6 +63,7 @@ class MasterWorker(AsyncWorker):
         self.logger.info("model workers ready: %s", [(s["dp_rank"], s["version"]) for s in specs])
         if self.cfg.recover:
             await self._recover()
+        self.stats_logger = StatsLogger(self.info.log_dir, resume_step=self.step)
         self._publish_counters()
         from tqdm import tqdm
 
@@ -74,7 +75,8 @@ class MasterWorker(AsyncWorker):
     async def _teardown_async(self) -> None:
         if self._progress is not None:
             self._progress.close()
-        self.stats_logger.close()
+        if self.stats_logger is not None:
+            self.stats_logger.close()
         self.stream.close()
 
     # ---- the step ------------------------------------------------------------------

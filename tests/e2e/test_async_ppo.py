@@ -89,14 +89,18 @@ def test_custom_plugin_example_trains(tmp_path, kit_cache):
 
 def test_recover_resumes_from_the_last_checkpoint(tmp_path, kit_cache):
     common = ["saver.checkpoint_every_n_steps=2", "eval.every_n_steps=0", "saver.save_final_model=false"]
-    _, first, _ = run(tmp_path, kit_cache, "recover", "total_train_steps=4", *common)
-    assert first["steps"] == 4
+    # The first run stops one step past its last checkpoint (step 4), as a crash would.
+    _, first, _ = run(tmp_path, kit_cache, "recover", "total_train_steps=5", *common)
+    assert first["steps"] == 5
     _, second, stats = run(tmp_path, kit_cache, "recover", "total_train_steps=6", "recover=auto", *common)
     assert second["steps"] == 6 and second["final_version"] == 6
-    # The resumed run continued the step count and kept the first run's history.
+    # The resumed run redid step 5 and kept the first run's history up to the checkpoint.
     train_steps = [s["step"] for s in stats if "train/actor_loss" in s]
     assert train_steps == [1, 2, 3, 4, 5, 6]
     assert second["initial_eval_accuracy"] == first["initial_eval_accuracy"]
     assert second["trajectories"]["consumed"] == 6 * 16
     log = open(os.path.join(tmp_path, "logs", "async-ppo-tiny", "recover", "master_worker-0.log")).read()
     assert "recovered at step 4 (weight version 4)" in log
+    # A fresh run of the same trial (recover off) starts its stats anew.
+    _, third, stats = run(tmp_path, kit_cache, "recover", "total_train_steps=2", *common)
+    assert [s["step"] for s in stats if "train/actor_loss" in s] == [1, 2]
