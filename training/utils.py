@@ -12,7 +12,7 @@ import dataclasses
 import os
 import sys
 
-from realrl.api.cli_args import AsyncPPOConfig, ConfigError, validate
+from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, validate
 from realrl.api.system_api import (
     GenerationServerConfig,
     GserverManagerConfig,
@@ -108,6 +108,7 @@ def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
     if cfg.mode in ("ray", "slurm"):  # valid values whose launchers do not exist yet
         raise ConfigError(f"mode: {cfg.mode!r} is not available yet; use mode=local (one machine)")
     alloc = validate(cfg)
+    gen_gpus, train_gpus = place_gpus(cfg, alloc)  # before anything is built: a GPU shortage is a config error
     paths = trial_paths(cfg)
     model_path, train_path, test_path = resolve_model_and_data(cfg, paths.fileroot)
     ppo, rollout = cfg.ppo, cfg.rollout
@@ -198,12 +199,56 @@ def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
 
     groups = [
         WorkerGroup("master_worker", 1, master, env=threads(1)),
-        WorkerGroup("model_worker", n_train, model_worker, env=threads(cfg.train.num_threads)),
-        WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads)),
+        WorkerGroup("model_worker", n_train, model_worker, env=threads(cfg.train.num_threads), env_per_index=train_gpus),
+        WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads),
+                    env_per_index=gen_gpus),  # fmt: skip
         WorkerGroup("gserver_manager", 1, manager, env=threads(1)),
         WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1)),
     ]
     return Experiment(groups, paths, model_path, train_path, test_path)
+
+
+def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], list[dict]]:
+    """CUDA_VISIBLE_DEVICES of each generation server and of each model worker
+    (empty lists when neither side uses a GPU).
+
+    As in AReaL's allocation_mode, generation servers take the first GPUs (tp
+    each) and the trainers the next ones, one per data-parallel rank. When the
+    machine has fewer GPUs than that, both sides share them round-robin (fine for
+    small models; a warning says so). Each worker then sees only its own GPUs."""
+    gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
+    train_on_gpu = cfg.train.device == "cuda"
+    if not gen_on_gpu and not train_on_gpu:
+        return [], []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        import torch
+
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    key = "train.device" if train_on_gpu else ("server.torch.device" if alloc.gen_backend == "torch" else "allocation_mode")
+    if not gpus:
+        raise ConfigError(f"{key}: asks for a GPU, but none is visible")
+    n_gen = alloc.gen.dp * alloc.gen.tp if gen_on_gpu else 0
+    n_train = alloc.train.dp if train_on_gpu else 0
+    if alloc.gen.tp > len(gpus) or n_train > len(gpus):
+        raise ConfigError(f"allocation_mode: tensor parallelism {alloc.gen.tp} and {n_train} trainer ranks "
+                          f"(one GPU each for NCCL) need that many GPUs; {len(gpus)} visible")  # fmt: skip
+    if n_gen + n_train <= len(gpus):
+        first_train = n_gen
+    else:
+        first_train = 0
+        logger.warning("%d GPUs for %d generation GPUs + %d trainer GPUs: servers and trainers share GPUs",
+                       len(gpus), n_gen, n_train)  # fmt: skip
+
+    def env(indices) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i % len(gpus)] for i in indices)}
+
+    tp = alloc.gen.tp
+    gen = [env(range(i * tp, (i + 1) * tp)) for i in range(alloc.gen.dp)] if gen_on_gpu else []
+    train = [env([first_train + r]) for r in range(alloc.train.dp)] if train_on_gpu else []
+    return gen, train
 
 
 def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[int, str]:

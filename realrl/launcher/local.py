@@ -44,6 +44,8 @@ class WorkerGroup:
     # One config for every index, or a list with one per index.
     config: Any = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Extra environment of each index (e.g. its own CUDA_VISIBLE_DEVICES); empty = none.
+    env_per_index: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     def config_for(self, index: int) -> Any:
         if isinstance(self.config, list):
@@ -173,7 +175,7 @@ class LocalLauncher:
                 with open(spec_path, "w") as f:
                     f.write(WorkerSpec(class_path, info, config).to_json())
                 log_path = self.log_path(worker_type, index)
-                env = dict(base_env, **group.env)
+                env = dict(base_env, **group.env, **(group.env_per_index[index] if group.env_per_index else {}))
                 with open(log_path, "ab") as log:
                     popen = subprocess.Popen(
                         [sys.executable, "-m", "realrl.system.worker_base", "--spec", spec_path],

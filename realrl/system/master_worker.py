@@ -291,7 +291,7 @@ class MasterWorker(AsyncWorker):
             await asyncio.sleep(0.2)
         invalid = sum(s["invalid"] + s["wire_rejected"] for s in buf)
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
-        checksums = {s["checksum"] for s in specs}
+        checksums = {s["checksum"] for s in specs if s["checksum"] is not None}  # None: FSDP shards
         if len(checksums) > 1:
             self.logger.error("data-parallel ranks hold different weights: %s", [s["checksum"] for s in specs])
         summary = {
@@ -312,7 +312,7 @@ class MasterWorker(AsyncWorker):
             },
             "max_staleness_trained": self.max_staleness_trained,
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
-            "dp_weights_identical": len(checksums) == 1,
+            "dp_weights_identical": len(checksums) <= 1,
             "stats_path": self.stats_logger.path,
         }
         tmp = self.summary_path + ".tmp"

@@ -74,6 +74,17 @@ def weights_checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _shard(model: torch.nn.Module) -> None:
+    """FSDP2 over the data-parallel group: each decoder layer its own unit (one
+    all-gather per layer, not one for the whole model), then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    body = getattr(model, "model", None) or getattr(model, "backbone", None)  # causal LM or CriticModel
+    for layer in getattr(body, "layers", []):
+        fully_shard(layer)
+    fully_shard(model)
+
+
 class ModelWorker(Worker):
     config_cls = ModelWorkerConfig
 
@@ -98,11 +109,7 @@ class ModelWorker(Worker):
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
         if config.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in getattr(getattr(actor, "model", None), "layers", []):
-                fully_shard(layer)  # one all-gather per decoder layer, not one for the whole model
-            fully_shard(actor)
+            _shard(actor)
         o, ppo = config.optimizer, config.ppo
         n_opt_steps = config.total_train_steps * ppo.ppo_n_minibatches
 
@@ -111,7 +118,12 @@ class ModelWorker(Worker):
                                   o.warmup_steps, n_opt_steps)  # fmt: skip
 
         self.actor = optimized(actor)
-        self.critic = optimized(CriticModel.from_pretrained(config.model_path, dtype).to(self.device)) if ppo.algorithm == "ppo" else None
+        self.critic = None
+        if ppo.algorithm == "ppo":
+            critic = CriticModel.from_pretrained(config.model_path, dtype).to(self.device)
+            if config.fsdp:
+                _shard(critic)
+            self.critic = optimized(critic)
         self.ref = None
         if ppo.kl_ctl > 0:
             self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path or config.model_path, dtype=dtype).to(self.device)
@@ -141,7 +153,7 @@ class ModelWorker(Worker):
                          sum(p.numel() for p in actor.parameters()) / 1e6, self.device, self.dp_rank, self.dp_size)  # fmt: skip
 
     def _init_distributed(self) -> None:
-        if self.dp_size <= 1:
+        if self.dp_size <= 1 and not self.cfg.fsdp:  # FSDP needs a process group, even of one
             return
         key = names.distributed_init(self.experiment_name, self.trial_name, "model_worker")
         if self.dp_rank == 0:
@@ -198,7 +210,8 @@ class ModelWorker(Worker):
         spec = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "version": self.version,
                 "n_params": sum(p.numel() for p in self.actor.model.parameters()), **self.dataset.stats()}  # fmt: skip
         if data and data.get("checksum"):
-            spec["checksum"] = weights_checksum(self.actor.model)
+            # Under FSDP each rank holds a different shard of the one copy: nothing to compare.
+            spec["checksum"] = None if self.cfg.fsdp else weights_checksum(self.actor.model)
         return spec
 
     def _handle_stats(self, data=None) -> dict:

@@ -535,3 +535,27 @@ def test_engine_join_widens_trimmed_window(reference_model):
     finally:
         engine.stop()
     assert {k: results[k]["output_ids"] for k in alone} == alone
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+def test_cuda_server_matches_the_cpu_reference(start_server, tiny_llama_dir, reference_model):
+    """The same server on a GPU: logprobs of a fresh CPU forward pass (looser
+    tolerance: different kernels) and HF greedy output, batched requests included."""
+    server = start_server(tiny_llama_dir, "--device", "cuda")
+
+    async def go(client):
+        sampled = await asyncio.gather(*[client.generate(server.url, p, {"max_new_tokens": 16, "temperature": 1.0,
+                                                                           "ignore_eos": True}) for p in PROMPTS])  # fmt: skip
+        greedy = await asyncio.gather(*[client.generate(server.url, p, {"max_new_tokens": 24, "temperature": 0})
+                                        for p in PROMPTS])  # fmt: skip
+        return sampled, greedy
+
+    sampled, greedy = run(_with_client(go))
+    for prompt, res in zip(PROMPTS, sampled):
+        expected = forward_logprobs(reference_model, prompt, res.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=2e-3, rtol=0)
+    for prompt, res in zip(PROMPTS, greedy):
+        assert res.output_ids == hf_greedy(reference_model, prompt, 24)
