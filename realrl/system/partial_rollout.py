@@ -237,7 +237,7 @@ class PartialRolloutManager:
             params = gconfig.sampling_params(max_new_tokens=chunk)
             params["min_new_tokens"] = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
 
-            scheduled = await self.manager.schedule_request(request.qid, 1, previous_url, previous_version)
+            scheduled = await self._schedule(request.qid, previous_url, previous_version)
             url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
             if answer.scheduled_version is None:
                 answer.scheduled_version = scheduled_version
@@ -317,6 +317,21 @@ class PartialRolloutManager:
         answer.versions.extend([version] * n)
         self.stats.generated_tokens += n
         return n
+
+    async def _schedule(self, qid: str, previous_url: str | None, previous_version: int | None) -> dict:
+        """The manager's `schedule_request`, safe against cancellation: once the
+        manager may have counted the request, the slot is released even if this
+        answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
+        call = asyncio.ensure_future(self.manager.schedule_request(qid, 1, previous_url, previous_version))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            try:
+                scheduled = await call
+                await self._release(str(scheduled["url"]))
+            except Exception:  # the manager never answered: nothing was counted for us
+                pass
+            raise
 
     async def _release(self, url: str) -> None:
         # One quick attempt: an in-flight count that is off by one only skews
