@@ -9,8 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 import uuid
 
 import psutil
@@ -21,8 +19,8 @@ from realrl.api.system_api import GenerationServerConfig, WorkerInfo, WorkerSpec
 from realrl.base import name_resolve, names
 from realrl.base.name_resolve import NameResolveConfig
 from realrl.impl.generation.client import GenerationClient
-from realrl.launcher.local import LocalLauncher, WorkerGroup
-from realrl.system.worker_base import ExperimentStatus
+from realrl.launcher.local import WorkerGroup
+from tests.system.trial_thread import TrialThread, wait_until
 
 EXP = "gentest"
 
@@ -58,80 +56,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_until(predicate, timeout: float = 60.0, what: str = "condition", interval: float = 0.05):
-    """Polls `predicate` until it is truthy; fails the test after `timeout`
-    (a hang guard, not a performance threshold)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
-class LauncherThread:
-    """Runs a LocalLauncher trial in a background thread; the test talks to
-    the trial through its own name_resolve repository (the launcher owns the
-    process-global one)."""
-
-    def __init__(self, tmp_path, etcd_addr: str, groups: list[WorkerGroup], trial: str | None = None):
-        self.trial = trial or f"t{uuid.uuid4().hex[:8]}"
-        nr_config = NameResolveConfig(type="etcd3", etcd3_addr=etcd_addr)
-        self.launcher = LocalLauncher(EXP, self.trial, str(tmp_path), nr_config, heartbeat_ttl=2, stop_timeout=15)
-        self.repo = name_resolve.make_repository(nr_config)
-        self.groups = groups
-        self.code: int | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="launcher", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.code = self.launcher.run(self.groups, timeout=300)
-        except BaseException as e:  # surfaced by the test
-            self.error = e
-
-    def start(self) -> "LauncherThread":
-        self.thread.start()
-        return self
-
-    def wait_key(self, key: str, timeout: float = 120.0) -> str:
-        def get():
-            if not self.thread.is_alive():
-                pytest.fail(f"the trial ended (code {self.code}, error {self.error!r}) before {key} appeared")
-            try:
-                return self.repo.get(key)
-            except name_resolve.NameEntryNotFoundError:
-                return None
-
-        return wait_until(get, timeout, key, interval=0.1)
-
-    def set(self, key: str, value: str) -> None:
-        self.repo.add(key, value, replace=True, delete_on_exit=False)
-
-    def join(self, timeout: float = 90.0) -> int:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the launcher did not return"
-        if self.error is not None:
-            raise self.error
-        return self.code
-
-    def complete(self) -> int:
-        self.set(names.experiment_status(EXP, self.trial), ExperimentStatus.COMPLETE)
-        return self.join()
-
-    def close(self) -> None:
-        """Teardown: whatever happened, end the trial and wait for the launcher."""
-        if self.thread.is_alive():
-            try:
-                self.set(names.experiment_status(EXP, self.trial), ExperimentStatus.ABORTED)
-            except Exception:
-                pass
-            self.thread.join(120)
-        self.repo.close()
-
-
 def worker_children(worker_pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(worker_pid).children(recursive=True)
@@ -161,7 +85,7 @@ async def _generate(url: str, n: int = 8):
 
 def test_server_registers_serves_and_stops_with_the_trial(tmp_path, etcd_server, tiny_model_dir):
     group = WorkerGroup("generation_server", 1, server_config(tiny_model_dir, seed=3))
-    trial = LauncherThread(tmp_path, etcd_server.addr, [group])
+    trial = TrialThread(tmp_path, etcd_server.addr, [group], EXP)
     try:
         trial.start()
         url = trial.wait_key(names.gen_server(EXP, trial.trial, 0))
@@ -192,7 +116,7 @@ def test_server_registers_serves_and_stops_with_the_trial(tmp_path, etcd_server,
 
 def test_killed_server_fails_the_worker_and_the_trial(tmp_path, etcd_server, tiny_model_dir, capfd):
     group = WorkerGroup("generation_server", 1, server_config(tiny_model_dir))
-    trial = LauncherThread(tmp_path, etcd_server.addr, [group])
+    trial = TrialThread(tmp_path, etcd_server.addr, [group], EXP)
     try:
         trial.start()
         trial.wait_key(names.gen_server(EXP, trial.trial, 0))

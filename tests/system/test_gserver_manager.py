@@ -28,11 +28,10 @@ from realrl.system.gserver_manager import (
 )
 from tests.system.test_generation_server import (
     EXP,
-    LauncherThread,
     build_tiny_model,
     server_config,
-    wait_until,
 )
+from tests.system.trial_thread import TrialThread, wait_until
 
 B = 2  # train_batch_size in the worker tests
 
@@ -161,11 +160,11 @@ async def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
     pytest.fail("the shared torch server never got healthy")
 
 
-def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, **manager_kw) -> tuple[LauncherThread, str]:
+def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, **manager_kw) -> tuple[TrialThread, str]:
     """A trial with only a manager; the shared server is registered as its server 0."""
     cfg = GserverManagerConfig(n_servers=1, train_batch_size=B, weights_dir=str(tmp_path / "weights"),
                                poll_interval=0.05, **manager_kw)  # fmt: skip
-    trial = LauncherThread(tmp_path, etcd_addr, [WorkerGroup("gserver_manager", 1, cfg)]).start()
+    trial = TrialThread(tmp_path, etcd_addr, [WorkerGroup("gserver_manager", 1, cfg)], EXP).start()
     wait_until(lambda: trial.launcher.worker_pids or not trial.thread.is_alive(), 60, "the manager process")
     # After the launcher cleared the trial's keys, before the manager looks.
     trial.set(names.gen_server(EXP, trial.trial, 0), server_url)
@@ -355,7 +354,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         WorkerGroup("generation_server", 2, server_config(model_dir)),
         WorkerGroup("gserver_manager", 1, manager_cfg),
     ]
-    trial = LauncherThread(tmp_path, etcd_server.addr, groups).start()
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
 
     async def scenario(m: Manager):
         a, b = (trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))

@@ -9,9 +9,7 @@ import asyncio
 import json
 import socket
 import threading
-import time
 import urllib.request
-import uuid
 
 import pytest
 import torch
@@ -23,18 +21,17 @@ from realrl.api.cli_args import TorchServerConfig
 from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.api.system_api import GenerationServerConfig, GserverManagerConfig
-from realrl.base import name_resolve, names
-from realrl.base.name_resolve import NameResolveConfig
+from realrl.base import names
 from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
 from realrl.impl import environments as _environments  # noqa: F401
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.math_data import MathDataRecipe, load_math_jsonl, write_math_dataset
 from realrl.impl.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from realrl.impl.verifiers.math_verifier import MathVerifier
-from realrl.launcher.local import LocalLauncher, WorkerGroup
+from realrl.launcher.local import WorkerGroup
 from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutError, PartialRolloutManager
-from realrl.system.worker_base import ExperimentStatus
 from tests.impl.conftest import save_perturbed
+from tests.system.trial_thread import TrialThread
 
 EXP = "rollouttest"
 
@@ -68,81 +65,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(predicate, timeout: float = 120.0, what: str = "condition", interval: float = 0.05):
-    """Polls until `predicate()` is truthy (a hang guard, not a performance threshold)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
-class Trial:
-    """A LocalLauncher trial in a background thread, with real worker
-    processes; the test reads and writes the trial's keys through its own
-    name_resolve repository."""
-
-    def __init__(self, root: str, etcd_addr: str, groups: list[WorkerGroup]):
-        self.trial = f"t{uuid.uuid4().hex[:8]}"
-        nr_config = NameResolveConfig(type="etcd3", etcd3_addr=etcd_addr)
-        self.launcher = LocalLauncher(EXP, self.trial, root, nr_config, heartbeat_ttl=2, stop_timeout=15)
-        self.repo = name_resolve.make_repository(nr_config)
-        self.groups = groups
-        self.code: int | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="launcher", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.code = self.launcher.run(self.groups, timeout=400)
-        except BaseException as e:  # surfaced by the test
-            self.error = e
-
-    def start(self) -> "Trial":
-        self.thread.start()
-        # The launcher clears the trial's keys before it sets its keep-alive key:
-        # from then on, keys the test adds stay.
-        self.wait_key(names.launcher_keepalive(EXP, self.trial))
-        return self
-
-    def get(self, key: str) -> str | None:
-        try:
-            return self.repo.get(key)
-        except name_resolve.NameEntryNotFoundError:
-            return None
-
-    def wait_key(self, key: str, timeout: float = 180.0) -> str:
-        def get():
-            if not self.thread.is_alive():
-                pytest.fail(f"the trial ended (code {self.code}, error {self.error!r}) before {key} appeared")
-            return self.get(key)
-
-        return wait_until(get, timeout, key, interval=0.1)
-
-    def set(self, key: str, value: str) -> None:
-        self.repo.add(key, value, replace=True, delete_on_exit=False)
-
-    def join(self, timeout: float = 120.0) -> int:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the launcher did not return"
-        if self.error is not None:
-            raise self.error
-        return self.code
-
-    def close(self) -> None:
-        """Whatever happened, end the trial and wait for the launcher."""
-        if self.thread.is_alive():
-            try:
-                self.set(names.experiment_status(EXP, self.trial), ExperimentStatus.COMPLETE)
-            except Exception:
-                pass
-            self.thread.join(120)
-        self.repo.close()
 
 
 def server_group(model_dir: str) -> WorkerGroup:
@@ -195,8 +117,8 @@ class HealthOnlyServer:
 def trial(tmp_path_factory, etcd_server, tiny_kit):
     """generation_server + gserver_manager as real processes, shared by the
     tests of this module (the weight-update test restores the weights)."""
-    t = Trial(str(tmp_path_factory.mktemp("prm_trial")), etcd_server.addr,
-              [server_group(tiny_kit["model_dir"]), manager_group(n_servers=1, train_batch_size=4)])  # fmt: skip
+    t = TrialThread(tmp_path_factory.mktemp("prm_trial"), etcd_server.addr,
+                    [server_group(tiny_kit["model_dir"]), manager_group(n_servers=1, train_batch_size=4)], EXP)  # fmt: skip
     try:
         t.start()
         t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
@@ -390,7 +312,7 @@ def test_request_the_server_refuses_fails_at_once(trial):
 def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
     """The manager routes to a server that went away after start-up."""
     fake = HealthOnlyServer()
-    t = Trial(str(tmp_path), etcd_server.addr, [manager_group(n_servers=1)])
+    t = TrialThread(tmp_path, etcd_server.addr, [manager_group(n_servers=1)], EXP)
     try:
         t.start()
         t.set(names.gen_server(EXP, t.trial, 0), fake.url)

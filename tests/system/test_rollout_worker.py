@@ -23,13 +23,12 @@ from tests.impl.conftest import save_perturbed
 from tests.system.test_partial_rollout import (  # noqa: F401  (fixtures)
     EXP,
     HealthOnlyServer,
-    Trial,
     manager_group,
     manager_stats,
     server_group,
     tiny_kit,
-    wait_until,
 )
+from tests.system.trial_thread import TrialThread, wait_until
 
 MAX_PROMPT_LEN = 24
 
@@ -84,7 +83,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
                       weights_dir=str(weights_dir)),
         rollout_group(tiny_kit, dataset, 2, max_concurrent_rollouts=3, sample_log_every=2),
     ]  # fmt: skip
-    trial = Trial(str(tmp_path), etcd_server.addr, groups)
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     puller = None
     try:
         trial.start()  # the launcher also points this process's name_resolve at the trial
@@ -158,7 +157,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
 def test_failing_episode_fails_the_worker_loudly(tmp_path, etcd_server, tiny_kit, dataset, capfd):
     fake = HealthOnlyServer()  # the manager accepts it at start-up; then it goes away
     groups = [manager_group(n_servers=1), rollout_group(tiny_kit, dataset, 1, request_retries=1)]
-    trial = Trial(str(tmp_path), etcd_server.addr, groups)
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     puller = None
     try:
         trial.start()
