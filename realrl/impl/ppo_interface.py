@@ -14,6 +14,14 @@ logits at j, so sequence i's completion occupies columns prompt_len-1 ..
 len-2. Logprobs are log_softmax(logits / temperature), the same scaling the
 generation servers use, so behaviour, proximal and current logprobs are
 comparable.
+
+Data parallelism: every forward/backward pass is a collective under FSDP
+(per-layer all-gather / reduce-scatter), and every optimizer step all-reduces
+its normaliser and gradients. Ranks hold different data, so every phase first
+agrees on the largest micro-batch count over the ranks (one all-reduce MAX)
+and ranks with fewer pad with empty micro-batches: a 2-token dummy whose loss
+mask is all zero, so it runs the collectives and changes nothing. Stats are
+reduced over the ranks, so every rank returns the same global numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from realrl.api.cli_args import PPOConfig
@@ -110,22 +119,31 @@ class MicroBatch:
 
 
 def make_micro_batch(batch: SequenceBatch, indices: list[int], device: torch.device, pad_id: int = 0) -> MicroBatch:
+    """A padded micro-batch of these sequences; no indices gives the padding
+    micro-batch (one 2-token dummy with an all-zero loss mask) that a rank with
+    fewer micro-batches than the others runs to join their collectives."""
     lengths = [len(batch.input_ids[i]) for i in indices]
-    T = max(lengths)
-    input_ids = torch.full((len(indices), T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(indices), T), dtype=torch.long)
-    loss_mask = torch.zeros((len(indices), T - 1), dtype=torch.float32)
+    T = max(lengths, default=2)
+    input_ids = torch.full((max(len(indices), 1), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((max(len(indices), 1), T), dtype=torch.long)
+    loss_mask = torch.zeros((max(len(indices), 1), T - 1), dtype=torch.float32)
+    if not indices:
+        attention_mask[0] = 1
     for row, (i, L) in enumerate(zip(indices, lengths)):
         input_ids[row, :L] = batch.input_ids[i]
         attention_mask[row, :L] = 1
-        loss_mask[row, batch.prompt_lens[i] - 1 : L - 1] = 1.0
+        loss_mask[row, batch.prompt_lens[i] - 1 : L - 1] = 1.0  # empty for an empty completion
     return MicroBatch(indices, input_ids.to(device), attention_mask.to(device), loss_mask.to(device), batch)
 
 
-def micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int, device: torch.device) -> list[MicroBatch]:
+def plan_micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int) -> list[list[int]]:
+    """Sequence indices of each micro-batch, packed by padded token budget (FFD)."""
     lengths = [len(batch.input_ids[i]) for i in indices]
-    bins = split_by_token_budget(lengths, max_tokens, padded=True)
-    return [make_micro_batch(batch, [indices[j] for j in b], device) for b in bins]
+    return [[indices[j] for j in b] for b in split_by_token_budget(lengths, max_tokens, padded=True)]
+
+
+def micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int, device: torch.device) -> list[MicroBatch]:
+    return [make_micro_batch(batch, b, device) for b in plan_micro_batches(batch, indices, max_tokens)]
 
 
 # ---- models ------------------------------------------------------------------
@@ -188,10 +206,25 @@ def make_optimized(model: nn.Module, lr: float, weight_decay: float, betas: tupl
     return Optimized(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
 
 
+# A train step's statistics are accumulated in one dict of floats, then
+# reduced over ranks with one all-reduce per op. Summed: losses (each rank's
+# share of a loss normalised by the global count), counts, and token-weighted
+# sums (divided by their weight at the end).
+_ACTOR_MEANS = ("clip_frac", "dual_clip_frac", "behav_imp_weight_mean", "behav_capped_frac", "approx_kl")
+_SUM_KEYS = ("actor_loss", "actor_tokens", *_ACTOR_MEANS, "critic_loss", "critic_tokens", "critic_clip_frac",
+             "reward_sum", "adv_sum", "adv_count", "n_seqs", "n_completion_tokens")  # fmt: skip
+# Maxed: extremes (the minimum as the max of its negation) and the grad norms,
+# which are of the summed gradients and so already the same on every rank.
+_MAX_KEYS = ("behav_imp_weight_max", "neg_behav_imp_weight_min", "actor_grad_norm", "critic_grad_norm")
+_MAX_INIT = {"behav_imp_weight_max": -math.inf, "neg_behav_imp_weight_min": -math.inf}
+
+
 class PPOTrainer:
-    """One rank's PPO/GRPO logic. Data parallelism enters through two hooks:
-    `all_reduce_sum` (sum a tensor over ranks) and `sync_grads` (make every
-    rank's gradients the sum over ranks); both are identities on one rank."""
+    """One rank's PPO/GRPO logic. Data parallelism enters through
+    `process_group` (None: one rank, and then no collective is ever called)
+    and two hooks: `all_reduce_sum` (sum a tensor over ranks; by default an
+    all-reduce over `process_group`) and `sync_grads` (make every rank's
+    gradients the sum over ranks; FSDP does this itself)."""
 
     def __init__(
         self,
@@ -202,7 +235,7 @@ class PPOTrainer:
         gradient_clipping: float = 1.0,
         critic: Optimized | None = None,
         ref: nn.Module | None = None,
-        all_reduce_sum: AllReduceSum = _identity,
+        all_reduce_sum: AllReduceSum | None = None,
         sync_grads: Callable[[nn.Module], None] = lambda m: None,
         process_group=None,
         loss_scale: float = 1.0,
@@ -212,42 +245,70 @@ class PPOTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = device
         self.gradient_clipping = gradient_clipping
+        self.process_group = process_group
+        if all_reduce_sum is None:
+            all_reduce_sum = _identity if process_group is None else self._all_reduce_sum
         self.all_reduce_sum = all_reduce_sum
         self.sync_grads = sync_grads
-        self.process_group = process_group
         self.loss_scale = loss_scale  # multiplies every loss before backward (see ModelWorker for FSDP)
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
 
+    # ---- agreement between data-parallel ranks ------------------------------------------
+    def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def _max_over_ranks(self, values: list[float], dtype=torch.int64) -> list:
+        """Element-wise max over ranks in one all-reduce (as is on one rank)."""
+        if self.process_group is None or not values:
+            return values
+        t = torch.tensor(values, dtype=dtype, device=self.device)  # on the device: NCCL needs it there
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return t.tolist()
+
+    def _padded_plans(self, batch: SequenceBatch, parts: list[list[int]]) -> list[list[list[int]]]:
+        """Micro-batch plans of each part, each padded with empty micro-batches
+        to the largest count any rank has for that part (one all-reduce)."""
+        plans = [plan_micro_batches(batch, indices, self.cfg.max_tokens_per_mb) for indices in parts]
+        counts = self._max_over_ranks([len(plan) for plan in plans])
+        return [plan + [[] for _ in range(n - len(plan))] for plan, n in zip(plans, counts)]
+
     # ---- inference ----------------------------------------------------------------
     @torch.no_grad()
-    def _per_seq(self, model: nn.Module, batch: SequenceBatch, fn) -> list[torch.Tensor]:
+    def _per_seq(self, model: nn.Module, batch: SequenceBatch, plan: list[list[int]], fn) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * batch.n_seqs
         was_training = model.training
         model.eval()
-        for mb in micro_batches(batch, list(range(batch.n_seqs)), self.cfg.max_tokens_per_mb, self.device):
+        for indices in plan:
+            mb = make_micro_batch(batch, indices, self.device)
             for i, value in zip(mb.indices, fn(model, mb)):
                 out[i] = value
         model.train(was_training)
         return out  # type: ignore[return-value]
 
-    def compute_logprobs(self, model: nn.Module, batch: SequenceBatch) -> list[torch.Tensor]:
-        return self._per_seq(model, batch, lambda m, mb: mb.gather(forward_logprobs(m, mb, self.temperature)))
+    def compute_logprobs(self, model: nn.Module, batch: SequenceBatch, plan=None) -> list[torch.Tensor]:
+        """Logprobs of every completion; `plan`: an agreed micro-batch plan (None: agree on one here)."""
+        plan = self._padded_plans(batch, [list(range(batch.n_seqs))])[0] if plan is None else plan
+        return self._per_seq(model, batch, plan, lambda m, mb: mb.gather(forward_logprobs(m, mb, self.temperature)))
 
     def inference(self, batch: SequenceBatch, decoupled: bool) -> None:
         """Fills proximal logprobs (decoupled loss), reference logprobs (KL)
         and values (PPO) with the current weights."""
+        # One plan, agreed once, serves all three models.
+        plan = self._padded_plans(batch, [list(range(batch.n_seqs))])[0]
         if decoupled:
-            batch.prox_logprobs = self.compute_logprobs(self.actor.model, batch)
+            batch.prox_logprobs = self.compute_logprobs(self.actor.model, batch, plan)
         if self.ref is not None and self.cfg.kl_ctl > 0:
-            batch.ref_logprobs = self.compute_logprobs(self.ref, batch)
+            batch.ref_logprobs = self.compute_logprobs(self.ref, batch, plan)
         if self.critic is not None:
 
             def values(model, mb):
                 v = model(mb.input_ids, mb.attention_mask)
                 return [v[row, : len(batch.input_ids[i])].cpu() for row, i in enumerate(mb.indices)]
 
-            batch.values = self._per_seq(self.critic.model, batch, values)
+            batch.values = self._per_seq(self.critic.model, batch, plan, values)
 
     # ---- advantages ------------------------------------------------------------------
     def _kl_token_rewards(self, batch: SequenceBatch, i: int) -> torch.Tensor:
@@ -258,7 +319,9 @@ class PPOTrainer:
         return -self.cfg.kl_ctl * F.kl_penalty(sampled, batch.ref_logprobs[i], self.cfg.kl_estimator)
 
     def advantages(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Per-sequence completion advantages (and PPO returns)."""
+        """Per-sequence completion advantages (and PPO returns). An empty
+        completion gets empty ones: it trains no token, though its reward
+        still counts in its GRPO group's mean and std."""
         cfg = self.cfg
         advs: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         if cfg.algorithm == "grpo":
@@ -272,6 +335,8 @@ class PPOTrainer:
         returns: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         for i in range(batch.n_seqs):
             P, L = batch.prompt_lens[i], len(batch.input_ids[i])
+            if L == P:  # no completion token to put the reward on
+                continue
             token_rewards = self._kl_token_rewards(batch, i)
             token_rewards[-1] += batch.rewards[i]
             values = batch.values[i]
@@ -281,53 +346,90 @@ class PPOTrainer:
                                         cfg.discount, cfg.gae_lambda, bootstrap)  # fmt: skip
             advs[i], returns[i] = adv[0], ret[0]
         if cfg.adv_norm:
-            flat = torch.cat(advs)[None]
+            # Every rank whitens (two all-reduces), also one without sequences.
+            flat = torch.cat(advs)[None] if advs else torch.zeros(1, 0)
             white = F.masked_whiten(flat, torch.ones_like(flat), process_group=self.process_group)[0]
-            advs = list(torch.split(white, [len(a) for a in advs]))
+            advs = list(torch.split(white, [len(a) for a in advs])) if advs else []
         return advs, returns
 
     # ---- training ---------------------------------------------------------------------
     def train_step(self, batch: SequenceBatch) -> dict[str, float]:
+        """One PPO/GRPO update; returns stats over the whole (all-rank) batch,
+        the same on every rank."""
         cfg = self.cfg
         advs, returns = self.advantages(batch)
         prox = batch.prox_logprobs if batch.prox_logprobs is not None else batch.behav_logprobs
-        # Minibatches keep each trajectory whole and balance tokens.
+        # Every rank steps n_mbs times (each step all-reduces), so n_mbs comes
+        # from the largest group count; a rank with fewer groups gets empty
+        # minibatches and adds zero gradients. Minibatches keep each
+        # trajectory whole and balance tokens.
+        n_mbs = min(cfg.ppo_n_minibatches, self._max_over_ranks([len(batch.groups)])[0])
         group_tokens = [batch.n_completion_tokens(g) for g in batch.groups]
-        stats: dict[str, float] = {}
-        n_mbs = min(cfg.ppo_n_minibatches, len(batch.groups))
-        for part in partition_balanced(group_tokens, n_mbs):
-            indices = [i for g in part for i in batch.groups[g]]
-            # Every rank steps n_mbs times; an empty part still joins the collectives.
-            step_stats = self._optimize_actor(batch, indices, prox, advs)
+        group_parts = partition_balanced(group_tokens, n_mbs) if n_mbs else []  # n_mbs = 0: no rank has data
+        parts = [[i for g in part for i in batch.groups[g]] for part in group_parts]
+        plans = self._padded_plans(batch, parts)
+        normalizers = self._normalizers(batch, parts)
+
+        acc = {**dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0), **_MAX_INIT}
+        old_values = None
+        if self.critic is not None:
+            old_values = [v[batch.prompt_lens[i] - 1 : len(batch.input_ids[i]) - 1] for i, v in enumerate(batch.values)]
+        for plan, normalizer in zip(plans, normalizers):
+            self._optimize_actor(batch, plan, normalizer, prox, advs, acc)
             if self.critic is not None:
-                step_stats.update(self._optimize_critic(batch, indices, returns))
-            for k, v in step_stats.items():
-                stats[k] = stats.get(k, 0.0) + v / n_mbs
-        rewards = batch.rewards
+                self._optimize_critic(batch, plan, normalizer, old_values, returns, acc)
+
+        acc.update(reward_sum=float(batch.rewards.sum()), n_seqs=float(batch.n_seqs),
+                   n_completion_tokens=float(batch.n_completion_tokens()),
+                   adv_sum=float(sum(float(a.sum()) for a in advs)),
+                   adv_count=float(sum(len(a) for a in advs)))  # fmt: skip
+        return self._global_stats(acc, n_mbs)
+
+    def _normalizers(self, batch: SequenceBatch, parts: list[list[int]]) -> list[torch.Tensor]:
+        """Each minibatch's loss denominator over all ranks (one all-reduce):
+        its completion tokens, or its non-empty sequences."""
+        if not parts:
+            return []
+        if self.cfg.loss_aggregation == "token":
+            local = [float(batch.n_completion_tokens(indices)) for indices in parts]
+        else:
+            local = [float(sum(len(batch.input_ids[i]) > batch.prompt_lens[i] for i in indices)) for indices in parts]
+        return list(self.all_reduce_sum(torch.tensor(local, device=self.device)).clamp(min=1.0))
+
+    def _global_stats(self, acc: dict[str, float], n_mbs: int) -> dict[str, float]:
+        """The step's stats over all ranks (one all-reduce SUM, one MAX), the
+        same on every rank; losses and grad norms are means over minibatches."""
+        sums = torch.tensor([acc[k] for k in _SUM_KEYS], dtype=torch.float64, device=self.device)
+        sums = dict(zip(_SUM_KEYS, self.all_reduce_sum(sums).tolist()))
+        maxes = dict(zip(_MAX_KEYS, self._max_over_ranks([acc[k] for k in _MAX_KEYS], dtype=torch.float64)))
+        per_step = max(n_mbs, 1)
+        stats = {"actor_loss": sums["actor_loss"] / per_step, "actor_grad_norm": maxes["actor_grad_norm"] / per_step}
+        for key in _ACTOR_MEANS:
+            stats[key] = sums[key] / max(sums["actor_tokens"], 1.0)
+        if math.isfinite(maxes["behav_imp_weight_max"]):  # some rank trained a token
+            stats["behav_imp_weight_max"] = maxes["behav_imp_weight_max"]
+            stats["behav_imp_weight_min"] = -maxes["neg_behav_imp_weight_min"]
+        if self.critic is not None:
+            stats.update(critic_loss=sums["critic_loss"] / per_step,
+                         critic_clip_frac=sums["critic_clip_frac"] / max(sums["critic_tokens"], 1.0),
+                         critic_grad_norm=maxes["critic_grad_norm"] / per_step)  # fmt: skip
         stats.update(
-            reward_mean=float(rewards.mean()) if len(rewards) else 0.0,
-            adv_mean=float(torch.cat(advs).mean()) if advs else 0.0,
-            n_seqs=float(batch.n_seqs),
-            n_completion_tokens=float(batch.n_completion_tokens()),
+            reward_mean=sums["reward_sum"] / max(sums["n_seqs"], 1.0),
+            adv_mean=sums["adv_sum"] / max(sums["adv_count"], 1.0),
+            n_seqs=sums["n_seqs"],
+            n_completion_tokens=sums["n_completion_tokens"],
             lr=float(self.actor.scheduler.get_last_lr()[0]),
         )
         return stats
 
-    def _normalizer(self, batch: SequenceBatch, indices: list[int]) -> torch.Tensor:
-        if self.cfg.loss_aggregation == "token":
-            local = float(batch.n_completion_tokens(indices))
-        else:
-            local = float(sum(1 for i in indices if len(batch.input_ids[i]) > batch.prompt_lens[i]))
-        return self.all_reduce_sum(torch.tensor(local, device=self.device)).clamp(min=1.0)
-
-    def _optimize_actor(self, batch, indices, prox, advs) -> dict[str, float]:
+    def _optimize_actor(self, batch, plan, normalizer, prox, advs, acc) -> None:
+        """One optimizer step over the micro-batches of `plan`; adds this
+        rank's share of the stats to `acc`."""
         cfg, actor = self.cfg, self.actor
         actor.model.train()
         actor.optimizer.zero_grad(set_to_none=False)
-        normalizer = self._normalizer(batch, indices)
-        totals: dict[str, float] = {}
-        weight_sum = 0.0
-        for mb in micro_batches(batch, indices, cfg.max_tokens_per_mb, self.device):
+        for indices in plan:
+            mb = make_micro_batch(batch, indices, self.device)
             logp = forward_logprobs(actor.model, mb, self.temperature)
             loss, st = F.decoupled_ppo_actor_loss(
                 logp,
@@ -341,50 +443,42 @@ class PPOTrainer:
                 aggregation=cfg.loss_aggregation,
                 normalizer=normalizer,
             )
+            # A padding micro-batch has an all-zero loss mask: loss and gradients are exactly 0.
             (loss * self.loss_scale).backward()
-            n = float(mb.loss_mask.sum())
-            weight_sum += n
-            totals["actor_loss"] = totals.get("actor_loss", 0.0) + float(loss.detach())
-            for key in ("clip_frac", "dual_clip_frac", "behav_imp_weight_mean", "behav_capped_frac", "approx_kl"):
-                totals[key] = totals.get(key, 0.0) + st.get(key, 0.0) * n
-            for key, reduce in (("behav_imp_weight_max", max), ("behav_imp_weight_min", min)):
-                if key in st and n:
-                    totals[key] = reduce(totals.get(key, st[key]), st[key])
+            n = st["n_tokens"]
+            acc["actor_loss"] += float(loss.detach())
+            acc["actor_tokens"] += n
+            for key in _ACTOR_MEANS:
+                acc[key] += st[key] * n
+            if n:
+                acc["behav_imp_weight_max"] = max(acc["behav_imp_weight_max"], st["behav_imp_weight_max"])
+                acc["neg_behav_imp_weight_min"] = max(acc["neg_behav_imp_weight_min"], -st["behav_imp_weight_min"])
         self.sync_grads(actor.model)
-        grad_norm = self._clip(actor.model)
+        acc["actor_grad_norm"] += self._clip(actor.model)
         actor.optimizer.step()
         actor.scheduler.step()
-        out = {"actor_loss": totals.get("actor_loss", 0.0), "actor_grad_norm": grad_norm}
-        for key in ("clip_frac", "dual_clip_frac", "behav_imp_weight_mean", "behav_capped_frac", "approx_kl"):
-            out[key] = totals.get(key, 0.0) / max(weight_sum, 1.0)
-        for key in ("behav_imp_weight_max", "behav_imp_weight_min"):
-            if key in totals:
-                out[key] = totals[key]
-        return out
 
-    def _optimize_critic(self, batch, indices, returns) -> dict[str, float]:
+    def _optimize_critic(self, batch, plan, normalizer, old_values, returns, acc) -> None:
         cfg, critic = self.cfg, self.critic
         critic.model.train()
         critic.optimizer.zero_grad(set_to_none=False)
-        normalizer = self._normalizer(batch, indices)
-        old_values = [v[batch.prompt_lens[i] - 1 : len(batch.input_ids[i]) - 1] for i, v in enumerate(batch.values)]
-        total_loss, clip_weighted, weight = 0.0, 0.0, 0.0
-        for mb in micro_batches(batch, indices, cfg.max_tokens_per_mb, self.device):
+        for indices in plan:
+            mb = make_micro_batch(batch, indices, self.device)
             values = critic.model(mb.input_ids, mb.attention_mask)[:, :-1]
             loss, st = F.critic_loss(values, mb.scatter(old_values), mb.scatter(returns), mb.loss_mask,
                                      cfg.value_eps_clip, cfg.loss_aggregation, normalizer)  # fmt: skip
             (loss * self.loss_scale).backward()
-            n = float(mb.loss_mask.sum())
-            total_loss += float(loss.detach())
-            clip_weighted += st.get("clip_frac", 0.0) * n
-            weight += n
+            acc["critic_loss"] += float(loss.detach())
+            acc["critic_tokens"] += st["n_tokens"]
+            acc["critic_clip_frac"] += st["clip_frac"] * st["n_tokens"]
         self.sync_grads(critic.model)
-        grad_norm = self._clip(critic.model)
+        acc["critic_grad_norm"] += self._clip(critic.model)
         critic.optimizer.step()
         critic.scheduler.step()
-        return {"critic_loss": total_loss, "critic_clip_frac": clip_weighted / max(weight, 1.0), "critic_grad_norm": grad_norm}
 
     def _clip(self, model: nn.Module) -> float:
+        """Clips and returns the global gradient norm (under FSDP a collective
+        over the shards, which every rank reaches once per step)."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return 0.0

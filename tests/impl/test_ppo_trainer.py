@@ -1,0 +1,71 @@
+"""PPOTrainer on one rank (no process group: nothing here may call a collective)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from realrl.api.cli_args import PPOConfig
+from realrl.impl import ppo_functional as F
+from realrl.impl.ppo_interface import make_micro_batch
+from tests.impl.trainer_kit import build_trainer, make_batch, make_groups
+
+
+@pytest.mark.parametrize("aggregation", ["token", "seq"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_empty_completion_trains_no_token_and_crashes_nothing(tiny_llama_dir, algorithm, aggregation):
+    torch.set_num_threads(1)
+    groups = make_groups(3, 3, 3, (3, 5), (3, 6))
+    # Answers aborted before their first token: prompt only, no logprobs.
+    # One in group 0; all of group 2 (a minibatch may hold no token at all).
+    for s in [groups[0][1], *groups[2]]:
+        s["ids"], s["behav"] = s["ids"][: s["prompt_len"]], []
+    groups[0][1]["reward"] = 1.0
+    ppo = PPOConfig(algorithm=algorithm, group_size=3, ppo_n_minibatches=3, max_tokens_per_mb=32, kl_ctl=0.1,
+                    loss_aggregation=aggregation)  # fmt: skip
+    trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
+    batch = make_batch(groups)
+    trainer.inference(batch, decoupled=True)
+
+    advs, returns = trainer.advantages(batch)
+    empty = {1, 6, 7, 8}
+    assert all((len(advs[i]) == 0) == (i in empty) for i in range(batch.n_seqs))
+    if algorithm == "grpo":
+        # Its reward still counts in the group's normalisation: at the last
+        # token, advantage = group-normalised reward + that token's KL reward.
+        seq_adv = F.group_normalized_advantages(batch.rewards[:3], 3)
+        for i in (0, 2):
+            kl_last = -ppo.kl_ctl * F.kl_penalty(batch.prox_logprobs[i][-1:], batch.ref_logprobs[i][-1:])
+            assert float(advs[i][-1]) == pytest.approx(float(seq_adv[i] + kl_last[0]), abs=1e-5)
+    else:
+        assert all((len(returns[i]) == 0) == (i in empty) for i in range(batch.n_seqs))
+
+    stats = trainer.train_step(batch)
+    assert all(math.isfinite(v) for v in stats.values()), stats
+    assert stats["n_seqs"] == 9 and stats["n_completion_tokens"] == batch.n_completion_tokens()
+    assert stats["reward_mean"] == pytest.approx(float(batch.rewards.mean()))
+    if algorithm == "ppo":
+        assert "critic_loss" in stats
+
+
+def test_padding_micro_batch_is_inert():
+    # What a rank with fewer micro-batches runs to join the others' collectives.
+    batch = make_batch(make_groups(0, 1, 2, (3, 4), (2, 3)))
+    mb = make_micro_batch(batch, [], torch.device("cpu"))
+    assert mb.input_ids.shape == (1, 2) and mb.attention_mask.sum() == 2
+    assert mb.loss_mask.sum() == 0 and mb.gather(torch.zeros(1, 1)) == []
+    assert mb.scatter(batch.behav_logprobs).abs().sum() == 0
+
+
+def test_empty_batch_changes_nothing(tiny_llama_dir):
+    torch.set_num_threads(1)
+    trainer, forwards = build_trainer(tiny_llama_dir, PPOConfig(algorithm="ppo", kl_ctl=0.1), torch.device("cpu"))
+    before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+    batch = make_batch([])
+    trainer.inference(batch, decoupled=True)
+    stats = trainer.train_step(batch)
+    assert stats["n_seqs"] == 0 and all(math.isfinite(v) for v in stats.values())
+    assert sum(forwards.values()) == 0  # no optimizer step either: the weights are untouched
+    assert all(torch.equal(v, before[k]) for k, v in trainer.actor.model.state_dict().items())

@@ -1,0 +1,156 @@
+"""Data-parallel PPOTrainer ranks with uneven data stay in lockstep.
+
+Two real processes (gloo on 127.0.0.1; NCCL in the CUDA variant) each run
+`inference` + `train_step` on deliberately different amounts of data: more
+and longer sequences on rank 0 (more micro-batches), fewer trajectories than
+minibatches on rank 1, or none at all. Under FSDP every forward/backward pass
+is a collective, so ranks that ran different numbers of them would hang; the
+parent kills both after a deadline and fails. Also checked: identical weights
+and stats on both ranks, and stats equal to one rank training the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from realrl.api.cli_args import PPOConfig
+from tests.impl.trainer_kit import build_trainer, make_groups, run_steps
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEADLINE_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps: int = 2,
+              device: str = "cpu") -> list[dict]:  # fmt: skip
+    """Runs one child per entry of `data`; returns what each saved. Fails (after
+    killing both) if either exits non-zero or they are not done by the deadline."""
+    world = len(data)
+    spec = {"world_size": world, "port": _free_port(), "model_dir": model_dir, "ppo": ppo, "data": data,
+            "mode": mode, "steps": steps, "device": device}  # fmt: skip
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(tmp_path / f"rank{rank}.log", "wb")
+        logs.append(log)
+        out = tmp_path / f"rank{rank}.pt"
+        cmd = [sys.executable, "-m", "tests.impl.trainer_kit", str(spec_path), str(rank), str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+    problem = None
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                problem = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                problem = f"ranks still running after {DEADLINE_S:.0f}s (hung in a collective?)"
+                break
+            time.sleep(0.2)
+        else:
+            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                problem = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=30)
+        for log in logs:
+            log.close()
+    if problem:
+        tails = "\n".join(f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text(errors='replace')[-3000:]}"
+                          for r in range(world))  # fmt: skip
+        pytest.fail(f"{problem}\n{tails}")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_lockstep(results: list[dict], n_seqs: int) -> None:
+    r0, r1 = results
+    # The same number of forward passes of every model: what FSDP's collectives need.
+    assert r0["forwards"] == r1["forwards"]
+    for model in r0["weights"]:
+        for name, w in r0["weights"][model].items():
+            assert torch.equal(w, r1["weights"][model][name]), f"{model}.{name} differs between ranks"
+    assert r0["stats"] == r1["stats"]  # global stats, bit-identical on every rank
+    for step in r0["stats"]:
+        assert all(math.isfinite(v) for v in step.values()), step
+        assert step["n_seqs"] == n_seqs
+
+
+def assert_trained(results: list[dict], model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    trained = results[0]["weights"]["actor"]
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)
+
+
+# rank 0: three trajectories of long sequences (several micro-batches);
+# rank 1: one trajectory of short ones (one micro-batch; fewer groups than minibatches).
+UNEVEN = [make_groups(1, 3, 2, (3, 6), (20, 28)), make_groups(2, 1, 2, (3, 5), (2, 4))]
+PPO = dict(algorithm="ppo", group_size=2, ppo_n_minibatches=2, max_tokens_per_mb=64, kl_ctl=0.1)
+GRPO = dict(algorithm="grpo", group_size=2, ppo_n_minibatches=3, max_tokens_per_mb=64, kl_ctl=0.1)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_fsdp_ranks_with_uneven_data_stay_in_lockstep(tmp_path, tiny_llama_dir, algorithm):
+    results = run_ranks(tmp_path, tiny_llama_dir, PPO if algorithm == "ppo" else GRPO, UNEVEN, "fsdp")
+    assert_lockstep(results, n_seqs=8)
+    assert results[0]["forwards"]["actor"] > 2  # rank 1 alone would need only 1 per phase
+    assert_trained(results, tiny_llama_dir)
+
+
+def test_rank_without_trajectories_joins_every_collective(tmp_path, tiny_llama_dir):
+    # "hook" puts an all-reduce in every forward pass, so unequal counts hang;
+    # gradients are summed by the ModelWorker's flat all-reduce.
+    results = run_ranks(tmp_path, tiny_llama_dir, PPO, [UNEVEN[0], []], "hook")
+    assert_lockstep(results, n_seqs=6)
+    assert_trained(results, tiny_llama_dir)
+
+
+@pytest.mark.parametrize("algorithm,mode", [("ppo", "fsdp"), ("grpo", "plain")])
+def test_stats_are_global_and_match_one_rank(tmp_path, tiny_llama_dir, algorithm, mode):
+    ppo = {**(PPO if algorithm == "ppo" else GRPO), "ppo_n_minibatches": 1}
+    results = run_ranks(tmp_path, tiny_llama_dir, ppo, UNEVEN, mode, steps=1)
+    assert results[0]["stats"] == results[1]["stats"]
+    torch.set_num_threads(1)
+    trainer, _ = build_trainer(tiny_llama_dir, PPOConfig(**ppo), torch.device("cpu"))
+    (expected,) = run_steps(trainer, UNEVEN[0] + UNEVEN[1], steps=1)
+    (got,) = results[0]["stats"]
+    assert got.keys() == expected.keys()
+    # The whole batch's loss is the SUM of the ranks' shares, not their mean.
+    assert abs(expected["actor_loss"]) > 1e-3
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_fsdp_nccl_ranks_with_uneven_data_stay_in_lockstep(tmp_path, tiny_llama_dir, algorithm):
+    results = run_ranks(tmp_path, tiny_llama_dir, PPO if algorithm == "ppo" else GRPO, UNEVEN, "fsdp", device="cuda")
+    assert_lockstep(results, n_seqs=8)
+    assert_trained(results, tiny_llama_dir)

@@ -1,0 +1,189 @@
+"""Helpers for the PPOTrainer tests: a trainer over a tiny HF Llama, synthetic
+batches, and the child entry point of the data-parallel tests.
+
+    python -m tests.impl.trainer_kit SPEC.json RANK OUT.pt
+
+runs `steps` x (inference + train_step) on the SPEC's data for RANK in a
+`world_size`-rank process group on 127.0.0.1 and saves the stats, the
+per-model forward counts and the full (unsharded) weights to OUT.pt.
+
+Modes:
+  plain - gradients summed by one flat all-reduce (the ModelWorker's non-FSDP path)
+  hook  - plain, plus a tiny all-reduce in every forward pass: a stand-in for
+          FSDP's per-forward collectives
+  fsdp  - FSDP2 per decoder layer, loss scaled by the world size (as ModelWorker)
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+from realrl.api.cli_args import PPOConfig
+from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, make_optimized
+
+
+def make_groups(seed: int, n_groups: int, group_size: int, prompt_len: tuple[int, int],
+                gen_len: tuple[int, int], vocab: int = 64) -> list[list[dict]]:  # fmt: skip
+    """Random trajectories as JSON-able dicts: one list of sequences per group.
+    Rewards are 0/1 with both values in every group (a GRPO learning signal)."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(n_groups):
+        group = []
+        for k in range(group_size):
+            P, G = rng.randint(*prompt_len), rng.randint(*gen_len)
+            group.append({
+                "ids": [rng.randrange(2, vocab) for _ in range(P + G)],
+                "prompt_len": P,
+                # near the random model's own logprobs, so importance weights stay near 1
+                "behav": [-4.2 + 0.1 * rng.gauss(0, 1) for _ in range(G)],
+                "reward": float(k % 2),
+                "no_eos": rng.random() < 0.3,
+            })  # fmt: skip
+        groups.append(group)
+    return groups
+
+
+def make_batch(groups: list[list[dict]]) -> SequenceBatch:
+    input_ids, prompt_lens, behav, rewards, no_eos, index = [], [], [], [], [], []
+    for group in groups:
+        index.append(list(range(len(input_ids), len(input_ids) + len(group))))
+        for s in group:
+            input_ids.append(torch.tensor(s["ids"], dtype=torch.long))
+            prompt_lens.append(s["prompt_len"])
+            behav.append(torch.tensor(s["behav"], dtype=torch.float32))
+            rewards.append(s["reward"])
+            no_eos.append(s["no_eos"])
+    return SequenceBatch(input_ids, prompt_lens, behav, torch.tensor(rewards, dtype=torch.float32),
+                         torch.tensor(no_eos, dtype=torch.bool), index)  # fmt: skip
+
+
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2 per decoder layer, then the rest (as ModelWorker's `_shard`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    body = getattr(model, "model", None) or getattr(model, "backbone", None)
+    for layer in body.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (as ModelWorker's hook)."""
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def sync_grads(model: torch.nn.Module) -> None:
+    """Sum gradients over ranks in one flat all-reduce (as ModelWorker without FSDP)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+def build_trainer(model_dir: str, ppo: PPOConfig, device: torch.device, mode: str = "plain",
+                  process_group=None) -> tuple[PPOTrainer, collections.Counter]:  # fmt: skip
+    """A trainer over the tiny model in `model_dir`, and a Counter of the
+    forward passes of each of its models ('actor', 'critic', 'ref')."""
+    from transformers import AutoModelForCausalLM
+
+    world = dist.get_world_size(process_group) if process_group is not None else 1
+
+    def optimized(model):
+        return make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10)
+
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    critic = CriticModel.from_pretrained(model_dir, torch.float32).to(device) if ppo.algorithm == "ppo" else None
+    ref = None
+    if ppo.kl_ctl > 0:
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        ref.requires_grad_(False).eval()
+    if mode == "fsdp":
+        for model in (actor, critic):
+            if model is not None:
+                shard(model)
+
+    forwards: collections.Counter = collections.Counter()
+    for name, model in (("actor", actor), ("critic", critic), ("ref", ref)):
+        if model is None:
+            continue
+
+        def count(module, args, name=name):
+            forwards[name] += 1
+            if mode == "hook":  # ranks with unequal forward counts hang here
+                dist.all_reduce(torch.ones(1, device=device), group=process_group)
+
+        model.register_forward_pre_hook(count)
+
+    trainer = PPOTrainer(
+        optimized(actor), ppo, temperature=1.0, device=device, gradient_clipping=1.0,
+        critic=optimized(critic) if critic is not None else None, ref=ref,
+        all_reduce_sum=all_reduce_sum if world > 1 else (lambda x: x),
+        sync_grads=sync_grads if mode != "fsdp" and world > 1 else (lambda m: None),
+        process_group=process_group,
+        loss_scale=float(world) if mode == "fsdp" else 1.0,
+    )  # fmt: skip
+    return trainer, forwards
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter unsharded (a collective under FSDP: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def run_steps(trainer: PPOTrainer, groups: list[list[dict]], steps: int) -> list[dict[str, float]]:
+    stats = []
+    for _ in range(steps):
+        batch = make_batch(groups)
+        trainer.inference(batch, decoupled=True)
+        stats.append(trainer.train_step(batch))
+    return stats
+
+
+def main(spec_path: str, rank: int, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    torch.set_num_threads(1)
+    world = spec["world_size"]
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if spec["device"] == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec.get("pg_timeout", 60)))  # fmt: skip
+    try:
+        trainer, forwards = build_trainer(spec["model_dir"], PPOConfig(**spec["ppo"]), device, spec["mode"],
+                                          dist.group.WORLD)  # fmt: skip
+        stats = run_steps(trainer, spec["data"][rank], spec["steps"])
+        weights = {"actor": full_weights(trainer.actor.model)}
+        if trainer.critic is not None:
+            weights["critic"] = full_weights(trainer.critic.model)
+        torch.save({"stats": stats, "forwards": dict(forwards), "weights": weights}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
