@@ -118,6 +118,9 @@ class TorchServerConfig:
     dtype: str = "float32"
     max_running_requests: int = 256
     num_threads: int = 1  # torch CPU threads of the server process
+    # Check the length limit before EOS / stop tokens, as SGLang does (a request
+    # whose last allowed token is EOS reports `length`): tests the runtime against it.
+    length_before_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -303,8 +306,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(o.gradient_clipping >= 0, "optimizer.gradient_clipping", "must be >= 0 (0 = off)")
 
     r = cfg.rollout
-    _check(r.n_workers >= alloc.train.dp, "rollout.n_workers",
-           f"must be >= the number of trainers ({alloc.train.dp}): each trainer pulls from its own rollout workers")  # fmt: skip
+    _check(r.n_workers >= 1, "rollout.n_workers", "must be >= 1")
     _check(r.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness", "must be >= 0")
     _check(r.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts", "must be >= 1")
     _check(r.new_tokens_per_chunk >= 1, "rollout.new_tokens_per_chunk", "must be >= 1")

@@ -118,3 +118,10 @@ def training_samples(experiment_name: str, trial_name: str) -> str:
 def dropped_samples(experiment_name: str, trial_name: str) -> str:
     """Value: trajectories the trainer dropped (stale/invalid); their rollout budget is given back."""
     return f"{trial_root(experiment_name, trial_name)}/dropped_samples"
+
+
+def training_start(experiment_name: str, trial_name: str) -> str:
+    """Value: JSON `{"step", "version", "consumed", "dropped", "filtered"}`, written
+    by the master once it knows where training starts (0s, or a recovered
+    checkpoint's counts). The GserverManager admits no rollout before it."""
+    return f"{trial_root(experiment_name, trial_name)}/training_start"

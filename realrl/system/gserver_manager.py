@@ -4,8 +4,8 @@ One manager per trial sits between the rollout workers and the generation
 servers. It serves this HTTP API (the contract with the rollout side; JSON,
 127.0.0.1 in local mode, base URL under `names.gen_server_manager`):
 
-    POST /allocate_rollout {"qid"}                          -> {"success", "reason", "version"}
-    POST /finish_rollout   {"qid", "accepted", "n_tokens"}  -> {"success": true}
+    POST /allocate_rollout {"rollout_id", "qid"}            -> {"success", "reason", "version"}
+    POST /finish_rollout   {"rollout_id", "n_trajectories", "n_tokens"} -> {"success": true}
     POST /schedule_request {"qid", "n"=1, "previous_server_url", "previous_version"} -> {"url", "version"}
     POST /release_request  {"url", "n"=1}                   -> {"success": true}
     GET  /get_model_version                                 -> {"version"}
@@ -13,23 +13,28 @@ servers. It serves this HTTP API (the contract with the rollout side; JSON,
     GET  /rollout_stats, GET /health
 
 A malformed request gets HTTP 400 `{"error": ...}`, is counted, and changes
-nothing.
+nothing. Allocate and finish are idempotent per `rollout_id` (clients retry
+them), and the unit counted everywhere is one trajectory: `n_trajectories`
+is what the episode pushed (0: the agent rejected the prompt).
 
 The state lives in two plain classes that know nothing about HTTP:
 
-- `StalenessController`: admission. A rollout is admitted iff rollouts are not
-  stopped, `running < max_concurrent_rollouts`, and
-  `(accepted - dropped + running) // train_batch_size <= η + trainer_version`
-  (`within_staleness_bound`, DESIGN §7). With version v, at most
-  `(η + v + 1) * train_batch_size` rollouts are ever admitted, counting the
-  finished-and-accepted ones; agent-rejected rollouts and trainer drops give
-  their budget back.
+- `StalenessController`: admission. A rollout is admitted iff training has
+  started, rollouts are not stopped, `running < max_concurrent_rollouts`, and
+  `(accepted - dropped + running) // train_batch_size <= η + version`
+  (`within_staleness_bound`, DESIGN §7), where `version` is the weight version
+  every server holds (not merely the one the trainer published: rollouts
+  admitted for v+1 must be generated with v+1). With version v, at most
+  `(η + v + 1) * train_batch_size` trajectories are ever admitted, counting
+  the finished-and-accepted ones; agent-rejected rollouts and trainer drops
+  give their budget back.
 - `RequestRouter`: least-requests routing over the servers' in-flight counts
   (ties go to the server that was given fewer requests in total), sticky while
   the server still holds the caller's weight version.
 
-`_poll_async` reads `model_version/actor` and `dropped_samples` every
-`poll_interval`. When the trainer's version v is newer than what the servers
+`_poll_async` reads `training_start` (once: the master writes it when it knows
+the step training starts from; admission opens with its counts),
+`model_version/actor` and `dropped_samples` every `poll_interval`. When the trainer's version v is newer than what the servers
 hold, every server loads `<weights_dir>/<v>` concurrently
 (`update_weights_from_disk`, in-flight requests aborted; 1 + weight_update_retries
 attempts per server, each within weight_update_timeout). A server that still
@@ -67,15 +72,32 @@ _BAD_REQUESTS_LOGGED = 20  # then every 1000th
 def within_staleness_bound(
     accepted: int, dropped: int, running: int, train_batch_size: int, max_head_offpolicyness: int, version: int
 ) -> bool:
-    """DESIGN §7: may one more rollout start? `accepted` counts every rollout
+    """DESIGN §7: may one more rollout start? `accepted` counts every trajectory
     finished and accepted so far (consumed or still buffered), `dropped` the
-    ones the trainer threw away (their budget is given back)."""
+    ones the trainer threw away (their budget is given back), `version` the
+    weight version every generation server holds."""
     return (accepted - dropped + running) // train_batch_size <= max_head_offpolicyness + version
 
 
+# Finished rollout ids remembered for idempotent retries; a retry arrives within
+# seconds, so the newest ones suffice and memory stays bounded.
+FINISHED_IDS_KEPT = 100_000
+
+
 class StalenessController:
-    """Admission state: which rollouts run, how many were accepted/rejected,
-    and what the trainer reported. Not thread-safe (one event loop owns it)."""
+    """Admission state: which rollouts run, how many trajectories were
+    accepted, how many episodes the agent rejected, and what the trainer
+    reported. Not thread-safe (one event loop owns it).
+
+    Every rollout has a caller-chosen `rollout_id`; allocate and finish are
+    idempotent per id, so a client may retry a call whose reply it lost (a
+    timed-out-but-applied allocate must not leak a running slot, a repeated
+    finish must not fail or count twice).
+
+    Nothing is admitted before `start()`: the master tells where training
+    starts (fresh, or recovered at a checkpoint with some trajectories already
+    consumed and dropped), so a resumed trial admits exactly what an
+    uninterrupted one would."""
 
     def __init__(self, train_batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int):
         if train_batch_size < 1:
@@ -87,45 +109,64 @@ class StalenessController:
         self.train_batch_size = train_batch_size
         self.max_head_offpolicyness = max_head_offpolicyness
         self.max_concurrent_rollouts = max_concurrent_rollouts
-        self.trainer_version = 0
-        self.dropped = 0
-        self.accepted = 0
-        self.rejected = 0
+        self.started = False
+        self.version = 0  # the weight version every server holds (admission opens per version only then)
+        self.trainer_version = 0  # the newest version the trainer published (for the stats)
+        self.dropped = 0  # trajectories the trainer dropped (whole trial, from the master)
+        self.accepted = 0  # trajectories finished and accepted (whole trial)
+        self.rejected = 0  # episodes the agent rejected (whole trial)
+        self.admitted = 0  # episodes admitted by this process
         self.n_tokens = 0
         self.stopped = False
-        # qid -> rollouts of it running now (a prompt may be in flight twice,
-        # e.g. a small dataset cycling across rollout workers).
-        self._running: collections.Counter[str] = collections.Counter()
-        self.running = 0
+        self._running: dict[str, str] = {}  # rollout_id -> qid
+        self._finished: collections.OrderedDict[str, int] = collections.OrderedDict()  # rollout_id -> trajectories
 
-    def allocate(self, qid: str) -> tuple[bool, str | None]:
-        """Admit one rollout of `qid` if the rules allow: (admitted, refusal reason)."""
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def start(self, accepted: int = 0, rejected: int = 0) -> None:
+        """Opens admission with the trial's counts so far (a recovered trial
+        starts with what it had consumed and dropped at its checkpoint)."""
+        self.accepted, self.rejected, self.started = accepted, rejected, True
+
+    def allocate(self, rollout_id: str, qid: str = "") -> tuple[bool, str | None]:
+        """Admit rollout `rollout_id` (of prompt `qid`) if the rules allow:
+        (admitted, refusal reason). A repeated call for an admitted id admits
+        nothing new and answers True."""
+        if rollout_id in self._running or rollout_id in self._finished:
+            return True, None
+        if not self.started:
+            return False, "waiting for the trainer: training has not started"
         if self.stopped:
             return False, "rollouts stopped"
         if self.running >= self.max_concurrent_rollouts:
             return False, f"max_concurrent_rollouts reached ({self.max_concurrent_rollouts})"
         if not within_staleness_bound(self.accepted, self.dropped, self.running, self.train_batch_size,
-                                      self.max_head_offpolicyness, self.trainer_version):  # fmt: skip
+                                      self.max_head_offpolicyness, self.version):  # fmt: skip
             return False, (
                 f"staleness bound: (accepted {self.accepted} - dropped {self.dropped} + running {self.running})"
                 f" // train_batch_size {self.train_batch_size} > max_head_offpolicyness"
-                f" {self.max_head_offpolicyness} + version {self.trainer_version}"
+                f" {self.max_head_offpolicyness} + version {self.version}"
             )
-        self._running[qid] += 1
-        self.running += 1
+        self._running[rollout_id] = qid
+        self.admitted += 1
         return True, None
 
-    def finish(self, qid: str, accepted: bool, n_tokens: int = 0) -> None:
-        """A rollout of `qid` ended; KeyError if none is running."""
-        if self._running[qid] <= 0:
-            del self._running[qid]
-            raise KeyError(f"no running rollout with qid {qid!r}")
-        self._running[qid] -= 1
-        if self._running[qid] == 0:
-            del self._running[qid]
-        self.running -= 1
-        if accepted:
-            self.accepted += 1
+    def finish(self, rollout_id: str, n_trajectories: int, n_tokens: int = 0) -> None:
+        """Rollout `rollout_id` ended with `n_trajectories` accepted
+        trajectories (0: the agent rejected the prompt, which gives its budget
+        back). KeyError if it was never admitted; a repeated call is a no-op."""
+        if rollout_id in self._finished:
+            return
+        if rollout_id not in self._running:
+            raise KeyError(f"no running rollout with id {rollout_id!r}")
+        del self._running[rollout_id]
+        self._finished[rollout_id] = n_trajectories
+        if len(self._finished) > FINISHED_IDS_KEPT:
+            self._finished.popitem(last=False)
+        if n_trajectories:
+            self.accepted += n_trajectories
         else:
             self.rejected += 1
         self.n_tokens += n_tokens
@@ -139,8 +180,11 @@ class StalenessController:
             "accepted": self.accepted,
             "rejected": self.rejected,
             "dropped": self.dropped,
+            "admitted": self.admitted,
+            "version": self.version,
             "trainer_version": self.trainer_version,
             "n_tokens": self.n_tokens,
+            "started": self.started,
             "stopped": self.stopped,
         }
 
@@ -240,15 +284,20 @@ def _type_names(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in _as_tuple(kind))
 
 
+def _nonempty(body: dict, name: str) -> str:
+    value = _field(body, name, str)
+    if not value:
+        raise BadRequest(f"field {name!r} must be a non-empty string")
+    return value
+
+
 def _qid(body: dict) -> str:
-    qid = _field(body, "qid", str)
-    if not qid:
-        raise BadRequest("field 'qid' must be a non-empty string")
-    return qid
+    return _nonempty(body, "qid")
 
 
-def _count(body: dict, name: str, minimum: int = 1, default: int = 1) -> int:
-    n = _field(body, name, int, required=False, default=default)
+def _count(body: dict, name: str, minimum: int = 1, default: int | None = 1) -> int:
+    """An int field >= minimum; required when `default` is None."""
+    n = _field(body, name, int, required=default is None, default=default)
     if n < minimum:
         raise BadRequest(f"field {name!r} must be >= {minimum}, got {n}")
     return n
@@ -306,6 +355,7 @@ class GserverManager(AsyncWorker):
         await asyncio.gather(*(self._client.wait_healthy(u, SERVER_HEALTH_TIMEOUT_S) for u in self.server_urls))
         versions = await asyncio.gather(*(self._server_version(u) for u in self.server_urls))
         self.router = RequestRouter(self.server_urls, versions)
+        self._sync_admission_version()
         self.logger.info("%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions,
                          self.server_urls)  # fmt: skip
 
@@ -363,21 +413,28 @@ class GserverManager(AsyncWorker):
         now = time.monotonic()
         if now - self._last_read >= self.cfg.poll_interval:
             self._last_read = now
-            version, dropped = await asyncio.to_thread(self._read_trainer_state)
+            version, dropped, start = await asyncio.to_thread(self._read_trainer_state)
             if version is not None and version != self.controller.trainer_version:
                 self.logger.info("trainer weight version %d -> %d", self.controller.trainer_version, version)
                 self.controller.trainer_version = version
             if dropped is not None:
                 self.controller.dropped = dropped
+            if start is not None and not self.controller.started:
+                self.controller.start(accepted=start["consumed"] + start["dropped"], rejected=start["filtered"])
+                self.logger.info("training starts at step %d (version %d): admission opens with %d trajectories "
+                                 "consumed and %d dropped so far", start["step"], start["version"],
+                                 start["consumed"], start["dropped"])  # fmt: skip
             if self._update_task is None and self.controller.trainer_version > self.router.version:
                 self._update_task = asyncio.create_task(self._update_weights(self.controller.trainer_version))
+        self._sync_admission_version()
         self._log_refusals(now)
         self._log_stats()
         return IDLE
 
-    def _read_trainer_state(self) -> tuple[int | None, int | None]:
-        """(trainer version, dropped samples); a missing key is 0, an unreadable one None."""
-        values = []
+    def _read_trainer_state(self) -> tuple[int | None, int | None, dict | None]:
+        """(trainer version, dropped samples, training start); a missing count
+        is 0, a missing start or an unreadable value None."""
+        values: list = []
         for key in (names.model_version(self.experiment_name, self.trial_name, "actor"),
                     names.dropped_samples(self.experiment_name, self.trial_name)):  # fmt: skip
             try:
@@ -387,9 +444,26 @@ class GserverManager(AsyncWorker):
             except Exception as e:  # a bad value or a name service hiccup: keep what we had
                 self.logger.warning("could not read %s: %s: %s", key, type(e).__name__, e)
                 values.append(None)
-        return values[0], values[1]
+        start = None
+        if not self.controller.started:
+            key = names.training_start(self.experiment_name, self.trial_name)
+            try:
+                start = json.loads(name_resolve.get(key))
+                start = {k: int(start[k]) for k in ("step", "version", "consumed", "dropped", "filtered")}
+            except name_resolve.NameEntryNotFoundError:
+                start = None
+            except Exception as e:
+                self.logger.warning("could not read %s: %s: %s", key, type(e).__name__, e)
+                start = None
+        return values[0], values[1], start
 
     # ---- weight updates ------------------------------------------------------------------
+    def _sync_admission_version(self) -> None:
+        """Admission for version v opens once the trainer published v and
+        every server holds it (DESIGN §7): rollouts admitted for v are
+        generated with v, and never with more than the trainer has."""
+        self.controller.version = min(self.controller.trainer_version, self.router.version)
+
     async def _update_weights(self, version: int) -> None:
         if not self.cfg.weights_dir:
             raise WeightUpdateError(
@@ -430,6 +504,7 @@ class GserverManager(AsyncWorker):
                     await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
                 continue
             self.router.set_loaded_version(url, version)
+            self._sync_admission_version()
             return result
         raise WeightUpdateError(
             f"generation server {url} could not load weight version {version} from {path} "
@@ -462,19 +537,20 @@ class GserverManager(AsyncWorker):
         return wrapped
 
     def _allocate_rollout(self, body: dict) -> dict:
+        rollout_id = _nonempty(body, "rollout_id")
         qid = _qid(body)
-        ok, reason = self.controller.allocate(qid)
+        ok, reason = self.controller.allocate(rollout_id, qid)
         if not ok:
             self._refusals[reason.split(":")[0].split(" (")[0]] += 1
             self._last_refusal = reason
-        return {"success": ok, "reason": reason, "version": self.controller.trainer_version}
+        return {"success": ok, "reason": reason, "version": self.controller.version}
 
     def _finish_rollout(self, body: dict) -> dict:
-        qid = _qid(body)
-        accepted = _field(body, "accepted", bool)
+        rollout_id = _nonempty(body, "rollout_id")
+        n_trajectories = _count(body, "n_trajectories", minimum=0, default=None)
         n_tokens = _count(body, "n_tokens", minimum=0, default=0)
         try:
-            self.controller.finish(qid, accepted, n_tokens)
+            self.controller.finish(rollout_id, n_trajectories, n_tokens)
         except KeyError as e:
             raise BadRequest(str(e.args[0])) from None
         return {"success": True}
@@ -541,9 +617,10 @@ class GserverManager(AsyncWorker):
         self._last_stats_log = now
         self._last_logged_stats = stats
         self.logger.info(
-            "rollouts: running %d accepted %d rejected %d dropped %d%s | versions: trainer %d servers %s"
+            "rollouts: running %d accepted %d rejected %d dropped %d%s%s | versions: trainer %d servers %s"
             " | in flight %s",
             stats["running"], stats["accepted"], stats["rejected"], stats["dropped"],
-            " (stopped)" if stats["stopped"] else "", stats["trainer_version"],
+            " (stopped)" if stats["stopped"] else "", "" if stats["started"] else " (not started)",
+            stats["trainer_version"],
             sorted(set(self.router.loaded_version.values())), list(stats["server_in_flight"].values()),
         )  # fmt: skip

@@ -2,14 +2,23 @@
 
 Each step, over the request-reply stream to the model workers:
 
-1. `fetch` on every data-parallel head (`__data{r}__`) until rank r holds its
-   share of `train_batch_size` trajectories (oldest first; stale ones are
-   dropped by the trainer, counted, and reported under `dropped_samples` at
-   once so the GserverManager gives their staleness budget back);
+1. the batch: `inventory` on every rank (each drops what is staler than η
+   allows and lists its oldest trajectories) until the ranks hold
+   `train_batch_size` trajectories together; the oldest B of all of them
+   (`choose_batch`) are split across the ranks balanced by tokens
+   (`plan_batch`), and `assemble` moves them there. No rank has a quota of
+   its own, so trajectories that arrive unevenly never stall a step. Drops
+   (stale, or invalid at the puller) are published under `dropped_samples` at
+   once so the GserverManager gives their staleness budget back;
 2. `inference`: proximal logprobs (decoupled loss), reference logprobs
    (KL), values (PPO);
 3. `train_step` on every rank; rank 0 publishes the new weights (version
    v+1) and sets `model_version/actor`.
+
+Before the first step the master publishes `training_start` (the step and
+the trajectory counts training starts from, fresh or recovered): the
+GserverManager opens admission only then, with those counts, so a resumed
+trial admits exactly what an uninterrupted one would.
 
 Around the steps: stats to `stats.jsonl` + TensorBoard and a progress bar with
 ETA (in this worker's log), greedy evaluation on the test split before
@@ -28,11 +37,44 @@ import aiohttp
 
 from realrl.api.system_api import MasterWorkerConfig
 from realrl.base import name_resolve, names
+from realrl.base.datapack import partition_balanced
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system.request_reply_stream import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
 STARVED_WARNING_S = 30.0  # warn (again) after this long without new trajectories
+
+
+def choose_batch(inventories: list[list], batch_size: int) -> list[tuple[int, int, int]] | None:
+    """The step's batch from what all ranks hold together: the `batch_size`
+    oldest trajectories (by version_start, then birth time) as (rank, key,
+    n_tokens), or None while the ranks hold fewer together."""
+    items = [(version, birth, rank, key, n_tokens)
+             for rank, inventory in enumerate(inventories) for key, version, birth, n_tokens in inventory]  # fmt: skip
+    if len(items) < batch_size:
+        return None
+    items.sort()
+    return [(rank, key, n_tokens) for _, _, rank, key, n_tokens in items[:batch_size]]
+
+
+def plan_batch(chosen: list[tuple[int, int, int]], n_ranks: int) -> list[int]:
+    """The rank each chosen trajectory trains on: groups balanced by tokens
+    (longest first into the lightest group), each group given to the rank
+    that already holds most of its tokens, so as little as possible moves."""
+    parts = partition_balanced([n_tokens for _, _, n_tokens in chosen], n_ranks)
+    overlap = sorted(((sum(chosen[i][2] for i in part if chosen[i][0] == rank), -p, rank)
+                      for p, part in enumerate(parts) for rank in range(n_ranks)), reverse=True)  # fmt: skip
+    dest = [0] * len(chosen)
+    used_parts, used_ranks = set(), set()
+    for _, neg_p, rank in overlap:
+        p = -neg_p
+        if p in used_parts or rank in used_ranks:
+            continue
+        used_parts.add(p)
+        used_ranks.add(rank)
+        for i in parts[p]:
+            dest[i] = rank
+    return dest
 
 
 class MasterWorker(AsyncWorker):
@@ -48,6 +90,9 @@ class MasterWorker(AsyncWorker):
         self.version = 0
         self.consumed = 0
         self.dropped_stale = 0
+        self.dropped_invalid = 0  # rejected at the pullers (schema): their budget is given back too
+        self._invalid_seen = 0  # the pullers' own invalid count (since they started)
+        self.filtered_at_checkpoint = 0  # episodes the agent had rejected by the checkpoint we resume from
         self.max_staleness_trained = 0
         self.eval_history: list[dict] = []
         self.started = time.monotonic()
@@ -65,6 +110,7 @@ class MasterWorker(AsyncWorker):
             await self._recover()
         self.stats_logger = StatsLogger(self.info.log_dir, resume_step=self.step)
         self._publish_counters()
+        self._publish_training_start()
         from tqdm import tqdm
 
         self._progress = tqdm(total=self.cfg.total_train_steps, initial=self.step, desc="train steps",
@@ -89,46 +135,44 @@ class MasterWorker(AsyncWorker):
         await self._train_step()
         return PollResult(batch_count=1)
 
-    def _shares(self) -> list[int]:
-        n, B = self.cfg.n_model_workers, self.cfg.train_batch_size
-        return [B // n + (1 if r < B % n else 0) for r in range(n)]
-
     async def _fetch(self) -> dict:
-        shares = self._shares()
-        got = [0] * len(shares)
-        collected: dict[str, list] = {k: [] for k in ("staleness", "version_start", "rewards", "correct", "seq_lens", "gen_lens")}
-        dropped = 0
+        n, B = self.cfg.n_model_workers, self.cfg.train_batch_size
+        all_ranks = list(range(n))
         min_version = self.version - self.cfg.max_head_offpolicyness
         waiting_since = last_warning = time.monotonic()
+        have = -1
         while True:
-            ranks = [r for r in range(len(shares)) if got[r] < shares[r]]
-            if not ranks:
+            replies = await self.stream.call_async(all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n,
+                                                   timeout=self.cfg.rpc_timeout)  # fmt: skip
+            dropped_stale = sum(r["n_dropped"] for r in replies)
+            if self._count_invalid(sum(r["invalid"] for r in replies)) or dropped_stale:
+                self.dropped_stale += dropped_stale
+                self._publish_counters()  # give the dropped rollouts' budget back now
+            chosen = choose_batch([r["items"] for r in replies], B)
+            if chosen is not None:
                 break
-            replies = await self.stream.call_async(
-                [f"__data{r}__" for r in ranks], "fetch",
-                [{"n": shares[r] - got[r], "min_version": min_version, "current_version": self.version} for r in ranks],
-                timeout=self.cfg.rpc_timeout,
-            )  # fmt: skip
-            progress = False
-            for r, reply in zip(ranks, replies):
-                got[r] += reply["n_taken"]
-                progress |= reply["n_taken"] > 0
-                if reply["n_dropped"]:
-                    dropped += reply["n_dropped"]
-                    self.dropped_stale += reply["n_dropped"]
-                    self._publish_counters()  # give the dropped rollouts' budget back now
-                for k in collected:
-                    collected[k].extend(reply[k])
             now = time.monotonic()
-            if progress:
-                waiting_since = now
+            held = sum(len(r["items"]) for r in replies)
+            if held != have:
+                have, waiting_since = held, now
             elif now - waiting_since > STARVED_WARNING_S and now - last_warning > STARVED_WARNING_S:
                 last_warning = now
-                await self._warn_starved(sum(got), sum(shares), now - waiting_since)
-            if not progress:
-                await asyncio.sleep(self.cfg.fetch_poll_interval)
-        collected["dropped"] = dropped
-        return collected
+                await self._warn_starved(held, B, now - waiting_since)
+            await asyncio.sleep(self.cfg.fetch_poll_interval)
+        dest = plan_batch(chosen, n)
+        requests = []
+        for rank in all_ranks:
+            mine = [i for i, (owner, _, _) in enumerate(chosen) if owner == rank]
+            recv_from = {str(r): sum(1 for i, (owner, _, _) in enumerate(chosen) if owner == r and dest[i] == rank)
+                         for r in all_ranks if r != rank}  # fmt: skip
+            requests.append({"take": [chosen[i][1] for i in mine], "send_to": [dest[i] for i in mine],
+                             "recv_from": recv_from, "current_version": self.version})  # fmt: skip
+        parts = await self.stream.call_async(all_ranks, "assemble", requests, timeout=self.cfg.rpc_timeout)
+        batch: dict = {k: [x for p in parts for x in p[k]]
+                       for k in ("staleness", "version_start", "rewards", "correct", "seq_lens", "gen_lens")}  # fmt: skip
+        batch["rank_tokens"] = [p["n_tokens"] for p in parts]
+        batch["moved"] = sum(p["n_moved_out"] for p in parts)
+        return batch
 
     async def _train_step(self) -> None:
         t0 = time.monotonic()
@@ -144,15 +188,17 @@ class MasterWorker(AsyncWorker):
         t_train = time.monotonic()
         self.version += 1
         self.step += 1
-        self.consumed += self.cfg.train_batch_size
+        self.consumed += len(batch["staleness"])
         self.max_staleness_trained = max([self.max_staleness_trained] + batch["staleness"])
         self._publish_counters()
 
         n_tokens = sum(batch["seq_lens"])
-        stats: dict = {"version": self.version, "consumed": self.consumed, "dropped_stale": self.dropped_stale}
-        for key in results[0]:
-            values = [r[key] for r in results]
-            stats[f"train/{key}"] = sum(values) / len(values)
+        stats: dict = {"version": self.version, "consumed": self.consumed, "dropped_stale": self.dropped_stale,
+                       "dropped_invalid": self.dropped_invalid}  # fmt: skip
+        # The trainers reduce their stats over ranks: every rank reports the same.
+        stats.update({f"train/{key}": value for key, value in results[0].items()})
+        stats["batch/moved_between_ranks"] = batch["moved"]
+        stats["batch/rank_tokens_max_over_mean"] = max(batch["rank_tokens"]) / max(n_tokens / len(batch["rank_tokens"]), 1e-9)
         stats.update(summarize(batch["rewards"], "rollout/reward"))
         stats.update(summarize(batch["correct"], "rollout/accuracy"))
         stats.update(summarize([float(x) for x in batch["gen_lens"]], "rollout/gen_len"))
@@ -197,10 +243,28 @@ class MasterWorker(AsyncWorker):
                         " solve none, or all, of the prompts?")  # fmt: skip
         self.logger.warning(msg)
 
+    def _count_invalid(self, pullers_total: int) -> int:
+        """Adds the trajectories the pullers rejected since we last looked."""
+        new = pullers_total - self._invalid_seen
+        self._invalid_seen = pullers_total
+        self.dropped_invalid += new
+        return new
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_stale + self.dropped_invalid
+
     def _publish_counters(self) -> None:
         name_resolve.add(names.training_samples(self.experiment_name, self.trial_name), str(self.consumed),
                          replace=True, delete_on_exit=False)  # fmt: skip
-        name_resolve.add(names.dropped_samples(self.experiment_name, self.trial_name), str(self.dropped_stale),
+        name_resolve.add(names.dropped_samples(self.experiment_name, self.trial_name), str(self.dropped),
+                         replace=True, delete_on_exit=False)  # fmt: skip
+
+    def _publish_training_start(self) -> None:
+        """Opens the manager's admission with the counts training starts from."""
+        start = {"step": self.step, "version": self.version, "consumed": self.consumed, "dropped": self.dropped,
+                 "filtered": self.filtered_at_checkpoint}  # fmt: skip
+        name_resolve.add(names.training_start(self.experiment_name, self.trial_name), json.dumps(start),
                          replace=True, delete_on_exit=False)  # fmt: skip
 
     # ---- evaluation, saving, recovery --------------------------------------------------------
@@ -226,9 +290,15 @@ class MasterWorker(AsyncWorker):
     async def _checkpoint(self) -> None:
         await self.stream.call_async(list(range(self.cfg.n_model_workers)), "checkpoint",
                                      [{"step": self.step}] * self.cfg.n_model_workers, timeout=self.cfg.rpc_timeout)  # fmt: skip
+        filtered = self.filtered_at_checkpoint
+        try:  # the agent-filtered count keeps the whole-trial accounting after a resume
+            rs = await self._manager("GET", "/rollout_stats")
+            filtered = rs["rejected"] if rs is not None else filtered
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.logger.warning("checkpoint without the manager's filtered count: %s", e)
         state = {"step": self.step, "version": self.version, "consumed": self.consumed,
-                 "dropped_stale": self.dropped_stale, "max_staleness_trained": self.max_staleness_trained,
-                 "eval_history": self.eval_history}  # fmt: skip
+                 "dropped_stale": self.dropped_stale, "dropped_invalid": self.dropped_invalid, "filtered": filtered,
+                 "max_staleness_trained": self.max_staleness_trained, "eval_history": self.eval_history}  # fmt: skip
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f)
@@ -246,6 +316,7 @@ class MasterWorker(AsyncWorker):
         replies = await self.stream.call_async(list(range(n)), "load", [{"path": path}] * n, timeout=self.cfg.rpc_timeout)
         self.step, self.version = state["step"], replies[0]["version"]
         self.consumed, self.dropped_stale = state["consumed"], state["dropped_stale"]
+        self.dropped_invalid, self.filtered_at_checkpoint = state.get("dropped_invalid", 0), state.get("filtered", 0)
         self.max_staleness_trained = state["max_staleness_trained"]
         self.eval_history = state["eval_history"]
         self.logger.info("recovered at step %d (weight version %d) from %s", self.step, self.version, path)
@@ -269,27 +340,27 @@ class MasterWorker(AsyncWorker):
             self.logger.info("saved the final model to %s", path)
 
         # Stop admitting rollouts, let in-flight ones finish, then account for every trajectory.
-        produced = filtered = None
+        ledger = None  # the manager's whole-trial counts: accepted trajectories, rejected episodes
         try:
             if await self._manager("POST", "/stop_rollouts") is not None:
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:
                     rs = await self._manager("GET", "/rollout_stats")
                     if rs["running"] == 0:
-                        produced, filtered = rs["accepted"] + rs["rejected"], rs["rejected"]
+                        ledger = rs
                         break
                     await asyncio.sleep(0.2)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.logger.warning("no final rollout accounting from the gserver manager: %s", e)
         all_ranks = list(range(self.cfg.n_model_workers))
         deadline = time.monotonic() + 15
-        while True:  # wait until every pushed trajectory reached a puller
+        while True:  # wait until every accepted trajectory reached a puller
             buf = await self.stream.call_async(all_ranks, "stats", [None] * len(all_ranks), timeout=60)
-            received = sum(s["received"] for s in buf)
-            if produced is None or received >= produced - filtered or time.monotonic() > deadline:
+            self._count_invalid(sum(s["invalid"] for s in buf))
+            arrived = self.consumed + self.dropped + sum(s["buffered"] for s in buf)
+            if ledger is None or arrived >= ledger["accepted"] or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
-        invalid = sum(s["invalid"] + s["wire_rejected"] for s in buf)
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
         checksums = {s["checksum"] for s in specs if s["checksum"] is not None}  # None: FSDP shards
         if len(checksums) > 1:
@@ -301,15 +372,20 @@ class MasterWorker(AsyncWorker):
             "steps": self.step,
             "final_version": self.version,
             "wall_time_s": time.monotonic() - self.started,
+            # produced = consumed + dropped + buffered, counted independently:
+            # produced by the manager, the rest by the master and the trainers.
             "trajectories": {
-                "produced": produced if produced is not None else received,
+                "produced": None if ledger is None else ledger["accepted"] + ledger["rejected"],
                 "consumed": self.consumed,
-                "dropped": self.dropped_stale + invalid + (filtered or 0),
+                "dropped": self.dropped + (ledger["rejected"] if ledger is not None else 0),
                 "dropped_stale": self.dropped_stale,
-                "dropped_invalid": invalid,
-                "filtered_by_agent": filtered or 0,
+                "dropped_invalid": self.dropped_invalid,
+                "filtered_by_agent": None if ledger is None else ledger["rejected"],
                 "buffered": sum(s["buffered"] for s in buf),
+                "rejected_frames": sum(s["wire_rejected"] for s in buf),  # not trajectories of ours: not in the ledger
+                **({} if ledger is not None else {"note": "the gserver manager did not report: produced unknown"}),
             },
+            "rollouts": ledger,  # the manager's counts (admitted: episodes admitted by this run's manager)
             "max_staleness_trained": self.max_staleness_trained,
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
             "dp_weights_identical": len(checksums) <= 1,

@@ -6,9 +6,10 @@ puller (`PullerStreamDataset`) and answers the master's requests:
 | handle      | kind  | what                                                         |
 |-------------|-------|--------------------------------------------------------------|
 | spec        | cheap | rank, sizes, current weight version, buffer stats            |
-| fetch       | cheap | move up to n trajectories (oldest first, stale ones dropped) |
-|             |       | from the buffer into this step's batch                       |
+| inventory   | cheap | drop stale trajectories; describe the oldest buffered ones   |
 | stats       | cheap | stream accounting (received/taken/dropped/buffered)          |
+| assemble    | long  | this step's batch: take the chosen trajectories, send those  |
+|             |       | planned for other ranks, receive the ones planned for us     |
 | inference   | long  | proximal / reference logprobs and values for the step batch  |
 | train_step  | long  | one PPO/GRPO update, then publish the new weights            |
 | evaluate    | long  | greedy accuracy on the test split (rank 0)                   |
@@ -17,6 +18,13 @@ puller (`PullerStreamDataset`) and answers the master's requests:
 
 Cheap handles run on the serving thread and are answered even while a long
 one runs on the worker thread (so the master can keep filling the next batch).
+
+A step's batch is chosen by the master from what all ranks hold together
+(DESIGN §7): no rank has a quota, so trajectories that land unevenly (one
+rollout worker faster, a filter that hits one shard) never stall a step.
+`assemble` moves the trajectories planned for another rank over a gloo group
+of their own (also when training runs on NCCL), in the wire format (no
+pickle), point to point.
 
 Weights (DESIGN §8): after each train step rank 0 writes the actor as HF
 safetensors into a temp directory, renames it to `<weights_dir>/<version>/`,
@@ -39,7 +47,8 @@ import torch.distributed as dist
 
 from realrl.api.env_api import make_env
 from realrl.api.system_api import ModelWorkerConfig
-from realrl.base import name_resolve, names, network
+from realrl.api.trajectory import Trajectory
+from realrl.base import name_resolve, names, network, wire
 from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, make_optimized
 from realrl.system.request_reply_stream import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
@@ -57,9 +66,13 @@ def publish_weights(model: torch.nn.Module, weights_dir: str, version: int, max_
     tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
     os.makedirs(weights_dir, exist_ok=True)
     model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state_dict)
-    if os.path.exists(final):  # a re-run of this version (recovery): replace it
-        shutil.rmtree(final)
+    old = None
+    if os.path.exists(final):  # a re-run of this version (recovery): replace it, never leaving it half-deleted
+        old = os.path.join(weights_dir, f".old-{version}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
     os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -143,9 +156,9 @@ class ModelWorker(Worker):
         self.step_staleness: list[int] = []
         self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank, config.max_buffered_trajectories)
         self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index)
-        for name in ("spec", "fetch", "stats"):
+        for name in ("spec", "inventory", "stats"):
             self.server.register(name, getattr(self, f"_handle_{name}"))
-        for name in ("inference", "train_step", "evaluate", "save", "checkpoint", "load"):
+        for name in ("assemble", "inference", "train_step", "evaluate", "save", "checkpoint", "load"):
             self.server.register(name, getattr(self, f"_handle_{name}"), long_running=True)
         if self.dp_rank == 0:
             self._set_version(0)
@@ -153,6 +166,7 @@ class ModelWorker(Worker):
                          sum(p.numel() for p in actor.parameters()) / 1e6, self.device, self.dp_rank, self.dp_size)  # fmt: skip
 
     def _init_distributed(self) -> None:
+        self.data_group = None  # gloo group that moves trajectories between ranks
         if self.dp_size <= 1 and not self.cfg.fsdp:  # FSDP needs a process group, even of one
             return
         key = names.distributed_init(self.experiment_name, self.trial_name, "model_worker")
@@ -161,7 +175,11 @@ class ModelWorker(Worker):
             name_resolve.add(key, f"{network.LOOPBACK if self.info.mode == 'local' else self.info.bind_address}:{port}", replace=True)
         addr = name_resolve.wait(key, timeout=300)
         backend = "nccl" if self.cfg.device == "cuda" else "gloo"
+        if self.info.mode == "local":  # gloo would otherwise pick the hostname's interface
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=f"tcp://{addr}", rank=self.dp_rank, world_size=self.dp_size)
+        if self.dp_size > 1:
+            self.data_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         self.logger.info("joined %s process group at %s", backend, addr)
 
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,29 +235,69 @@ class ModelWorker(Worker):
     def _handle_stats(self, data=None) -> dict:
         return self.dataset.stats()
 
-    def _handle_fetch(self, data: dict) -> dict:
-        """Adds up to `n` trajectories to this step's batch; those whose
-        version_start < `min_version` are dropped (and counted)."""
-        taken, dropped = self.dataset.take(int(data["n"]), int(data["min_version"]))
-        self.step_trajectories.extend(taken)
-        current = int(data.get("current_version", self.version))
-        staleness = [current - t.min_version_start for t in taken]
-        self.step_staleness.extend(staleness)
-        accuracy = [float(c) for t in taken for c in t.metadata.get("correct", [])]
-        return {
-            "n_taken": len(taken),
-            "n_step": len(self.step_trajectories),
-            "n_dropped": dropped,
-            "staleness": staleness,
-            "version_start": [t.min_version_start for t in taken],
-            "rewards": [r for t in taken for r in t.reward],
-            "correct": accuracy,
-            "seq_lens": [n for t in taken for n in t.seq_lens],
-            "gen_lens": [n - p for t in taken for n, p in zip(t.seq_lens, t.prompt_len)],
-            "buffered": len(self.dataset),
-        }
+    def _handle_inventory(self, data: dict) -> dict:
+        """Drops buffered trajectories staler than `min_version` and describes
+        the `limit` oldest left, for the master to choose the step's batch."""
+        items, dropped = self.dataset.inventory(int(data["min_version"]), int(data["limit"]))
+        return {"items": items, "n_dropped": dropped, "invalid": self.dataset.n_invalid}
 
     # ---- long handles --------------------------------------------------------------------
+    def _handle_assemble(self, data: dict) -> dict:
+        """This rank's share of the step's batch. `take` lists the keys of this
+        rank's buffer that go into the batch and `send_to` the rank each goes
+        to (this rank or another); `recv_from[r]` is how many come from rank r.
+        Returns what the master logs about the trajectories this rank trains."""
+        keys, dests = [int(k) for k in data["take"]], [int(r) for r in data["send_to"]]
+        taken = self.dataset.take(keys)
+        outgoing: dict[int, list[Trajectory]] = {}
+        for traj, dest in zip(taken, dests):
+            outgoing.setdefault(dest, []).append(traj)
+        mine = outgoing.pop(self.dp_rank, [])
+        recv_from = {int(r): int(n) for r, n in data["recv_from"].items() if int(r) != self.dp_rank and int(n)}
+        if outgoing or recv_from:
+            mine += self._exchange(outgoing, recv_from)
+        self.step_trajectories = mine
+        current = int(data["current_version"])
+        staleness = [current - t.min_version_start for t in mine]
+        self.step_staleness = staleness
+        return {
+            "n": len(mine),
+            "staleness": staleness,
+            "version_start": [t.min_version_start for t in mine],
+            "rewards": [r for t in mine for r in t.reward],
+            "correct": [float(c) for t in mine for c in t.metadata.get("correct", [])],
+            "seq_lens": [n for t in mine for n in t.seq_lens],
+            "gen_lens": [n - p for t in mine for n, p in zip(t.seq_lens, t.prompt_len)],
+            "n_tokens": sum(t.n_tokens for t in mine),
+            "n_moved_out": sum(len(v) for v in outgoing.values()),
+        }
+
+    def _exchange(self, outgoing: dict[int, list[Trajectory]], recv_from: dict[int, int]) -> list[Trajectory]:
+        """Point-to-point over the data group: sizes first, then the payloads
+        (wire format). Every rank posts all its sends and receives before it
+        waits, so no order of ranks can deadlock."""
+        group = self.data_group
+        payloads = {r: torch.frombuffer(bytearray(wire.dumps([t.to_wire() for t in trajs])), dtype=torch.uint8)
+                    for r, trajs in outgoing.items()}  # fmt: skip
+        sizes_in = {r: torch.zeros(1, dtype=torch.int64) for r in recv_from}
+        works = [dist.isend(torch.tensor([len(p)], dtype=torch.int64), dst=r, group=group) for r, p in payloads.items()]
+        works += [dist.irecv(t, src=r, group=group) for r, t in sizes_in.items()]
+        for w in works:
+            w.wait()
+        buffers = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in sizes_in.items()}
+        works = [dist.isend(p, dst=r, group=group) for r, p in payloads.items()]
+        works += [dist.irecv(b, src=r, group=group) for r, b in buffers.items()]
+        for w in works:
+            w.wait()
+        received: list[Trajectory] = []
+        for r, buf in sorted(buffers.items()):
+            view = memoryview(buf.numpy())  # our own rank's message: its size is the limit
+            messages = wire.loads(view, max_message_bytes=max(len(view), wire.DEFAULT_MAX_MESSAGE_BYTES))
+            if len(messages) != recv_from[r]:
+                raise RuntimeError(f"rank {r} sent {len(messages)} trajectories, the plan says {recv_from[r]}")
+            received += [Trajectory.from_wire(m) for m in messages]
+        return received
+
     def _handle_inference(self, data: dict) -> dict:
         t0 = time.monotonic()
         self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
@@ -252,8 +310,6 @@ class ModelWorker(Worker):
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
-        stats["max_staleness"] = float(max(self.step_staleness, default=0))
-        stats["n_trajectories"] = float(len(self.step_trajectories))
         self.step_trajectories, self.step_batch, self.step_staleness = [], None, []
         new_version = int(data["version"])
         t1 = time.monotonic()

@@ -14,7 +14,10 @@ by its own loop, all answers concurrently:
    `min_new_tokens` reduced by what is already generated, `return_logprob`;
 3. append the new tokens with their logprobs and with the `weight_version` the
    server reported for that response (the weights that produced them);
-4. `/release_request`, then stop on `stop` (eos / stop token) or when the total
+4. `/release_request`, then stop when the answer is finished: `stop`, or its
+   last token is EOS (`eos_token_ids`) or a stop token, at or past
+   `min_new_tokens`, whatever finish_reason says (SGLang checks the length
+   limit first, so a chunk ending on EOS reports `length`); or when the total
    `max_new_tokens` is reached (`no_eos`: ended by the length budget); resubmit
    when the response was interrupted (`abort`, e.g. by a weight update; it may
    hold 0 tokens) or when a chunk ended by length below the total budget.
@@ -38,11 +41,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
 import aiohttp
 
-from realrl.api.generation_api import GenerationRequest, GenerationResult
+from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
 from realrl.base.logging import getLogger
 from realrl.impl.generation.client import (
     GenerateResult,
@@ -121,11 +124,14 @@ class GserverManagerClient:
 
     # ---- the endpoints
 
-    async def allocate_rollout(self, qid: str) -> dict:
-        return await self.call("POST", "/allocate_rollout", {"qid": qid})
+    # allocate/finish change the manager's state and are retried: the caller's
+    # `rollout_id` (unique per episode) makes a repeated call a no-op there.
+    async def allocate_rollout(self, rollout_id: str, qid: str) -> dict:
+        return await self.call("POST", "/allocate_rollout", {"rollout_id": rollout_id, "qid": qid})
 
-    async def finish_rollout(self, qid: str, accepted: bool, n_tokens: int) -> dict:
-        return await self.call("POST", "/finish_rollout", {"qid": qid, "accepted": accepted, "n_tokens": n_tokens})
+    async def finish_rollout(self, rollout_id: str, n_trajectories: int, n_tokens: int) -> dict:
+        payload = {"rollout_id": rollout_id, "n_trajectories": n_trajectories, "n_tokens": n_tokens}
+        return await self.call("POST", "/finish_rollout", payload)
 
     async def schedule_request(
         self, qid: str, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None
@@ -182,6 +188,7 @@ class PartialRolloutManager:
         request_timeout: float = 600.0,
         request_retries: int = 3,
         retry_backoff_s: float = 0.5,
+        eos_token_ids: Iterable[int] = (),
     ):
         if new_tokens_per_chunk < 1:
             raise ValueError(f"new_tokens_per_chunk must be >= 1, got {new_tokens_per_chunk}")
@@ -193,6 +200,7 @@ class PartialRolloutManager:
         self.request_timeout = request_timeout
         self.request_retries = request_retries
         self.retry_backoff_s = retry_backoff_s
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.stats = PartialRolloutStats()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -281,7 +289,7 @@ class PartialRolloutManager:
             n_new = self._append(answer, response, version, request.qid, url)
             # Sticky next time: this server, as long as it still holds these weights.
             previous_url, previous_version = url, version
-            if response.finish_reason == "stop":
+            if response.finish_reason == "stop" or self._ends_with_eos(answer, gconfig):
                 answer.no_eos = False
                 return answer
             if len(answer.output_ids) >= gconfig.max_new_tokens:
@@ -304,6 +312,14 @@ class PartialRolloutManager:
                     f"generation for qid {request.qid!r} (answer {index}) on server {url}: "
                     f"unknown finish_reason {response.finish_reason!r}"
                 )
+
+    def _ends_with_eos(self, answer: _Answer, gconfig: GenerationHyperparameters) -> bool:
+        """Whether the answer's last token finishes it (the servers ban EOS and
+        stop tokens before `min_new_tokens`, so one there does not)."""
+        if not answer.output_ids or len(answer.output_ids) < gconfig.min_new_tokens:
+            return False
+        last = answer.output_ids[-1]
+        return last in self.eos_token_ids or last in gconfig.stop_token_ids
 
     def _append(self, answer: _Answer, response: GenerateResult, version: int, qid: str, url: str) -> int:
         """Appends a response's tokens (exactly once) with their logprobs and version."""

@@ -59,14 +59,11 @@ def grouping(num_pushers: int, num_pullers: int) -> dict[int, list[int]]:
     """Assigns pushers to pullers in contiguous blocks: puller i gets
     `num_pushers // num_pullers` pushers, and the first `num_pushers %
     num_pullers` pullers one more each. E.g. 7 pushers on 3 pullers ->
-    {0: [0, 1, 2], 1: [3, 4], 2: [5, 6]}."""
+    {0: [0, 1, 2], 1: [3, 4], 2: [5, 6]}. With fewer pushers than pullers
+    some pullers get none: the master builds each step's batch from what all
+    ranks hold together, so a rank needs no pusher of its own."""
     if num_pullers < 1 or num_pushers < 1:
         raise ValueError(f"grouping needs at least one pusher and one puller, got {num_pushers} and {num_pullers}")
-    if num_pushers < num_pullers:
-        raise ValueError(
-            f"{num_pushers} pushers cannot feed {num_pullers} pullers: every puller (data-parallel "
-            "rank) needs at least one pusher (rollout worker); use at least as many rollout workers as pullers"
-        )
     per_puller, remainder = divmod(num_pushers, num_pullers)
     groups: dict[int, list[int]] = {}
     start = 0

@@ -8,16 +8,17 @@ Each rollout worker owns a shard of the prompt data set
    worker_index, epoch); the episode qid is `"<query_id>@<epoch>"`, unique
    across epochs) is offered to the GserverManager (`/allocate_rollout`); a
    refusal (staleness bound, concurrency cap, rollouts stopped) keeps the
-   prompt for the next try after a short, growing back-off;
+   prompt for the next try after a short, growing back-off (allocate and finish
+   carry the episode's `rollout_id`, so the manager ignores a retried call);
 2. an admitted episode runs `agent.collect_trajectory(record, env, obs_queue,
    act_queue)` against a fresh environment; a small task serves the episode's
    queue pair, passing each `GenerationRequest` to the `PartialRolloutManager`
    and putting the `GenerationResult` on act_queue;
 3. every returned trajectory is pushed (`traj.to_wire()`) to this worker's
    trainer puller, from a dedicated thread so that back-pressure (a full
-   high-water mark) never blocks the event loop; then `/finish_rollout`
-   (accepted iff at least one trajectory; an agent that returns [] rejected the
-   prompt, which uses no staleness budget).
+   high-water mark) never blocks the event loop; then `/finish_rollout` with
+   the number of trajectories pushed (0: the agent rejected the prompt, which
+   uses no staleness budget).
 
 An episode that fails (e.g. generation failed after the PartialRolloutManager's
 retries) fails the worker: the exception propagates out of `_poll_async`, the
@@ -37,6 +38,7 @@ import json
 import os
 import re
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,7 @@ from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names
 from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
 from realrl.system.worker_base import AsyncWorker, PollResult
@@ -181,8 +184,10 @@ class RolloutWorker(AsyncWorker):
             prompt_ids=list(base.prompt_ids),
             solutions=list(base.solutions),
             task=base.task,
-            metadata=dict(base.metadata, query_id=base.qid, epoch=self.epoch),
-        )
+            # The manager's calls are retried; this id makes them idempotent there.
+            metadata=dict(base.metadata, query_id=base.qid, epoch=self.epoch,
+                          rollout_id=f"{self.info.worker_index}:{self.epoch}:{self._position}:{uuid.uuid4().hex[:8]}"),
+        )  # fmt: skip
 
     # ---- the event loop ---------------------------------------------------------
     async def _setup_async(self) -> None:
@@ -196,6 +201,7 @@ class RolloutWorker(AsyncWorker):
             new_tokens_per_chunk=cfg.new_tokens_per_chunk,
             request_timeout=cfg.request_timeout,
             request_retries=cfg.request_retries,
+            eos_token_ids=eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer),
         )
 
     async def _poll_async(self) -> PollResult:
@@ -218,7 +224,7 @@ class RolloutWorker(AsyncWorker):
             if self._pending is None:
                 self._pending = self._next_prompt()
             record = self._pending
-            reply = await self.manager.allocate_rollout(record.qid)
+            reply = await self.manager.allocate_rollout(record.metadata["rollout_id"], record.qid)
             if not reply.get("success"):
                 reason = str(reply.get("reason") or "unknown")
                 self.refusals[_reason_kind(reason)] += 1
@@ -276,9 +282,9 @@ class RolloutWorker(AsyncWorker):
             self.counters["tokens_pushed"] += traj.n_tokens
             if self._sample_file is not None and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0:
                 self._write_sample(record, traj)
-        accepted = bool(trajectories)
-        await self.manager.finish_rollout(record.qid, accepted=accepted, n_tokens=n_tokens)
-        self.counters["episodes_accepted" if accepted else "episodes_rejected"] += 1
+        await self.manager.finish_rollout(record.metadata["rollout_id"], n_trajectories=len(trajectories),
+                                          n_tokens=n_tokens)  # fmt: skip
+        self.counters["episodes_accepted" if trajectories else "episodes_rejected"] += 1
 
     async def _serve_generation(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
         """Answers the agent's requests in order (an agent awaits each result)."""

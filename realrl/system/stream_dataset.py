@@ -2,8 +2,12 @@
 
 `PullerStreamDataset` owns one data-parallel rank's puller. A background thread
 pulls, decodes and validates trajectories into a buffer, so the trainer never
-waits on the network; `take(n, min_version)` hands out the oldest trajectories
-first and drops (and counts) those staler than the bound.
+waits on the network. Each buffered trajectory has a key (unique on this
+rank). The master builds a step's batch from what all ranks hold together:
+`inventory(min_version, limit)` drops (and counts) the trajectories staler
+than the bound and describes the oldest ones left; `take(keys)` removes the
+chosen ones (to train on here or to send to another rank); `take_oldest(n,
+min_version)` does both for a single-process user.
 
 Accounting (DESIGN §5): every message that reaches the puller is either
 rejected (wire format), invalid (schema), taken (consumed), dropped as stale,
@@ -28,7 +32,8 @@ class PullerStreamDataset:
     def __init__(self, experiment_name: str, trial_name: str, puller_index: int, max_buffered: int = 100000):
         self.max_buffered = max_buffered
         self._lock = threading.Lock()
-        self._heap: list[tuple[int, float, int, Trajectory]] = []  # (version_start, birth_time, seq, traj)
+        self._heap: list[tuple[int, float, int, Trajectory]] = []  # (version_start, birth_time, key, traj)
+        self._keys: set[int] = set()  # keys in the heap
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -83,39 +88,55 @@ class PullerStreamDataset:
             return
         with self._lock:
             self.n_received += 1
-            heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
+            key = next(self._seq)
+            self._keys.add(key)
+            heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, key, traj))
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._heap)
 
-    def take(self, n: int, min_version: int) -> tuple[list[Trajectory], int]:
-        """Up to `n` trajectories, oldest first, skipping (and counting) those
-        whose `version_start` is below `min_version`. Returns (taken, dropped)."""
+    def _check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"stream dataset failed: {self._error}") from self._error
-        taken: list[Trajectory] = []
-        dropped = 0
-        with self._lock:
-            while self._heap and len(taken) < n:
-                version_start, _, _, traj = heapq.heappop(self._heap)
-                if version_start < min_version:
-                    dropped += 1
-                else:
-                    taken.append(traj)
-            self.n_taken += len(taken)
-            self.n_dropped_stale += dropped
-        return taken, dropped
 
-    def drop_stale(self, min_version: int) -> int:
-        """Drops every buffered trajectory staler than `min_version`."""
+    def inventory(self, min_version: int, limit: int) -> tuple[list[tuple[int, int, float, int]], int]:
+        """Drops every trajectory whose version_start is below `min_version`
+        and describes the `limit` oldest ones left: ([(key, version_start,
+        birth_time, n_tokens)], number dropped now)."""
+        self._check()
         with self._lock:
             keep = [item for item in self._heap if item[0] >= min_version]
             dropped = len(self._heap) - len(keep)
-            heapq.heapify(keep)
-            self._heap = keep
-            self.n_dropped_stale += dropped
-        return dropped
+            if dropped:
+                heapq.heapify(keep)
+                self._heap = keep
+                self._keys = {item[2] for item in keep}
+                self.n_dropped_stale += dropped
+            oldest = heapq.nsmallest(limit, self._heap)
+        return [(key, version, birth, traj.n_tokens) for version, birth, key, traj in oldest], dropped
+
+    def take(self, keys: list[int]) -> list[Trajectory]:
+        """Removes the trajectories with these keys (in this order); KeyError
+        names a key that is not buffered (nothing is removed then)."""
+        self._check()
+        wanted = set(keys)
+        with self._lock:
+            missing = wanted - self._keys
+            if missing or len(wanted) != len(keys):
+                raise KeyError(f"not buffered (or repeated): {sorted(missing) or keys}")
+            found = {item[2]: item[3] for item in self._heap if item[2] in wanted}
+            self._heap = [item for item in self._heap if item[2] not in wanted]
+            heapq.heapify(self._heap)
+            self._keys -= wanted
+            self.n_taken += len(keys)
+        return [found[k] for k in keys]
+
+    def take_oldest(self, n: int, min_version: int) -> tuple[list[Trajectory], int]:
+        """Up to `n` trajectories, oldest first, after dropping (and counting)
+        those whose version_start is below `min_version`: (taken, dropped)."""
+        items, dropped = self.inventory(min_version, n)
+        return self.take([item[0] for item in items]), dropped
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -87,20 +87,79 @@ def test_custom_plugin_example_trains(tmp_path, kit_cache):
     assert len([s for s in stats if "train/actor_loss" in s]) == 3
 
 
-def test_recover_resumes_from_the_last_checkpoint(tmp_path, kit_cache):
-    common = ["saver.checkpoint_every_n_steps=2", "eval.every_n_steps=0", "saver.save_final_model=false"]
-    # The first run stops one step past its last checkpoint (step 4), as a crash would.
-    _, first, _ = run(tmp_path, kit_cache, "recover", "total_train_steps=5", *common)
-    assert first["steps"] == 5
-    _, second, stats = run(tmp_path, kit_cache, "recover", "total_train_steps=6", "recover=auto", *common)
-    assert second["steps"] == 6 and second["final_version"] == 6
-    # The resumed run redid step 5 and kept the first run's history up to the checkpoint.
+def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_cache):
+    """Every process of a run is SIGKILLed (as by a machine going down) after
+    its checkpoint at step 3; `recover=auto` resumes from the last checkpoint:
+    step numbers go on without gap or repeat, admission over the
+    resumed run stays within the staleness bound counted over the whole trial,
+    and produced = consumed + dropped + buffered holds over the whole trial."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    eta, steps, trial = 1, 10, "recover"
+    common = [f"fileroot={tmp_path}", f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "heartbeat_ttl=3",
+              "saver.checkpoint_every_n_steps=3", "eval.every_n_steps=0", "saver.save_final_model=false",
+              f"rollout.max_head_offpolicyness={eta}", f"total_train_steps={steps}"]  # fmt: skip
+    logs = os.path.join(tmp_path, "logs", "async-ppo-tiny", trial)
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), *common],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    trial_procs: list = []
+    try:
+        deadline = time.monotonic() + 600
+        while True:  # until a step after the checkpoint was trained
+            assert first.poll() is None, "the first run ended before it could be killed"
+            assert time.monotonic() < deadline, "the first run never reached step 4"
+            path = os.path.join(logs, "stats.jsonl")
+            if os.path.exists(path) and any(json.loads(line).get("step", 0) >= 4 and "train/actor_loss" in line
+                                            for line in open(path)):  # fmt: skip
+                break
+            time.sleep(0.2)
+        trial_procs = psutil.Process(first.pid).children(recursive=True)
+        for p in [psutil.Process(first.pid), *trial_procs]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        first.wait()
+        _, alive = psutil.wait_procs(trial_procs, timeout=60)
+        assert not alive, alive
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        for p in trial_procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    with open(os.path.join(logs, "master_state.json")) as f:
+        checkpoint = json.load(f)
+    resumed_at = checkpoint["step"]
+    assert resumed_at in (3, 6)  # (usually 3; 6 if the kill came late)
+
+    _, summary, stats = run(tmp_path, kit_cache, trial, "recover=auto", *common[4:])
+    assert summary["steps"] == steps and summary["final_version"] == steps
+    log = open(os.path.join(logs, "master_worker-0.log")).read()
+    assert f"recovered at step {resumed_at} (weight version {resumed_at})" in log
     train_steps = [s["step"] for s in stats if "train/actor_loss" in s]
-    assert train_steps == [1, 2, 3, 4, 5, 6]
-    assert second["initial_eval_accuracy"] == first["initial_eval_accuracy"]
-    assert second["trajectories"]["consumed"] == 6 * 16
-    log = open(os.path.join(tmp_path, "logs", "async-ppo-tiny", "recover", "master_worker-0.log")).read()
-    assert "recovered at step 4 (weight version 4)" in log
+    assert train_steps == list(range(1, steps + 1))  # no gap, no repeat
+    t = summary["trajectories"]
+    assert t["produced"] == t["consumed"] + t["dropped"] + t["buffered"], t
+    assert t["consumed"] == steps * 16
+    assert summary["max_staleness_trained"] <= eta
+    # Admission: what the resumed run accepted, on top of what the trial had
+    # consumed and dropped at its checkpoint, minus drops, never exceeds
+    # (η + version + 1) batches (DESIGN §7). A manager that forgot the first
+    # run's consumption admits up to 3 batches too many here.
+    r = summary["rollouts"]
+    accepted_after_resume = r["admitted"] - (r["rejected"] - checkpoint["filtered"])  # one trajectory per episode
+    before = checkpoint["consumed"] + checkpoint["dropped_stale"] + checkpoint["dropped_invalid"]
+    assert before + accepted_after_resume - r["dropped"] <= (eta + steps + 1) * 16, (checkpoint, r)
+
     # A fresh run of the same trial (recover off) starts its stats anew.
-    _, third, stats = run(tmp_path, kit_cache, "recover", "total_train_steps=2", *common)
+    _, third, stats = run(tmp_path, kit_cache, trial, "total_train_steps=2", *common[4:-1])
     assert [s["step"] for s in stats if "train/actor_loss" in s] == [1, 2]

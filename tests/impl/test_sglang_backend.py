@@ -106,6 +106,8 @@ def test_torch_command():
     # On CUDA, server i gets its own device.
     config.torch.device = "cuda"
     assert flags(TorchBackend().command(config, "127.0.0.1", 20001, base_gpu_id=1)[3:])["--device"] == "cuda:1"
+    config.torch.length_before_eos = True  # SGLang's order of finish checks
+    assert flags(TorchBackend().command(config, "127.0.0.1", 20001)[3:])["--length-before-eos"] is True
     TorchBackend().check_available()  # always available
 
 

@@ -196,6 +196,43 @@ def test_stop_token_ids_and_min_new_tokens(shared_server, reference_model):
     assert len(delayed.output_ids) >= first + 2
 
 
+def stop_at_token_k(model, prompt: list[int], k: int) -> dict:
+    """Greedy sampling params whose k-th token is certainly a stop token: every id
+    but one, f, is a stop token and stop tokens are banned for the first k - 1
+    tokens (so those are f); f is one greedy does not pick next."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for f in range(2, vocab):  # not bos / eos
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [f] * (k - 1)])).logits[0, -1]
+        if logits.max() - logits[f] > 0.1:  # far from a tie (float error is ~1e-5)
+            stops = [t for t in range(vocab) if t != f]
+            return {"max_new_tokens": k, "min_new_tokens": k - 1, "temperature": 0, "stop_token_ids": stops}
+    raise AssertionError("no free token found")
+
+
+def test_length_before_eos_reports_length_like_sglang(shared_server, start_server, tiny_llama_dir, reference_model):
+    sglang_order = start_server(tiny_llama_dir, "--length-before-eos")
+    k = 5
+    last_is_stop = stop_at_token_k(reference_model, PROMPTS[1], k)
+    stop_before_limit = dict(last_is_stop, max_new_tokens=k + 3)
+
+    async def go(client):
+        return [
+            await client.generate(server.url, PROMPTS[1], params)
+            for server in (shared_server, sglang_order)
+            for params in (last_is_stop, stop_before_limit)
+        ]
+
+    default_last, default_early, switched_last, switched_early = run(_with_client(go))
+    for res in (default_last, default_early, switched_last, switched_early):
+        assert len(res.output_ids) == k and res.output_ids[-1] in last_is_stop["stop_token_ids"]
+    assert default_last.finish_reason == "stop" and default_last.matched_stop == default_last.output_ids[-1]
+    assert switched_last.finish_reason == "length"
+    # Below the limit a stop token stops in either order.
+    assert default_early.finish_reason == switched_early.finish_reason == "stop"
+    assert get_json(sglang_order.url, "/get_server_info")["length_before_eos"] is True
+
+
 def test_bad_requests_get_400_and_server_keeps_serving(shared_server):
     good = {"input_ids": [0, 5, 6], "sampling_params": {"max_new_tokens": 4}}
     bad_bodies = [

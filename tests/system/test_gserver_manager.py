@@ -8,10 +8,12 @@ the whole generation side: two GenerationServer workers and the manager."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import aiohttp
 import pytest
@@ -50,37 +52,66 @@ def test_staleness_formula():
     assert not within_staleness_bound(4, 0, 4, 4, 0, 1)  # ... and no more
 
 
+def started(train_batch_size: int, eta: int, cap: int) -> StalenessController:
+    c = StalenessController(train_batch_size=train_batch_size, max_head_offpolicyness=eta, max_concurrent_rollouts=cap)
+    c.start()
+    return c
+
+
 @pytest.mark.parametrize("eta", [0, 1, 4])
 def test_controller_admits_at_most_eta_plus_one_batches_per_version(eta):
-    c = StalenessController(train_batch_size=4, max_head_offpolicyness=eta, max_concurrent_rollouts=1000)
-    admitted = [i for i in range(100) if c.allocate(f"q{i}")[0]]
+    c = started(4, eta, 1000)
+    admitted = [i for i in range(100) if c.allocate(f"r{i}", f"q{i}")[0]]
     assert len(admitted) == (eta + 1) * 4 == c.running
     ok, reason = c.allocate("x")
     assert not ok and reason.startswith("staleness bound: (accepted 0 - dropped 0 + running")
     for i in admitted[:3]:  # accepted finishes keep using the budget
-        c.finish(f"q{i}", accepted=True, n_tokens=5)
+        c.finish(f"r{i}", n_trajectories=1, n_tokens=5)
     assert not c.allocate("x")[0]
-    c.finish(f"q{admitted[3]}", accepted=False)  # agent-filtered: budget back
+    c.finish(f"r{admitted[3]}", n_trajectories=0)  # agent-filtered: budget back
     assert c.allocate("r")[0] and not c.allocate("x")[0]
     c.dropped = 2  # the trainer dropped two stale ones
     assert c.allocate("d1")[0] and c.allocate("d2")[0] and not c.allocate("x")[0]
-    c.trainer_version = 1
+    c.version = 1  # every server holds version 1
     assert sum(c.allocate(f"v{i}")[0] for i in range(10)) == 4
     assert (c.accepted, c.rejected, c.n_tokens) == (3, 1, 15)
-    with pytest.raises(KeyError, match="no running rollout with qid 'nope'"):
-        c.finish("nope", accepted=True)
+    with pytest.raises(KeyError, match="no running rollout with id 'nope'"):
+        c.finish("nope", n_trajectories=1)
 
 
-def test_controller_concurrency_cap_stop_and_repeated_qids():
-    c = StalenessController(train_batch_size=100, max_head_offpolicyness=0, max_concurrent_rollouts=2)
-    assert c.allocate("same")[0] and c.allocate("same")[0]  # one prompt twice in flight
-    assert c.allocate("other") == (False, "max_concurrent_rollouts reached (2)")
-    c.finish("same", accepted=True)
-    c.finish("same", accepted=True)
-    with pytest.raises(KeyError):
-        c.finish("same", accepted=True)
+def test_controller_counts_trajectories_not_episodes():
+    """An agent that returns k trajectories per episode uses k units of budget."""
+    c = started(4, 0, 1000)
+    assert c.allocate("a")[0] and c.allocate("b")[0]
+    c.finish("a", n_trajectories=3)
+    assert c.accepted == 3 and not c.allocate("c")[0]  # 3 accepted + 1 running: a batch is full
+    c.finish("b", n_trajectories=0)  # rejected by the agent: its budget is back
+    assert c.allocate("c")[0] and not c.allocate("d")[0]
+
+
+def test_controller_allocate_and_finish_are_idempotent_per_rollout_id():
+    c = started(100, 0, 2)
+    assert c.allocate("r1", "q")[0] and c.allocate("r1", "q")[0]  # a retried allocate: still one slot
+    assert c.running == 1 and c.admitted == 1
+    assert c.allocate("r2", "q")[0]  # one prompt twice in flight, under two ids
+    assert c.allocate("r3", "other") == (False, "max_concurrent_rollouts reached (2)")
+    assert c.allocate("r1")[0]  # a retry still answers True at the cap
+    c.finish("r1", n_trajectories=1, n_tokens=4)
+    c.finish("r1", n_trajectories=1, n_tokens=4)  # a retried finish: no error, not counted twice
+    assert (c.running, c.accepted, c.n_tokens) == (1, 1, 4)
+    assert c.allocate("r1")[0] and c.running == 1  # a late retry of the allocate changes nothing
     c.stop()
     assert c.allocate("q") == (False, "rollouts stopped")
+
+
+def test_controller_admits_nothing_before_start_and_resumes_from_the_checkpoint_counts():
+    c = StalenessController(train_batch_size=16, max_head_offpolicyness=2, max_concurrent_rollouts=1000)
+    assert c.allocate("early") == (False, "waiting for the trainer: training has not started")
+    # Recovered at version 4 after 64 consumed and 10 dropped (DESIGN §7): an
+    # uninterrupted run would hold (2 + 4 + 1) * 16 - 64 = 48 more.
+    c.start(accepted=64 + 10, rejected=3)
+    c.dropped, c.version = 10, 4
+    assert sum(c.allocate(f"r{i}")[0] for i in range(200)) == 48
 
 
 def test_router_least_requests_ties_and_stickiness():
@@ -160,7 +191,11 @@ async def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
     pytest.fail("the shared torch server never got healthy")
 
 
-def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, **manager_kw) -> tuple[TrialThread, str]:
+FRESH = {"step": 0, "version": 0, "consumed": 0, "dropped": 0, "filtered": 0}  # training_start of a new trial
+
+
+def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, start: dict | None = FRESH,
+                        **manager_kw) -> tuple[TrialThread, str]:  # fmt: skip
     """A trial with only a manager; the shared server is registered as its server 0."""
     cfg = GserverManagerConfig(n_servers=1, train_batch_size=B, weights_dir=str(tmp_path / "weights"),
                                poll_interval=0.05, **manager_kw)  # fmt: skip
@@ -169,7 +204,16 @@ def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, **manager_kw)
     # After the launcher cleared the trial's keys, before the manager looks.
     trial.set(names.gen_server(EXP, trial.trial, 0), server_url)
     manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+    if start is not None:  # what the master writes when training starts
+        trial.set(names.training_start(EXP, trial.trial), json.dumps(start))
+
+        def started() -> bool:
+            with urllib.request.urlopen(manager_url + "/rollout_stats", timeout=10) as resp:
+                return json.load(resp)["started"]
+
+        wait_until(started, 60, "the manager to open admission")
     return trial, manager_url
+
 
 
 class Manager:
@@ -194,10 +238,11 @@ class Manager:
         return reply
 
     async def allocate(self, qid: str) -> dict:
-        return await self.post("/allocate_rollout", {"qid": qid})
+        """One rollout of prompt `qid`, whose rollout id is the qid itself."""
+        return await self.post("/allocate_rollout", {"rollout_id": qid, "qid": qid})
 
     async def finish(self, qid: str, accepted: bool) -> dict:
-        return await self.post("/finish_rollout", {"qid": qid, "accepted": accepted, "n_tokens": 3})
+        return await self.post("/finish_rollout", {"rollout_id": qid, "n_trajectories": int(accepted), "n_tokens": 3})
 
     async def wait_stats(self, key: str, value) -> dict:
         for _ in range(1200):
@@ -261,15 +306,15 @@ def test_admission_with_concurrent_clients(tmp_path, etcd_server, shared_server,
         await m.wait_stats("dropped", 1)
         assert (await m.allocate("after-drop"))["success"]
         assert not (await m.allocate("late"))["success"]
-        # The trainer's version advances: B more.
+        # The trainer's version advances and the server loads it: B more.
         trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
-        await m.wait_stats("trainer_version", 1)
+        await m.wait_stats("version", 1)
         more = [(await m.allocate(f"v1-{i}"))["success"] for i in range(B + 2)]
         assert more == [True] * B + [False, False]
         stats = await m.get("/rollout_stats")
         assert (stats["accepted"], stats["rejected"], stats["dropped"]) == (1, 1, 1)
         assert stats["running"] == limit - 2 + 1 + 1 + B
-        status, reply = await m.call("POST", "/finish_rollout", {"qid": "never-allocated", "accepted": True})
+        status, reply = await m.call("POST", "/finish_rollout", {"rollout_id": "never-allocated", "n_trajectories": 1})
         assert status == 400 and "never-allocated" in reply["error"]
 
     try:
@@ -277,6 +322,57 @@ def test_admission_with_concurrent_clients(tmp_path, etcd_server, shared_server,
         assert trial.complete() == 0
         log = open(trial.launcher.log_path("gserver_manager", 0)).read()
         assert "rollouts: running" in log  # the stats line
+    finally:
+        trial.close()
+
+
+def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(tmp_path, etcd_server, shared_server,
+                                                                               tiny_model):  # fmt: skip
+    """A recovered trial (training starts at version 4 after 4 batches consumed
+    and 1 dropped): nothing is admitted before the master says where training
+    starts, nothing for version 4 before the server holds it, and then exactly
+    what an uninterrupted run would hold. Allocate and finish are idempotent
+    under duplicated requests."""
+    from realrl.system.model_worker import publish_weights
+
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, start=None, max_head_offpolicyness=0,
+                                     weight_update_retries=6)  # fmt: skip
+
+    async def scenario(m: Manager):
+        reply = await m.allocate("early")
+        assert reply["reason"] == "waiting for the trainer: training has not started"
+        # What the master publishes after recovering (version 4's weights are not on disk yet).
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "4")
+        trial.set(names.dropped_samples(EXP, trial.trial), "1")
+        trial.set(names.training_start(EXP, trial.trial),
+                  json.dumps({"step": 4, "version": 4, "consumed": 4 * B, "dropped": 1, "filtered": 0}))
+        await m.wait_stats("started", True)
+        await m.wait_stats("trainer_version", 4)
+        for i in range(3):  # the server cannot load version 4 yet: no budget for it
+            assert not (await m.allocate(f"too-early-{i}"))["success"]
+            await asyncio.sleep(0.3)
+        publish_weights(tiny_model, str(tmp_path / "weights"), 4)
+        await m.wait_stats("version", 4)
+        # (η + version + 1) * B - consumed = (0 + 4 + 1) * 2 - 8 = 2 rollouts.
+        replies = [await m.allocate(f"r{i}") for i in range(4)]
+        assert [r["success"] for r in replies] == [True, True, False, False]
+        # Duplicated requests (a client retrying a call whose reply it lost).
+        await m.finish("r0", accepted=True)
+        both = await asyncio.gather(m.finish("r1", accepted=True), m.finish("r1", accepted=True))
+        assert both == [{"success": True}] * 2
+        stats = await m.get("/rollout_stats")
+        assert (stats["running"], stats["accepted"], stats["admitted"]) == (0, 4 * B + 1 + 2, 2)
+        trial.set(names.dropped_samples(EXP, trial.trial), "2")  # one more dropped: one more slot
+        await m.wait_stats("dropped", 2)
+        body = {"rollout_id": "dup", "qid": "q"}
+        both = await asyncio.gather(m.post("/allocate_rollout", body), m.post("/allocate_rollout", body))
+        assert [r["success"] for r in both] == [True, True]
+        stats = await m.get("/rollout_stats")
+        assert (stats["running"], stats["admitted"]) == (1, 3)  # one slot, not two
+
+    try:
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
     finally:
         trial.close()
 
@@ -304,10 +400,12 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
             ("POST", "/allocate_rollout", None, b"{not json"),
             ("POST", "/allocate_rollout", [1, 2], None),
             ("POST", "/allocate_rollout", {}, None),
-            ("POST", "/allocate_rollout", {"qid": 7}, None),
-            ("POST", "/finish_rollout", {"qid": "q1"}, None),
-            ("POST", "/finish_rollout", {"qid": "q1", "accepted": "yes"}, None),
-            ("POST", "/finish_rollout", {"qid": "unknown", "accepted": True}, None),
+            ("POST", "/allocate_rollout", {"rollout_id": "r", "qid": 7}, None),
+            ("POST", "/allocate_rollout", {"qid": "q"}, None),
+            ("POST", "/finish_rollout", {"rollout_id": "q1"}, None),
+            ("POST", "/finish_rollout", {"rollout_id": "q1", "n_trajectories": "1"}, None),
+            ("POST", "/finish_rollout", {"rollout_id": "q1", "n_trajectories": -1}, None),
+            ("POST", "/finish_rollout", {"rollout_id": "unknown", "n_trajectories": 1}, None),
             ("POST", "/schedule_request", {"qid": "q1", "n": 0}, None),
             ("POST", "/schedule_request", {"qid": "q1", "previous_version": "0"}, None),
             ("POST", "/release_request", {"url": "http://127.0.0.1:1", "n": 1}, None),

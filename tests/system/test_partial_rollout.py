@@ -1,7 +1,9 @@
 """The PartialRolloutManager against a real torch server subprocess and a
 GserverManager, with the built-in math agent and env: trajectory schema,
-behaviour logprobs equal to a fresh forward pass, chunked generation, an
-interruption by a weight update, and server failures."""
+behaviour logprobs equal to a fresh forward pass, chunked generation, answers
+whose chunk ends on EOS or a stop token, an interruption by a weight update,
+and server failures. The server checks the length limit before stop tokens,
+as SGLang does (`length_before_eos`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from realrl.base import names
 from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
 from realrl.impl import environments as _environments  # noqa: F401
 from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import MathDataRecipe, load_math_jsonl, write_math_dataset
 from realrl.impl.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from realrl.impl.verifiers.math_verifier import MathVerifier
@@ -67,8 +70,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_group(model_dir: str) -> WorkerGroup:
-    config = GenerationServerConfig(model_path=model_dir, startup_timeout=180, torch=TorchServerConfig(num_threads=1))
+def server_group(model_dir: str, length_before_eos: bool = False) -> WorkerGroup:
+    torch_cfg = TorchServerConfig(num_threads=1, length_before_eos=length_before_eos)
+    config = GenerationServerConfig(model_path=model_dir, startup_timeout=180, torch=torch_cfg)
     return WorkerGroup("generation_server", 1, config, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -116,9 +120,12 @@ class HealthOnlyServer:
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory, etcd_server, tiny_kit):
     """generation_server + gserver_manager as real processes, shared by the
-    tests of this module (the weight-update test restores the weights)."""
-    t = TrialThread(tmp_path_factory.mktemp("prm_trial"), etcd_server.addr,
-                    [server_group(tiny_kit["model_dir"]), manager_group(n_servers=1, train_batch_size=4)], EXP)  # fmt: skip
+    tests of this module (the weight-update test restores the weights). The
+    server reports `length` for a request whose last allowed token is EOS, as
+    SGLang does: the harder case for the manager."""
+    server = server_group(tiny_kit["model_dir"], length_before_eos=True)
+    groups = [server, manager_group(n_servers=1, train_batch_size=4)]
+    t = TrialThread(tmp_path_factory.mktemp("prm_trial"), etcd_server.addr, groups, EXP)
     try:
         t.start()
         t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
@@ -211,7 +218,11 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
         episodes = [run_episode(agent, r, make_env("math", verifier=verifier), prm) for r in records]
         return await asyncio.gather(*episodes), prm.stats.pop(), manager.scheduled
 
-    results, stats, scheduled = asyncio.run(with_prm(trial.manager_url, go, new_tokens_per_chunk=chunk))
+    eos_ids = eos_token_ids_in_dir(tiny_kit["model_dir"])  # as the rollout worker does
+    assert eos_ids == {tiny_kit["eos"]}
+    results, stats, scheduled = asyncio.run(
+        with_prm(trial.manager_url, go, new_tokens_per_chunk=chunk, eos_token_ids=eos_ids)
+    )
     n_no_eos = 0
     for record, trajectories in zip(records, results):
         assert len(trajectories) == 1
@@ -243,6 +254,73 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
     else:
         assert stats["chunk_continuations"] == 0 and stats["server_requests"] == len(records) * group_size
     assert set(manager_stats(trial.manager_url)["server_in_flight"].values()) == {0}  # every request released
+
+
+def server_finishes(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/get_server_info", timeout=30) as resp:
+        stats = json.loads(resp.read())["stats"]
+    return {"stop": stats["finish_stop"], "length": stats["finish_length"]}
+
+
+def free_token(model, prompt: list[int], k: int, eos: int) -> int:
+    """A token f that greedy decoding does not pick after prompt + [f] * (k - 1)."""
+    for f in range(2, model.get_input_embeddings().num_embeddings):
+        if f == eos:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [f] * (k - 1)])).logits[0, -1]
+        if logits.max() - logits[f] > 0.1:  # far from a tie (float error is ~1e-5)
+            return f
+    raise AssertionError("no free token found")
+
+
+def test_chunk_ending_on_a_stop_token_finishes_the_answer(tiny_kit, reference_model, trial):
+    """The server reports `length` for a chunk whose last token is a stop token;
+    the answer is finished all the same, and not continued past it."""
+    k, group_size = 4, 2
+    prompt = prompt_records(tiny_kit, 1)[0].prompt_ids
+    # Every id but f is a stop token and stop tokens are banned for the first
+    # k - 1 tokens: those are f, and greedy's k-th token is a stop token.
+    f = free_token(reference_model, prompt, k, tiny_kit["eos"])
+    stops = [t for t in range(reference_model.get_input_embeddings().num_embeddings) if t != f]
+    gconfig = GenerationHyperparameters(max_new_tokens=3 * k, min_new_tokens=k - 1, greedy=True, stop_token_ids=stops)
+    before = server_finishes(trial.server_url)
+
+    async def go(prm, manager):
+        return await prm.generate(GenerationRequest("stop-0", prompt, group_size, gconfig)), prm.stats.pop()
+
+    result, stats = asyncio.run(with_prm(trial.manager_url, go, new_tokens_per_chunk=k))
+    for i in range(group_size):
+        out = result.output_ids[i]
+        assert out[: k - 1] == [f] * (k - 1) and out[-1] != f and len(out) == k, out
+        assert not result.no_eos[i]
+    assert stats["server_requests"] == group_size and stats["chunk_continuations"] == 0
+    after = server_finishes(trial.server_url)  # the server reported length for each (SGLang's order)
+    assert (after["length"] - before["length"], after["stop"] - before["stop"]) == (group_size, 0)
+
+
+@pytest.mark.parametrize("min_new", ["k", "k+1"])
+def test_chunk_ending_on_eos_finishes_the_answer(tiny_kit, reference_model, trial, min_new):
+    """EOS comes from `eos_token_ids` (here every id, so that a chunk's last token
+    is certainly one); it finishes an answer only at or past min_new_tokens."""
+    k = 4
+    min_new_tokens = k if min_new == "k" else k + 1
+    prompt = prompt_records(tiny_kit, 1)[0].prompt_ids
+    gconfig = GenerationHyperparameters(max_new_tokens=3 * k, min_new_tokens=min_new_tokens, temperature=1.0)
+
+    async def go(prm, manager):
+        return await prm.generate(GenerationRequest(f"eos-{min_new}", prompt, 2, gconfig)), prm.stats.pop()
+
+    every_id = range(reference_model.get_input_embeddings().num_embeddings)
+    result, stats = asyncio.run(with_prm(trial.manager_url, go, new_tokens_per_chunk=k, eos_token_ids=every_id))
+    for i in range(2):
+        n = len(result.output_ids[i])
+        assert not result.no_eos[i]
+        if min_new_tokens == k:  # the first chunk's last token
+            assert n == k
+        else:  # the server banned real EOS for one more token: a second chunk, and only one
+            assert k < n <= 2 * k
+    assert stats["chunk_continuations"] == (0 if min_new_tokens == k else 2)
 
 
 def test_weight_update_interrupts_and_resumes_without_losing_tokens(tiny_kit, reference_model, trial, tmp_path):

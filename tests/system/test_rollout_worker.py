@@ -87,6 +87,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
     puller = None
     try:
         trial.start()  # the launcher also points this process's name_resolve at the trial
+        trial.start_training()
         puller = NameResolvingZmqPuller(EXP, trial.trial, 0)
         manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
 
@@ -113,7 +114,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
         second = pull_all(puller, batch)
         stats = quiet_at(2 * batch)
         second += [Trajectory.from_wire(m) for m in puller.pull(timeout=0.5)]
-        assert len(second) == batch and stats["trainer_version"] == 1
+        assert len(second) == batch and stats["trainer_version"] == stats["version"] == 1
         wait_until(lambda: manager_stats(manager_url)["loaded_version"] == 1, 60, "the server to load version 1")
         everything = first + second
         qids = [t.qid for t in everything]
@@ -161,6 +162,7 @@ def test_failing_episode_fails_the_worker_loudly(tmp_path, etcd_server, tiny_kit
     puller = None
     try:
         trial.start()
+        trial.start_training()
         puller = NameResolvingZmqPuller(EXP, trial.trial, 0)
         trial.set(names.gen_server(EXP, trial.trial, 0), fake.url)
         trial.wait_key(names.gen_server_manager(EXP, trial.trial))

@@ -4,6 +4,7 @@ repository (the launcher owns the process-global one)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -70,6 +71,12 @@ class TrialThread:
 
     def set(self, key: str, value: str) -> None:
         self.repo.add(key, value, replace=True, delete_on_exit=False)
+
+    def start_training(self) -> None:
+        """What a fresh master publishes when training starts: the manager
+        admits rollouts from then on (for trials without a master)."""
+        start = {"step": 0, "version": 0, "consumed": 0, "dropped": 0, "filtered": 0}
+        self.set(names.training_start(self.experiment, self.trial), json.dumps(start))
 
     def join(self, timeout: float = 120.0) -> int:
         self.thread.join(timeout)

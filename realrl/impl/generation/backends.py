@@ -68,7 +68,7 @@ class TorchBackend(GenerationBackend):
         device = torch_cfg.device
         if device == "cuda":  # one device per server: server i gets the i-th GPU
             device = f"cuda:{base_gpu_id}"
-        return [
+        cmd = [
             sys.executable, "-m", "realrl.impl.generation.torch_server",
             "--model-path", config.model_path,
             "--host", host,
@@ -80,6 +80,9 @@ class TorchBackend(GenerationBackend):
             "--weight-version", str(config.weight_version),
             "--num-threads", str(torch_cfg.num_threads),
         ]  # fmt: skip
+        if torch_cfg.length_before_eos:
+            cmd.append("--length-before-eos")
+        return cmd
 
 
 class SGLangBackend(GenerationBackend):

@@ -2,7 +2,8 @@
 
     python -m realrl.impl.generation.torch_server --model-path DIR --port N \
         [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
-        [--max-running-requests 64] [--seed 1] [--weight-version 0] [--num-threads K]
+        [--max-running-requests 64] [--seed 1] [--weight-version 0] [--num-threads K] \
+        [--length-before-eos]
 
 It speaks the subset of SGLang's native API that realrl uses (DESIGN §6), so the
 same `GenerationClient` drives it and a real SGLang server:
@@ -25,7 +26,9 @@ are accepted and have no effect; penalties and `n` are accepted only at their
 neutral values; anything else is rejected with HTTP 400. Generation stops at the
 model's eos token(s) (config and generation_config) unless `ignore_eos`, and at
 `stop_token_ids`; the stop token is part of `output_ids`. A request whose last
-allowed token is a stop token reports `stop` (SGLang would report `length`).
+allowed token is a stop token reports `stop` (SGLang would report `length`);
+`--length-before-eos` reproduces SGLang's order (the length limit is checked
+first, so it reports `length`), for testing clients against it.
 
 **Logprobs.** The logprob returned for each generated token is
 `log_softmax(logits / T)[token]` computed in float32, where T is the request's
@@ -667,8 +670,10 @@ class GenerationEngine:
         max_prefill_tokens: int = 8192,
         weight_version: str = "0",
         eos_token_ids: frozenset[int] = frozenset(),
+        length_before_eos: bool = False,
     ):
         self.model = model
+        self.length_before_eos = length_before_eos
         self.config = model.config
         self.device = device
         self.max_running_requests = max_running_requests
@@ -758,6 +763,7 @@ class GenerationEngine:
             "num_waiting_requests": len(self._waiting),
             "paused": self._paused,
             "max_running_requests": self.max_running_requests,
+            "length_before_eos": self.length_before_eos,
             "avg_decode_batch_size": self.stats["decode_rows"] / steps,
             "stats": dict(self.stats),
             "rejections": dict(self.rejections),
@@ -1010,11 +1016,13 @@ class GenerationEngine:
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             n = len(req.output_ids)
-            if tok in req.stop_ids and n >= req.min_new_tokens:
-                self._finish(req, {"type": "stop", "matched": tok})
-                done.append(i)
-            elif n >= req.max_new_tokens:
+            at_stop = tok in req.stop_ids and n >= req.min_new_tokens
+            at_limit = n >= req.max_new_tokens
+            if at_limit and (self.length_before_eos or not at_stop):
                 self._finish(req, {"type": "length"})
+                done.append(i)
+            elif at_stop:
+                self._finish(req, {"type": "stop", "matched": tok})
                 done.append(i)
         self.stats["generated_tokens"] += len(tokens)
         return done
@@ -1299,6 +1307,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--length-before-eos", action="store_true", help="check the length limit before stop tokens, as SGLang does"
+    )
     parser.add_argument("--log-level", default=None)
     args = parser.parse_args(argv)
 
@@ -1315,6 +1326,7 @@ def main(argv: list[str] | None = None) -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         weight_version=args.weight_version,
         eos_token_ids=eos_token_ids_of(model),
+        length_before_eos=args.length_before_eos,
     )
     engine.start()
     logger.info(
