@@ -99,7 +99,7 @@ class EnvConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    n_workers: int = 1  # rollout worker processes (>= train data-parallel size)
+    n_workers: int = 1  # rollout worker processes (any number: a step takes its batch from all trainers together)
     max_head_offpolicyness: int = 4  # η; 0 = synchronous PPO
     max_concurrent_rollouts: int = 64  # prompts in flight across all rollout workers
     new_tokens_per_chunk: int = 1 << 30  # chunked generation (partial rollouts)

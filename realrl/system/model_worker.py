@@ -279,8 +279,9 @@ class ModelWorker(Worker):
         group = self.data_group
         payloads = {r: torch.frombuffer(bytearray(wire.dumps([t.to_wire() for t in trajs])), dtype=torch.uint8)
                     for r, trajs in outgoing.items()}  # fmt: skip
+        sizes_out = {r: torch.tensor([len(p)], dtype=torch.int64) for r, p in payloads.items()}  # alive until sent
         sizes_in = {r: torch.zeros(1, dtype=torch.int64) for r in recv_from}
-        works = [dist.isend(torch.tensor([len(p)], dtype=torch.int64), dst=r, group=group) for r, p in payloads.items()]
+        works = [dist.isend(t, dst=r, group=group) for r, t in sizes_out.items()]
         works += [dist.irecv(t, src=r, group=group) for r, t in sizes_in.items()]
         for w in works:
             w.wait()

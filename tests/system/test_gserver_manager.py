@@ -148,6 +148,29 @@ def test_delete_old_weight_dirs_only_touches_old_versions(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".tmp-4-abcd", "0123", "2", "3", "README", "notes"]
 
 
+def test_republishing_a_version_replaces_it_whole(tmp_path, tiny_model):
+    """Recovery publishes its checkpoint's version again: the directory is
+    replaced (renamed aside first, never half-deleted) and nothing is left over."""
+    from realrl.system.model_worker import publish_weights
+
+    _, other = build_tiny_model(seed=3)
+    first = publish_weights(tiny_model, str(tmp_path), 5)
+    second = publish_weights(other, str(tmp_path), 5)
+    assert first == second and sorted(os.listdir(tmp_path)) == ["5"]
+    from safetensors.torch import load_file
+
+    shard = next(f for f in os.listdir(second) if f.endswith(".safetensors"))
+    loaded = load_file(os.path.join(second, shard))
+    name = next(iter(loaded))
+    assert torch_equal(loaded[name], other.state_dict()[name])
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a.cpu(), b.detach().cpu()))
+
+
 # ---------------------------------------------------------------- worker fixtures
 
 

@@ -46,7 +46,8 @@ def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str
     master = MasterWorkerConfig(n_model_workers=dp, total_train_steps=steps, train_batch_size=B,
                                 max_head_offpolicyness=eta, algorithm=algorithm, checkpoint_every_n_steps=2,
                                 checkpoint_dir=str(tmp_path / "ckpt"), final_model_dir=str(tmp_path / "final"))  # fmt: skip
-    pusher_cfg = {"seed": 0, "n_pullers": dp, "batch_per_worker": B // pushers, "stale_every": 5, "group_size": 2,
+    pusher_cfg = {"seed": 0, "n_pullers": dp, "batch_per_worker": B // pushers, "stale_every": 5, "invalid_every": 7,
+                  "group_size": 2,
                   "prompt_len": 5, "gen_len": 4, "vocab": vocab}  # fmt: skip
     gpus = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(dp)] if device == "cuda" else []
     launcher = LocalLauncher("trainside", f"{algorithm}-{device}", str(tmp_path), NameResolveConfig(type="etcd3"),
@@ -63,6 +64,8 @@ def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str
     t = summary["trajectories"]
     assert t["consumed"] == steps * B
     assert t["dropped_stale"] >= 1  # every 5th pushed trajectory is 100 versions old
+    # Every 7th breaks the schema: rejected at the puller, counted as dropped (its budget comes back).
+    assert t["dropped_invalid"] >= 1 and t["dropped"] == t["dropped_stale"] + t["dropped_invalid"]
     # No manager in this trial: nobody counted what was produced, and the summary says so.
     assert t["produced"] is None and "did not report" in t["note"]
     assert summary["max_staleness_trained"] <= eta

@@ -1,6 +1,8 @@
 """A synthetic rollout worker for training-side tests: pushes well-formed
 trajectories (random tokens) through the real push-pull stream, paced by the
-trainer's published version, with every `stale_every`-th one deliberately stale."""
+trainer's published version, with every `stale_every`-th one deliberately stale
+and every `invalid_every`-th one (if set) well-formed on the wire but breaking
+the trajectory schema."""
 
 from __future__ import annotations
 
@@ -49,7 +51,11 @@ class SyntheticRolloutWorker(Worker):
             reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)], no_eos=[False] * g,
             metadata={"correct": [0] * g},
         )  # fmt: skip
-        self.pusher.push(traj.validate().to_wire(), timeout=30)
+        message = traj.validate().to_wire()
+        invalid_every = self.cfg.get("invalid_every", 0)
+        if invalid_every and self.produced % invalid_every == 0:
+            message["logprobs"] = message["logprobs"][:-1]  # one logprob short: rejected at the puller
+        self.pusher.push(message, timeout=30)
         return PollResult(sample_count=1)
 
     def _exit_hook(self):
