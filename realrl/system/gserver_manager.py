@@ -355,7 +355,6 @@ class GserverManager(AsyncWorker):
         await asyncio.gather(*(self._client.wait_healthy(u, SERVER_HEALTH_TIMEOUT_S) for u in self.server_urls))
         versions = await asyncio.gather(*(self._server_version(u) for u in self.server_urls))
         self.router = RequestRouter(self.server_urls, versions)
-        self._sync_admission_version()
         self.logger.info("%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions,
                          self.server_urls)  # fmt: skip
 
@@ -504,7 +503,6 @@ class GserverManager(AsyncWorker):
                     await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
                 continue
             self.router.set_loaded_version(url, version)
-            self._sync_admission_version()
             return result
         raise WeightUpdateError(
             f"generation server {url} could not load weight version {version} from {path} "

@@ -153,7 +153,6 @@ class ModelWorker(Worker):
         self.version = 0
         self.step_trajectories: list = []
         self.step_batch: SequenceBatch | None = None
-        self.step_staleness: list[int] = []
         self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank, config.max_buffered_trajectories)
         self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index)
         for name in ("spec", "inventory", "stats"):
@@ -258,11 +257,8 @@ class ModelWorker(Worker):
             mine += self._exchange(outgoing, recv_from)
         self.step_trajectories = mine
         current = int(data["current_version"])
-        staleness = [current - t.min_version_start for t in mine]
-        self.step_staleness = staleness
         return {
-            "n": len(mine),
-            "staleness": staleness,
+            "staleness": [current - t.min_version_start for t in mine],
             "version_start": [t.min_version_start for t in mine],
             "rewards": [r for t in mine for r in t.reward],
             "correct": [float(c) for t in mine for c in t.metadata.get("correct", [])],
@@ -311,7 +307,7 @@ class ModelWorker(Worker):
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
-        self.step_trajectories, self.step_batch, self.step_staleness = [], None, []
+        self.step_trajectories, self.step_batch = [], None
         new_version = int(data["version"])
         t1 = time.monotonic()
         state_dict = self._full_state_dict(self.actor.model)  # a collective under FSDP: every rank calls it

@@ -6,8 +6,7 @@ waits on the network. Each buffered trajectory has a key (unique on this
 rank). The master builds a step's batch from what all ranks hold together:
 `inventory(min_version, limit)` drops (and counts) the trajectories staler
 than the bound and describes the oldest ones left; `take(keys)` removes the
-chosen ones (to train on here or to send to another rank); `take_oldest(n,
-min_version)` does both for a single-process user.
+chosen ones (to train on here or to send to another rank).
 
 Accounting (DESIGN §5): every message that reaches the puller is either
 rejected (wire format), invalid (schema), taken (consumed), dropped as stale,
@@ -33,7 +32,6 @@ class PullerStreamDataset:
         self.max_buffered = max_buffered
         self._lock = threading.Lock()
         self._heap: list[tuple[int, float, int, Trajectory]] = []  # (version_start, birth_time, key, traj)
-        self._keys: set[int] = set()  # keys in the heap
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -88,9 +86,7 @@ class PullerStreamDataset:
             return
         with self._lock:
             self.n_received += 1
-            key = next(self._seq)
-            self._keys.add(key)
-            heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, key, traj))
+            heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
 
     def __len__(self) -> int:
         with self._lock:
@@ -105,14 +101,12 @@ class PullerStreamDataset:
         and describes the `limit` oldest ones left: ([(key, version_start,
         birth_time, n_tokens)], number dropped now)."""
         self._check()
-        with self._lock:
-            keep = [item for item in self._heap if item[0] >= min_version]
-            dropped = len(self._heap) - len(keep)
-            if dropped:
-                heapq.heapify(keep)
-                self._heap = keep
-                self._keys = {item[2] for item in keep}
-                self.n_dropped_stale += dropped
+        dropped = 0
+        with self._lock:  # the heap is ordered by version_start: the stale ones are on top
+            while self._heap and self._heap[0][0] < min_version:
+                heapq.heappop(self._heap)
+                dropped += 1
+            self.n_dropped_stale += dropped
             oldest = heapq.nsmallest(limit, self._heap)
         return [(key, version, birth, traj.n_tokens) for version, birth, key, traj in oldest], dropped
 
@@ -122,21 +116,13 @@ class PullerStreamDataset:
         self._check()
         wanted = set(keys)
         with self._lock:
-            missing = wanted - self._keys
-            if missing or len(wanted) != len(keys):
-                raise KeyError(f"not buffered (or repeated): {sorted(missing) or keys}")
             found = {item[2]: item[3] for item in self._heap if item[2] in wanted}
+            if len(found) != len(keys):
+                raise KeyError(f"not buffered (or repeated): {sorted(wanted - found.keys()) or keys}")
             self._heap = [item for item in self._heap if item[2] not in wanted]
             heapq.heapify(self._heap)
-            self._keys -= wanted
             self.n_taken += len(keys)
         return [found[k] for k in keys]
-
-    def take_oldest(self, n: int, min_version: int) -> tuple[list[Trajectory], int]:
-        """Up to `n` trajectories, oldest first, after dropping (and counting)
-        those whose version_start is below `min_version`: (taken, dropped)."""
-        items, dropped = self.inventory(min_version, n)
-        return self.take([item[0] for item in items]), dropped
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -16,7 +16,8 @@ import os
 from typing import Any
 
 
-def _ids(value: Any) -> set[int]:
+def token_ids(value: Any) -> set[int]:
+    """An `eos_token_id` value of an HF config (an int, a list or null) as a set."""
     if isinstance(value, bool):
         return set()
     if isinstance(value, int):
@@ -35,11 +36,11 @@ def eos_token_ids_in_dir(model_dir: str, tokenizer: Any = None) -> frozenset[int
         path = os.path.join(model_dir, name)
         if os.path.exists(path):
             with open(path) as f:
-                ids |= _ids(json.load(f).get("eos_token_id"))
+                ids |= token_ids(json.load(f).get("eos_token_id"))
     if tokenizer is None and os.path.exists(os.path.join(model_dir, "tokenizer_config.json")):
         from transformers import AutoTokenizer  # heavy: only when needed
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer is not None:
-        ids |= _ids(getattr(tokenizer, "eos_token_id", None))
+        ids |= token_ids(getattr(tokenizer, "eos_token_id", None))
     return frozenset(ids)

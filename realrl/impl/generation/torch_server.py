@@ -89,6 +89,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from realrl.base.logging import configure, getLogger
+from realrl.impl.generation.eos import token_ids
 
 logger = getLogger(__name__)
 
@@ -1265,11 +1266,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def eos_token_ids_of(model: PreTrainedModel) -> frozenset[int]:
     ids: set[int] = set()
     for source in (model.config, getattr(model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
+        ids |= token_ids(getattr(source, "eos_token_id", None))
     return frozenset(ids)
 
 
