@@ -10,6 +10,84 @@ logprobs and weight versions (DESIGN §5–§6).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any, Mapping, NoReturn
+
+# Bounds on SGLang-named sampling parameters (DESIGN §6), shared by
+# `GenerationHyperparameters.validate` and the torch server's request check.
+#
+# Temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Below
+# 1e-5 sampling is greedy in all but name (a logit gap of 1e-3 becomes a
+# probability ratio of e^100) while logits / T overflows float32 for tiny T
+# (1e-40 turns every logit into inf and the softmax into NaN); vLLM draws its
+# greedy line at the same 1e-5. Above 1e6 sampling is uniform to float32 precision.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e6
+# Token counts and top_k must fit the int32 / int64 tensors they end up in;
+# the model's context length is the real limit, checked by the server.
+MAX_TOKENS = 2**31 - 1
+
+
+class SamplingParamError(ValueError):
+    """An impossible sampling parameter; `kind` is "type" or "range"."""
+
+    def __init__(self, message: str, kind: str = "range"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_sampling_params(params: Mapping[str, Any], prefix: str = "") -> None:
+    """Raise `SamplingParamError` ("{prefix}{name} must be ...") for the first
+    impossible value among the SGLang-named parameters present in `params`:
+    `max_new_tokens`, `min_new_tokens`, `temperature`, `top_p`, `top_k`,
+    `min_p`, `stop_token_ids`. Absent keys are not checked; other keys are
+    the caller's business."""
+
+    def fail(name: str, message: str, kind: str = "range") -> NoReturn:
+        raise SamplingParamError(f"{prefix}{name} {message}, got {params[name]!r}", kind)
+
+    for name in ("max_new_tokens", "min_new_tokens"):
+        if name in params:
+            if not _is_int(params[name]):
+                fail(name, "must be an integer", "type")
+            if not 0 <= params[name] <= MAX_TOKENS:
+                fail(name, f"must be in [0, {MAX_TOKENS}]")
+    if "max_new_tokens" in params and params.get("min_new_tokens", 0) > params["max_new_tokens"]:
+        fail("min_new_tokens", f"must be <= max_new_tokens ({params['max_new_tokens']})")
+    if "top_k" in params:
+        if not _is_int(params["top_k"]):
+            fail("top_k", "must be an integer", "type")
+        if not (params["top_k"] == -1 or 1 <= params["top_k"] <= MAX_TOKENS):
+            fail("top_k", f"must be -1 (off) or in [1, {MAX_TOKENS}]")
+    for name in ("temperature", "top_p", "min_p"):
+        if name in params:
+            value = params[name]
+            if not _is_number(value):
+                fail(name, "must be a number", "type")
+            if not math.isfinite(value):
+                fail(name, "must be finite")
+    if "temperature" in params:
+        t = params["temperature"]
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            fail("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+    if "top_p" in params and not 0 < params["top_p"] <= 1:
+        fail("top_p", "must be in (0, 1]")
+    if "min_p" in params and not 0 <= params["min_p"] <= 1:
+        fail("min_p", "must be in [0, 1]")
+    if "stop_token_ids" in params:
+        ids = params["stop_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+            fail("stop_token_ids", "must be a list of integers", "type")
+        if not all(0 <= t <= MAX_TOKENS for t in ids):
+            fail("stop_token_ids", "must hold non-negative token ids")
 
 
 @dataclasses.dataclass
@@ -23,16 +101,23 @@ class GenerationHyperparameters:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def validate(self, prefix: str = "gconfig") -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"{prefix}.max_new_tokens must be positive, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"{prefix}.min_new_tokens must be in 0..max_new_tokens, got {self.min_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"{prefix}.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"{prefix}.top_k must be -1 (off) or positive, got {self.top_k}")
+        """Raise ValueError ("{prefix}.{field} must be ...") for an impossible
+        value; the bounds are `check_sampling_params`'s."""
+        if not isinstance(self.greedy, bool):
+            raise SamplingParamError(f"{prefix}.greedy must be a boolean, got {self.greedy!r}", "type")
+        check_sampling_params(
+            {
+                "max_new_tokens": self.max_new_tokens,
+                "min_new_tokens": self.min_new_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "stop_token_ids": self.stop_token_ids,
+            },
+            prefix=f"{prefix}.",
+        )
+        if self.max_new_tokens == 0:
+            raise SamplingParamError(f"{prefix}.max_new_tokens must be positive, got 0")
 
     def sampling_params(self, max_new_tokens: int | None = None) -> dict:
         """SGLang-native `sampling_params` (DESIGN §6)."""

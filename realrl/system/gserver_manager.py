@@ -12,8 +12,9 @@ servers. It serves this HTTP API (the contract with the rollout side; JSON,
     POST /stop_rollouts                                     -> {"success": true}
     GET  /rollout_stats, GET /health
 
-A malformed request gets HTTP 400 `{"error": ...}`, is counted, and changes
-nothing. Allocate and finish are idempotent per `rollout_id` (clients retry
+A malformed request gets HTTP 400 `{"error": ...}` (bodies are read by
+`realrl.base.http_body`: 413 over 1 MiB, 400 for bad JSON or nesting deeper
+than 8), is counted, and changes nothing. Allocate and finish are idempotent per `rollout_id` (clients retry
 them), and the unit counted everywhere is one trajectory: `n_trajectories`
 is what the episode pushed (0: the agent rejected the prompt).
 
@@ -57,6 +58,7 @@ from aiohttp import web
 
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import name_resolve, names, network
+from realrl.base.http_body import BodyError, read_json
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.system.worker_base import IDLE, AsyncWorker, PollResult
 
@@ -64,6 +66,9 @@ STATS_LOG_INTERVAL_S = 5.0  # stats line (when something changed) and refusal su
 STATS_LOG_IDLE_INTERVAL_S = 60.0  # stats line even when nothing changed
 SERVER_HEALTH_TIMEOUT_S = 120.0
 _BAD_REQUESTS_LOGGED = 20  # then every 1000th
+# Request bodies are flat JSON objects of a few fields.
+_MAX_BODY_BYTES = 1024 * 1024
+_MAX_BODY_DEPTH = 8
 
 
 # --------------------------------------------------------------------------- admission
@@ -261,7 +266,11 @@ class WeightUpdateError(RuntimeError):
 
 
 class BadRequest(ValueError):
-    pass
+    """A malformed request: answered with HTTP 400 (413 for an oversized body) and counted."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
@@ -358,7 +367,7 @@ class GserverManager(AsyncWorker):
         self.logger.info("%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions,
                          self.server_urls)  # fmt: skip
 
-        app = web.Application(client_max_size=1024 * 1024)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
         app.router.add_post("/allocate_rollout", self._handle(self._allocate_rollout))
         app.router.add_post("/finish_rollout", self._handle(self._finish_rollout))
         app.router.add_post("/schedule_request", self._handle(self._schedule_request))
@@ -517,20 +526,17 @@ class GserverManager(AsyncWorker):
             try:
                 body: dict = {}
                 if needs_body:
-                    raw = await request.read()
                     try:
-                        body = json.loads(raw)
-                    except (ValueError, UnicodeDecodeError) as e:
-                        raise BadRequest(f"invalid JSON: {e}") from None
-                    if not isinstance(body, dict):
-                        raise BadRequest("the request body must be a JSON object")
+                        body = await read_json(request, max_bytes=_MAX_BODY_BYTES, max_depth=_MAX_BODY_DEPTH)
+                    except BodyError as e:
+                        raise BadRequest(str(e), e.status) from None
                 return web.json_response(handler(body))
             except BadRequest as e:
                 self.bad_requests += 1
                 # The first ones in full; then a sample, so a broken client cannot flood the log.
                 if self.bad_requests <= _BAD_REQUESTS_LOGGED or self.bad_requests % 1000 == 0:
                     self.logger.warning("bad request #%d to %s: %s", self.bad_requests, request.path, e)
-                return web.json_response({"error": str(e)}, status=400)
+                return web.json_response({"error": str(e)}, status=e.status)
 
         return wrapped
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -273,6 +274,83 @@ def test_bad_requests_get_400_and_server_keeps_serving(shared_server):
     assert info["is_generation"] is True and info["weight_version"] == "0"
 
 
+def test_impossible_sampling_params_get_400_while_a_batch_runs(shared_server, reference_model):
+    """Values that pass a naive check but that the engine cannot sample with
+    (temperature 1e-40 used to fail the whole running batch) are refused with
+    400 naming the field; the requests running beside them are untouched."""
+    n = 200
+    valid = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    impossible = [
+        ({"temperature": 1e-40}, "temperature"),
+        ({"temperature": 1e-6}, "temperature"),
+        ({"temperature": 1e7}, "temperature"),
+        ({"max_new_tokens": 3, "min_new_tokens": 5}, "min_new_tokens"),
+        ({"max_new_tokens": 2**40}, "max_new_tokens"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"min_new_tokens": 2, "stop_token_ids": list(range(64))}, "min_new_tokens"),
+    ]
+    non_finite = [b'"temperature": NaN', b'"top_p": Infinity', b'"temperature": -Infinity']
+
+    def info():
+        return get_json(shared_server.url, "/get_server_info")
+
+    async def go(client):
+        url = shared_server.url
+        running = [asyncio.create_task(client.generate(url, p, valid)) for p in PROMPTS]
+        await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == len(PROMPTS), 60, "running")
+        refused = await asyncio.gather(
+            *[client.generate(url, PROMPTS[0], dict(valid, **params)) for params, _ in impossible],
+            *[asyncio.to_thread(post_raw, url, "/generate",
+                                b'{"input_ids": [0, 5], "sampling_params": {' + field + b"}}")
+              for field in non_finite],  # fmt: skip
+            return_exceptions=True,
+        )
+        return refused, await asyncio.gather(*running)
+
+    before = info()["stats"]
+    refused, results = run(_with_client(go))
+    after = info()["stats"]
+    for (params, field), error in zip(impossible, refused):
+        assert isinstance(error, GenerationServerError) and error.status == 400, (params, error)
+        assert field in error.message, (params, error.message)
+    for field, (status, answer) in zip(non_finite, refused[len(impossible) :]):
+        assert status == 400 and "not a JSON number" in answer["error"], field
+    for prompt, res in zip(PROMPTS, results):
+        assert res.finish_reason == "length"
+        assert res.output_ids == hf_greedy(reference_model, prompt, n, ignore_eos=True)
+    assert after["requests_rejected"] - before["requests_rejected"] == len(impossible) + len(non_finite)
+    assert after["requests_failed"] == before["requests_failed"]
+
+
+def test_deeply_nested_json_gets_400_and_server_keeps_serving(shared_server):
+    deep = 100_000
+    bodies = [
+        b"[" * deep + b"]" * deep,
+        b'{"a":' * deep + b"1" + b"}" * deep,
+        b"[" * deep,  # never closed
+        b'{"input_ids": ' + b"[" * deep + b"0" + b"]" * deep + b"}",
+        b'{"input_ids": [0, 5], "sampling_params": {"stop_token_ids": ' + b"[" * 40 + b"]" * 40 + b"}}",
+    ]
+    before = get_json(shared_server.url, "/get_server_info")["stats"]["requests_rejected"]
+    for path in ("/generate", "/abort_request", "/update_weights_from_disk"):
+        for body in bodies:
+            status, answer = post_raw(shared_server.url, path, body)
+            assert status == 400, (path, body[:60])
+            assert "nested deeper than" in answer["error"], (path, answer)
+    after = get_json(shared_server.url, "/get_server_info")["stats"]["requests_rejected"]
+    assert after - before == 3 * len(bodies)
+    # Brackets inside strings are not nesting; the server still answers.
+    status, answer = post_raw(shared_server.url, "/generate",
+                              json.dumps({"input_ids": [0, 5], "rid": "[" * 1000}).encode())  # fmt: skip
+    assert status == 200 and answer["meta_info"]["id"] == "[" * 1000
+    assert urllib.request.urlopen(f"{shared_server.url}/health", timeout=30).status == 200
+
+
 # --------------------------------------------------------------------------- weights
 
 
@@ -429,7 +507,119 @@ def test_sigterm_shuts_down_cleanly(start_server, tiny_llama_dir):
     assert server.proc.wait(timeout=60) == 0
 
 
+# --------------------------------------------------------------------------- engine faults
+
+
+def poisoned_token(model, pool: list[list[int]], n: int) -> tuple[int, list[int], list[list[int]]]:
+    """A token x (not bos / eos), a prompt whose greedy answer (n tokens, no
+    eos) reaches x early, and prompts without x."""
+    answers = [hf_greedy(model, p, n, ignore_eos=True) for p in pool]
+    for x in range(2, model.get_input_embeddings().num_embeddings):
+        victims = [p for p, a in zip(pool, answers) if x not in p and x in a[: n - 2]]
+        clean = [p for p in pool if x not in p and p not in victims]
+        if victims and len(clean) >= 4:
+            return x, victims[0], clean[:4]
+    raise AssertionError("no token to poison found")
+
+
+def hf_greedy_without(model, prompt: list[int], max_new_tokens: int, banned: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             bad_words_ids=[[banned]])  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_engine_fault_fails_only_its_request(start_server, tiny_llama_dir, reference_model, tmp_path):
+    """A real fault: weights whose embedding of token x is NaN give NaN logits
+    to any request that feeds x to the model. In one batch, one request has x
+    in its prompt (its prefill fails) and one generates x (a decode step
+    fails); only those two fail. The others (x banned through stop_token_ids
+    + min_new_tokens) go on, a newcomer joins their batch in the failed row's
+    slot, and the server keeps serving."""
+    victim_tokens = 40
+    pool = [[0] + [(7 * i + 3 * j) % 61 + 2 for j in range(1 + (5 * i) % 9)] for i in range(12)]
+    x, decode_victim, (newcomer, *bystanders) = poisoned_token(reference_model, pool, victim_tokens)
+    prefill_victim = [0, x, 5]
+    model = load_reference(tiny_llama_dir)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[x] = float("nan")
+    model.save_pretrained(str(tmp_path / "poisoned"))
+    server = start_server(str(tmp_path / "poisoned"))
+
+    def without_x(n: int) -> dict:  # x is banned for every token: the request never meets it
+        return {"max_new_tokens": n, "min_new_tokens": n, "stop_token_ids": [x], "temperature": 0, "ignore_eos": True}
+
+    def info():
+        return get_json(server.url, "/get_server_info")
+
+    async def go(client):
+        url = server.url
+        # Paused, everything queues up and starts as one prefill group, one batch.
+        await client.pause_generation(url)
+        victim_params = {"max_new_tokens": victim_tokens, "temperature": 0, "ignore_eos": True}
+        running = [asyncio.create_task(client.generate(url, p, without_x(4000))) for p in bystanders]
+        victims = [asyncio.create_task(client.generate(url, p, victim_params)) for p in (decode_victim, prefill_victim)]
+        await asyncio.to_thread(wait_until, lambda: info()["num_waiting_requests"] == 5, 60, "queued")
+        await client.continue_generation(url)
+        failed = await asyncio.gather(*victims, return_exceptions=True)
+        # The bystanders run on (4000 tokens). Some steps later (so the failed
+        # row's last keys/values lie inside the window, left of the newcomer's
+        # prompt) a newcomer joins them in the freed slot.
+        steps = info()["stats"]["decode_steps"]
+        await asyncio.to_thread(wait_until, lambda: info()["stats"]["decode_steps"] >= steps + 40, 60, "decoding")
+        assert info()["num_running_requests"] == len(bystanders)
+        joined = await client.generate(url, newcomer, without_x(20))
+        await client.abort_request(url, abort_all=True)
+        aborted = await asyncio.gather(*running)
+        again = await asyncio.gather(client.generate(url, prefill_victim, victim_params), return_exceptions=True)
+        return failed + again, joined, aborted, await client.generate(url, newcomer, without_x(20))
+
+    failed, joined, aborted, after = run(_with_client(go))
+    for error in failed:
+        assert isinstance(error, GenerationServerError) and error.status == 500, error
+        assert "non-finite logits" in error.message
+    assert joined.finish_reason == "length" and joined.output_ids == hf_greedy_without(reference_model, newcomer, 20, x)
+    assert after.output_ids == joined.output_ids
+    for prompt, res in zip(bystanders, aborted):
+        assert res.finish_reason == "abort" and len(res.output_ids) > 40
+        assert res.output_ids[:40] == hf_greedy_without(reference_model, prompt, 40, x)
+    stats = info()["stats"]
+    assert stats["requests_failed"] == 3 and stats["engine_errors"] >= 3
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        assert "realrl_torch_server_requests_failed 3.0" in resp.read().decode()
+
+
 # --------------------------------------------------------------------------- engine, in process
+
+
+
+class DirectSubmitter:
+    """Submits requests straight to a GenerationEngine (no HTTP) and keeps
+    each reply under the name it was submitted with."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.results: dict = {}
+        self.events: dict = {}
+
+    def submit(self, name, prompt: list[int], sampling_params: dict, **bypass) -> threading.Event:
+        """`bypass` sets request fields after validation (values a client could not send)."""
+        from realrl.impl.generation import torch_server
+
+        (req,), _ = torch_server.parse_generate_body({"input_ids": prompt, "sampling_params": sampling_params}, self.engine.limits)
+        for key, value in bypass.items():
+            setattr(req, key, value)
+        done = self.events[name] = threading.Event()
+
+        def reply(result):
+            self.results[name] = result
+            done.set()
+
+        req.reply = reply
+        self.engine.submit(req)
+        return done
 
 
 def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeypatch):
@@ -437,7 +627,6 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
     and column re-allocation, driven hard: a tiny batch limit, a small prefill
     budget and a 7-column headroom; every output must equal the request run alone."""
     import random
-    import threading
 
     from realrl.impl.generation import torch_server
 
@@ -454,20 +643,11 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
     n = 30
     prompts = [[0] + [rng.randrange(2, 64) for _ in range(rng.randint(0, 40))] for _ in range(n)]
     lengths = [rng.randint(1, 30) for _ in range(n)]
-    results: dict[int, dict] = {}
+    direct = DirectSubmitter(engine)
+    results = direct.results
 
     def submit(i: int) -> threading.Event:
-        body = {"input_ids": prompts[i], "sampling_params": {"temperature": 0, "max_new_tokens": lengths[i]}}
-        (req,), _ = torch_server.parse_generate_body(body, engine.limits)
-        done = threading.Event()
-
-        def reply(result, i=i):
-            results[i] = result
-            done.set()
-
-        req.reply = reply
-        engine.submit(req)
-        return done
+        return direct.submit(i, prompts[i], {"temperature": 0, "max_new_tokens": lengths[i]})
 
     try:
         alone = []
@@ -484,6 +664,44 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
         engine.stop()
     assert [results[i]["output_ids"] for i in range(n)] == alone
     assert engine.stats["finish_stop"] > 0  # some rows left early at eos
+
+
+def test_engine_isolates_requests_that_bypassed_validation(reference_model):
+    """Requests built past the HTTP checks with values the engine cannot use
+    (temperature 1e-40: NaN logprobs; top_k 2**70: no int64) fail alone in a
+    prefill group with valid requests; after `stop` every submission is
+    answered at once."""
+
+    from realrl.impl.generation import torch_server
+
+    engine = torch_server.GenerationEngine(
+        reference_model, device=torch.device("cpu"), eos_token_ids=torch_server.eos_token_ids_of(reference_model)
+    )
+    engine.start()
+    direct = DirectSubmitter(engine)
+    results, events = direct.results, direct.events
+
+    def submit(name: str, prompt: list[int], **bypass) -> None:
+        direct.submit(name, prompt, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}, **bypass)
+
+    try:
+        engine.command("pause", {}, lambda result: None)
+        for i, prompt in enumerate(PROMPTS):
+            submit(f"good{i}", prompt)
+        submit("tiny_temperature", PROMPTS[1], temperature=1e-40)
+        submit("huge_top_k", PROMPTS[2], temperature=1.0, top_k=2**70)
+        engine.command("continue", {}, lambda result: None)
+        assert all(e.wait(120) for e in events.values())
+    finally:
+        engine.stop()
+    assert isinstance(results["tiny_temperature"], torch_server.EngineError)
+    assert "non-finite logits" in str(results["tiny_temperature"])
+    assert isinstance(results["huge_top_k"], torch_server.EngineError)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[f"good{i}"]["output_ids"] == hf_greedy(reference_model, prompt, 12, ignore_eos=True)
+    assert engine.stats["requests_failed"] == 2 and not engine._live
+    submit("late", PROMPTS[0])
+    assert events["late"].is_set() and isinstance(results["late"], torch_server.EngineError)
 
 
 def test_weight_checks_refuse_mismatched_checkpoints(reference_model, tiny_llama_dir, tmp_path):
@@ -528,26 +746,16 @@ def test_engine_join_widens_trimmed_window(reference_model):
     """A long prompt leaves (the window is trimmed to the short rows), then a
     newcomer longer than the trimmed window joins: the window widens to the left
     again over stale columns, which must stay masked."""
-    import threading
 
     from realrl.impl.generation import torch_server
 
     engine = torch_server.GenerationEngine(reference_model, device=torch.device("cpu"))
     engine.start()
-    results: dict[str, dict] = {}
-    events: dict[str, threading.Event] = {}
+    direct = DirectSubmitter(engine)
+    results, events = direct.results, direct.events
 
     def submit(name: str, prompt: list[int], max_new: int) -> None:
-        body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
-        (req,), _ = torch_server.parse_generate_body(body, engine.limits)
-        events[name] = threading.Event()
-
-        def reply(result, name=name):
-            results[name] = result
-            events[name].set()
-
-        req.reply = reply
-        engine.submit(req)
+        direct.submit(name, prompt, {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True})
 
     long_prompt = [0] + [(3 * i) % 60 + 2 for i in range(30)]
     short_prompt = [0, 9, 4]

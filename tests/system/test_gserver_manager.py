@@ -433,13 +433,24 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
             ("POST", "/schedule_request", {"qid": "q1", "previous_version": "0"}, None),
             ("POST", "/release_request", {"url": "http://127.0.0.1:1", "n": 1}, None),
             ("POST", "/release_request", {"n": True, "url": shared_server}, None),
+            ("POST", "/allocate_rollout", None, b'{"rollout_id": "r", "qid": NaN}'),
         ]
         for method, path, body, raw in bad:
             status, reply = await m.call(method, path, body, raw)
             assert status == 400 and isinstance(reply.get("error"), str), (path, body, raw, status, reply)
+        # Nesting that used to end in a RecursionError (HTTP 500).
+        nested = [
+            ("/allocate_rollout", b"[" * 100_000 + b"]" * 100_000),
+            ("/finish_rollout", b'{"a":' * 100_000 + b"1" + b"}" * 100_000),
+            ("/schedule_request", b'{"qid": ' + b"[" * 100_000),
+            ("/release_request", b'{"url": "x", "n": ' + b"[" * 20 + b"]" * 20 + b"}"),
+        ]
+        for path, raw in nested:
+            status, reply = await m.call("POST", path, raw=raw)
+            assert status == 400 and "nested deeper than" in reply["error"], (path, raw[:40], status, reply)
         assert (await m.call("GET", "/health"))[0] == 200
         stats = await m.get("/rollout_stats")
-        assert stats["bad_requests"] == len(bad)
+        assert stats["bad_requests"] == len(bad) + len(nested)
         assert (stats["running"], stats["accepted"]) == (3, 1)  # nothing changed by the bad requests
 
         assert await m.post("/stop_rollouts") == {"success": True}

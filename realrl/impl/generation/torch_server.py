@@ -23,7 +23,21 @@ Sampling parameters: `max_new_tokens` (default 128), `min_new_tokens`,
 `temperature` (0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `min_p`,
 `stop_token_ids`, `ignore_eos`. Text-only options (`skip_special_tokens`, ...)
 are accepted and have no effect; penalties and `n` are accepted only at their
-neutral values; anything else is rejected with HTTP 400. Generation stops at the
+neutral values; anything else is rejected with HTTP 400, as is every value the
+engine could not sample with (`realrl.api.generation_api.check_sampling_params`:
+temperature 0 or in [1e-5, 1e6], top_p in (0, 1], min_p in [0, 1], finite
+numbers only, `min_new_tokens <= max_new_tokens`, prompt + max_new_tokens within
+the model's positions). Bodies go through `realrl.base.http_body` (size, UTF-8,
+JSON nesting depth, object type): a bad body is a 400 too, never a 500.
+
+**Errors.** A failure inside the engine fails only the request(s) that cause
+it: when a batched prefill or decode step raises, each of its requests is
+retried alone (prefill) or stepped alone on a copy of its row (decode); those
+that fail alone are answered with HTTP 500 and counted (`requests_failed`), the
+others go on. If no single request reproduces the fault, the whole batch is
+failed. Non-finite logits (NaN/inf, e.g. from broken weights) are such a fault,
+caught before sampling. Every admitted request is answered, also when the loop
+stops; a request submitted after that is refused at once. Generation stops at the
 model's eos token(s) (config and generation_config) unless `ignore_eos`, and at
 `stop_token_ids`; the stop token is part of `output_ids`. A request whose last
 allowed token is a stop token reports `stop` (SGLang would report `length`);
@@ -88,6 +102,8 @@ from aiohttp import web
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from realrl.api.generation_api import SamplingParamError, check_sampling_params
+from realrl.base.http_body import BodyError, read_json
 from realrl.base.logging import configure, getLogger
 from realrl.impl.generation.eos import token_ids
 
@@ -97,6 +113,9 @@ logger = getLogger(__name__)
 # enough for the longest remaining request, but at most this many (then it grows).
 _MAX_HEADROOM = 1024
 _DEFAULT_MAX_NEW_TOKENS = 128
+# Request bodies: large enough for a batched /generate of long prompts.
+_MAX_BODY_BYTES = 256 * 1024 * 1024
+_MAX_BODY_DEPTH = 16  # the deepest valid body (batched stop_token_ids) nests 4 levels
 
 # Sampling parameters with an effect here, with their defaults (SGLang's names).
 _SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -126,11 +145,16 @@ _GENERATE_FIELDS = {
 
 
 class BadRequest(ValueError):
-    """A client error: answered with HTTP 400 and counted."""
+    """A client error: answered with HTTP 400 (413 for an oversized body) and counted."""
 
-    def __init__(self, message: str, reason: str = "invalid"):
+    def __init__(self, message: str, reason: str = "invalid", status: int = 400):
         super().__init__(message)
         self.reason = reason
+        self.status = status
+
+
+class EngineError(RuntimeError):
+    """Generation failed inside the engine: answered with HTTP 500 and counted."""
 
 
 class WeightLoadError(RuntimeError):
@@ -175,24 +199,6 @@ class GenerateLimits:
     eos_token_ids: frozenset[int]
 
 
-def _check_int(value: Any, name: str, low: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name} must be an integer, got {value!r}", "type")
-    if low is not None and value < low:
-        raise BadRequest(f"{name} must be >= {low}, got {value}", "range")
-    return value
-
-
-def _check_float(value: Any, name: str, low: float, high: float, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{name} must be a number, got {value!r}", "type")
-    value = float(value)
-    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise BadRequest(f"{name} must be in {bound}, got {value}", "range")
-    return value
-
-
 def _check_token_ids(ids: Any, name: str, vocab_size: int) -> list[int]:
     if not isinstance(ids, list):
         raise BadRequest(f"{name} must be a list of token ids", "type")
@@ -225,15 +231,19 @@ def _parse_sampling_params(params: Any, limits: GenerateLimits) -> dict[str, Any
                 raise BadRequest("stop strings need a tokenizer; use stop_token_ids", "unsupported")
         else:
             raise BadRequest(f"unknown sampling parameter {key!r}", "unknown_param")
-    out["max_new_tokens"] = _check_int(out["max_new_tokens"], "max_new_tokens", 0)
-    out["min_new_tokens"] = _check_int(out["min_new_tokens"], "min_new_tokens", 0)
-    out["temperature"] = _check_float(out["temperature"], "temperature", 0.0, 1e6)
-    out["top_p"] = _check_float(out["top_p"], "top_p", 0.0, 1.0, low_open=True)
-    out["top_k"] = _check_int(out["top_k"], "top_k", -1)
-    out["min_p"] = _check_float(out["min_p"], "min_p", 0.0, 1.0)
     if not isinstance(out["ignore_eos"], bool):
         raise BadRequest("ignore_eos must be a boolean", "type")
-    stop = out["stop_token_ids"]
+    if type(out["top_k"]) is int and out["top_k"] == 0:
+        out["top_k"] = -1  # this server also takes 0 for off
+    stop = out.pop("stop_token_ids")
+    try:
+        check_sampling_params(out)
+    except SamplingParamError as e:
+        raise BadRequest(str(e), e.kind) from None
+    for name in ("temperature", "top_p", "min_p"):
+        out[name] = float(out[name])
+    if out["top_k"] >= limits.vocab_size:
+        out["top_k"] = -1  # keeps every token anyway
     out["stop_token_ids"] = [] if stop is None else _check_token_ids(stop, "stop_token_ids", limits.vocab_size)
     return out
 
@@ -296,6 +306,9 @@ def parse_generate_body(body: Any, limits: GenerateLimits) -> tuple[list[_Reques
         stop_ids = set(p["stop_token_ids"])
         if not p["ignore_eos"]:
             stop_ids |= limits.eos_token_ids
+        if p["min_new_tokens"] > 0 and sum(t < limits.vocab_size for t in stop_ids) >= limits.vocab_size:
+            # Every token is banned until min_new_tokens: nothing could be sampled.
+            raise BadRequest("min_new_tokens > 0 but the stop tokens (with eos) cover the whole vocabulary", "range")
         requests.append(
             _Request(
                 rid=rid,
@@ -459,6 +472,15 @@ class _RunningBatch:
 
     # ---- membership
 
+    def clear(self, rows: list[int]) -> None:
+        """Zero every column of these rows (ones a fault may have filled with
+        NaN): a later occupant of the slot sees them as masked padding, and a
+        masked NaN value still turns attention into NaN."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        for layer in self.cache.layers:
+            layer.keys_buf.index_fill_(0, index, 0)
+            layer.values_buf.index_fill_(0, index, 0)
+
     def remove(self, drop: list[int]) -> bool:
         """Drop rows (by index); returns False if the batch became empty."""
         w = self.window
@@ -553,6 +575,11 @@ def sample_tokens(
     scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / scale[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
+    # NaN / +inf logits (or all -inf) make every logprob of the row NaN. Refuse
+    # them here: torch.multinomial would raise on CPU but hit a device-side
+    # assert on CUDA (which ends the process), and greedy rows would return NaN.
+    if not bool(torch.isfinite(logprobs.amax(dim=-1)).all()):
+        raise FloatingPointError("the model produced non-finite logits (NaN or inf)")
 
     pick_from = scaled
     if banned:
@@ -653,6 +680,15 @@ class _WeightTargets:
 # --------------------------------------------------------------------------- engine
 
 
+def _refuse(item: tuple, message: str) -> None:
+    """Answer an inbox item the loop will never handle."""
+    name, args, reply = item
+    if name == "generate":
+        args.reply(EngineError(message))
+    elif reply is not None:
+        reply({"success": False, "message": message})
+
+
 class GenerationEngine:
     """Owns the model; runs the continuous-batching loop on its own thread.
 
@@ -712,10 +748,14 @@ class GenerationEngine:
             "decode_rows": 0,
             "weight_updates": 0,
             "weight_update_failures": 0,
-            "engine_errors": 0,
+            "engine_errors": 0,  # failed engine steps (batched prefill / decode, commands)
+            "requests_failed": 0,  # requests answered with an engine error (HTTP 500)
         }
         self.rejections: dict[str, int] = {}
         self._stats_lock = threading.Lock()
+        self._prefilling: list[_Request] = []  # taken off the queue, not yet in the batch
+        self._closed = False  # the loop has ended: submissions are refused at once
+        self._closed_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="generation-loop", daemon=True)
 
     def _check_full_attention(self) -> None:
@@ -731,7 +771,7 @@ class GenerationEngine:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight and end the loop."""
-        self._inbox.put(("stop", None, None))
+        self._put(("stop", None, None))
         self._thread.join(timeout)
 
     def is_alive(self) -> bool:
@@ -739,10 +779,19 @@ class GenerationEngine:
 
     def submit(self, request: _Request) -> None:
         self.stats["requests_received"] += 1
-        self._inbox.put(("generate", request, None))
+        self._put(("generate", request, None))
 
     def command(self, name: str, args: dict, reply: Callable[[Any], None]) -> None:
-        self._inbox.put((name, args, reply))
+        self._put((name, args, reply))
+
+    def _put(self, item: tuple) -> None:
+        # Under the lock: the loop drains the inbox after closing it, so nothing
+        # put here can be left unanswered.
+        with self._closed_lock:
+            if not self._closed:
+                self._inbox.put(item)
+                return
+        _refuse(item, "the generation loop is not running")
 
     def count_rejection(self, reason: str) -> None:
         with self._stats_lock:  # called from the HTTP thread and the loop
@@ -781,19 +830,38 @@ class GenerationEngine:
                         break
                     try:
                         if self._pending_update is not None and self._batch is None:
-                            self._apply_update(self._pending_update, num_aborted=0)
-                            self._pending_update = None
+                            update, self._pending_update = self._pending_update, None
+                            self._apply_update(update, num_aborted=0)
                         self._admit()
                         if self._batch is not None:
                             self._decode_step()
-                    except Exception as e:  # keep serving: fail what was running
+                    except Exception as e:  # not isolated to a request: fail what is in flight, keep serving
                         logger.exception("generation step failed")
                         self.stats["engine_errors"] += 1
-                        self._fail_running(e)
+                        self._fail_in_flight(e)
         finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Answer everything: running and queued requests end with abort, then
+        the inbox is closed and whatever is still in it is refused."""
+        try:
             self._abort_all("server shutting down")
-            if self._pending_update is not None:
-                self._pending_update["reply"]({"success": False, "message": "server shutting down"})
+        except Exception:
+            logger.exception("aborting requests at shutdown failed")
+        for req in list(self._live.values()):  # only if aborting failed half-way
+            self._fail_request(req, EngineError("server shutting down"))
+        if self._pending_update is not None:
+            self._pending_update["reply"]({"success": False, "message": "server shutting down"})
+            self._pending_update = None
+        with self._closed_lock:
+            self._closed = True
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            _refuse(item, "server shutting down")
 
     def _is_idle(self) -> bool:
         if self._batch is not None or self._pending_update is not None:
@@ -820,7 +888,8 @@ class GenerationEngine:
                 self.stats["engine_errors"] += 1
                 error = {"success": False, "message": f"{name} failed: {e}"}
                 if name == "generate":
-                    args.reply(RuntimeError(error["message"]))
+                    self.stats["requests_failed"] += 1
+                    args.reply(EngineError(error["message"]))
                 elif reply is not None:
                     reply(error)
 
@@ -859,7 +928,13 @@ class GenerationEngine:
             reply({"success": False, "message": f"unknown command {name!r}"})
 
     def _apply_update(self, update: dict, num_aborted: int) -> None:
-        self._targets.copy_in(update["tensors"])
+        try:
+            self._targets.copy_in(update["tensors"])
+        except Exception as e:  # the caller gets an answer; the weights may be half-copied
+            logger.exception("copying new weights failed")
+            self.stats["weight_update_failures"] += 1
+            update["reply"]({"success": False, "message": f"copying the weights failed: {e}", "num_paused_requests": 0})
+            return
         old = self.weight_version
         if update["weight_version"] is not None:
             self.weight_version = str(update["weight_version"])
@@ -923,12 +998,23 @@ class GenerationEngine:
     def _abort_all(self, message: str) -> None:
         self._abort(lambda r: True, include_waiting=True, message=message)
 
-    def _fail_running(self, error: Exception) -> None:
-        if self._batch is not None:
-            for req in self._batch.requests:
-                self._live.pop(req.rid, None)
-                req.reply(RuntimeError(f"generation failed: {error}"))
-            self._batch = None
+    def _fail_request(self, req: _Request, error: Exception) -> None:
+        """Answer `req` with an engine error (once: a request already answered
+        is left alone)."""
+        if self._live.get(req.rid) is not req:
+            return
+        del self._live[req.rid]
+        self.stats["requests_failed"] += 1
+        message = error if isinstance(error, EngineError) else f"{type(error).__name__}: {error}"
+        req.reply(EngineError(f"generation of request {req.rid} failed: {message}"))
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Fail the running batch and the group being prefilled (queued
+        requests were not touched and stay queued)."""
+        in_flight = (self._batch.requests if self._batch is not None else []) + self._prefilling
+        self._batch, self._prefilling = None, []
+        for req in in_flight:
+            self._fail_request(req, error)
 
     # ---- prefill and decode
 
@@ -954,13 +1040,43 @@ class GenerationEngine:
             if not group:
                 break
             free -= len(group)
-            joined = self._prefill(group)
-            if joined is not None:
-                requests, rows = joined
+            self._prefilling = group
+            for requests, rows in self._prefill_isolated(group):
                 if self._batch is None:
                     self._batch = _RunningBatch(requests, rows, self.config, self.max_running_requests)
                 else:
                     self._batch.add(requests, rows)
+            self._prefilling = []
+
+    def _prefill_isolated(self, group: list[_Request]) -> list[tuple[list[_Request], _Rows]]:
+        """Prefill `group` in one forward; if that fails, prefill each request
+        alone and fail only the ones that fail alone."""
+        produced = [len(r.output_ids) for r in group]
+        try:
+            joined = self._prefill(group)
+            return [joined] if joined is not None else []
+        except Exception as e:
+            self.stats["engine_errors"] += 1
+            if len(group) == 1:
+                logger.warning("prefill of request %s failed: %s: %s", group[0].rid, type(e).__name__, e)
+                self._fail_request(group[0], e)
+                return []
+            logger.warning("prefill of %d requests failed (%s: %s); retrying them one by one",
+                           len(group), type(e).__name__, e)  # fmt: skip
+        out = []
+        for req, n in zip(group, produced):
+            if self._live.get(req.rid) is not req:
+                continue  # answered before the failure (finished at its first token)
+            del req.output_ids[n:], req.output_logprobs[n:]  # a token recorded before the failure
+            try:
+                joined = self._prefill([req])
+            except Exception as e:
+                logger.warning("prefill of request %s failed: %s: %s", req.rid, type(e).__name__, e)
+                self._fail_request(req, e)
+                continue
+            if joined is not None:
+                out.append(joined)
+        return out
 
     def _prefill(self, group: list[_Request]) -> tuple[list[_Request], _Rows] | None:
         """One forward over the group's prompts (left-padded); samples each first
@@ -1028,8 +1144,10 @@ class GenerationEngine:
         self.stats["generated_tokens"] += len(tokens)
         return done
 
-    def _decode_step(self) -> None:
-        batch = self._batch
+    def _step(self, batch: _RunningBatch) -> tuple[torch.Tensor, list[int], list[float]]:
+        """One decode forward and sampling. The new keys/values are written at
+        column `end`, but the window does not advance: a step that raises can
+        be run again."""
         batch.reserve(1)
         out = self.model(
             input_ids=batch.last_tokens[:, None],
@@ -1038,15 +1156,51 @@ class GenerationEngine:
             past_key_values=batch.cache,
             use_cache=True,
         )
-        batch.window.end += 1
         tokens, logprobs = sample_tokens(
             out.logits[:, -1, :], batch.params, self._generator, self._banned(batch.requests)
         )
+        return tokens, tokens.tolist(), logprobs.tolist()
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        try:
+            tokens, token_list, logprob_list = self._step(batch)
+        except Exception as e:
+            self.stats["engine_errors"] += 1
+            self._isolate_decode_fault(e)
+            return
+        batch.window.end += 1
         batch.last_tokens = tokens
         batch.positions += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += batch.size
-        self._drop_rows(self._record(batch.requests, tokens.tolist(), logprobs.tolist()))
+        self._drop_rows(self._record(batch.requests, token_list, logprob_list))
+
+    def _isolate_decode_fault(self, error: Exception) -> None:
+        """A decode step raised: step each row alone, on a copy of its keys and
+        values (the result is thrown away), and fail the rows that fail alone;
+        the others decode on with the batch. If no row fails alone the fault
+        is the batch's (e.g. out of memory) and all its requests fail."""
+        batch = self._batch
+        culprits: list[int] = []
+        if batch.size > 1:
+            logger.warning("decode step of %d requests failed (%s: %s); stepping them one by one",
+                           batch.size, type(error).__name__, error)  # fmt: skip
+            kv, mask = batch.live()
+            for i, req in enumerate(batch.requests):
+                row = ([(k[i : i + 1], v[i : i + 1]) for k, v in kv], mask[i : i + 1])
+                try:
+                    self._step(_RunningBatch([req], row, self.config, max_rows=1))
+                except Exception as e:
+                    logger.warning("decode of request %s failed: %s: %s", req.rid, type(e).__name__, e)
+                    culprits.append(i)
+                    self._fail_request(req, e)
+        if not culprits:
+            logger.warning("decode step failed for the whole batch: %s: %s", type(error).__name__, error)
+            self._fail_in_flight(error)
+            return
+        batch.clear(culprits)
+        self._drop_rows(culprits)
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -1067,7 +1221,7 @@ class TorchGenerationServer:
         self._update_lock: asyncio.Lock | None = None
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -1092,21 +1246,16 @@ class TorchGenerationServer:
         self.engine.command(name, args or {}, _threadsafe_setter(loop, fut))
         return fut
 
-    async def _read_json(self, request: web.Request, allow_empty: bool = False) -> Any:
-        raw = await request.read()
-        if not raw.strip():
-            if allow_empty:
-                return {}
-            raise BadRequest("empty request body", "bad_json")
+    async def _read_json(self, request: web.Request) -> dict:
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"invalid JSON: {e}", "bad_json") from e
+            return await read_json(request, max_bytes=_MAX_BODY_BYTES, max_depth=_MAX_BODY_DEPTH)
+        except BodyError as e:
+            raise BadRequest(str(e), "too_large" if e.status == 413 else "bad_json", e.status) from None
 
     def _reject(self, e: BadRequest) -> web.Response:
         self.engine.count_rejection(e.reason)
         logger.debug("rejected request: %s", e)
-        return _json_error(400, str(e))
+        return _json_error(e.status, str(e))
 
     # ---- handlers
 
@@ -1131,16 +1280,14 @@ class TorchGenerationServer:
             raise
         for result in results:
             if isinstance(result, BadRequest):
-                return _json_error(400, str(result))
-            if isinstance(result, Exception):
+                return _json_error(result.status, str(result))
+            if isinstance(result, Exception):  # EngineError: this request failed in the engine
                 return _json_error(500, str(result))
         return web.json_response(results if batched else results[0])
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
             body = await self._read_json(request)
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object", "type")
             model_path = body.get("model_path")
             if not isinstance(model_path, str) or not model_path:
                 raise BadRequest("model_path must be a non-empty string", "type")
@@ -1188,8 +1335,6 @@ class TorchGenerationServer:
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
             body = await self._read_json(request)
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object", "type")
             rid, abort_all = body.get("rid"), body.get("abort_all", False)
             if not isinstance(abort_all, bool):
                 raise BadRequest("abort_all must be a boolean", "type")

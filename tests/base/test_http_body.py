@@ -1,0 +1,157 @@
+"""The shared request-body reader: size, UTF-8, JSON, nesting depth, object type."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from realrl.base.http_body import BodyError, nesting_depth_exceeds, parse_json, read_json
+
+LIMIT = 1 << 20
+
+
+def nested(depth: int) -> str:
+    """`depth` levels, arrays and objects alternating."""
+    text = "0"
+    for level in range(depth):
+        text = f"[{text}]" if level % 2 else f'{{"k": {text}}}'
+    return text
+
+
+def reference_depth(text: str) -> int:
+    """The deepest level a JSON lexer reaches before it stops at a backslash
+    outside a string (where every decoder fails)."""
+    depth = deepest = 0
+    i, in_string = 0, False
+    while i < len(text):
+        c = text[i]
+        if in_string:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_string = False
+        elif c == "\\":
+            break
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+        i += 1
+    return deepest
+
+
+def refused(raw: bytes, **kw) -> BodyError:
+    with pytest.raises(BodyError) as e:
+        parse_json(raw, max_bytes=kw.pop("max_bytes", LIMIT), **kw)
+    return e.value
+
+
+def test_depth_limit_is_exact_and_ignores_strings():
+    assert parse_json(nested(8).encode(), max_bytes=LIMIT, max_depth=8, require_object=False) is not None
+    assert "nested deeper than 8 levels" in str(refused(nested(9).encode(), max_depth=8, require_object=False))
+    # Brackets, quotes and backslashes inside strings are not structure.
+    tricky = {"a": "[[[[[[[[[[{{{{{{", "b": '\\"[[[[[[[[[[', "c": "\\\\", "d": ['"]]]]', "\\\\\\\""]}
+    assert parse_json(json.dumps(tricky).encode(), max_bytes=LIMIT, max_depth=2) == tricky
+
+
+def test_deep_bodies_are_refused_without_recursion():
+    deep = 100_000
+    for raw in (
+        b"[" * deep + b"]" * deep,
+        b'{"a":' * deep + b"1" + b"}" * deep,
+        b"[" * deep,  # never closed
+        b'{"a": [1], "b": ' + b"[{" * deep,
+        b'"\\\\" ' + b"[" * deep,  # an escaped backslash ends no string
+    ):
+        error = refused(raw, require_object=False)
+        assert error.status == 400 and "nested deeper than" in str(error)
+
+
+def test_depth_check_agrees_with_a_lexer_on_random_and_broken_json():
+    rng = random.Random(0)
+    leaves = [1, None, 2.5, "x{", "a\\\"[[", "]\\\\", '\\\\\\"', "[]{}"]
+
+    def value(depth: int):
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(leaves)
+        if rng.random() < 0.5:
+            return [value(depth - 1) for _ in range(rng.randint(0, 3))]
+        return {f'k{i}["': value(depth - 1) for i in range(rng.randint(0, 3))}
+
+    for _ in range(2000):
+        text = json.dumps(value(rng.randint(0, 10)))
+        broken = rng.random() < 0.5
+        if broken:  # splice in stray brackets, quotes and backslashes
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(len(text) + 1)
+                text = text[:i] + rng.choice("[{\"\\]}") * rng.randint(1, 4) + text[i:]
+        depth = reference_depth(text)
+        for limit in range(12):
+            exceeds = nesting_depth_exceeds(text.encode(), limit)
+            if broken:
+                assert exceeds or depth <= limit, (text, limit)  # never lets a deeper body through
+            else:
+                assert exceeds == (depth > limit), (text, limit)  # exact on valid JSON
+
+
+def test_other_bad_bodies():
+    assert "empty request body" in str(refused(b"  \n"))
+    assert parse_json(b"", max_bytes=LIMIT, allow_empty=True) == {}
+    assert "not UTF-8" in str(refused(b'{"a": "\xff"}'))
+    assert "invalid JSON" in str(refused(b'{"a": 1'))
+    assert "NaN is not a JSON number" in str(refused(b'{"a": NaN}'))
+    assert "Infinity is not a JSON number" in str(refused(b'{"a": [-Infinity]}'))
+    assert "must be a JSON object, got a JSON array" in str(refused(b"[1, 2]"))
+    assert parse_json(b"[1, 2]", max_bytes=LIMIT, require_object=False) == [1, 2]
+    too_big = refused(b'{"a": "' + b"x" * 100 + b'"}', max_bytes=50)
+    assert too_big.status == 413 and "exceeds the limit of 50 bytes" in str(too_big)
+    assert parse_json('{"ü": "ß"}'.encode(), max_bytes=LIMIT) == {"ü": "ß"}
+
+
+def test_read_json_over_real_http():
+    """An aiohttp app on 127.0.0.1 whose handler uses read_json: a declared
+    Content-Length over the limit, a chunked body over it, a deep body, then a
+    good one."""
+
+    async def handler(request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, max_bytes=1000, max_depth=4)
+        except BodyError as e:
+            return web.json_response({"error": str(e)}, status=e.status)
+        return web.json_response({"echo": body})
+
+    async def chunks():
+        for _ in range(20):
+            yield b" " * 100
+
+    async def main():
+        app = web.Application(client_max_size=1000)
+        app.router.add_post("/", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+        answers = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for data in (b"{" + b" " * 2000 + b"}", chunks(), b"[" * 10 + b"]" * 10, b'{"a": [1]}'):
+                    async with session.post(url, data=data) as resp:
+                        answers.append((resp.status, await resp.json()))
+        finally:
+            await runner.cleanup()
+        return answers
+
+    declared, chunked, deep, good = asyncio.run(main())
+    assert declared[0] == 413 and "2002 bytes exceeds the limit of 1000" in declared[1]["error"]
+    assert chunked[0] == 413 and "exceeds the limit of 1000 bytes" in chunked[1]["error"]
+    assert deep[0] == 400 and "nested deeper than 4" in deep[1]["error"]
+    assert good == (200, {"echo": {"a": [1]}})
