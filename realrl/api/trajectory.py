@@ -6,7 +6,9 @@ sequence: `input_ids` = prompt + completion (int32), `prompt_len`, behaviour
 `logprobs` and weight `versions` per completion token, `version_start` /
 `version_end` (weights at the first / last token), `reward`, `no_eos`
 (truncated). `to_wire()` packs the sequences into a few flat arrays for the
-wire format (realrl.base.wire); `from_wire()` validates everything a peer sent.
+wire format (realrl.base.wire); `from_wire()` validates everything a peer sent
+that the schema alone can judge, and `check_token_ids(vocab_size)` what only the
+receiver can: that every token id fits its model's vocabulary.
 """
 
 from __future__ import annotations
@@ -88,6 +90,26 @@ class Trajectory:
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: version_start > version_end")
             if not math.isfinite(self.reward[i]):
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite reward")
+        return self
+
+    def check_token_ids(self, vocab_size: int | None) -> "Trajectory":
+        """Raises TrajectoryError if a token id lies outside `0..vocab_size-1`
+        (it would index past the model's embedding table); `None` checks
+        nothing. Vectorised: a min and a max per sequence."""
+        if vocab_size is None:
+            return self
+        for i, ids in enumerate(self.input_ids):
+            if not ids.size:
+                continue
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                where = int(np.argmax(ids == bad))
+                part = "prompt" if where < self.prompt_len[i] else "completion"
+                raise TrajectoryError(
+                    f"trajectory {self.qid} seq {i}: token id {bad} at position {where} ({part}) "
+                    f"outside the vocabulary 0..{vocab_size - 1}"
+                )
         return self
 
     # ---- wire ------------------------------------------------------------------

@@ -9,7 +9,9 @@
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
-  `n_rejected` and logged (rate-limited); the puller keeps running. (A
+  `n_rejected` and logged (rate-limited: `RateLimitedLog`, whose count of
+  suppressed lines is reported by the next pull() once its interval has
+  passed, or at close); the puller keeps running. (A
   message over twice the size limit is refused by zmq itself, which drops
   that connection instead of buffering it.)
 - `NameResolvingZmqPuller` registers its address under
@@ -21,6 +23,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
@@ -37,22 +41,56 @@ CLOSE_LINGER_S = 2.0  # a pusher's close() waits at most this long to flush queu
 
 
 class RateLimitedLog:
-    """Logs the first event and then at most one summary line per `interval` seconds."""
+    """Logs the first event and then at most one line per `interval` seconds;
+    the events in between are counted, not logged. The count is always
+    reported eventually: appended to the next line logged, or by `flush()`
+    (call it when the owner closes) and `maybe_flush()` (call it from the
+    owner's poll path: cheap, and logs only once `interval` has passed)."""
 
-    def __init__(self, interval: float = 10.0) -> None:
+    def __init__(self, interval: float = 10.0, log: logging.Logger | None = None) -> None:
         self.interval = interval
-        self._last = -float("inf")
+        self._logger = log or logger
+        self._last = -float("inf")  # when the last line was logged
+        self._since = 0.0  # when counting the suppressed ones began (last line or flush)
         self._suppressed = 0
+        self._last_suppressed: tuple[str, tuple] | None = None  # (msg, args) of the newest one counted
+        self._lock = threading.Lock()  # flush() may come from another thread than warning()
+
+    @property
+    def suppressed(self) -> int:
+        """Events counted but not yet reported."""
+        return self._suppressed
 
     def warning(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            msg += f" ({self._suppressed} similar messages suppressed)"
-        self._last, self._suppressed = now, 0
-        logger.warning(msg, *args)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval:
+                self._suppressed += 1
+                self._last_suppressed = (msg, args)
+                return
+            if self._suppressed:
+                msg += f" ({self._suppressed} similar messages suppressed in the last {now - self._since:.1f} s)"
+            self._last = self._since = now
+            self._suppressed, self._last_suppressed = 0, None
+            self._logger.warning(msg, *args)
+
+    def maybe_flush(self) -> None:
+        """Reports the suppressed count once `interval` has passed since the last line."""
+        if self._suppressed and time.monotonic() - self._last >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reports the suppressed count now, if there is one, with the newest suppressed message."""
+        with self._lock:
+            if not self._suppressed:
+                return
+            now = time.monotonic()
+            msg, args = self._last_suppressed or ("", ())
+            self._logger.warning(
+                "%d similar messages suppressed in the last %.1f s; the last one: " + msg,
+                self._suppressed, now - self._since, *args,
+            )  # fmt: skip
+            self._since, self._suppressed, self._last_suppressed = now, 0, None
 
 
 def grouping(num_pushers: int, num_pullers: int) -> dict[int, list[int]]:
@@ -184,6 +222,7 @@ class ZMQPuller:
         try:
             frame = socket.recv(copy=False)
         except zmq.Again:
+            self._reject_log.maybe_flush()
             return out
         while True:
             if frame.more:  # streams send one frame per message: a multipart one is not ours
@@ -202,6 +241,7 @@ class ZMQPuller:
             except zmq.Again:
                 break
         self.n_received += len(out)
+        self._reject_log.maybe_flush()
         return out
 
     def _reject(self, reason: str) -> None:
@@ -211,6 +251,7 @@ class ZMQPuller:
         )
 
     def close(self) -> None:
+        self._reject_log.flush()
         if not self._socket.closed:
             self._socket.close()
             self._context.term()

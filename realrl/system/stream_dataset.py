@@ -8,8 +8,15 @@ rank). The master builds a step's batch from what all ranks hold together:
 than the bound and describes the oldest ones left; `take(keys)` removes the
 chosen ones (to train on here or to send to another rank).
 
+A trajectory is invalid if it breaks the schema (`Trajectory.from_wire`) or,
+when the dataset knows its model's `vocab_size`, carries a token id outside
+`0..vocab_size-1` (`Trajectory.check_token_ids`): such an id would index past
+the embedding table and kill the trainer. Invalid ones are dropped, counted in
+`n_invalid` (the master adds these to its `dropped_invalid` and gives their
+budget back) and logged, rate-limited.
+
 Accounting (DESIGN §5): every message that reaches the puller is either
-rejected (wire format), invalid (schema), taken (consumed), dropped as stale,
+rejected (wire format), invalid (schema or vocabulary), taken (consumed), dropped as stale,
 or still buffered: `received_total == n_wire_rejected + n_invalid + n_taken +
 n_dropped_stale + buffered`.
 """
@@ -22,14 +29,27 @@ import threading
 
 from realrl.api.trajectory import Trajectory, TrajectoryError
 from realrl.base.logging import getLogger
-from realrl.system.push_pull_stream import NameResolvingZmqPuller
+from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog
 
 logger = getLogger("stream_dataset")
 
 
 class PullerStreamDataset:
-    def __init__(self, experiment_name: str, trial_name: str, puller_index: int, max_buffered: int = 100000):
+    def __init__(
+        self,
+        experiment_name: str,
+        trial_name: str,
+        puller_index: int,
+        max_buffered: int = 100000,
+        vocab_size: int | None = None,
+    ):
+        """`vocab_size`: token ids must lie in 0..vocab_size-1 (the size of the
+        model's input embedding); None checks no ids."""
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.max_buffered = max_buffered
+        self.vocab_size = vocab_size
+        self._invalid_log = RateLimitedLog(log=logger)
         self._lock = threading.Lock()
         self._heap: list[tuple[int, float, int, Trajectory]] = []  # (version_start, birth_time, key, traj)
         self._seq = itertools.count()
@@ -62,6 +82,7 @@ class PullerStreamDataset:
         self._ready.set()
         try:
             while not self._stop.is_set():
+                self._invalid_log.maybe_flush()
                 if len(self) >= self.max_buffered:  # back-pressure: stop reading, pushers block
                     self._stop.wait(0.05)
                     continue
@@ -73,16 +94,18 @@ class PullerStreamDataset:
             self._error = e
             logger.error("stream dataset thread failed: %s", e)
         finally:
+            self._invalid_log.flush()
             puller.close()
 
     def _add(self, msg) -> None:
         try:
-            traj = Trajectory.from_wire(msg)
+            traj = Trajectory.from_wire(msg).check_token_ids(self.vocab_size)
         except TrajectoryError as e:
             with self._lock:
                 self.n_received += 1
                 self.n_invalid += 1
-            logger.warning("dropped an invalid trajectory (%d so far): %s", self.n_invalid, e)
+                n_invalid = self.n_invalid
+            self._invalid_log.warning("dropped an invalid trajectory (%d so far): %s", n_invalid, e)
             return
         with self._lock:
             self.n_received += 1

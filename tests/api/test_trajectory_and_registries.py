@@ -55,6 +55,26 @@ def test_nan_logprob_rejected():
         t.validate()
 
 
+@pytest.mark.parametrize("seq, pos", [(0, 0), (1, 4), (1, 5), (2, -1)])  # prompt, last prompt, first and last completion
+@pytest.mark.parametrize("bad", [50, -1, 2**31 - 1, -(2**31)])
+def test_token_ids_outside_the_vocabulary_are_rejected(seq, pos, bad):
+    w = make_traj().to_wire()  # token ids in 0..49
+    t = Trajectory.from_wire(w)
+    t.input_ids[seq][pos] = bad
+    with pytest.raises(TrajectoryError, match=f"token id {bad} .*outside the vocabulary 0..49"):
+        t.check_token_ids(50)
+    assert t.check_token_ids(None) is t  # no vocabulary known: nothing to check
+    t.validate()  # well-formed all the same: only the vocabulary check catches it
+
+
+def test_token_ids_at_the_vocabulary_bounds_are_accepted():
+    t = make_traj()
+    t.input_ids[0][0], t.input_ids[1][-1] = 0, 49
+    assert Trajectory.from_wire(t.to_wire()).check_token_ids(50).n_tokens == t.n_tokens
+    with pytest.raises(TrajectoryError, match="token id 49"):
+        t.check_token_ids(49)
+
+
 def test_registry_errors_list_registered_names():
     reg = Registry("widget")
     reg.register("a", dict)

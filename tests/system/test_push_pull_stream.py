@@ -3,6 +3,7 @@ name_resolve (etcd3 and file backends), back-pressure, and malformed input."""
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 import uuid
@@ -16,6 +17,7 @@ from realrl.base import name_resolve, wire
 from realrl.system.push_pull_stream import (
     NameResolvingZmqPuller,
     NameResolvingZmqPusher,
+    RateLimitedLog,
     ZMQPuller,
     ZMQPusher,
     grouping,
@@ -200,6 +202,61 @@ def test_garbage_oversized_and_bad_arrays_are_rejected_and_the_puller_keeps_goin
         raw.close()
         context.term()
         puller.close()
+
+
+def test_rate_limited_log_reports_what_it_suppressed_on_flush(realrl_caplog):
+    log = RateLimitedLog(interval=3600.0)
+    for i in range(3):
+        log.warning("bad message %d: %s", i, "why")
+    assert [r.getMessage() for r in realrl_caplog.records] == ["bad message 0: why"]
+    assert log.suppressed == 2
+    log.maybe_flush()  # the interval has not passed: nothing yet
+    assert len(realrl_caplog.records) == 1
+    log.flush()
+    assert len(realrl_caplog.records) == 2
+    summary = realrl_caplog.records[-1]
+    assert summary.levelno == logging.WARNING
+    assert summary.getMessage().startswith("2 similar messages suppressed in the last ")
+    assert summary.getMessage().endswith("s; the last one: bad message 2: why")
+    log.flush()  # nothing pending: nothing logged
+    assert len(realrl_caplog.records) == 2 and log.suppressed == 0
+
+
+def test_rate_limited_log_maybe_flush_reports_once_the_interval_passed(realrl_caplog):
+    log = RateLimitedLog(interval=3600.0)
+    log.warning("first")
+    log.warning("second")
+    log.maybe_flush()
+    assert len(realrl_caplog.records) == 1
+    log.interval = 0.0  # as if the interval had passed
+    log.maybe_flush()
+    assert [r.getMessage().split(" in the last")[0] for r in realrl_caplog.records] == [
+        "first", "1 similar messages suppressed"]  # fmt: skip
+    log.maybe_flush()
+    assert len(realrl_caplog.records) == 2
+
+
+def test_puller_reports_its_suppressed_rejects_at_close(realrl_caplog):
+    puller = ZMQPuller()
+    context = zmq.Context()
+    raw = context.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{puller.address}")
+    try:
+        for _ in range(3):
+            raw.send(b"garbage")
+        give_up = time.monotonic() + 30
+        while puller.n_rejected < 3 and time.monotonic() < give_up:
+            puller.pull(timeout=0.1)
+        assert puller.n_rejected == 3
+        rejects = [r.getMessage() for r in realrl_caplog.records if "rejected" in r.getMessage()]
+        assert len(rejects) == 1 and "(1 rejected so far)" in rejects[0]  # the other two are suppressed
+    finally:
+        raw.close()
+        context.term()
+        puller.close()
+    last = realrl_caplog.records[-1].getMessage()
+    assert last.startswith("2 similar messages suppressed") and "(3 rejected so far)" in last
 
 
 def test_puller_refuses_wildcard_bind():

@@ -4,15 +4,24 @@ synthetic trajectories through the real push-pull stream."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+import uuid
 
+import numpy as np
 import pytest
 import torch
 
 from realrl.api.cli_args import OptimizerConfig, PPOConfig
 from realrl.api.system_api import MasterWorkerConfig, ModelWorkerConfig
+from realrl.api.trajectory import Trajectory
+from realrl.base import name_resolve
 from realrl.base.name_resolve import NameResolveConfig
 from realrl.launcher.local import LocalLauncher, WorkerGroup
+from realrl.system.push_pull_stream import NameResolvingZmqPusher
+from realrl.system.stream_dataset import PullerStreamDataset
+from tests.conftest import make_nr_config
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +40,56 @@ def tiny_model_dir(tmp_path_factory):
     return path, len(tok), test
 
 
+def _trajectory(qid: str, prompt: list[int], completion: list[int]) -> Trajectory:
+    ids = np.array(prompt + completion, dtype=np.int32)
+    n_gen = len(completion)
+    return Trajectory(qid=qid, task="math", birth_time=time.time(), input_ids=[ids], prompt_len=[len(prompt)],
+                      logprobs=[np.full(n_gen, -1.0, np.float32)], versions=[np.zeros(n_gen, np.int32)],
+                      version_start=[0], version_end=[0], reward=[1.0], no_eos=[False])  # fmt: skip
+
+
+def test_puller_drops_out_of_vocabulary_trajectories_as_invalid(tmp_path, etcd_server, caplog):
+    """Through a real pusher and the dataset's real puller (etcd name_resolve):
+    token ids == vocab_size or negative are invalid, vocab_size-1 and 0 are
+    not; the invalid ones are counted and logged rate-limited, and the count
+    of suppressed lines is reported at close."""
+    name_resolve.reconfigure(make_nr_config("etcd3", tmp_path, etcd_server))
+    trial = uuid.uuid4().hex[:8]
+    realrl_logger = logging.getLogger("realrl")  # realrl's loggers do not propagate to caplog's root handler
+    realrl_logger.addHandler(caplog.handler)
+    dataset = PullerStreamDataset("oov", trial, 0, vocab_size=10)
+    pusher = NameResolvingZmqPusher("oov", trial, 0, 1, 1, timeout=30)
+    try:
+        sent = [("ok-bounds", [0, 5], [9]), ("bad-high", [1, 2], [10]), ("bad-negative", [-1, 2], [3]),
+                ("bad-prompt-high", [10, 2], [3]), ("ok", [3, 4], [5, 6])]  # fmt: skip
+        for qid, prompt, completion in sent:
+            pusher.push(_trajectory(qid, prompt, completion).to_wire(), timeout=10)
+        give_up = time.monotonic() + 30
+        while dataset.stats()["received"] < len(sent) and time.monotonic() < give_up:
+            time.sleep(0.02)
+        stats = dataset.stats()
+        assert stats["invalid"] == 3 and stats["buffered"] == 2 and stats["received"] == 5
+        items, _ = dataset.inventory(0, 10)
+        assert sorted(t.qid for t in dataset.take([k for k, *_ in items])) == ["ok", "ok-bounds"]
+        drops = [r.getMessage() for r in caplog.records if "dropped an invalid trajectory" in r.getMessage()]
+        assert len(drops) == 1 and "token id 10" in drops[0] and "outside the vocabulary 0..9" in drops[0]
+    finally:
+        pusher.close()
+        dataset.close()
+        realrl_logger.removeHandler(caplog.handler)
+        name_resolve.reconfigure(NameResolveConfig())
+    summary = [r.getMessage() for r in caplog.records if "similar messages suppressed" in r.getMessage()]
+    assert len(summary) == 1 and summary[0].startswith("2 similar messages suppressed")
+    assert "(3 so far)" in summary[0] and "token id 10" in summary[0]
+
+
 def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str = "cpu", fsdp: bool = False,
-              pushers: int | None = None):  # fmt: skip
+              pushers: int | None = None, stale_every: int = 5, invalid_every: int = 7, oov_every: int = 0):  # fmt: skip
     """Master + `dp` model workers + synthetic rollout pushers (one per rank
-    unless `pushers` says otherwise); returns (summary, weights_dir, stats)."""
+    unless `pushers` says otherwise), every `stale_every`-th trajectory stale,
+    every `invalid_every`-th one breaking the schema and every `oov_every`-th
+    one carrying an out-of-vocabulary token id (0: none); returns (summary,
+    weights_dir, stats, log_dir)."""
     pushers = dp if pushers is None else pushers
     model_path, vocab, test_path = tiny_model_dir
     steps, B, eta = 3, 4, 1
@@ -46,7 +101,8 @@ def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str
     master = MasterWorkerConfig(n_model_workers=dp, total_train_steps=steps, train_batch_size=B,
                                 max_head_offpolicyness=eta, algorithm=algorithm, checkpoint_every_n_steps=2,
                                 checkpoint_dir=str(tmp_path / "ckpt"), final_model_dir=str(tmp_path / "final"))  # fmt: skip
-    pusher_cfg = {"seed": 0, "n_pullers": dp, "batch_per_worker": B // pushers, "stale_every": 5, "invalid_every": 7,
+    pusher_cfg = {"seed": 0, "n_pullers": dp, "batch_per_worker": B // pushers, "stale_every": stale_every,
+                  "invalid_every": invalid_every, "oov_every": oov_every,
                   "group_size": 2,
                   "prompt_len": 5, "gen_len": 4, "vocab": vocab}  # fmt: skip
     gpus = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(dp)] if device == "cuda" else []
@@ -63,8 +119,10 @@ def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str
     assert summary["dp_weights_identical"] is True
     t = summary["trajectories"]
     assert t["consumed"] == steps * B
-    assert t["dropped_stale"] >= 1  # every 5th pushed trajectory is 100 versions old
-    # Every 7th breaks the schema: rejected at the puller, counted as dropped (its budget comes back).
+    if stale_every:
+        assert t["dropped_stale"] >= 1  # every 5th pushed trajectory is 100 versions old
+    # Every 7th breaks the schema (or every `oov_every`-th holds a token id outside the vocabulary):
+    # rejected at the puller, counted as dropped (its budget comes back).
     assert t["dropped_invalid"] >= 1 and t["dropped"] == t["dropped_stale"] + t["dropped_invalid"]
     # No manager in this trial: nobody counted what was produced, and the summary says so.
     assert t["produced"] is None and "did not report" in t["note"]
@@ -79,7 +137,7 @@ def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str
     assert all(torch.isfinite(torch.tensor(s["train/actor_loss"])) for s in train_stats)
     if algorithm == "ppo":
         assert all("train/critic_loss" in s for s in train_stats)
-    return summary, weights_dir, train_stats
+    return summary, weights_dir, train_stats, launcher.log_dir
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -91,9 +149,29 @@ def test_a_step_takes_its_batch_from_all_ranks_together(tmp_path, tiny_model_dir
     """Every trajectory lands on rank 0 (one pusher, two pullers): with a
     quota per rank, rank 1 would wait forever. The master takes the batch from
     what the ranks hold together and moves half of it to rank 1."""
-    _, _, train_stats = run_trial(tmp_path, tiny_model_dir, "grpo", pushers=1)
+    _, _, train_stats, _ = run_trial(tmp_path, tiny_model_dir, "grpo", pushers=1)
     assert all(s["batch/moved_between_ranks"] >= 1 for s in train_stats)
     assert all(s["batch/rank_tokens_max_over_mean"] <= 1.5 for s in train_stats)  # balanced by tokens
+
+
+def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model_dir):
+    """Every 4th trajectory is well-formed but holds a token id outside the
+    vocabulary (== vocab size, or -1): fed to the model it would raise
+    IndexError in the embedding and kill the trainer. The pullers reject
+    them as invalid, the master counts them as dropped_invalid (neither
+    stale nor schema-breaking ones in this trial, so all of dropped_invalid
+    is theirs) and the run completes."""
+    vocab = tiny_model_dir[1]
+    summary, _, _, log_dir = run_trial(tmp_path, tiny_model_dir, "grpo", stale_every=0, invalid_every=0, oov_every=4)
+    t = summary["trajectories"]
+    # However the 12 trained ones split over the two pushers, the pushers had pushed at least 2 bad
+    # ones before them (a pusher's pushes reach its puller in order).
+    assert t["dropped_invalid"] >= 2
+    assert t["dropped"] == t["dropped_stale"] + t["dropped_invalid"]
+    logs = "".join(open(os.path.join(log_dir, f"model_worker-{i}.log")).read() for i in range(2))
+    # Each puller logs its first invalid one in full: pusher 0's is vocab itself, pusher 1's is -1.
+    assert f"token id {vocab} " in logs and "token id -1 " in logs
+    assert "IndexError" not in logs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
@@ -104,7 +182,7 @@ def test_fsdp_model_workers_on_cuda(tmp_path, tiny_model_dir, algorithm):
     from transformers import AutoModelForCausalLM
 
     dp = 2 if torch.cuda.device_count() >= 2 else 1
-    _, weights_dir, _ = run_trial(tmp_path, tiny_model_dir, algorithm, dp=dp, device="cuda", fsdp=True)
+    _, weights_dir, _, _ = run_trial(tmp_path, tiny_model_dir, algorithm, dp=dp, device="cuda", fsdp=True)
     published = AutoModelForCausalLM.from_pretrained(os.path.join(weights_dir, "3"))
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir[0])
     changed = [not torch.equal(a, b) for a, b in zip(published.state_dict().values(), initial.state_dict().values())]

@@ -1,8 +1,11 @@
 """A synthetic rollout worker for training-side tests: pushes well-formed
 trajectories (random tokens) through the real push-pull stream, paced by the
 trainer's published version, with every `stale_every`-th one deliberately stale
-and every `invalid_every`-th one (if set) well-formed on the wire but breaking
-the trajectory schema."""
+every `invalid_every`-th one (if set) well-formed on the wire but breaking
+the trajectory schema, and every `oov_every`-th one (if set) well-formed in
+every respect but carrying a token id outside the vocabulary (`vocab`):
+alternately `vocab` itself (the last completion token) and -1 (the first prompt
+token), even-indexed pushers starting with `vocab`, odd ones with -1."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class SyntheticRolloutWorker(Worker):
         self.pusher = NameResolvingZmqPusher(self.experiment_name, self.trial_name, self.info.worker_index,
                                              self.info.worker_count, config["n_pullers"])  # fmt: skip
         self.produced = 0
+        self.n_oov = 0
 
     def _version(self) -> int:
         try:
@@ -55,6 +59,14 @@ class SyntheticRolloutWorker(Worker):
         invalid_every = self.cfg.get("invalid_every", 0)
         if invalid_every and self.produced % invalid_every == 0:
             message["logprobs"] = message["logprobs"][:-1]  # one logprob short: rejected at the puller
+        oov_every = self.cfg.get("oov_every", 0)
+        if oov_every and self.produced % oov_every == 0:
+            self.n_oov += 1
+            ids = message["input_ids"]  # to_wire() made a new array: ours to change
+            if (self.n_oov + self.info.worker_index) % 2:
+                ids[-1] = self.cfg["vocab"]  # one past the last token id
+            else:
+                ids[0] = -1
         self.pusher.push(message, timeout=30)
         return PollResult(sample_count=1)
 
