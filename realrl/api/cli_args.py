@@ -5,8 +5,11 @@ overridden on the command line, e.g.
 
     python training/main_async_ppo.py ppo.train_batch_size=32 rollout.max_head_offpolicyness=2
 
-`validate(config)` checks everything that can be checked before a process
-starts and raises `ConfigError` with a one-line message naming the key.
+`validate(config)` checks every value on its own and raises `ConfigError`
+with a one-line message naming the key; `training.utils.check_environment`
+then checks what needs the machine (fileroot writable, plugins importable,
+agent/env types registered, generation lengths within the model's positions),
+still before anything is created or started.
 """
 
 from __future__ import annotations
@@ -223,7 +226,7 @@ def parse_allocation_mode(mode: str) -> AllocationMode:
     m = _ALLOC.match(mode.strip())
     if m is None:
         raise ConfigError(
-            f"allocation_mode={mode!r} is not '<backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>' "
+            f"allocation_mode: {mode!r} is not '<backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>' "
             "(e.g. torch.d1p1m1+d1p1m1 or sglang.d4p1m1+d2p1m1)"
         )
     backend = m.group("backend")
@@ -232,17 +235,19 @@ def parse_allocation_mode(mode: str) -> AllocationMode:
     if backend not in GEN_BACKENDS:
         raise ConfigError(f"allocation_mode: unknown generation backend {backend!r}; supported: {', '.join(GEN_BACKENDS)}")
     if min(g.dp, g.pp, g.tp, t.dp, t.pp, t.tp) < 1:
-        raise ConfigError(f"allocation_mode={mode!r}: every degree must be >= 1")
+        raise ConfigError(f"allocation_mode: in {mode!r}, every degree must be >= 1")
     if g.pp != 1:
-        raise ConfigError(f"allocation_mode={mode!r}: generation pipeline parallelism (p{g.pp}) is not supported; use p1")
+        raise ConfigError(
+            f"allocation_mode: in {mode!r}, generation pipeline parallelism (p{g.pp}) is not supported; use p1"
+        )
     if backend == "torch" and g.tp != 1:
         raise ConfigError(
-            f"allocation_mode={mode!r}: the torch backend runs one device per server (m1); "
+            f"allocation_mode: in {mode!r}, the torch backend runs one device per server (m1); "
             "use more servers (d) or the sglang backend for tensor parallelism"
         )
     if t.pp != 1 or t.tp != 1:
         raise ConfigError(
-            f"allocation_mode={mode!r}: training supports data parallelism only (d<N>p1m1; "
+            f"allocation_mode: in {mode!r}, training supports data parallelism only (d<N>p1m1; "
             "set train.fsdp=true to shard parameters across the data-parallel ranks)"
         )
     return AllocationMode(backend, g, t)
@@ -251,9 +256,20 @@ def parse_allocation_mode(mode: str) -> AllocationMode:
 # ---- validation -------------------------------------------------------------
 
 
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+SGLANG_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+SGLANG_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def _check(cond: bool, key: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {message}")
+
+
+def _key_first(message: str) -> str:
+    """`rollout.gconfig.top_p must be ...` -> `rollout.gconfig.top_p: must be ...`."""
+    key, sep, rest = message.partition(" ")
+    return f"{key}: {rest}" if sep and "." in key and not key.endswith(":") else message
 
 
 def validate(cfg: AsyncPPOConfig) -> AllocationMode:
@@ -273,9 +289,9 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     try:
         cfg.name_resolve.validate()
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(_key_first(str(e))) from None
 
-    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"got {cfg.model.dtype!r}")
+    _check(cfg.model.dtype in TORCH_DTYPES, "model.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {cfg.model.dtype!r}")
     _check(bool(cfg.dataset.train_path) or not cfg.dataset.test_path,
            "dataset.test_path", "set dataset.train_path too (or neither, for the synthetic arithmetic task)")  # fmt: skip
     _check(cfg.dataset.max_prompt_len >= 1, "dataset.max_prompt_len", "must be >= 1")
@@ -291,10 +307,11 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(p.train_batch_size // alloc.train.dp >= p.ppo_n_minibatches, "ppo.ppo_n_minibatches",
            "must not exceed the trajectories per trainer per step")  # fmt: skip
     _check(0 < p.eps_clip < 1, "ppo.eps_clip", "must be in (0, 1)")
+    _check(p.value_eps_clip > 0, "ppo.value_eps_clip", f"must be > 0, got {p.value_eps_clip}")
     _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", "must be > 1 (or null)")
     _check(p.behav_imp_weight_cap is None or p.behav_imp_weight_cap > 1, "ppo.behav_imp_weight_cap", "must be > 1 (or null)")
     _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
-    _check(p.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator", f"got {p.kl_estimator!r}")
+    _check(p.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator", f"must be k1|k2|k3|abs, got {p.kl_estimator!r}")
     _check(0 <= p.discount <= 1, "ppo.discount", "must be in [0, 1]")
     _check(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", "must be in [0, 1]")
     _check(p.loss_aggregation in ("token", "seq"), "ppo.loss_aggregation", "must be token|seq")
@@ -302,8 +319,14 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
 
     o = cfg.optimizer
     _check(o.lr > 0, "optimizer.lr", "must be > 0")
-    _check(o.lr_scheduler in ("constant", "linear", "cosine"), "optimizer.lr_scheduler", f"got {o.lr_scheduler!r}")
+    _check(o.lr_scheduler in ("constant", "linear", "cosine"), "optimizer.lr_scheduler",
+           f"must be constant|linear|cosine, got {o.lr_scheduler!r}")  # fmt: skip
     _check(o.gradient_clipping >= 0, "optimizer.gradient_clipping", "must be >= 0 (0 = off)")
+    _check(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _check(0 <= o.beta1 < 1, "optimizer.beta1", f"must be in [0, 1), got {o.beta1}")
+    _check(0 <= o.beta2 < 1, "optimizer.beta2", f"must be in [0, 1), got {o.beta2}")
+    _check(o.eps > 0, "optimizer.eps", f"must be > 0, got {o.eps}")
+    _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0 (0 = no warmup), got {o.warmup_steps}")
 
     r = cfg.rollout
     _check(r.n_workers >= 1, "rollout.n_workers", "must be >= 1")
@@ -315,14 +338,39 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     try:
         r.gconfig.validate("rollout.gconfig")
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(_key_first(str(e))) from None
+    _check(r.request_timeout > 0, "rollout.request_timeout", f"must be > 0 seconds, got {r.request_timeout}")
+    _check(r.request_retries >= 0, "rollout.request_retries", f"must be >= 0 (0 = no retry), got {r.request_retries}")
 
     _check(cfg.train.device in ("cpu", "cuda"), "train.device", f"must be cpu|cuda, got {cfg.train.device!r}")
     _check(not cfg.train.fsdp or cfg.train.device == "cuda", "train.fsdp", "needs train.device=cuda")
     _check(cfg.train.num_threads >= 1, "train.num_threads", "must be >= 1")
-    _check(cfg.server.torch.device in ("cpu", "cuda"), "server.torch.device", "must be cpu|cuda")
-    _check(cfg.server.torch.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
-    _check(cfg.eval.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0")
+    s, ts, sg = cfg.server, cfg.server.torch, cfg.server.sglang
+    _check(ts.device in ("cpu", "cuda"), "server.torch.device", f"must be cpu|cuda, got {ts.device!r}")
+    _check(ts.dtype in TORCH_DTYPES, "server.torch.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}")
+    _check(ts.max_running_requests >= 1, "server.torch.max_running_requests",
+           f"must be >= 1, got {ts.max_running_requests}")  # fmt: skip
+    _check(ts.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
+    _check(sg.dtype in SGLANG_DTYPES, "server.sglang.dtype", f"must be {'|'.join(SGLANG_DTYPES)}, got {sg.dtype!r}")
+    _check(0 < sg.mem_fraction_static <= 1, "server.sglang.mem_fraction_static",
+           f"must be in (0, 1], got {sg.mem_fraction_static}")  # fmt: skip
+    _check(sg.context_length is None or sg.context_length >= 1, "server.sglang.context_length",
+           f"must be >= 1 (or null = the model's), got {sg.context_length}")  # fmt: skip
+    _check(sg.max_running_requests is None or sg.max_running_requests >= 1, "server.sglang.max_running_requests",
+           f"must be >= 1 (or null = SGLang's default), got {sg.max_running_requests}")  # fmt: skip
+    _check(sg.log_level in SGLANG_LOG_LEVELS, "server.sglang.log_level",
+           f"must be {'|'.join(SGLANG_LOG_LEVELS)}, got {sg.log_level!r}")  # fmt: skip
+    _check(s.startup_timeout > 0, "server.startup_timeout", f"must be > 0 seconds, got {s.startup_timeout}")
+    _check(s.weight_update_timeout > 0, "server.weight_update_timeout",
+           f"must be > 0 seconds, got {s.weight_update_timeout}")  # fmt: skip
+    _check(s.weight_update_retries >= 0, "server.weight_update_retries",
+           f"must be >= 0 (0 = no retry), got {s.weight_update_retries}")  # fmt: skip
+    ev = cfg.eval
+    _check(ev.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0")
+    _check(ev.batch_size >= 1, "eval.batch_size", f"must be >= 1, got {ev.batch_size}")
+    _check(ev.max_new_tokens >= 0, "eval.max_new_tokens",
+           f"must be >= 0 (0 = rollout.gconfig.max_new_tokens), got {ev.max_new_tokens}")  # fmt: skip
+    _check(ev.max_prompts >= 0, "eval.max_prompts", f"must be >= 0 (0 = the whole test split), got {ev.max_prompts}")
     _check(cfg.saver.checkpoint_every_n_steps >= 0, "saver.checkpoint_every_n_steps", "must be >= 0")
     if cfg.mode != "local":
         _check(bool(cfg.bind_address), "bind_address", f"mode={cfg.mode} needs the address of the network to use")

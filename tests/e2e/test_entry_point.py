@@ -14,8 +14,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+
+
 @pytest.mark.parametrize(
-    "override, key",
+    "overrides, key",
     [
         ("ppo.group_size=0", "ppo.group_size"),
         ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness"),
@@ -24,18 +26,65 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("ppo.no_such_field=1", "ppo.no_such_field"),
         ("mode=ray", "mode"),
         ("model.path=/nonexistent/model", "model.path"),
+        # agent / environment types, against the registries after loading the plugins
+        ("rollout.agent.type=nosuch", "rollout.agent.type"),
+        ("rollout.env.type=nosuch", "rollout.env.type"),
+        ("plugins=[{repo}/tests/e2e/shard_filter_plugin.py] rollout.agent.type=shard-filter-agnet", "rollout.agent.type"),
+        ("plugins=[/nonexistent.py]", "plugins"),
+        ("plugins=[{tmp}/broken_plugin.py]", "plugins"),
+        ("plugins=[no_such_module_xyz]", "plugins"),
+        # evaluation
+        ("eval.batch_size=0", "eval.batch_size"),
+        ("eval.batch_size=-4", "eval.batch_size"),
+        ("eval.max_new_tokens=-1", "eval.max_new_tokens"),
+        ("eval.max_prompts=-1", "eval.max_prompts"),
+        # generation lengths against the model's positions (the tiny model has 256)
+        ("rollout.gconfig.max_new_tokens=256", "rollout.gconfig.max_new_tokens"),
+        ("eval.max_new_tokens=1000", "eval.max_new_tokens"),
+        ("model.path={tmp}/model dataset.train_path={tmp}/train.jsonl rollout.gconfig.max_new_tokens=64",
+         "rollout.gconfig.max_new_tokens"),
+        # servers and requests
+        ("server.torch.max_running_requests=0", "server.torch.max_running_requests"),
+        ("server.torch.dtype=int8", "server.torch.dtype"),
+        ("server.startup_timeout=0", "server.startup_timeout"),
+        ("server.weight_update_timeout=-1", "server.weight_update_timeout"),
+        ("server.weight_update_retries=-1", "server.weight_update_retries"),
+        ("server.sglang.mem_fraction_static=0", "server.sglang.mem_fraction_static"),
+        ("server.sglang.mem_fraction_static=1.5", "server.sglang.mem_fraction_static"),
+        ("rollout.request_retries=-1", "rollout.request_retries"),
+        ("rollout.request_timeout=0", "rollout.request_timeout"),
+        # optimizer
+        ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay"),
+        ("optimizer.beta1=1.0", "optimizer.beta1"),
+        ("optimizer.beta2=-0.1", "optimizer.beta2"),
+        ("optimizer.eps=0", "optimizer.eps"),
+        # where files go: checked without creating anything
+        ("fileroot=/proc/x", "fileroot"),
+        ("fileroot={tmp}/a_file/runs", "fileroot"),
+        ("fileroot={tmp}/a_file", "fileroot"),
+        ("tiny_kit.cache_dir={tmp}/a_file/cache", "tiny_kit.cache_dir"),
     ],
 )
-def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, override, key):
+def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, overrides, key):
+    (tmp_path / "a_file").write_text("a regular file, not a directory\n")
+    (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('this plugin fails on import')\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"query_id": "q0", "prompt": "1+1=", "answer": "2"}) + "\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
     fileroot = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "training/main_async_ppo.py", f"fileroot={fileroot}", override],
+    args = [o.format(tmp=tmp_path, repo=REPO) for o in overrides.split()]
+    proc = subprocess.run([sys.executable, "training/main_async_ppo.py", f"fileroot={fileroot}", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("realrl: config error: "), proc.stderr
-    assert key.rsplit(".", 1)[-1] in lines[0], lines[0]
+    # the message starts with the key (Hydra words an unknown top-level key its own way)
+    assert lines[0].startswith(f"realrl: config error: {key}: ") or f"Key {key!r} not in" in lines[0], lines[0]
     assert proc.stdout == ""
     assert not fileroot.exists()  # no kit, no logs, no etcd data: nothing started
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nor anything else (cache, probes)
 
 
 def test_run_script_trains_and_ends_with_the_summary_path(tmp_path, kit_cache):

@@ -1,0 +1,167 @@
+"""Config checks in the launching process, before anything is created:
+`validate` (each value on its own) and `training.utils.check_environment`
+(fileroot, plugins, agent/env registries, lengths against the model's
+positions). The entry point's own behaviour on a bad value (one line, exit 2,
+nothing started) is tested through subprocesses in tests/e2e/test_entry_point.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from realrl.api.cli_args import ConfigError, validate
+from training.main_async_ppo import load_config
+from training.utils import build_experiment, check_environment, check_writable_dir, model_positions
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARD_FILTER_PLUGIN = os.path.join(REPO, "tests", "e2e", "shard_filter_plugin.py")
+
+
+def config(tmp_path, *overrides: str):
+    return load_config([f"fileroot={tmp_path / 'runs'}", *overrides])
+
+
+def write_model(tmp_path, **config_json) -> str:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", **config_json}))
+    return str(model)
+
+
+def write_train(tmp_path) -> str:
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"query_id": "q0", "prompt": "1+1=", "answer": "2"}) + "\n")
+    return str(path)
+
+
+def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
+    cfg = config(tmp_path)
+    alloc = validate(cfg)
+    assert check_environment(cfg, alloc) == 256  # the tiny model's positions, known without building it
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("eval.batch_size=0", "eval.batch_size"),
+        ("eval.max_new_tokens=-1", "eval.max_new_tokens"),
+        ("eval.max_prompts=-1", "eval.max_prompts"),
+        ("server.torch.max_running_requests=0", "server.torch.max_running_requests"),
+        ("server.torch.dtype=int8", "server.torch.dtype"),
+        ("server.startup_timeout=0", "server.startup_timeout"),
+        ("server.weight_update_timeout=0", "server.weight_update_timeout"),
+        ("server.weight_update_retries=-1", "server.weight_update_retries"),
+        ("server.sglang.mem_fraction_static=0", "server.sglang.mem_fraction_static"),
+        ("server.sglang.mem_fraction_static=1.01", "server.sglang.mem_fraction_static"),
+        ("server.sglang.dtype=int4", "server.sglang.dtype"),
+        ("server.sglang.context_length=0", "server.sglang.context_length"),
+        ("server.sglang.max_running_requests=0", "server.sglang.max_running_requests"),
+        ("server.sglang.log_level=loud", "server.sglang.log_level"),
+        ("rollout.request_retries=-1", "rollout.request_retries"),
+        ("rollout.request_timeout=-5", "rollout.request_timeout"),
+        ("rollout.gconfig.top_p=2", "rollout.gconfig.top_p"),
+        ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
+        ("optimizer.weight_decay=-1", "optimizer.weight_decay"),
+        ("optimizer.beta1=-0.1", "optimizer.beta1"),
+        ("optimizer.beta2=1", "optimizer.beta2"),
+        ("optimizer.eps=-1e-8", "optimizer.eps"),
+        ("optimizer.lr_scheduler=step", "optimizer.lr_scheduler"),
+        ("ppo.value_eps_clip=0", "ppo.value_eps_clip"),
+        ("ppo.kl_estimator=k9", "ppo.kl_estimator"),
+        ("allocation_mode=torch.d1p2m1+d1p1m1", "allocation_mode"),
+        ("name_resolve.type=zookeeper", "name_resolve.type"),
+    ],
+)
+def test_validate_names_the_key_first(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=f"^{key}: ") as e:
+        validate(config(tmp_path, override))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["1", "0.5", "1.0"])
+def test_valid_edges_pass(tmp_path, value):
+    validate(config(tmp_path, f"server.sglang.mem_fraction_static={value}", "optimizer.beta1=0", "eval.max_prompts=0"))
+
+
+def test_an_agent_registered_by_a_plugin_is_accepted(tmp_path):
+    cfg = config(tmp_path, f"plugins=[{SHARD_FILTER_PLUGIN}]", "rollout.agent.type=shard-filter-agent")
+    assert check_environment(cfg, validate(cfg)) == 256
+
+
+def test_unknown_types_list_what_is_registered(tmp_path):
+    cfg = config(tmp_path, "rollout.agent.type=nosuch")
+    with pytest.raises(ConfigError, match=r"^rollout.agent.type: unknown agent 'nosuch'; registered: .*math-single-step"):
+        check_environment(cfg, validate(cfg))
+    cfg = config(tmp_path, "rollout.env.type=nosuch")
+    with pytest.raises(ConfigError, match=r"^rollout.env.type: unknown environment 'nosuch'; registered: math"):
+        check_environment(cfg, validate(cfg))
+
+
+def test_a_plugin_that_fails_to_import_is_a_plugins_error(tmp_path):
+    plugin = tmp_path / "broken.py"
+    plugin.write_text("import no_such_module_for_realrl_tests\n")
+    cfg = config(tmp_path, f"plugins=[{plugin}]")
+    with pytest.raises(ConfigError, match="^plugins: .*no_such_module_for_realrl_tests"):
+        check_environment(cfg, validate(cfg))
+
+
+def test_writable_dir_check_creates_nothing(tmp_path):
+    check_writable_dir(str(tmp_path / "a" / "b" / "c"), "fileroot")  # creatable: fine
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub", "/proc/realrl-test"):
+        with pytest.raises(ConfigError, match="^fileroot: "):
+            check_writable_dir(str(bad), "fileroot")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_model_positions_come_from_config_json(tmp_path):
+    cfg = config(tmp_path, f"model.path={write_model(tmp_path, max_position_embeddings=64)}")
+    assert model_positions(cfg) == 64
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 32},
+                                                                 "max_position_embeddings": 4096}))  # fmt: skip
+    assert model_positions(cfg) == 32  # the decoder's own config, as the torch server reads it
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"n_positions": 1024}))
+    assert model_positions(cfg) == 1024
+    (tmp_path / "model" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="^model.path: cannot read"):
+        model_positions(cfg)
+
+
+def test_new_tokens_must_leave_room_for_a_prompt(tmp_path):
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}"]
+    cfg = config(tmp_path, *base, "rollout.gconfig.max_new_tokens=63")
+    assert check_environment(cfg, validate(cfg)) == 64
+    cfg = config(tmp_path, *base, "rollout.gconfig.max_new_tokens=64")
+    with pytest.raises(ConfigError, match="^rollout.gconfig.max_new_tokens: must be < 64"):
+        check_environment(cfg, validate(cfg))
+    cfg = config(tmp_path, *base, "eval.max_new_tokens=64")
+    with pytest.raises(ConfigError, match="^eval.max_new_tokens: must be < 64"):
+        check_environment(cfg, validate(cfg))
+
+
+def test_prompts_that_leave_no_room_for_new_tokens_are_skipped(tmp_path):
+    """max_prompt_len + max_new_tokens beyond the positions is not an error (the
+    default, 256 + 8 with a 256-position model, is like that and its prompts are
+    short): the rollout workers skip the prompts the server would refuse."""
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}", "rollout.gconfig.max_new_tokens=16"]
+    groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base)).groups}
+    assert groups["rollout_worker"].config.max_prompt_len == 64 - 16
+    groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, "dataset.max_prompt_len=20")).groups}
+    assert groups["rollout_worker"].config.max_prompt_len == 20
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sglang_missing_is_an_allocation_mode_error(tmp_path):
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    cfg = config(tmp_path, "allocation_mode=sglang.d1p1m1+d1p1m1")
+    with pytest.raises(ConfigError, match="^allocation_mode: .*sglang"):
+        check_environment(cfg, validate(cfg))
