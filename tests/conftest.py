@@ -3,6 +3,7 @@ for every backend, and process hygiene (nothing a test starts outlives it)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -34,8 +35,9 @@ def make_nr_config(kind: str, tmp_path, etcd_server=None) -> name_resolve.NameRe
 @pytest.fixture(scope="session")
 def kit_cache(tmp_path_factory):
     """One tiny-kit cache for the whole session: the default kit's warm start
-    (about a minute) is paid once."""
-    return str(tmp_path_factory.mktemp("kit_cache"))
+    (about a minute) is paid once. REALRL_TEST_KIT_CACHE names a directory to
+    reuse across sessions instead (local runs)."""
+    return os.environ.get("REALRL_TEST_KIT_CACHE") or str(tmp_path_factory.mktemp("kit_cache"))
 
 
 @pytest.fixture
@@ -61,3 +63,12 @@ def no_orphan_processes():
         except psutil.NoSuchProcess:
             pass
     assert not leftovers, f"test left processes running: {leftovers}"
+
+
+@pytest.fixture
+def realrl_caplog(caplog):
+    """caplog for realrl's loggers (they do not propagate to the root logger)."""
+    root = logging.getLogger("realrl")
+    root.addHandler(caplog.handler)
+    yield caplog
+    root.removeHandler(caplog.handler)

@@ -3,8 +3,9 @@
 Overrides use Hydra syntax against the structured config in
 `realrl/api/cli_args.py`, with defaults from `training/configs/async-ppo.yaml`
 (pick another file in that directory with `--config-name NAME`). A bad key or
-value is reported in one line naming the key, before any process starts. The
-last line printed is `summary: <path of summary.json>`.
+value is reported in one line naming the key, before any process starts, and
+so is a trial of the same experiment/trial name that is already running; both
+exit with code 2. The last line printed is `summary: <path of summary.json>`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from realrl.api.cli_args import AsyncPPOConfig, ConfigError  # noqa: E402
+from realrl.launcher.local import TrialAlreadyRunning  # noqa: E402
 
 CONFIG_DIR = os.path.join(_REPO, "training", "configs")
 ConfigStore.instance().store(name="async_ppo_schema", node=AsyncPPOConfig)
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         code, summary = run_experiment(cfg)
     except ConfigError as e:
         print(f"realrl: config error: {e}", file=sys.stderr)
+        return 2
+    except TrialAlreadyRunning as e:
+        print(f"realrl: {e}", file=sys.stderr)
         return 2
     if code == 0:
         print(f"summary: {summary}", flush=True)

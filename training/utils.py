@@ -1,7 +1,9 @@
 """From the user's AsyncPPOConfig to running worker processes.
 
-`build_experiment(cfg)` validates the config, resolves the model and data
-(building the tiny-model kit when no model is given), lays out the trial's
+`build_experiment(cfg)` validates the config (`validate`, then
+`check_environment`: fileroot, plugins, agent/env types, lengths against the
+model's positions; both before anything is created), resolves the model and
+data (building the tiny-model kit when no model is given), lays out the trial's
 directories and returns one `WorkerGroup` per worker kind;
 `run_experiment(cfg)` launches them and returns the path of summary.json.
 """
@@ -9,8 +11,11 @@ directories and returns one `WorkerGroup` per worker kind;
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+import tempfile
+from typing import Callable
 
 from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, validate
 from realrl.api.system_api import (
@@ -104,11 +109,130 @@ def agent_args(cfg: AsyncPPOConfig, tokenizer_path: str) -> dict:
     return args
 
 
-def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """ConfigError naming `key` unless directories can be created at `path`
+    (or under it, when it exists). Creates nothing that stays: the first
+    existing ancestor is checked with os.access and then by creating and
+    removing an empty temporary directory in it (os.access says yes to root
+    almost everywhere, e.g. under /proc, where mkdir still fails)."""
+    target = os.path.abspath(path)
+    probe = target
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        what = "exists and is not a directory" if probe == target else f"cannot be created: {probe} is not a directory"
+        raise ConfigError(f"{key}: {target} {what}; give a writable directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {target} is not writable ({probe}: permission denied); give a writable directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".realrl-write-check-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"{key}: {target} is not writable (cannot create a directory in {probe}: "
+                          f"{e.strerror or e}); give a writable directory") from None  # fmt: skip
+
+
+def check_plugins(cfg: AsyncPPOConfig) -> None:
+    """Imports the plugins (and the built-in agents and environments) in this
+    process, as every worker will, so an unimportable plugin is a config error."""
+    from realrl.base.plugins import load_plugins
+
+    for spec in cfg.plugins:
+        if not isinstance(spec, str) or not spec.strip():
+            raise ConfigError(f"plugins: entries must be module paths or .py files, got {spec!r}")
+    try:
+        load_plugins(cfg.plugins)
+        import realrl.impl.agents  # noqa: F401  (a plugin registering a built-in name fails here)
+        import realrl.impl.environments  # noqa: F401
+    except (Exception, SystemExit) as e:
+        raise ConfigError(f"plugins: {_one_line(e) or type(e).__name__}") from None
+
+
+def model_positions(cfg: AsyncPPOConfig) -> int | None:
+    """The model's max_position_embeddings, from model.path's config.json or,
+    for the tiny kit, from its recipe (no build needed); None if not stated."""
+    if not cfg.model.path:
+        from realrl.impl.tiny_model import TinyKitRecipe  # dataset_recipe keeps the same model shape
+
+        return TinyKitRecipe(seed=cfg.tiny_kit.seed).model.max_position_embeddings
+    config_path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"model.path: {cfg.model.path!r} is not a Hugging Face model directory (no config.json)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot read {config_path}: {_one_line(e)}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.path: {config_path} is not a JSON object")
+    text_config = config.get("text_config")  # multimodal models: the decoder's own config
+    for c in (text_config if isinstance(text_config, dict) else {}, config):
+        for name in ("max_position_embeddings", "n_positions"):
+            if isinstance(c.get(name), int) and c[name] > 0:
+                return c[name]
+    return None
+
+
+def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
+    """The checks that need the file system, the plugins or the model's
+    config, run after `validate` and before anything is created (fileroot,
+    etcd, the tiny kit, workers). Returns the most positions (prompt + new
+    tokens) a generation request may use, or None if the model does not say."""
+    check_writable_dir(cfg.fileroot, "fileroot")
+    if cfg.tiny_kit.cache_dir and not (cfg.model.path and cfg.dataset.train_path):  # the kit will be built there
+        check_writable_dir(cfg.tiny_kit.cache_dir, "tiny_kit.cache_dir")
+    check_plugins(cfg)
+    from realrl.api.agent_api import AGENTS
+    from realrl.api.env_api import ENVIRONMENTS
+
+    for key, name, registry in (("rollout.agent.type", cfg.rollout.agent.type, AGENTS),
+                                ("rollout.env.type", cfg.rollout.env.type, ENVIRONMENTS)):  # fmt: skip
+        if name not in registry:
+            hint = "" if cfg.plugins else " (a plugin can register more: plugins=[path/to/plugin.py])"
+            raise ConfigError(f"{key}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}{hint}")
+    if alloc.gen_backend == "sglang":
+        from realrl.impl.generation.backends import BackendUnavailableError, get_backend
+
+        try:
+            get_backend("sglang").check_available()
+        except BackendUnavailableError as e:
+            raise ConfigError(f"allocation_mode: {_one_line(e)}") from None
+
+    positions = model_positions(cfg)
+    if positions is None:
+        return None
+    limit = positions
+    if alloc.gen_backend == "sglang" and cfg.server.sglang.context_length:
+        limit = cfg.server.sglang.context_length
+    where = "server.sglang.context_length" if limit != positions else "the model's max_position_embeddings"
+    new_tokens = cfg.rollout.gconfig.max_new_tokens
+    if new_tokens >= limit:  # a prompt has at least one token
+        raise ConfigError(f"rollout.gconfig.max_new_tokens: must be < {limit} ({where}; a prompt takes at least "
+                          f"one position), got {new_tokens}")  # fmt: skip
+    eval_tokens = cfg.eval.max_new_tokens or new_tokens
+    if eval_tokens >= positions:
+        key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "rollout.gconfig.max_new_tokens"
+        raise ConfigError(f"{key}: must be < {positions} (the model's max_position_embeddings, used by evaluation; "
+                          f"a prompt takes at least one position), got {eval_tokens}")  # fmt: skip
+    return limit
+
+
+def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None = None) -> Experiment:
+    """`claim_trial()` runs once the config is checked and before anything is
+    built (it raises if another launcher runs the same trial)."""
     if cfg.mode in ("ray", "slurm"):  # valid values whose launchers do not exist yet
         raise ConfigError(f"mode: {cfg.mode!r} is not available yet; use mode=local (one machine)")
     alloc = validate(cfg)
+    max_positions = check_environment(cfg, alloc)  # before anything (fileroot, kit, etcd, workers) is created
     gen_gpus, train_gpus = place_gpus(cfg, alloc)  # before anything is built: a GPU shortage is a config error
+    if claim_trial is not None:
+        claim_trial()
     paths = trial_paths(cfg)
     model_path, train_path, test_path = resolve_model_and_data(cfg, paths.fileroot)
     ppo, rollout = cfg.ppo, cfg.rollout
@@ -178,10 +302,17 @@ def build_experiment(cfg: AsyncPPOConfig) -> Experiment:
         weight_update_retries=cfg.server.weight_update_retries,
     )
     per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
+    max_prompt_len = cfg.dataset.max_prompt_len
+    if max_positions is not None and max_prompt_len + rollout.gconfig.max_new_tokens > max_positions:
+        # A longer prompt leaves no room for max_new_tokens (the server would
+        # refuse it): skip it with the other over-long prompts instead.
+        max_prompt_len = max_positions - rollout.gconfig.max_new_tokens
+        logger.info("prompts longer than %d tokens are skipped (%d positions - max_new_tokens %d)",
+                    max_prompt_len, max_positions, rollout.gconfig.max_new_tokens)  # fmt: skip
     rollout_worker = RolloutWorkerConfig(
         dataset_path=train_path,
         tokenizer_path=model_path,
-        max_prompt_len=cfg.dataset.max_prompt_len,
+        max_prompt_len=max_prompt_len,
         shuffle=cfg.dataset.shuffle,
         seed=cfg.seed,
         agent=dataclasses.replace(rollout.agent, args=agent_args(cfg, model_path)),
@@ -253,16 +384,28 @@ def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], 
 
 def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[int, str]:
     """Runs the trial; returns (exit code, summary path)."""
-    experiment = build_experiment(cfg)
-    launcher = LocalLauncher(
-        cfg.experiment_name,
-        cfg.trial_name,
-        experiment.paths.fileroot,
-        cfg.name_resolve,
-        heartbeat_ttl=cfg.heartbeat_ttl,
-        plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
-        echo_worker="master_worker",
-    )
+    launcher: LocalLauncher | None = None
+
+    def claim_trial() -> None:  # once the config is known to be good (the launcher needs valid names)
+        nonlocal launcher
+        launcher = LocalLauncher(
+            cfg.experiment_name,
+            cfg.trial_name,
+            trial_paths(cfg).fileroot,
+            cfg.name_resolve,
+            heartbeat_ttl=cfg.heartbeat_ttl,
+            plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
+            echo_worker="master_worker",
+        )
+        launcher.acquire_trial()
+
+    try:
+        experiment = build_experiment(cfg, claim_trial)
+    except BaseException:
+        if launcher is not None:
+            launcher.release_trial()
+        raise
+    assert launcher is not None
     if cfg.recover != "auto" and os.path.exists(experiment.paths.summary):
         os.unlink(experiment.paths.summary)
     code = launcher.run(experiment.groups, timeout=timeout)

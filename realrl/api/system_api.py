@@ -177,5 +177,7 @@ class MasterWorkerConfig:
     recover: bool = False
     checkpoint_dir: str = ""  # the model workers' checkpoints (step<N>/ subdirectories)
     final_model_dir: str = ""  # the trained model is saved here at the end
-    rpc_timeout: float = 3600.0
+    rpc_timeout: float = 3600.0  # a confirmed request (e.g. a train step) may run this long
+    rpc_warn_after: float = 10.0  # warn about a request no model worker has confirmed after this long ...
+    rpc_receipt_timeout: float = 60.0  # ... and fail the trial after this long
     fetch_poll_interval: float = 0.05

@@ -7,6 +7,7 @@ realrl only ever ends processes it started, by PID or process group
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -28,15 +29,28 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+# A tqdm progress bar: "desc:  40%|####      | 4/10 [00:01<00:02, 3.1it/s]"
+_PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\S+/\S+\s*\[")
+
+
 def log_tail(path: str, n: int = 40) -> str:
-    """The last `n` lines of a log file (reads at most its last 64 KiB)."""
+    """The last `n` lines of a log file as a terminal would have shown them,
+    without progress bars: carriage-return rewrites keep only their last
+    state, and tqdm lines are dropped (a killed worker's tail should say what
+    it was doing, not how far a bar had got). Reads at most the last 256 KiB."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+            f.seek(max(0, f.tell() - 256 * 1024))
+            text = f.read().decode(errors="replace")
     except OSError as e:
         return f"(no log: {e})"
+    lines = []
+    for line in text.split("\n"):
+        shown = line.rstrip("\r").rsplit("\r", 1)[-1]
+        if shown.strip() and not _PROGRESS_BAR.search(shown):
+            lines.append(shown)
+    return "\n".join(lines[-n:])
 
 
 def signal_tree(pid: int, sig: int) -> None:

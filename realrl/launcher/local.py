@@ -10,13 +10,21 @@
 4. waits. When a worker fails, it prints which one and the tail of its
    traceback, sets ABORTED, stops the rest (SIGTERM, then SIGKILL at
    `stop_timeout`), and returns non-zero. When the master sets COMPLETE, it
-   waits for the workers to finish. Ctrl-C stops everything.
+   waits for the workers to finish. Ctrl-C or SIGTERM stops everything; so
+   does losing the name service (one line says so).
 When `run` returns, no process of the trial is left.
+
+One launcher per trial: `acquire_trial()` (called by `run`) takes an
+exclusive lock on `<fileroot>/run/<exp>/<trial>/launcher.lock` that the
+kernel releases when the launcher dies, and a second launcher of the same
+trial raises `TrialAlreadyRunning` naming the first one's pid before it
+touches anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import signal
 import subprocess
@@ -68,6 +76,18 @@ class WorkerFailed(RuntimeError):
     pass
 
 
+class TrialAlreadyRunning(RuntimeError):
+    """Another launcher runs this experiment/trial; nothing was touched."""
+
+    def __init__(self, experiment_name: str, trial_name: str, pid: str) -> None:
+        self.pid = pid
+        super().__init__(f"trial {experiment_name}/{trial_name} already running (pid {pid}); leaving it alone")
+
+
+class NameServiceLost(RuntimeError):
+    """The name service (etcd) stopped answering while the trial ran."""
+
+
 class LocalLauncher:
     def __init__(
         self,
@@ -97,28 +117,65 @@ class LocalLauncher:
         self._echo_offset = 0
         self._procs: list[_Proc] = []
         self._etcd_supervisor: subprocess.Popen | None = None
+        self._lock_file = None  # held while this launcher owns the trial
+        self._owns_keepalive = False
+        self._console_line_open = False  # the echoed log left a line without its newline (a progress bar)
         self.failed_worker: str | None = None
 
     # ---- public ---------------------------------------------------------------
     def run(self, groups: list[WorkerGroup], timeout: float | None = None) -> int:
         """Runs the trial to the end. Returns 0 on success, 1 when a worker
         failed, 124 on `timeout`, 130 when interrupted."""
+        self.acquire_trial()
         previous_sigterm = signal.getsignal(signal.SIGTERM)
         if _in_main_thread():
             signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        name_service_ok = True
         try:
             self._start_name_resolve()
             self._start_workers(groups)
             return self._wait(timeout)
         except KeyboardInterrupt:
-            print(f"realrl: interrupted; stopping trial {self.experiment_name}/{self.trial_name}", file=sys.stderr)
+            self._say(f"realrl: interrupted; stopping trial {self.experiment_name}/{self.trial_name}")
             self._set_experiment_status(ExperimentStatus.ABORTED)
             return 130
+        except NameServiceLost as e:
+            name_service_ok = False
+            # Stop talking to it: its keep-alive thread would warn every second while the workers stop.
+            self._owns_keepalive = False
+            name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
+            self._say(f"realrl: name service lost ({e}); stopping trial {self.experiment_name}/{self.trial_name}")
+            return 1
         finally:
-            self._stop_all()
+            self._stop_all(name_service_ok)
             self._stop_name_resolve()
             if _in_main_thread():
                 signal.signal(signal.SIGTERM, previous_sigterm)
+            self.release_trial()
+
+    def acquire_trial(self) -> None:
+        """Makes this launcher the trial's only one, or raises TrialAlreadyRunning."""
+        if self._lock_file is not None:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        f = open(os.path.join(self.run_dir, "launcher.lock"), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise TrialAlreadyRunning(self.experiment_name, self.trial_name, pid) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = f
+
+    def release_trial(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing drops the lock
+            self._lock_file = None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -137,14 +194,27 @@ class LocalLauncher:
             self.nr_config.etcd3_addr = addr
             logger.info("started private etcd at %s", addr)
         name_resolve.reconfigure(self.nr_config)
+        keepalive = names.launcher_keepalive(self.experiment_name, self.trial_name)
+        if self._etcd_supervisor is None:  # a shared name service: another machine may run this trial
+            self._check_no_live_launcher(keepalive)
         name_resolve.clear_subtree(names.trial_root(self.experiment_name, self.trial_name))
-        name_resolve.add(
-            names.launcher_keepalive(self.experiment_name, self.trial_name),
-            str(os.getpid()),
-            keepalive_ttl=self.heartbeat_ttl,
-            replace=True,
-        )
+        name_resolve.add(keepalive, str(os.getpid()), keepalive_ttl=self.heartbeat_ttl, replace=True)
+        self._owns_keepalive = True
         self._set_experiment_status(ExperimentStatus.RUNNING)
+
+    def _check_no_live_launcher(self, keepalive: str) -> None:
+        """Raises TrialAlreadyRunning while another launcher refreshes the
+        trial's keep-alive key. A SIGKILLed launcher's key expires within its
+        TTL, so a key still there after two TTLs is alive."""
+        deadline = time.monotonic() + 2 * self.heartbeat_ttl + 1
+        while True:
+            try:
+                pid = name_resolve.get(keepalive)
+            except name_resolve.NameEntryNotFoundError:
+                return
+            if time.monotonic() > deadline:
+                raise TrialAlreadyRunning(self.experiment_name, self.trial_name, pid)
+            time.sleep(0.2)
 
     def _start_workers(self, groups: list[WorkerGroup]) -> None:
         os.makedirs(os.path.join(self.log_dir, "specs"), exist_ok=True)
@@ -175,6 +245,8 @@ class LocalLauncher:
                 with open(spec_path, "w") as f:
                     f.write(WorkerSpec(class_path, info, config).to_json())
                 log_path = self.log_path(worker_type, index)
+                if worker_type == self.echo_worker and index == 0 and os.path.exists(log_path):
+                    self._echo_offset = os.path.getsize(log_path)  # a resumed trial: echo only this attempt
                 env = dict(base_env, **group.env, **(group.env_per_index[index] if group.env_per_index else {}))
                 with open(log_path, "ab") as log:
                     popen = subprocess.Popen(
@@ -194,6 +266,26 @@ class LocalLauncher:
             return name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
         except name_resolve.NameEntryNotFoundError:
             return None
+        except Exception as e:  # the backend itself failed
+            logger.debug("reading the experiment status failed: %s: %s", type(e).__name__, e)
+            raise NameServiceLost(self._name_service_problem() or f"{self._name_service} does not answer") from None
+
+    @property
+    def _name_service(self) -> str:
+        return f"etcd at {self.nr_config.etcd3_addr}" if self.nr_config.type == "etcd3" else f"{self.nr_config.type} backend"
+
+    def _name_service_problem(self) -> str | None:
+        """Why the name service is unusable, or None while it answers."""
+        try:
+            name_resolve.get(names.launcher_keepalive(self.experiment_name, self.trial_name))
+        except name_resolve.NameEntryNotFoundError:
+            pass
+        except Exception as e:
+            logger.debug("name service check failed: %s: %s", type(e).__name__, e)
+            return f"{self._name_service} does not answer"
+        if self._etcd_supervisor is not None and self._etcd_supervisor.poll() is not None:
+            return f"the private {self._name_service} exited"
+        return None
 
     def _set_experiment_status(self, status: str) -> None:
         try:
@@ -205,8 +297,13 @@ class LocalLauncher:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._echo()
+            if self._etcd_supervisor is not None and self._etcd_supervisor.poll() is not None:
+                raise NameServiceLost(self._name_service_problem() or f"the private {self._name_service} exited")
             failed = [p for p in self._procs if p.popen.poll() not in (None, 0)]
             if failed:
+                problem = self._name_service_problem()  # workers die when it goes: say the cause, not a symptom
+                if problem is not None:
+                    raise NameServiceLost(problem)
                 first = min(failed, key=lambda p: _exit_time_key(p))
                 self._report_failure(first)
                 self._set_experiment_status(ExperimentStatus.ABORTED)
@@ -218,10 +315,10 @@ class LocalLauncher:
             if status == ExperimentStatus.COMPLETE:
                 return self._wait_for_completion()
             if status == ExperimentStatus.ABORTED:
-                print("realrl: trial aborted (experiment_status=ABORTED)", file=sys.stderr)
+                self._say("realrl: trial aborted (experiment_status=ABORTED)")
                 return 1
             if deadline is not None and time.monotonic() > deadline:
-                print(f"realrl: trial did not finish within {timeout}s; stopping it", file=sys.stderr)
+                self._say(f"realrl: trial did not finish within {timeout}s; stopping it")
                 self._set_experiment_status(ExperimentStatus.ABORTED)
                 return 124
             time.sleep(self.poll_interval)
@@ -240,6 +337,16 @@ class LocalLauncher:
             self._echo_offset += len(chunk)
             sys.stdout.write(chunk.decode(errors="replace"))
             sys.stdout.flush()
+            self._console_line_open = not chunk.endswith(b"\n")
+
+    def _say(self, message: str) -> None:
+        """A message of ours on stderr, on a line of its own (not glued to an
+        echoed progress bar)."""
+        if self._console_line_open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self._console_line_open = False
+        print(message, file=sys.stderr, flush=True)
 
     def _wait_for_completion(self) -> int:
         logger.info("experiment COMPLETE; waiting for workers to exit")
@@ -260,25 +367,24 @@ class LocalLauncher:
         try:
             tb = name_resolve.get(names.worker_error(self.experiment_name, self.trial_name, proc.worker_type, proc.index))
             source = "traceback"
-        except name_resolve.NameEntryNotFoundError:
+        except Exception:  # none recorded (e.g. killed by a signal), or the name service is gone
             tb, source = log_tail(proc.log_path, _TRACEBACK_TAIL_LINES), "log tail"
         lines = tb.rstrip().splitlines()[-_TRACEBACK_TAIL_LINES:]
-        print(
+        self._say(
             f"realrl: worker {proc.tag} failed ({how}); stopping the trial.\n"
-            f"---- {proc.tag} {source} ----\n" + "\n".join(lines) + f"\n---- full log: {proc.log_path}",
-            file=sys.stderr,
-            flush=True,
+            f"---- {proc.tag} {source} ----\n" + "\n".join(lines) + f"\n---- full log: {proc.log_path}"
         )
 
     # ---- teardown -----------------------------------------------------------------
-    def _stop_all(self) -> None:
+    def _stop_all(self, name_service_ok: bool = True) -> None:
         if not self._procs:
             return
         if any(p.popen.poll() is None for p in self._procs):
-            self._set_experiment_status(ExperimentStatus.ABORTED)
-            # Workers notice ABORTED within a poll; give them a moment, then
-            # SIGTERM, then SIGKILL at stop_timeout.
-            self._wait_exit(min(3.0, self.stop_timeout / 3))
+            if name_service_ok:
+                self._set_experiment_status(ExperimentStatus.ABORTED)
+                # Workers notice ABORTED within a poll; give them a moment, then
+                # SIGTERM, then SIGKILL at stop_timeout.
+                self._wait_exit(min(3.0, self.stop_timeout / 3))
             for p in self._procs:
                 signal_tree(p.popen.pid, signal.SIGTERM)
             self._wait_exit(self.stop_timeout - min(3.0, self.stop_timeout / 3))
@@ -295,10 +401,12 @@ class LocalLauncher:
             time.sleep(0.05)
 
     def _stop_name_resolve(self) -> None:
-        try:
-            name_resolve.delete(names.launcher_keepalive(self.experiment_name, self.trial_name))
-        except Exception:
-            pass
+        if self._owns_keepalive:
+            self._owns_keepalive = False
+            try:
+                name_resolve.delete(names.launcher_keepalive(self.experiment_name, self.trial_name))
+            except Exception:
+                pass
         name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
         if self._etcd_supervisor is not None and self._etcd_supervisor.poll() is None:
             self._etcd_supervisor.terminate()

@@ -85,7 +85,10 @@ class MasterWorker(AsyncWorker):
         n = config.n_model_workers
         routing: dict = {i: i for i in range(n)}
         routing.update({f"__data{i}__": i for i in range(n)})
-        self.stream = NameResolvingRequestClient(self.experiment_name, self.trial_name, n, routing)
+        self.stream = NameResolvingRequestClient(self.experiment_name, self.trial_name, n, routing,
+                                                 warn_after=config.rpc_warn_after,
+                                                 receipt_timeout=config.rpc_receipt_timeout,
+                                                 interrupt=self.raise_if_exiting)  # fmt: skip
         self.step = 0
         self.version = 0
         self.consumed = 0

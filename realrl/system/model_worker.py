@@ -153,8 +153,14 @@ class ModelWorker(Worker):
         self.version = 0
         self.step_trajectories: list = []
         self.step_batch: SequenceBatch | None = None
-        self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank, config.max_buffered_trajectories)
-        self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index)
+        # A token id past an embedding table kills inference (IndexError): the puller rejects such
+        # trajectories as invalid. The bound is the embedding's size (config.vocab_size), not len(tokenizer).
+        embedded = [actor, self.ref, self.critic.model.backbone if self.critic is not None else None]
+        vocab_size = min(m.get_input_embeddings().num_embeddings for m in embedded if m is not None)
+        self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank,
+                                           config.max_buffered_trajectories, vocab_size=vocab_size)  # fmt: skip
+        self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index,
+                                               interrupt=self.raise_if_exiting)  # fmt: skip
         for name in ("spec", "inventory", "stats"):
             self.server.register(name, getattr(self, f"_handle_{name}"))
         for name in ("assemble", "inference", "train_step", "evaluate", "save", "checkpoint", "load"):

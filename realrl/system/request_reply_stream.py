@@ -10,7 +10,7 @@ PUSH to `master_recv`, then adds itself to the `barrier` subtree; the master
 waits until every worker is there. Messages are `realrl.base.wire` buffers of
 a `Payload` (never pickle) with one of four kinds:
 
-    master -> worker: "request", "ack", "cancel"      worker -> master: "syn", "reply"
+    master -> worker: "request", "ack", "cancel"      worker -> master: "syn", "received", "reply"
 
 Routing. A request names a handler: a worker index, a model-shard id string
 or `"__data{dp}__"` (the head of data-parallel rank dp); the master's
@@ -39,6 +39,15 @@ thread that calls `serve()` touches them. Handlers are registered as:
 A handler's exception becomes an error reply (type, message, traceback); the
 master raises it as `RemoteError`. Malformed messages are dropped, counted in
 `n_rejected` and logged; both ends keep running. Every wait has a timeout.
+
+Lost requests. A worker confirms every request it takes: a cheap one by its
+reply, a long one by "received" as it queues it (a SYN/ACK one by its syn).
+A request that nobody confirms (its worker died, or a stray process connected
+to the worker's request socket took it) is warned about after `warn_after`
+seconds, naming the worker and the request, and fails the call after
+`receipt_timeout`; a confirmed one may run up to the call's own timeout (a
+train step of a large model takes minutes), with a warning every
+`RUNNING_WARN_INTERVAL` seconds.
 """
 
 from __future__ import annotations
@@ -63,10 +72,14 @@ from realrl.system.push_pull_stream import RateLimitedLog
 logger = getLogger("request_reply_stream")
 
 BARRIER = "barrier"
-REQUEST, ACK, CANCEL, SYN, REPLY = "request", "ack", "cancel", "syn", "reply"
-_KINDS = (REQUEST, ACK, CANCEL, SYN, REPLY)
+REQUEST, ACK, CANCEL, SYN, RECEIVED, REPLY = "request", "ack", "cancel", "syn", "received", "reply"
+_KINDS = (REQUEST, ACK, CANCEL, SYN, RECEIVED, REPLY)
 DEFAULT_CONNECT_TIMEOUT = 300.0  # seconds for the two ends to find each other
 DEFAULT_SEND_TIMEOUT = 30.0  # seconds a send may wait for a full queue or a connection
+DEFAULT_WARN_AFTER = 10.0  # seconds without a worker's confirmation before we say so
+DEFAULT_RECEIPT_TIMEOUT = 60.0  # seconds without it before the call fails
+RUNNING_WARN_INTERVAL = 600.0  # seconds between "still running" warnings of a confirmed request
+_WAIT_SLICE = 0.5  # seconds: how often a waiting call looks at its requests' age
 _REPLY_LINGER_MS = 1000  # a closing worker still flushes its last replies for this long
 
 
@@ -126,6 +139,10 @@ class Payload:
         ):
             raise ValueError("bad error field")
         return Payload(handler, name, msg.get("data"), no_syn, request_id, msg.get("result"), err, kind)
+
+
+class RequestLost(TimeoutError):
+    """No worker confirmed a request within the receipt timeout."""
 
 
 class RemoteError(Exception):
@@ -197,6 +214,7 @@ class _Receiver:
             try:
                 frame = self.socket.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._log.maybe_flush()  # the suppressed count, once its interval has passed
                 return out
             if frame.more:
                 while self.socket.recv(copy=False).more:
@@ -211,6 +229,10 @@ class _Receiver:
     def reject(self, reason: str) -> None:
         self.n_rejected += 1
         self._log.warning("%s rejected a malformed message (%d so far): %s", self.where, self.n_rejected, reason)
+
+    def flush_log(self) -> None:
+        """Reports the rejects the rate-limited log has not yet (call at close)."""
+        self._log.flush()
 
 
 # ---- master side -------------------------------------------------------------------
@@ -230,7 +252,12 @@ class NameResolvingRequestClient:
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         host: str | None = None,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        warn_after: float = DEFAULT_WARN_AFTER,
+        receipt_timeout: float = DEFAULT_RECEIPT_TIMEOUT,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
+        """`interrupt()` is called while waiting for the workers to connect;
+        it raises to give up (e.g. when the trial ends meanwhile)."""
         bad = {h: w for h, w in handler_routing.items() if not (isinstance(w, int) and 0 <= w < n_subscribers)}
         if bad:
             raise ValueError(f"handler_routing maps to workers outside 0..{n_subscribers - 1}: {bad}")
@@ -240,6 +267,9 @@ class NameResolvingRequestClient:
         self.n_subscribers = n_subscribers
         self.routing = dict(handler_routing)
         self.send_timeout = send_timeout
+        self.warn_after = warn_after
+        self.receipt_timeout = receipt_timeout
+        self._interrupt = interrupt
         host = host or network.bind_address("local")
         key = lambda stream: names.request_reply_stream(experiment_name, trial_name, stream)  # noqa: E731
 
@@ -275,6 +305,9 @@ class NameResolvingRequestClient:
             raise
 
         self._inflight: dict[str, tuple[int | str, str, int]] = {}  # request id -> (handler, handle name, worker)
+        self._sent_at: dict[str, float] = {}  # request id -> when it was sent
+        self._received: set[str] = set()  # confirmed by the worker (received, syn or reply)
+        self._warned_at: dict[str, float] = {}  # request id -> when we last warned about it
         self._replies: dict[str, Payload] = {}  # arrived, not yet collected (insertion = arrival order)
         self._syns: set[str] = set()
         self._waiters: dict[tuple[str, str], asyncio.Future] = {}  # (kind, request id) -> future
@@ -298,6 +331,8 @@ class NameResolvingRequestClient:
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"model workers {missing} did not connect to the request stream within {timeout}s")
+            if self._interrupt is not None:
+                self._interrupt()
             time.sleep(0.05)
 
     # ---- sending ------------------------------------------------------------------
@@ -307,19 +342,50 @@ class NameResolvingRequestClient:
         except (KeyError, TypeError):
             raise KeyError(f"no route for handler {handler!r}; routing table: {self.routing}") from None
 
-    def _send_requests(self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool) -> list[str]:
+    def _prepare_requests(
+        self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool
+    ) -> list[tuple[Payload, bytes, int]]:
+        """Routes and encodes every request before any is sent: (payload, message, worker)."""
         if datas is None:
             datas = [None] * len(handlers)
         if len(datas) != len(handlers):
             raise ValueError(f"{len(handlers)} handlers but {len(datas)} datas")
-        # Route and encode everything before sending anything.
         workers = [self._route(h) for h in handlers]
         payloads = [Payload(h, handle_name, d, no_syn) for h, d in zip(handlers, datas)]
-        messages = [wire.dumps(p.to_wire()) for p in payloads]
-        for payload, message, worker in zip(payloads, messages, workers):
-            self._inflight[payload.request_id] = (payload.handler, handle_name, worker)
+        return [(p, wire.dumps(p.to_wire()), w) for p, w in zip(payloads, workers)]
+
+    def _track(self, payload: Payload, worker: int) -> None:
+        self._inflight[payload.request_id] = (payload.handler, payload.handle_name, worker)
+        self._sent_at[payload.request_id] = time.monotonic()
+
+    def _send_requests(self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool) -> list[str]:
+        prepared = self._prepare_requests(handlers, handle_name, datas, no_syn)
+        for payload, message, worker in prepared:
+            self._track(payload, worker)
             _send(self._send_sockets[worker], message, self.send_timeout, f"{handle_name!r} to model worker {worker}")
-        return [p.request_id for p in payloads]
+        return [p.request_id for p, _, _ in prepared]
+
+    async def _send_requests_async(
+        self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool
+    ) -> list[str]:
+        """`_send_requests` that waits for a full queue or a missing peer (a
+        worker that just died) without blocking the event loop, so the
+        caller can be cancelled meanwhile."""
+        prepared = self._prepare_requests(handlers, handle_name, datas, no_syn)
+        for payload, message, worker in prepared:
+            self._track(payload, worker)
+            socket, what = self._send_sockets[worker], f"{handle_name!r} to model worker {worker}"
+            deadline = time.monotonic() + self.send_timeout
+            while True:
+                try:
+                    socket.send(message, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"could not send {what} within {self.send_timeout}s "
+                                           "(peer not connected or not reading)") from None  # fmt: skip
+                    await asyncio.sleep(0.02)
+        return [p.request_id for p, _, _ in prepared]
 
     def _send_control(self, kind: str, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -371,12 +437,17 @@ class NameResolvingRequestClient:
         for payload in self._receiver.receive_all():
             rid = payload.request_id
             if rid not in self._inflight:
-                logger.warning("dropped a %s for unknown or abandoned request %s (%r)", payload.kind, rid, payload.handle_name)
+                if payload.kind != RECEIVED:  # a late confirmation of a request we gave up on says nothing new
+                    logger.warning("dropped a %s for unknown or abandoned request %s (%r)", payload.kind, rid, payload.handle_name)
                 continue
+            if payload.kind in (REPLY, SYN, RECEIVED):
+                self._received.add(rid)
             if payload.kind == REPLY:
                 self._replies[rid] = payload
             elif payload.kind == SYN:
                 self._syns.add(rid)
+            elif payload.kind == RECEIVED:
+                continue
             else:
                 self._receiver.reject(f"a {payload.kind!r} message sent to the master")
                 continue
@@ -389,6 +460,45 @@ class NameResolvingRequestClient:
             self._inflight.pop(rid, None)
             self._replies.pop(rid, None)
             self._syns.discard(rid)
+            self._untrack(rid)
+
+    def _untrack(self, rid: str) -> None:
+        self._sent_at.pop(rid, None)
+        self._received.discard(rid)
+        self._warned_at.pop(rid, None)
+
+    def _describe(self, rid: str) -> str:
+        handler, handle_name, worker = self._inflight[rid]
+        where = f"model worker {worker}" if handler == worker else f"handler {handler!r} (model worker {worker})"
+        return f"{handle_name!r} request {rid} to {where}"
+
+    def _check_unanswered(self, ids: Sequence[str]) -> None:
+        """Warns about requests of `ids` that are still unanswered after
+        `warn_after` (naming each), and raises RequestLost for those no
+        worker confirmed within `receipt_timeout`."""
+        now = time.monotonic()
+        lost, slow = [], []
+        for rid in ids:
+            if rid in self._replies or rid not in self._sent_at:
+                continue
+            age = now - self._sent_at[rid]
+            received = rid in self._received
+            if not received and age > self.receipt_timeout:
+                lost.append(rid)
+            elif age > (self.warn_after if not received else RUNNING_WARN_INTERVAL):
+                if now - self._warned_at.get(rid, -float("inf")) >= (self.warn_after if not received else RUNNING_WARN_INTERVAL):
+                    self._warned_at[rid] = now
+                    slow.append((rid, age, received))
+        if lost:
+            what = "; ".join(self._describe(rid) for rid in lost)
+            self._forget(ids)  # late replies are dropped when they come
+            raise RequestLost(
+                f"no model worker confirmed {what} within {self.receipt_timeout:.0f}s: the worker is gone, or "
+                "another process is connected to its request socket and took the request"
+            )
+        for rid, age, received in slow:
+            state = "received and still running" if received else "not confirmed by the worker yet"
+            logger.warning("%s unanswered for %.0fs (%s)", self._describe(rid), age, state)
 
     def _reply_timeout(self, ids: list[str], missing: list[str], timeout: float) -> TimeoutError:
         what = "; ".join(
@@ -402,6 +512,8 @@ class NameResolvingRequestClient:
     def _collect(self, request_ids: Sequence[str]) -> list[Any]:
         replies = [self._replies.pop(rid) for rid in request_ids]
         workers = [self._inflight.pop(rid)[2] for rid in request_ids]
+        for rid in request_ids:
+            self._untrack(rid)
         for payload, worker in zip(replies, workers):
             if payload.err is not None:
                 raise RemoteError(payload, worker)
@@ -417,6 +529,7 @@ class NameResolvingRequestClient:
             if self._replies:
                 rid = next(iter(self._replies))
                 self._inflight.pop(rid, None)
+                self._untrack(rid)
                 return self._replies.pop(rid)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -436,7 +549,8 @@ class NameResolvingRequestClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._reply_timeout(request_ids, missing, timeout)
-            self._recv_socket.poll(max(1, int(remaining * 1000)), zmq.POLLIN)
+            self._check_unanswered(request_ids)
+            self._recv_socket.poll(max(1, int(min(remaining, _WAIT_SLICE) * 1000)), zmq.POLLIN)
 
     def call(
         self,
@@ -485,7 +599,14 @@ class NameResolvingRequestClient:
             self._waiters[(kind, rid)] = fut
         try:
             self._ensure_pump()
-            await asyncio.wait(waiting.values(), timeout=max(0.0, deadline - time.monotonic()))
+            pending = set(waiting.values())
+            while pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                _, pending = await asyncio.wait(pending, timeout=min(remaining, _WAIT_SLICE))
+                if pending:
+                    self._check_unanswered(ids)
         finally:
             for rid, fut in waiting.items():
                 if self._waiters.get((kind, rid)) is fut:
@@ -512,8 +633,8 @@ class NameResolvingRequestClient:
         no_syn: bool = True,
         timeout: float = DEFAULT_SEND_TIMEOUT,
     ) -> list[str]:
-        """`request` whose SYN/ACK wait (no_syn=False) does not block the loop."""
-        ids = self._send_requests(handlers, handle_name, datas, no_syn)
+        """`request` whose sending and SYN/ACK wait (no_syn=False) do not block the loop."""
+        ids = await self._send_requests_async(handlers, handle_name, datas, no_syn)
         if not no_syn:
             missing = await self._wait_async(SYN, ids, self._syns.__contains__, time.monotonic() + timeout)
             if missing:
@@ -538,6 +659,7 @@ class NameResolvingRequestClient:
     def close(self) -> None:
         if self._context.closed:
             return
+        self._receiver.flush_log()
         if self._pump_task is not None and not self._pump_task.done():
             try:
                 self._pump_task.cancel()
@@ -571,17 +693,27 @@ class NameResolvingReplyServer:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
+        """`interrupt()` is called while waiting for the master's addresses;
+        it raises to give up (e.g. when the trial ends meanwhile)."""
         self.worker_index = worker_index
         self.send_timeout = send_timeout
         key = lambda stream: names.request_reply_stream(experiment_name, trial_name, stream)  # noqa: E731
-        try:
-            requests_address = name_resolve.wait(key(_master_send(worker_index)), timeout=connect_timeout)
-            replies_address = name_resolve.wait(key(_MASTER_RECV), timeout=connect_timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"model worker {worker_index}: the master did not register its request stream within {connect_timeout}s"
-            ) from None
+        deadline = time.monotonic() + connect_timeout
+        addresses = []
+        for stream in (_master_send(worker_index), _MASTER_RECV):
+            while True:
+                try:
+                    addresses.append(name_resolve.wait(key(stream), timeout=min(1.0, max(0.0, deadline - time.monotonic()))))
+                    break
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"model worker {worker_index}: the master did not register its request "
+                                           f"stream within {connect_timeout}s") from None  # fmt: skip
+                    if interrupt is not None:
+                        interrupt()
+        requests_address, replies_address = addresses
         self._context = zmq.Context()
         recv_socket = self._context.socket(zmq.PULL)
         recv_socket.setsockopt(zmq.LINGER, 0)
@@ -677,6 +809,10 @@ class NameResolvingReplyServer:
             return 1
         if handler.long_running:
             self._long_queue.put((payload, handler.fn))
+            # The reply may be minutes away: confirm now, so the master can tell
+            # a long request from a lost one.
+            received = Payload(payload.handler, payload.handle_name, request_id=payload.request_id, kind=RECEIVED)
+            self._send(wire.dumps(received.to_wire()), payload.handle_name)
             return 0
         self._send(self._reply(payload, handler.fn), payload.handle_name)
         return 1
@@ -754,6 +890,7 @@ class NameResolvingReplyServer:
             name_resolve.delete(self._barrier_key)
         except Exception as e:
             logger.debug("could not delete %s: %s", self._barrier_key, e)
+        self._receiver.flush_log()
         self._recv_socket.close()
         self._send_socket.close()  # flushes replies for up to _REPLY_LINGER_MS
         self._context.term()

@@ -351,8 +351,9 @@ class RolloutWorker(AsyncWorker):
         await asyncio.gather(*self._episodes.values(), return_exceptions=True)
         self._episodes.clear()
         self._log_stats()
-        await self.client.close()
-        await self.manager.close()
+        for client in (getattr(self, "client", None), getattr(self, "manager", None)):  # None: setup did not get there
+            if client is not None:
+                await client.close()
 
     def _exit_hook(self) -> None:
         push_thread = getattr(self, "_push_thread", None)
@@ -360,7 +361,9 @@ class RolloutWorker(AsyncWorker):
             self.request_exit("shutting down")  # a blocked push sees `exiting` within PUSH_POLL_S
             push_thread.shutdown(wait=True)
         if getattr(self, "pusher", None) is not None:
-            self.pusher.close()
+            # Flush queued trajectories when the trial completed (they are
+            # accounted for); an aborted trial has nobody left to take them.
+            self.pusher.close(**({} if self.trial_complete else {"linger": 0}))
         if getattr(self, "_sample_file", None) is not None:
             self._sample_file.close()
 

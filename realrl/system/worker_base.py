@@ -63,6 +63,11 @@ _MAX_IDLE_SLEEP = 0.05  # seconds; a poll that found nothing backs off up to thi
 _STATUS_CHECK_INTERVAL = 0.5  # seconds between reads of experiment_status
 
 
+class WorkerExiting(Exception):
+    """Raised out of a long wait (see `Worker.raise_if_exiting`) once the
+    worker has been asked to exit; `run` treats it as a clean stop."""
+
+
 class Worker:
     """Synchronous worker: subclasses implement `_configure` and `_poll`."""
 
@@ -73,6 +78,7 @@ class Worker:
         self.config = config
         self.logger = realrl_logging.getLogger(f"realrl.{info.worker_type}")
         self.exit_reason = ""
+        self.trial_complete = False  # exiting because the trial completed (not aborted, not a signal)
         self._stop = threading.Event()
         self._last_status_check = 0.0
         self._status = ""
@@ -120,6 +126,12 @@ class Worker:
         )
         self._status = status
 
+    def raise_if_exiting(self) -> None:
+        """For long waits outside the poll loop (e.g. for peers to connect):
+        raises WorkerExiting once the trial ends or a signal asks us to stop."""
+        if self._check_exit_conditions():
+            raise WorkerExiting(self.exit_reason)
+
     def _check_exit_conditions(self) -> bool:
         if self._stop.is_set():
             return True
@@ -131,6 +143,7 @@ class Worker:
             except name_resolve.NameEntryNotFoundError:
                 status = None
             if status in (ExperimentStatus.COMPLETE, ExperimentStatus.ABORTED):
+                self.trial_complete = status == ExperimentStatus.COMPLETE and not self._stop.is_set()
                 self.request_exit(f"experiment status {status}")
         return self._stop.is_set()
 
@@ -182,8 +195,14 @@ class Worker:
             self.logger.info("running")
             self._main_loop()
         except BaseException as e:  # noqa: BLE001 - everything must be reported
-            if isinstance(e, (KeyboardInterrupt, SystemExit)) and self._stop.is_set():
+            if isinstance(e, (KeyboardInterrupt, SystemExit, WorkerExiting)) and self._stop.is_set():
                 self.logger.info("stopped by %s", type(e).__name__)
+            elif not self._name_service_reachable():
+                # Every worker fails when etcd goes; the cause is not in our
+                # traceback, and the launcher says it once for the trial.
+                code = 1
+                self.logger.error("name service lost (%s: %s); exiting", type(e).__name__, str(e).strip().split("\n")[0])
+                self.logger.debug("while name service was lost:\n%s", traceback.format_exc())
             else:
                 code = 1
                 self._report_error(traceback.format_exc())
@@ -202,6 +221,15 @@ class Worker:
                 self.logger.debug("final status not recorded: %s", e)
         self.logger.info("exited with code %d", code)
         return code
+
+    def _name_service_reachable(self) -> bool:
+        try:
+            name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
+        except name_resolve.NameEntryNotFoundError:
+            pass
+        except Exception:
+            return False
+        return True
 
     def _report_error(self, tb: str) -> None:
         self.logger.error("worker failed:\n%s", tb)
@@ -230,19 +258,40 @@ class AsyncWorker(Worker):
         asyncio.run(self._main_loop_async())
 
     async def _main_loop_async(self) -> None:
-        await self._setup_async()
+        # The loop runs as a task beside a watcher of the exit conditions: a
+        # poll may wait a long time (the master in an RPC to a worker that just
+        # died), and the trial's end or a SIGTERM must stop it within a poll
+        # interval, not when the wait times out.
+        loop_task = asyncio.create_task(self._setup_and_poll())
+        watcher = asyncio.create_task(self._watch_exit())
         try:
-            idle_sleep = 0.001
-            while not self._check_exit_conditions():
-                result = await self._poll_async()
-                if result.sample_count or result.batch_count:
-                    idle_sleep = 0.001
-                    await asyncio.sleep(0)
-                else:
-                    await asyncio.sleep(idle_sleep)
-                    idle_sleep = min(idle_sleep * 2, _MAX_IDLE_SLEEP)
+            await asyncio.wait({loop_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not loop_task.done():
+                self.logger.info("stopping the running poll: %s", self.exit_reason)
+                loop_task.cancel()
+                await asyncio.gather(loop_task, return_exceptions=True)
+            elif not loop_task.cancelled() and loop_task.exception() is not None:
+                raise loop_task.exception()
         finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
             await self._teardown_async()
+
+    async def _setup_and_poll(self) -> None:
+        await self._setup_async()
+        idle_sleep = 0.001
+        while not self._check_exit_conditions():
+            result = await self._poll_async()
+            if result.sample_count or result.batch_count:
+                idle_sleep = 0.001
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(idle_sleep)
+                idle_sleep = min(idle_sleep * 2, _MAX_IDLE_SLEEP)
+
+    async def _watch_exit(self) -> None:
+        while not self._check_exit_conditions():
+            await asyncio.sleep(_STATUS_CHECK_INTERVAL / 5)
 
 
 def run_worker(spec: WorkerSpec) -> int:

@@ -87,7 +87,7 @@ def test_custom_plugin_example_trains(tmp_path, kit_cache):
     assert len([s for s in stats if "train/actor_loss" in s]) == 3
 
 
-def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_cache):
+def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_cache, capfd):
     """Every process of a run is SIGKILLed (as by a machine going down) after
     its checkpoint at step 3; `recover=auto` resumes from the last checkpoint:
     step numbers go on without gap or repeat, admission over the
@@ -141,10 +141,14 @@ def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_c
     resumed_at = checkpoint["step"]
     assert resumed_at in (3, 6)  # (usually 3; 6 if the kill came late)
 
+    capfd.readouterr()
     _, summary, stats = run(tmp_path, kit_cache, trial, "recover=auto", *common[4:])
     assert summary["steps"] == steps and summary["final_version"] == steps
     log = open(os.path.join(logs, "master_worker-0.log")).read()
     assert f"recovered at step {resumed_at} (weight version {resumed_at})" in log
+    # The console shows this attempt only, not the killed one's log again.
+    console = capfd.readouterr().out
+    assert f"recovered at step {resumed_at}" in console and f"step 1/{steps} " in log and f"step 1/{steps} " not in console
     train_steps = [s["step"] for s in stats if "train/actor_loss" in s]
     assert train_steps == list(range(1, steps + 1))  # no gap, no repeat
     t = summary["trajectories"]

@@ -7,13 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 
 import psutil
 import pytest
 
+from realrl.base import name_resolve, names
 from realrl.base.name_resolve import NameResolveConfig
-from realrl.launcher.local import LocalLauncher, WorkerGroup
+from realrl.launcher.local import LocalLauncher, TrialAlreadyRunning, WorkerGroup
 
 W = "tests.launcher.workers_for_tests"
 
@@ -124,3 +127,62 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
                 pass
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_trial_has_one_launcher_per_fileroot(tmp_path):
+    first = LocalLauncher("launchtest", "once", str(tmp_path), NameResolveConfig(type="memory"))
+    second = LocalLauncher("launchtest", "once", str(tmp_path), NameResolveConfig(type="memory"))
+    first.acquire_trial()
+    try:
+        with pytest.raises(TrialAlreadyRunning, match=rf"launchtest/once already running \(pid {os.getpid()}\)"):
+            second.acquire_trial()
+    finally:
+        first.release_trial()
+    second.acquire_trial()  # free again once the first lets go
+    second.release_trial()
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SECOND_LAUNCHER = """
+import sys
+from realrl.base.name_resolve import NameResolveConfig
+from realrl.launcher.local import LocalLauncher, TrialAlreadyRunning, WorkerGroup
+fileroot, addr, trial = sys.argv[1:]
+launcher = LocalLauncher("launchtest", trial, fileroot, NameResolveConfig(type="etcd3", etcd3_addr=addr), heartbeat_ttl=1)
+try:
+    launcher.run([WorkerGroup("tests.launcher.workers_for_tests:CountingWorker", 1, {})], timeout=60)
+except TrialAlreadyRunning as e:
+    print("refused:", e)
+"""
+
+
+def test_a_trial_running_elsewhere_on_a_shared_etcd_is_left_alone(tmp_path, etcd_server):
+    """Two launchers of one trial on one shared etcd, with different fileroots
+    (as on two machines): the second refuses before it clears any key."""
+    shared = NameResolveConfig(type="etcd3", etcd3_addr=etcd_server.addr)
+    trial = f"shared{uuid.uuid4().hex[:6]}"
+    first = LocalLauncher("launchtest", trial, str(tmp_path / "a"), shared, heartbeat_ttl=1)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(code=first.run(
+        [WorkerGroup(f"{W}:CountingWorker", 1, {"polls": 10**9})], timeout=120)))  # fmt: skip
+    thread.start()
+    repo = name_resolve.make_repository(shared)
+    try:
+        status = names.experiment_status("launchtest", trial)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (first.worker_pids and repo.find_subtree(status)):
+            time.sleep(0.05)
+        # The second launcher in its own process, as on another machine.
+        second = subprocess.run([sys.executable, "-c", SECOND_LAUNCHER, str(tmp_path / "b"), etcd_server.addr, trial],
+                                capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)  # fmt: skip
+        assert second.stdout.strip() == f"refused: trial launchtest/{trial} already running (pid {os.getpid()}); leaving it alone", second.stderr
+        assert not os.path.exists(tmp_path / "b" / "logs")  # no worker started
+        assert repo.get(status) == "RUNNING" and all(alive(p) for p in first.worker_pids)  # untouched
+        repo.add(status, "COMPLETE", replace=True, delete_on_exit=False)
+        thread.join(60)
+        assert result["code"] == 0
+    finally:
+        if thread.is_alive():
+            repo.add(names.experiment_status("launchtest", trial), "ABORTED", replace=True, delete_on_exit=False)
+            thread.join(60)
+        repo.close()

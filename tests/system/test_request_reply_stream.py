@@ -21,6 +21,7 @@ from realrl.system.request_reply_stream import (
     NameResolvingRequestClient,
     Payload,
     RemoteError,
+    RequestLost,
 )
 from tests.conftest import make_nr_config
 from tests.system.stream_child import kill, spawn
@@ -234,6 +235,51 @@ def test_malformed_messages_are_rejected_and_both_ends_keep_serving(cluster):
     while client.n_rejected < before + 2 and time.monotonic() < give_up:
         client.call([1], "whoami", timeout=30)
     assert client.n_rejected == before + 2
+
+
+def test_a_request_nobody_confirms_is_warned_about_then_fails(tmp_path, etcd_server, realrl_caplog):
+    """A stray process connected to worker 0's request socket takes every
+    other request (PUSH round-robins): the master names the lost request after
+    `warn_after` and fails the call at `receipt_timeout`, while a long request
+    that its worker confirmed may run past both."""
+    config = make_nr_config("etcd3", tmp_path, etcd_server)
+    name_resolve.reconfigure(config)
+    c = start_cluster(config, 2, warn_after=0.3, receipt_timeout=1.5)
+    context = zmq.Context()
+    stray = context.socket(zmq.PULL)
+    stray.setsockopt(zmq.LINGER, 0)
+    try:
+        client = c.client
+        (blocked,) = client.request([1], "block")  # confirmed, then runs until released
+        stray.connect(f"tcp://{_master_send_address(c)}")
+        deadline = time.monotonic() + 30
+        while not stray.poll(100):  # until the stray is connected and takes its share
+            assert time.monotonic() < deadline, "the stray never got a request"
+            client.request([0], "whoami")
+        with pytest.raises(RequestLost) as info:
+            asyncio.run(client.call_async([0, 0, 0, 0], "long_echo", ["a", "b", "c", "d"], timeout=60))
+        text = str(info.value)
+        assert "'long_echo' request" in text and "model worker 0" in text and "another process" in text
+        warnings = [r.getMessage() for r in realrl_caplog.records if "unanswered for" in r.getMessage()]
+        assert warnings and all("'long_echo' request" in w and "to model worker 0" in w for w in warnings)
+        assert any("not confirmed by the worker yet" in w for w in warnings)
+        lost_id = text.split("request ", 1)[1].split(" ", 1)[0]
+        assert any(lost_id in w for w in warnings)
+        # The confirmed long request was never counted as lost.
+        with pytest.raises(TimeoutError) as slow:
+            client.gather([blocked], timeout=0.1)
+        assert not isinstance(slow.value, RequestLost)
+    finally:
+        stray.close()
+        context.term()
+        stop_cluster(c)
+        name_resolve.reconfigure(name_resolve.NameResolveConfig())
+
+
+def _master_send_address(cluster: Cluster) -> str:
+    from realrl.base import names
+
+    return name_resolve.get(names.request_reply_stream(cluster.experiment, cluster.trial, "master_send_0"))
 
 
 # ---- SYN/ACK ---------------------------------------------------------------------------

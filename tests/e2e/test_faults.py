@@ -1,0 +1,148 @@
+"""Faults injected into the default trial, run as the user runs it
+(`training/main_async_ppo.py` in a subprocess): a worker SIGKILLed, the
+launcher SIGTERMed, etcd killed, the same trial launched twice. The trial
+stops by itself: every remaining worker exits on its own (none is left for
+the launcher's SIGKILL at its stop timeout), the console says what happened
+on a line of its own, and nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKERS = ("master_worker", "model_worker", "generation_server", "gserver_manager", "rollout_worker")
+
+
+class Trial:
+    """`main_async_ppo.py` in its own process group, stdout and stderr merged
+    as on a terminal."""
+
+    def __init__(self, tmp_path, kit_cache, trial: str, *overrides: str):
+        self.log_dir = os.path.join(tmp_path, "logs", "async-ppo-tiny", trial)
+        self.args = [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), f"fileroot={tmp_path}",
+                     f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "heartbeat_ttl=3",
+                     "eval.every_n_steps=0", "eval.max_prompts=16", "saver.save_final_model=false",
+                     "total_train_steps=400", *overrides]  # fmt: skip
+        self.out_path = os.path.join(tmp_path, f"{trial}.console")
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+    def wait_for_step(self, step: int, timeout: float = 600) -> None:
+        path = os.path.join(self.log_dir, "stats.jsonl")
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"the trial ended early:\n{self.console()[-3000:]}"
+            assert time.monotonic() < deadline, f"the trial never reached step {step}"  # a hang guard
+            if os.path.exists(path) and any(json.loads(line).get("step", 0) >= step for line in open(path)):
+                return
+            time.sleep(0.2)
+
+    def workers(self) -> dict[str, psutil.Process]:
+        """tag (e.g. 'model_worker-0') -> its process."""
+        found = {}
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            m = re.search(r"specs/(\w+-\d+)\.json", " ".join(p.cmdline()))
+            if m:
+                found[m.group(1)] = p
+        assert sorted(t.rsplit("-", 1)[0] for t in found) == sorted(WORKERS), found
+        return found
+
+    def wait(self, timeout: float = 180) -> int:
+        return self.proc.wait(timeout=timeout)  # a hang guard, not a performance threshold
+
+    def console(self) -> str:
+        with open(self.out_path, errors="replace") as f:
+            return f.read()
+
+    def exited_by_themselves(self, tags) -> list[str]:
+        """The workers whose log ends with their own exit (not SIGKILLed)."""
+        return [t for t in tags if "exited with code" in open(os.path.join(self.log_dir, f"{t}.log"), errors="replace").read()]
+
+    def kill(self) -> None:
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        for p in [self.proc, *descendants]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(descendants, timeout=10)
+
+
+@pytest.mark.parametrize("victim", ["model_worker-0", "gserver_manager-0", "rollout_worker-0"])
+def test_a_killed_worker_stops_the_trial_and_the_rest_exit_by_themselves(tmp_path, kit_cache, victim):
+    trial = Trial(tmp_path, kit_cache, "kill")
+    try:
+        trial.wait_for_step(2)
+        workers = trial.workers()
+        workers[victim].kill()
+        code = trial.wait()
+    finally:
+        trial.kill()
+    out = trial.console()
+    kind = victim.rsplit("-", 1)[0]
+    assert code == 1, out[-3000:]
+    # Its own line, even right after a progress bar (stdout and stderr share the terminal).
+    assert f"\nrealrl: worker {kind}/0 failed (signal SIGKILL); stopping the trial.\n" in out, out[-3000:]
+    tail = out.split(f"---- {kind}/0 log tail ----", 1)[1].split("---- full log:", 1)[0]
+    assert "%|" not in tail and "\r" not in tail, tail  # what it was doing, not progress bars
+    # The master notices the abort while it waits on an RPC to a dead worker.
+    others = [t for t in workers if t != victim]
+    assert trial.exited_by_themselves(others) == others, out[-3000:]
+
+
+def test_second_launch_of_a_running_trial_exits_2_and_sigterm_stops_the_first(tmp_path, kit_cache):
+    first = Trial(tmp_path, kit_cache, "twice")
+    try:
+        first.wait_for_step(2)
+        workers = first.workers()
+        second = subprocess.run(first.args, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert lines == [f"realrl: trial async-ppo-tiny/twice already running (pid {first.proc.pid}); leaving it alone"], second.stderr
+        assert second.stdout == ""
+        # The running trial is untouched: same workers, still training.
+        assert all(p.is_running() for p in workers.values())
+        step = sum(1 for _ in open(os.path.join(first.log_dir, "stats.jsonl")))
+        first.wait_for_step(step + 1)
+
+        first.proc.send_signal(signal.SIGTERM)
+        code = first.wait()
+    finally:
+        first.kill()
+    out = first.console()
+    assert code == 130, out[-3000:]
+    assert "\nrealrl: interrupted; stopping trial async-ppo-tiny/twice\n" in out, out[-3000:]
+    assert first.exited_by_themselves(workers) == list(workers), out[-3000:]
+
+
+def test_losing_etcd_is_one_line_and_stops_everything(tmp_path, kit_cache):
+    trial = Trial(tmp_path, kit_cache, "noetcd")
+    try:
+        trial.wait_for_step(2)
+        trial.workers()
+        etcd = [p for p in psutil.Process(trial.proc.pid).children(recursive=True) if p.name() == "etcd"]
+        assert len(etcd) == 1
+        etcd[0].kill()
+        code = trial.wait()
+    finally:
+        trial.kill()
+    out = trial.console()
+    assert code == 1, out[-3000:]
+    lost = [line for line in out.splitlines() if "name service lost" in line]
+    assert len(lost) == 1, out[-3000:]
+    assert re.fullmatch(r"realrl: name service lost \((the private etcd at 127\.0\.0\.1:\d+ exited|etcd at 127\.0\.0\.1:\d+ "
+                        r"does not answer)\); stopping trial async-ppo-tiny/noetcd", lost[0]), lost[0]
+    assert "Traceback" not in out and "keep-alive" not in out, out[-3000:]
