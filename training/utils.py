@@ -196,7 +196,11 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         if name not in registry:
             hint = "" if cfg.plugins else " (a plugin can register more: plugins=[path/to/plugin.py])"
             raise ConfigError(f"{key}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}{hint}")
-    if alloc.gen_backend == "sglang":
+    if cfg.mode == "ray":
+        from realrl.launcher.ray import connect
+
+        connect(cfg.ray.address)  # the launcher keeps this connection
+    if alloc.gen_backend == "sglang" and cfg.mode == "local":  # on a cluster, its nodes must have it
         from realrl.impl.generation.backends import BackendUnavailableError, get_backend
 
         try:
@@ -226,11 +230,13 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
 def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None = None) -> Experiment:
     """`claim_trial()` runs once the config is checked and before anything is
     built (it raises if another launcher runs the same trial)."""
-    if cfg.mode in ("ray", "slurm"):  # valid values whose launchers do not exist yet
+    if cfg.mode == "slurm":  # a valid value whose launcher does not exist yet
         raise ConfigError(f"mode: {cfg.mode!r} is not available yet; use mode=local (one machine)")
     alloc = validate(cfg)
     max_positions = check_environment(cfg, alloc)  # before anything (fileroot, kit, etcd, workers) is created
-    gen_gpus, train_gpus = place_gpus(cfg, alloc)  # before anything is built: a GPU shortage is a config error
+    # Locally the GPUs are placed here (a shortage is a config error); on Ray,
+    # Ray places them from each group's gpus_per_worker.
+    gen_gpus, train_gpus = place_gpus(cfg, alloc) if cfg.mode == "local" else ([], [])
     if claim_trial is not None:
         claim_trial()
     paths = trial_paths(cfg)
@@ -328,14 +334,17 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     def threads(n: int) -> dict[str, str]:
         return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "TOKENIZERS_PARALLELISM": "false"}
 
+    gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
     groups = [
-        WorkerGroup("master_worker", 1, master, env=threads(1)),
-        WorkerGroup("model_worker", n_train, model_worker, env=threads(cfg.train.num_threads), env_per_index=train_gpus),
+        WorkerGroup("master_worker", 1, master, env=threads(1), cpus_per_worker=0),
+        WorkerGroup("model_worker", n_train, model_worker, env=threads(cfg.train.num_threads), env_per_index=train_gpus,
+                    cpus_per_worker=cfg.train.num_threads, gpus_per_worker=int(cfg.train.device == "cuda")),
         WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads),
-                    env_per_index=gen_gpus),  # fmt: skip
-        WorkerGroup("gserver_manager", 1, manager, env=threads(1)),
+                    env_per_index=gen_gpus, cpus_per_worker=cfg.server.torch.num_threads,
+                    gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0),
+        WorkerGroup("gserver_manager", 1, manager, env=threads(1), cpus_per_worker=0),
         WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1)),
-    ]
+    ]  # fmt: skip
     return Experiment(groups, paths, model_path, train_path, test_path)
 
 
@@ -388,15 +397,15 @@ def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[i
 
     def claim_trial() -> None:  # once the config is known to be good (the launcher needs valid names)
         nonlocal launcher
-        launcher = LocalLauncher(
-            cfg.experiment_name,
-            cfg.trial_name,
-            trial_paths(cfg).fileroot,
-            cfg.name_resolve,
-            heartbeat_ttl=cfg.heartbeat_ttl,
-            plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
-            echo_worker="master_worker",
-        )
+        args = (cfg.experiment_name, cfg.trial_name, trial_paths(cfg).fileroot, cfg.name_resolve)
+        kwargs = dict(heartbeat_ttl=cfg.heartbeat_ttl, plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
+                      echo_worker="master_worker")  # fmt: skip
+        if cfg.mode == "ray":
+            from realrl.launcher.ray import RayLauncher
+
+            launcher = RayLauncher(*args, ray_address=cfg.ray.address, bind_address=cfg.bind_address, **kwargs)
+        else:
+            launcher = LocalLauncher(*args, **kwargs)
         launcher.acquire_trial()
 
     try:

@@ -168,6 +168,11 @@ class SaverConfig:
 
 
 @dataclasses.dataclass
+class RayConfig:
+    address: str = ""  # the cluster to join; "" = RAY_ADDRESS, else the cluster this node is part of ("auto")
+
+
+@dataclasses.dataclass
 class AsyncPPOConfig:
     experiment_name: str = "async-ppo"
     trial_name: str = "run0"
@@ -178,7 +183,8 @@ class AsyncPPOConfig:
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
     total_train_steps: int = 40
     heartbeat_ttl: float = 5.0
-    bind_address: str = ""  # multi-node modes only; local mode binds 127.0.0.1
+    # multi-node modes: the address every worker binds ("" = its node's address from Ray); local mode binds 127.0.0.1
+    bind_address: str = ""
     recover: str = "disabled"  # disabled | auto (resume from the newest checkpoint)
     plugins: list[str] = dataclasses.field(default_factory=list)
     name_resolve: NameResolveConfig = dataclasses.field(default_factory=lambda: NameResolveConfig(type="etcd3"))
@@ -192,6 +198,7 @@ class AsyncPPOConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     saver: SaverConfig = dataclasses.field(default_factory=SaverConfig)
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
 
 
 # ---- allocation_mode --------------------------------------------------------
@@ -372,6 +379,6 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
            f"must be >= 0 (0 = rollout.gconfig.max_new_tokens), got {ev.max_new_tokens}")  # fmt: skip
     _check(ev.max_prompts >= 0, "eval.max_prompts", f"must be >= 0 (0 = the whole test split), got {ev.max_prompts}")
     _check(cfg.saver.checkpoint_every_n_steps >= 0, "saver.checkpoint_every_n_steps", "must be >= 0")
-    if cfg.mode != "local":
+    if cfg.mode == "slurm":
         _check(bool(cfg.bind_address), "bind_address", f"mode={cfg.mode} needs the address of the network to use")
     return alloc

@@ -49,9 +49,9 @@ def find_etcd_binary() -> str:
     return path
 
 
-def _free_port() -> int:
+def _free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -64,7 +64,10 @@ def _healthy(client_url: str) -> bool:
 
 
 class EtcdServer:
-    def __init__(self, run_dir: str, binary: str | None = None):
+    def __init__(self, run_dir: str, binary: str | None = None, host: str = HOST):
+        """`host`: the address to listen on (127.0.0.1 unless a multi-node
+        launcher serves other nodes from here)."""
+        self.host = host
         self.run_dir = os.path.abspath(run_dir)
         self.binary = binary or find_etcd_binary()
         self.process: subprocess.Popen | None = None
@@ -74,10 +77,10 @@ class EtcdServer:
     def addr(self) -> str:
         if self.client_port is None:
             raise RuntimeError("etcd not started")
-        return f"{HOST}:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def _command(self, client_port: int, peer_port: int) -> list[str]:
-        client, peer = f"http://{HOST}:{client_port}", f"http://{HOST}:{peer_port}"
+        client, peer = f"http://{self.host}:{client_port}", f"http://{self.host}:{peer_port}"
         return [
             self.binary,
             "--name", "realrl",
@@ -95,7 +98,7 @@ class EtcdServer:
         os.makedirs(self.run_dir, exist_ok=True)
         log_path = os.path.join(self.run_dir, "etcd.log")
         for attempt in range(5):  # a port can be taken between probing and binding
-            client_port, peer_port = _free_port(), _free_port()
+            client_port, peer_port = _free_port(self.host), _free_port(self.host)
             if client_port == peer_port:
                 continue
             with open(log_path, "ab") as log:
@@ -107,7 +110,7 @@ class EtcdServer:
                     start_new_session=True,
                 )
             deadline = time.monotonic() + timeout
-            url = f"http://{HOST}:{client_port}"
+            url = f"http://{self.host}:{client_port}"
             while time.monotonic() < deadline and self.process.poll() is None:
                 if _healthy(url):
                     self.client_port = client_port
@@ -136,7 +139,9 @@ class EtcdServer:
         self.stop()
 
 
-def start_supervised(run_dir: str, parent_pid: int, linger: float, timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
+def start_supervised(
+    run_dir: str, parent_pid: int, linger: float, timeout: float = 30.0, host: str = HOST
+) -> tuple[subprocess.Popen, str]:
     """Starts etcd under a supervisor process that outlives `parent_pid` by
     `linger` seconds. Returns (supervisor process, etcd address)."""
     os.makedirs(run_dir, exist_ok=True)
@@ -145,7 +150,7 @@ def start_supervised(run_dir: str, parent_pid: int, linger: float, timeout: floa
         os.unlink(addr_file)
     proc = subprocess.Popen(
         [sys.executable, "-m", "realrl.base.etcd_server", "--run-dir", run_dir,
-         "--parent-pid", str(parent_pid), "--linger", str(linger)],
+         "--parent-pid", str(parent_pid), "--linger", str(linger), "--host", host],
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
@@ -161,8 +166,8 @@ def start_supervised(run_dir: str, parent_pid: int, linger: float, timeout: floa
     raise RuntimeError(f"etcd supervisor did not report an address within {timeout}s")
 
 
-def _supervise(run_dir: str, parent_pid: int, linger: float) -> None:
-    server = EtcdServer(run_dir).start()
+def _supervise(run_dir: str, parent_pid: int, linger: float, host: str = HOST) -> None:
+    server = EtcdServer(run_dir, host=host).start()
     stopping = False
 
     def on_signal(signum, frame):
@@ -193,5 +198,6 @@ if __name__ == "__main__":
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--linger", type=float, default=10.0)
+    parser.add_argument("--host", default=HOST)
     args = parser.parse_args()
-    _supervise(args.run_dir, args.parent_pid, args.linger)
+    _supervise(args.run_dir, args.parent_pid, args.linger, args.host)

@@ -36,6 +36,17 @@ def advertise_address(mode: str = "local", interface_address: str = "") -> str:
     return bind_address(mode, interface_address)
 
 
+def interface_of(address: str) -> str:
+    """The name of the network interface that holds `address` (e.g. 'lo' for
+    127.0.0.1); gloo and NCCL are told to use it."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    raise ValueError(f"no network interface of this machine has the address {address}")
+
+
 def is_port_free(port: int, host: str = LOOPBACK) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:

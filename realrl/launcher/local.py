@@ -54,6 +54,14 @@ class WorkerGroup:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     # Extra environment of each index (e.g. its own CUDA_VISIBLE_DEVICES); empty = none.
     env_per_index: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    # What one worker holds on a cluster (the ray launcher reserves it; local mode ignores it).
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: int = 0
+
+    @property
+    def name(self) -> str:
+        """The worker type as workers and logs name it (a class path's class name)."""
+        return self.worker_type if ":" not in self.worker_type else worker_class_path(self.worker_type).rsplit(":", 1)[1]
 
     def config_for(self, index: int) -> Any:
         if isinstance(self.config, list):
@@ -64,12 +72,34 @@ class WorkerGroup:
 
 
 @dataclasses.dataclass
-class _Proc:
+class WorkerProcess:
+    """One worker process as the launcher sees it. Here a local subprocess;
+    other launchers (ray) subclass it to reach a process on another node."""
+
     tag: str
     worker_type: str
     index: int
-    popen: subprocess.Popen
     log_path: str
+    popen: subprocess.Popen | None = None
+    node: str = "localhost"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        """Signals the worker's whole process tree."""
+        signal_tree(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> None:
+        self.popen.wait(timeout=timeout)
+
+    def describe_exit(self, code: int) -> str:
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 class WorkerFailed(RuntimeError):
@@ -89,6 +119,8 @@ class NameServiceLost(RuntimeError):
 
 
 class LocalLauncher:
+    mode = "local"  # workers bind 127.0.0.1
+
     def __init__(
         self,
         experiment_name: str,
@@ -115,7 +147,7 @@ class LocalLauncher:
         self.run_dir = os.path.join(self.fileroot, "run", experiment_name, trial_name)
         self.echo_worker = echo_worker  # copy this worker type's log (index 0) to our stdout
         self._echo_offset = 0
-        self._procs: list[_Proc] = []
+        self._procs: list[WorkerProcess] = []
         self._etcd_supervisor: subprocess.Popen | None = None
         self._lock_file = None  # held while this launcher owns the trial
         self._owns_keepalive = False
@@ -179,7 +211,7 @@ class LocalLauncher:
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.popen.pid for p in self._procs]
+        return [p.pid for p in self._procs]
 
     def log_path(self, worker_type: str, index: int) -> str:
         return os.path.join(self.log_dir, f"{worker_type}-{index}.log")
@@ -190,7 +222,8 @@ class LocalLauncher:
             # Outlive this process long enough for workers to see our
             # keep-alive key expire if we are SIGKILLed, then stop.
             linger = 3 * self.heartbeat_ttl + 5
-            self._etcd_supervisor, addr = start_supervised(os.path.join(self.run_dir, "etcd"), os.getpid(), linger)
+            self._etcd_supervisor, addr = start_supervised(os.path.join(self.run_dir, "etcd"), os.getpid(), linger,
+                                                           host=self._etcd_host())  # fmt: skip
             self.nr_config.etcd3_addr = addr
             logger.info("started private etcd at %s", addr)
         name_resolve.reconfigure(self.nr_config)
@@ -201,6 +234,14 @@ class LocalLauncher:
         name_resolve.add(keepalive, str(os.getpid()), keepalive_ttl=self.heartbeat_ttl, replace=True)
         self._owns_keepalive = True
         self._set_experiment_status(ExperimentStatus.RUNNING)
+
+    def _cluster_problem(self, force: bool = False) -> str | None:
+        """A machine of the trial that is gone (none here: one machine)."""
+        return None
+
+    def _etcd_host(self) -> str:
+        """Where the private etcd listens: only this machine's workers use it here."""
+        return "127.0.0.1"
 
     def _check_no_live_launcher(self, keepalive: str) -> None:
         """Raises TrialAlreadyRunning while another launcher refreshes the
@@ -225,7 +266,7 @@ class LocalLauncher:
         base_env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), base_env.get("PYTHONPATH", "")) if p)
         for group in groups:
             class_path = worker_class_path(group.worker_type)
-            worker_type = group.worker_type if ":" not in group.worker_type else class_path.rsplit(":", 1)[1]
+            worker_type = group.name
             for index in range(group.count):
                 info = WorkerInfo(
                     experiment_name=self.experiment_name,
@@ -236,8 +277,10 @@ class LocalLauncher:
                     name_resolve=self.nr_config,
                     log_dir=self.log_dir,
                     heartbeat_ttl=self.heartbeat_ttl,
+                    mode=self.mode,
                     plugins=self.plugins,
                 )
+                info = self._worker_info(info)
                 config = group.config_for(index)
                 if dataclasses.is_dataclass(config):
                     config = to_plain(config)
@@ -248,17 +291,25 @@ class LocalLauncher:
                 if worker_type == self.echo_worker and index == 0 and os.path.exists(log_path):
                     self._echo_offset = os.path.getsize(log_path)  # a resumed trial: echo only this attempt
                 env = dict(base_env, **group.env, **(group.env_per_index[index] if group.env_per_index else {}))
-                with open(log_path, "ab") as log:
-                    popen = subprocess.Popen(
-                        [sys.executable, "-m", "realrl.system.worker_base", "--spec", spec_path],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=env,
-                        start_new_session=True,  # its own process group: we can stop its whole tree
-                    )
-                self._procs.append(_Proc(info.tag, worker_type, index, popen, log_path))
+                self._procs.append(self._spawn(info, spec_path, env, log_path))
         logger.info("started %d workers; logs in %s", len(self._procs), self.log_dir)
+
+    def _worker_info(self, info: WorkerInfo) -> WorkerInfo:
+        """Where a worker binds etc.: local mode keeps the defaults (127.0.0.1)."""
+        return info
+
+    def _spawn(self, info: WorkerInfo, spec_path: str, env: dict[str, str], log_path: str) -> WorkerProcess:
+        """Starts one worker process (here: a local subprocess)."""
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                worker_command(spec_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # its own process group: we can stop its whole tree
+            )
+        return WorkerProcess(info.tag, info.worker_type, info.worker_index, log_path, popen)
 
     # ---- waiting ----------------------------------------------------------------
     def _experiment_status(self) -> str | None:
@@ -299,16 +350,26 @@ class LocalLauncher:
             self._echo()
             if self._etcd_supervisor is not None and self._etcd_supervisor.poll() is not None:
                 raise NameServiceLost(self._name_service_problem() or f"the private {self._name_service} exited")
-            failed = [p for p in self._procs if p.popen.poll() not in (None, 0)]
+            lost = self._cluster_problem()
+            if lost is not None:
+                self._say(f"realrl: {lost}; stopping the trial")
+                self._set_experiment_status(ExperimentStatus.ABORTED)
+                return 1
+            failed = [p for p in self._procs if p.poll() not in (None, 0)]
             if failed:
                 problem = self._name_service_problem()  # workers die when it goes: say the cause, not a symptom
                 if problem is not None:
                     raise NameServiceLost(problem)
+                lost = self._cluster_problem(force=True)  # the same for a lost machine
+                if lost is not None:
+                    self._say(f"realrl: {lost}; stopping the trial")
+                    self._set_experiment_status(ExperimentStatus.ABORTED)
+                    return 1
                 first = min(failed, key=lambda p: _exit_time_key(p))
                 self._report_failure(first)
                 self._set_experiment_status(ExperimentStatus.ABORTED)
                 return 1
-            if all(p.popen.poll() == 0 for p in self._procs):
+            if all(p.poll() == 0 for p in self._procs):
                 logger.info("all workers exited cleanly")
                 return 0
             status = self._experiment_status()
@@ -351,19 +412,19 @@ class LocalLauncher:
     def _wait_for_completion(self) -> int:
         logger.info("experiment COMPLETE; waiting for workers to exit")
         deadline = time.monotonic() + self.stop_timeout
-        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self._procs):
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
             self._echo()
             time.sleep(self.poll_interval)
         self._echo()
         for p in self._procs:
-            if p.popen.poll() not in (None, 0):
-                logger.warning("%s exited with %s after completion; log: %s", p.tag, p.popen.returncode, p.log_path)
+            if p.poll() not in (None, 0):
+                logger.warning("%s exited with %s after completion; log: %s", p.tag, p.poll(), p.log_path)
         return 0
 
-    def _report_failure(self, proc: _Proc) -> None:
+    def _report_failure(self, proc: WorkerProcess) -> None:
         self.failed_worker = proc.tag
-        code = proc.popen.returncode
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        code = proc.poll()
+        how = proc.describe_exit(code)
         try:
             tb = name_resolve.get(names.worker_error(self.experiment_name, self.trial_name, proc.worker_type, proc.index))
             source = "traceback"
@@ -379,25 +440,25 @@ class LocalLauncher:
     def _stop_all(self, name_service_ok: bool = True) -> None:
         if not self._procs:
             return
-        if any(p.popen.poll() is None for p in self._procs):
+        if any(p.poll() is None for p in self._procs):
             if name_service_ok:
                 self._set_experiment_status(ExperimentStatus.ABORTED)
                 # Workers notice ABORTED within a poll; give them a moment, then
                 # SIGTERM, then SIGKILL at stop_timeout.
                 self._wait_exit(min(3.0, self.stop_timeout / 3))
             for p in self._procs:
-                signal_tree(p.popen.pid, signal.SIGTERM)
+                p.signal(signal.SIGTERM)
             self._wait_exit(self.stop_timeout - min(3.0, self.stop_timeout / 3))
         for p in self._procs:
-            signal_tree(p.popen.pid, signal.SIGKILL)  # also reaps stragglers in the group
+            p.signal(signal.SIGKILL)  # also reaps stragglers in the group
             try:
-                p.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                logger.error("%s (pid %d) did not die after SIGKILL", p.tag, p.popen.pid)
+                p.wait(timeout=5)
+            except (subprocess.TimeoutExpired, TimeoutError):
+                logger.error("%s (pid %d on %s) did not die after SIGKILL", p.tag, p.pid, p.node)
 
     def _wait_exit(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self._procs):
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
             time.sleep(0.05)
 
     def _stop_name_resolve(self) -> None:
@@ -417,7 +478,11 @@ class LocalLauncher:
                 self._etcd_supervisor.wait()
 
 
-def _exit_time_key(proc: _Proc) -> float:
+def worker_command(spec_path: str) -> list[str]:
+    return [sys.executable, "-m", "realrl.system.worker_base", "--spec", spec_path]
+
+
+def _exit_time_key(proc: WorkerProcess) -> float:
     # Popen has no exit time; the log's mtime is when the worker last wrote.
     try:
         return os.path.getmtime(proc.log_path)

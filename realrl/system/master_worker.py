@@ -85,7 +85,7 @@ class MasterWorker(AsyncWorker):
         n = config.n_model_workers
         routing: dict = {i: i for i in range(n)}
         routing.update({f"__data{i}__": i for i in range(n)})
-        self.stream = NameResolvingRequestClient(self.experiment_name, self.trial_name, n, routing,
+        self.stream = NameResolvingRequestClient(self.experiment_name, self.trial_name, n, routing, host=self.bind_host,
                                                  warn_after=config.rpc_warn_after,
                                                  receipt_timeout=config.rpc_receipt_timeout,
                                                  interrupt=self.raise_if_exiting)  # fmt: skip

@@ -158,7 +158,8 @@ class ModelWorker(Worker):
         embedded = [actor, self.ref, self.critic.model.backbone if self.critic is not None else None]
         vocab_size = min(m.get_input_embeddings().num_embeddings for m in embedded if m is not None)
         self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank,
-                                           config.max_buffered_trajectories, vocab_size=vocab_size)  # fmt: skip
+                                           config.max_buffered_trajectories, vocab_size=vocab_size,
+                                           host=self.bind_host)  # fmt: skip
         self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index,
                                                interrupt=self.raise_if_exiting)  # fmt: skip
         for name in ("spec", "inventory", "stats"):
@@ -176,12 +177,12 @@ class ModelWorker(Worker):
             return
         key = names.distributed_init(self.experiment_name, self.trial_name, "model_worker")
         if self.dp_rank == 0:
-            port = network.find_free_port(self.experiment_name, self.trial_name)
-            name_resolve.add(key, f"{network.LOOPBACK if self.info.mode == 'local' else self.info.bind_address}:{port}", replace=True)
+            port = network.find_free_port(self.experiment_name, self.trial_name, host=self.bind_host)
+            name_resolve.add(key, f"{self.bind_host}:{port}", replace=True)
         addr = name_resolve.wait(key, timeout=300)
         backend = "nccl" if self.cfg.device == "cuda" else "gloo"
-        if self.info.mode == "local":  # gloo would otherwise pick the hostname's interface
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # gloo would otherwise pick the interface of the hostname's address
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", network.interface_of(self.bind_host))
         dist.init_process_group(backend, init_method=f"tcp://{addr}", rank=self.dp_rank, world_size=self.dp_size)
         if self.dp_size > 1:
             self.data_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD

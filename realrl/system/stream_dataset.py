@@ -42,9 +42,11 @@ class PullerStreamDataset:
         puller_index: int,
         max_buffered: int = 100000,
         vocab_size: int | None = None,
+        host: str | None = None,
     ):
         """`vocab_size`: token ids must lie in 0..vocab_size-1 (the size of the
-        model's input embedding); None checks no ids."""
+        model's input embedding); None checks no ids. `host`: the address the
+        puller binds (None: 127.0.0.1)."""
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.max_buffered = max_buffered
@@ -64,16 +66,16 @@ class PullerStreamDataset:
         self.address = ""
         # zmq sockets are not thread-safe: the puller lives entirely in the thread.
         self._thread = threading.Thread(
-            target=self._run, args=(experiment_name, trial_name, puller_index), name="stream-dataset", daemon=True
+            target=self._run, args=(experiment_name, trial_name, puller_index, host), name="stream-dataset", daemon=True
         )
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
             raise RuntimeError(f"puller {puller_index} could not start: {self._error}") from self._error
 
-    def _run(self, experiment_name: str, trial_name: str, puller_index: int) -> None:
+    def _run(self, experiment_name: str, trial_name: str, puller_index: int, host: str | None) -> None:
         try:
-            puller = NameResolvingZmqPuller(experiment_name, trial_name, puller_index, hwm=self.max_buffered)
+            puller = NameResolvingZmqPuller(experiment_name, trial_name, puller_index, host=host, hwm=self.max_buffered)
         except BaseException as e:
             self._error = e
             self._ready.set()

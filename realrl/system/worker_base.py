@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from realrl.api.system_api import WorkerInfo, WorkerSpec, from_plain
 from realrl.base import logging as realrl_logging
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, network
 from realrl.base.plugins import load_plugins
 
 
@@ -125,6 +125,12 @@ class Worker:
             delete_on_exit=not final,
         )
         self._status = status
+
+    @property
+    def bind_host(self) -> str:
+        """The address this worker's servers and sockets bind and advertise:
+        127.0.0.1 in local mode, else its node's address (set by the launcher)."""
+        return network.bind_address(self.info.mode, self.info.bind_address)
 
     def raise_if_exiting(self) -> None:
         """For long waits outside the poll loop (e.g. for peers to connect):

@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("allocation_mode=gen:x", "allocation_mode"),
         ("nosuchkey=1", "nosuchkey"),
         ("ppo.no_such_field=1", "ppo.no_such_field"),
-        ("mode=ray", "mode"),
+        ("mode=slurm", "mode"),
         ("model.path=/nonexistent/model", "model.path"),
         # agent / environment types, against the registries after loading the plugins
         ("rollout.agent.type=nosuch", "rollout.agent.type"),
