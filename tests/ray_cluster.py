@@ -27,13 +27,14 @@ def _ip(*args: str) -> None:
 
 
 class TwoNodeRayCluster:
-    def __init__(self, log_dir: str, cpus_per_node: int = 2):
+    def __init__(self, log_dir: str, cpus: tuple[int, int] = (2, 2)):
+        """`cpus`: the CPUs Ray counts on the head and on the other node."""
         tag = uuid.uuid4().hex[:6]
         self.namespaces = {HEAD_IP: f"rrh{tag}", WORKER_IP: f"rrw{tag}"}
         self.veths = (f"vh{tag}", f"vw{tag}")
         self.temp_dirs = {ip: f"/tmp/rr{tag}{i}" for i, ip in enumerate(self.namespaces)}  # short: unix socket paths
         self.log_dir = log_dir
-        self.cpus_per_node = cpus_per_node
+        self.cpus = dict(zip((HEAD_IP, WORKER_IP), cpus))
         self.address = f"{HEAD_IP}:{RAY_PORT}"
         self._starters: list[subprocess.Popen] = []
 
@@ -69,7 +70,7 @@ class TwoNodeRayCluster:
         with open(os.path.join(self.log_dir, f"ray-{ip}.log"), "ab") as log:
             self._starters.append(subprocess.Popen(
                 ["ip", "netns", "exec", self.namespaces[ip], RAY, "start", *args, f"--node-ip-address={ip}",
-                 f"--num-cpus={self.cpus_per_node}", "--num-gpus=0", "--object-store-memory=100000000",
+                 f"--num-cpus={self.cpus[ip]}", "--num-gpus=0", "--object-store-memory=100000000",
                  f"--temp-dir={self.temp_dirs[ip]}", "--disable-usage-stats", "--block"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             ))  # fmt: skip

@@ -228,6 +228,7 @@ class NameRecordRepository(ABC):
 
     def _keepalive_loop(self) -> None:
         last: dict[str, float] = {}
+        failures: dict[str, int] = {}  # consecutive failed refreshes per key
         while not self._closed.is_set():
             with self._lock:
                 items = list(self._keepalive.items())
@@ -239,8 +240,13 @@ class NameRecordRepository(ABC):
                 try:
                     alive = self._refresh(key, ttl)
                 except Exception as e:
-                    logger.warning("keep-alive of %s failed: %s", key, e)
+                    # One miss leaves the key alive (the TTL allows three); a
+                    # second in a row is worth saying. (When the name service is
+                    # gone for good, the process notices and says so itself.)
+                    failures[key] = failures.get(key, 0) + 1
+                    (logger.warning if failures[key] >= 2 else logger.debug)("keep-alive of %s failed: %s", key, e)
                     continue
+                failures.pop(key, None)
                 if not alive:
                     logger.warning("keep-alive key %s was lost (replaced, deleted or expired)", key)
                     with self._lock:

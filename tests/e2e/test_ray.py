@@ -108,3 +108,26 @@ def test_a_failed_worker_or_a_lost_node_stops_the_trial_and_names_the_node(tmp_p
         assert said and WORKER_IP in said[0] and ("was lost" in said[0] or "is gone" in said[0]), console[-3000:]
         left = [cmd for _, cmd in cluster.processes(HEAD_IP) if "realrl" in cmd]
         assert not left, left
+
+
+def test_data_parallel_trainers_on_two_nodes_train_in_lockstep(tmp_path, kit_cache):
+    """One CPU on the head: trainer 0 there, trainer 1 on the other node; their
+    gloo group runs over the link between the nodes."""
+    fileroot = tmp_path / "runs"
+    with TwoNodeRayCluster(str(tmp_path / "ray"), cpus=(1, 3)) as cluster:
+        proc = cluster.run_on_head(
+            [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray",
+             f"ray.address={cluster.address}", f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}",
+             "allocation_mode=torch.d1p1m1+d2p1m1", "total_train_steps=3", "eval.every_n_steps=0",
+             "eval.max_prompts=32", "heartbeat_ttl=3", "saver.save_final_model=false"],
+            cwd=REPO, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"'model_worker/0': '{HEAD_IP}'" in proc.stderr and f"'model_worker/1': '{WORKER_IP}'" in proc.stderr, proc.stderr[-2000:]
+        with open(proc.stdout.strip().splitlines()[-1][len("summary: ") :]) as f:
+            summary = json.load(f)
+        assert summary["steps"] == 3 and summary["trajectories"]["consumed"] == 3 * 16
+        assert summary["dp_weights_identical"]
+        for ip in (HEAD_IP, WORKER_IP):
+            left = [cmd for _, cmd in cluster.processes(ip) if "realrl" in cmd]
+            assert not left, left
