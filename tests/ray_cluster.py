@@ -5,7 +5,7 @@ each. Ray listens on its node's address, never on the machine's own.
 
 Needs root (`ip netns`). Everything it started is ended by namespace (`ip
 netns pids`): the processes in a namespace this test made are its own, so
-nothing else on the machine is touched, and `ray stop` is never used."""
+nothing else on the machine is touched."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 
 import psutil
@@ -100,3 +101,26 @@ def stop_process_tree(proc: subprocess.Popen | None, grace_s: float = 10.0) -> N
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
+
+
+# Runs as the child before the real command: asks the kernel for SIGKILL when
+# the parent dies, then execs the command in the same process (the
+# death signal survives exec). This replaces a Popen preexec_fn, which runs
+# Python between fork and exec and is unsafe with threads: the etcd client's
+# gRPC threads made such children abort ("epoll_wait error: Bad file descriptor").
+_PDEATHSIG_EXEC = """\
+import ctypes, os, signal, sys
+parent, argv = int(sys.argv[1]), sys.argv[2:]
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass  # not Linux: the launcher's process-group kill is the only guard
+if os.getppid() != parent:  # the parent died before prctl took effect
+    os._exit(1)
+os.execvp(argv[0], argv)
+"""
+
+
+def with_parent_death_signal(cmd: list[str], parent_pid: int) -> list[str]:
+    """`cmd`, started so that it gets SIGKILL when process `parent_pid` dies."""
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, str(parent_pid), *cmd]

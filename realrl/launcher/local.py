@@ -352,9 +352,7 @@ class LocalLauncher:
                 raise NameServiceLost(self._name_service_problem() or f"the private {self._name_service} exited")
             lost = self._cluster_problem()
             if lost is not None:
-                self._say(f"realrl: {lost}; stopping the trial")
-                self._set_experiment_status(ExperimentStatus.ABORTED)
-                return 1
+                return self._abort(f"realrl: {lost}; stopping the trial")
             failed = [p for p in self._procs if p.poll() not in (None, 0)]
             if failed:
                 problem = self._name_service_problem()  # workers die when it goes: say the cause, not a symptom
@@ -362,9 +360,7 @@ class LocalLauncher:
                     raise NameServiceLost(problem)
                 lost = self._cluster_problem(force=True)  # the same for a lost machine
                 if lost is not None:
-                    self._say(f"realrl: {lost}; stopping the trial")
-                    self._set_experiment_status(ExperimentStatus.ABORTED)
-                    return 1
+                    return self._abort(f"realrl: {lost}; stopping the trial")
                 first = min(failed, key=lambda p: _exit_time_key(p))
                 self._report_failure(first)
                 self._set_experiment_status(ExperimentStatus.ABORTED)
@@ -399,6 +395,12 @@ class LocalLauncher:
             sys.stdout.write(chunk.decode(errors="replace"))
             sys.stdout.flush()
             self._console_line_open = not chunk.endswith(b"\n")
+
+    def _abort(self, message: str) -> int:
+        """Says why the trial stops and sets ABORTED; the exit code of a failed trial."""
+        self._say(message)
+        self._set_experiment_status(ExperimentStatus.ABORTED)
+        return 1
 
     def _say(self, message: str) -> None:
         """A message of ours on stderr, on a line of its own (not glued to an

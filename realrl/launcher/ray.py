@@ -29,8 +29,8 @@ reporting a failed worker with its traceback tail, teardown) is shared:
    must see: each node writes and reads a probe there before the trial
    starts, and a node that cannot is a one-line ConfigError naming it.
 
-Ray itself is never stopped (`ray stop` would kill every Ray process on the
-machine): the launcher removes the actors it made and disconnects.
+Ray itself is left running (other users' processes live in it too): the
+launcher ends only the actors it made, by handle, and disconnects.
 """
 
 from __future__ import annotations
@@ -39,14 +39,13 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 from realrl.api.cli_args import ConfigError
 from realrl.api.system_api import WorkerInfo
 from realrl.base.logging import getLogger
-from realrl.base.process import signal_tree
+from realrl.base.process import signal_tree, with_parent_death_signal
 from realrl.launcher.local import LocalLauncher, WorkerGroup, WorkerProcess, worker_command
 
 logger = getLogger("launcher.ray")
@@ -134,8 +133,9 @@ def _host_class():
             else:
                 env.pop("CUDA_VISIBLE_DEVICES", None)
             with open(log_path, "ab") as log:
+                # Dies with this actor (node lost, actor killed): it cannot outlive it.
                 self.popen = subprocess.Popen(
-                    [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *worker_command(spec_path)[1:]],
+                    with_parent_death_signal(worker_command(spec_path), os.getpid()),
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True,
                 )  # fmt: skip
@@ -154,18 +154,6 @@ def _host_class():
                 return None
 
     return WorkerHost
-
-
-# The worker runs under `python -c` this, then execs itself: it gets SIGKILL
-# when its actor process dies (node lost, actor killed), so it cannot outlive it.
-_PDEATHSIG_EXEC = """\
-import ctypes, os, signal, sys
-parent = int(sys.argv[1])
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-if os.getppid() != parent:
-    sys.exit(1)
-os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
-"""
 
 
 @dataclasses.dataclass
@@ -243,6 +231,7 @@ class RayLauncher(LocalLauncher):
         self.ray_address = ray_address or os.environ.get("RAY_ADDRESS", "") or "auto"
         self.bind_address = bind_address
         self._plan: dict[tuple[str, int], Node] = {}
+        self._demands: dict[tuple[str, int], Demand] = {}
         self._home = ""
         self._actors: list = []
         self._last_node_check = 0.0
@@ -255,9 +244,11 @@ class RayLauncher(LocalLauncher):
             self._home = self.bind_address or ray.util.get_node_ip_address()
             nodes = [Node(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
                      for n in ray.nodes() if n["Alive"]]  # fmt: skip
-            self._plan = plan_placement(nodes, demands_of(groups), self._home)
+            demands = demands_of(groups)
+            self._demands = {(d.worker_type, d.index): d for d in demands}
+            self._plan = plan_placement(nodes, demands, self._home)
             self.acquire_trial()
-            self._probe_fileroot(sorted({n.node_id: n for n in self._plan.values()}.values(), key=lambda n: n.address))
+            self._probe_fileroot(self._planned_nodes())
             logger.info("placement: %s", {f"{t}/{i}": n.address for (t, i), n in sorted(self._plan.items())})
             return super().run(groups, timeout)
         finally:
@@ -278,11 +269,14 @@ class RayLauncher(LocalLauncher):
             return None
         self._last_node_check = now
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for node in {n.node_id: n for n in self._plan.values()}.values():
+        for node in self._planned_nodes():
             if node.node_id not in alive:
                 tags = sorted(f"{t}/{i}" for (t, i), n in self._plan.items() if n.node_id == node.node_id)
                 return f"Ray node {node.address} was lost (it ran {', '.join(tags)})"
         return None
+
+    def _planned_nodes(self) -> list[Node]:
+        return sorted({n.node_id: n for n in self._plan.values()}.values(), key=lambda n: n.address)
 
     def _etcd_host(self) -> str:
         return self._home  # workers on every node reach the private etcd here
@@ -327,7 +321,7 @@ class RayLauncher(LocalLauncher):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node = self._plan[(info.worker_type, info.worker_index)]
-        demand = self._demand(info)
+        demand = self._demands[(info.worker_type, info.worker_index)]
         actor = _host_class().options(
             num_cpus=demand.cpus, num_gpus=demand.gpus,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
@@ -336,10 +330,3 @@ class RayLauncher(LocalLauncher):
         proc = RayWorkerProcess(info.tag, info.worker_type, info.worker_index, log_path, node=node.address, actor=actor)
         proc.remote_pid = proc._call("start", spec_path, env, log_path, timeout=300)
         return proc
-
-    def _demand(self, info: WorkerInfo) -> Demand:
-        return next(d for d in self._demands if (d.worker_type, d.index) == (info.worker_type, info.worker_index))
-
-    def _start_workers(self, groups: list[WorkerGroup]) -> None:
-        self._demands = demands_of(groups)
-        super()._start_workers(groups)

@@ -26,42 +26,18 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base import name_resolve, names, network
-from realrl.base.process import log_tail, stop_process_tree
+from realrl.base.process import log_tail, stop_process_tree, with_parent_death_signal
 from realrl.impl.generation.backends import get_backend
 from realrl.impl.generation.client import GenerationClient
 from realrl.system.worker_base import IDLE, PollResult, Worker
 
 _LOG_TAIL_LINES = 60
 _STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
-
-# Runs as the child before the server: asks the kernel for SIGKILL when the
-# parent (this worker) dies, then execs the server in the same process (the
-# death signal survives exec). This replaces a Popen preexec_fn, which runs
-# Python between fork and exec and is unsafe with threads: the etcd client's
-# gRPC threads made such children abort ("epoll_wait error: Bad file descriptor").
-_PDEATHSIG_EXEC = """\
-import ctypes, os, signal, sys
-parent, argv = int(sys.argv[1]), sys.argv[2:]
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass  # not Linux: the launcher's process-group kill is the only guard
-if os.getppid() != parent:  # the worker died before prctl took effect
-    os._exit(1)
-os.execvp(argv[0], argv)
-"""
-
-
-def with_parent_death_signal(cmd: list[str], parent_pid: int) -> list[str]:
-    """`cmd`, started so that it gets SIGKILL when process `parent_pid` dies."""
-    return [sys.executable, "-c", _PDEATHSIG_EXEC, str(parent_pid), *cmd]
-
 
 class GenerationServer(Worker):
     config_cls = GenerationServerConfig
