@@ -109,13 +109,12 @@ class TwoNodeRayCluster:
                 pass
         return found
 
-    def kill_node(self, ip: str) -> None:
-        """SIGKILLs every process of a node (as if the machine went down)."""
-        for pid, _ in self.processes(ip):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def kill_raylet(self, ip: str) -> None:
+        """SIGKILLs the raylet of a node: Ray loses the node, as when its
+        machine drops off the network, while the node's other processes are
+        left to notice by themselves."""
+        (pid,) = [pid for pid, cmd in self.processes(ip) if cmd.split(" ", 1)[0].endswith("/raylet")]
+        os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
         for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):

@@ -12,19 +12,24 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.ray_cluster import HEAD_IP, WORKER_IP, TwoNodeRayCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The two "nodes" are network namespaces, which only root can make (CI runs as root).
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a two-node Ray cluster needs root for `ip netns`")
+
 
 def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache):
-    fileroot = tmp_path / "runs"
+    fileroot, steps, eta = tmp_path / "runs", 30, 2
     with TwoNodeRayCluster(str(tmp_path / "ray")) as cluster:
         proc = cluster.run_on_head(
             [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray",
              f"ray.address={cluster.address}", f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}",
-             "total_train_steps=4", "eval.every_n_steps=0", "eval.max_prompts=32", "heartbeat_ttl=3",
-             "saver.save_final_model=false"],
+             f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={eta}", "eval.every_n_steps=0",
+             "heartbeat_ttl=3", "saver.save_final_model=false"],
             cwd=REPO, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -32,7 +37,9 @@ def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache):
         assert last.startswith("summary: "), proc.stdout[-2000:]
         with open(last[len("summary: ") :]) as f:
             summary = json.load(f)
-        assert summary["steps"] == 4 and summary["trajectories"]["consumed"] == 4 * 16
+        assert summary["steps"] == steps and summary["trajectories"]["consumed"] == steps * 16
+        assert summary["final_eval_accuracy"] > summary["initial_eval_accuracy"], summary["eval_history"]
+        assert summary["max_staleness_trained"] <= eta
         t = summary["trajectories"]
         assert t["produced"] == t["consumed"] + t["dropped"] + t["buffered"], t
         # The generation server ran on the other node and bound its address there;
@@ -99,15 +106,17 @@ def test_a_failed_worker_or_a_lost_node_stops_the_trial_and_names_the_node(tmp_p
             assert time.monotonic() < deadline, "workers outlived their launcher"  # a hang guard
             time.sleep(0.5)
 
-        # The whole other node goes down (every process of it killed).
+        # The other node drops out of the cluster (its raylet is killed).
         proc = _start_trial(cluster, tmp_path, kit_cache, "nodedies")
-        cluster.kill_node(WORKER_IP)
+        cluster.kill_raylet(WORKER_IP)
         assert proc.wait(timeout=120) == 1
         console = (tmp_path / "nodedies.console").read_text()
         said = [line for line in console.splitlines() if line.startswith("realrl: ")]
         assert said and WORKER_IP in said[0] and ("was lost" in said[0] or "is gone" in said[0]), console[-3000:]
-        left = [cmd for _, cmd in cluster.processes(HEAD_IP) if "realrl" in cmd]
-        assert not left, left
+        deadline = time.monotonic() + 60  # the lost node's own workers notice by themselves
+        while any("realrl" in cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip)):
+            assert time.monotonic() < deadline, [cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip) if "realrl" in cmd]
+            time.sleep(0.5)
 
 
 def test_data_parallel_trainers_on_two_nodes_train_in_lockstep(tmp_path, kit_cache):
