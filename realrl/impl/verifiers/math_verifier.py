@@ -15,10 +15,11 @@ Two kinds of answers reach the math environment:
       parent  --{"id", "answer", "solutions", "timeout_s"}\\n-->  child (stdin)
       parent  <--{"id", "score", "error"}\\n------------------  child (stdout)
 
-  JSON lines between the parent and its own child (no pickle). A child that
-  does not answer within `timeout_s` is killed (SIGKILL) and the call scores
-  0.0; a child that dies mid-call scores 0.0 too. The next call starts a fresh
-  child. A child exits on its own when its stdin closes (the parent died).
+  JSON lines between the parent and its own child (no pickle), through the
+  generic pool in `realrl.base.child_pool`. A child that does not answer
+  within `timeout_s` is killed (SIGKILL) and the call scores 0.0; a child that
+  dies mid-call scores 0.0 too. The next call starts a fresh child. A child
+  exits on its own when its parent dies (parent-death signal, stdin EOF).
 
 `MathVerifier` keeps a small pool of such children (`n_procs`, started lazily:
 a run whose answers are all numeric never starts one). `verify()` is the
@@ -40,20 +41,16 @@ can never trigger them.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import json
 import math
 import os
 import re
-import select
-import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, InvalidOperation
 
+from realrl.base.child_pool import ChildGone, ChildPool, ChildTimeout, JsonLineChild, serve
 from realrl.base.logging import getLogger
 
 logger = getLogger(__name__)
@@ -167,122 +164,40 @@ def _math_verify_score(answer: str, solutions: list[str], timeout_s: float) -> f
 
 
 def _serve(test_hooks: bool) -> int:
-    """Child main loop: one JSON request per stdin line, one JSON reply per line."""
-    # Replies go to a private copy of stdout; fd 1 now points at stderr so a stray
-    # print() in a library cannot corrupt the protocol.
-    reply_fd = os.dup(1)
-    os.dup2(2, 1)
-    replies = os.fdopen(reply_fd, "w", buffering=1)
-    # If the parent dies while a check hangs, stdin EOF is never read: a watchdog
-    # thread ends the child when it is re-parented.
-    parent = os.getppid()
+    """Child main loop: one JSON request per stdin line, one JSON reply per line
+    (the generic loop in `realrl.base.child_pool.serve`)."""
 
-    def watch_parent() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
+    def setup() -> None:
+        import math_verify  # noqa: F401  (pay the import before reporting ready)
 
-    threading.Thread(target=watch_parent, daemon=True).start()
-    import math_verify  # noqa: F401  (pay the import before reporting ready)
+    def handle(request: dict) -> dict:
+        solutions = [str(s) for s in request["solutions"]]
+        if test_hooks and TEST_HOOK_SLEEP in solutions:
+            while True:
+                time.sleep(3600)
+        if test_hooks and TEST_HOOK_CRASH in solutions:
+            os._exit(17)
+        # An exception here becomes {"id", "error"}: the check scores 0, the child lives on.
+        score = _math_verify_score(str(request["answer"]), solutions, float(request["timeout_s"]))
+        return {"score": score, "error": None}
 
-    replies.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request_id, score, error = None, 0.0, None
-        try:
-            request = json.loads(line)
-            request_id = request["id"]
-            solutions = [str(s) for s in request["solutions"]]
-            if test_hooks and TEST_HOOK_SLEEP in solutions:
-                while True:
-                    time.sleep(3600)
-            if test_hooks and TEST_HOOK_CRASH in solutions:
-                os._exit(17)
-            score = _math_verify_score(str(request["answer"]), solutions, float(request["timeout_s"]))
-        except Exception as e:  # a check that fails scores 0, the child lives on
-            error = f"{type(e).__name__}: {e}"[:500]
-        replies.write(json.dumps({"id": request_id, "score": score, "error": error}) + "\n")
-    return 0
+    return serve(handle, setup)
 
 
 # ---------------------------------------------------------------- parent side
 
 
-class _ChildGone(Exception):
-    """The child timed out or died; it has been killed and must not be reused."""
+def _child_cmd(test_hooks: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "realrl.impl.verifiers.math_verifier", "--serve"]
+    return cmd + ["--test-hooks"] if test_hooks else cmd
 
 
-class _Child:
-    """One verifier child process and a line reader over its stdout."""
+class _Child(JsonLineChild):
+    """One verifier child on its own (tests drive one directly); `MathVerifier`
+    keeps a `ChildPool` of the same command."""
 
     def __init__(self, test_hooks: bool, startup_timeout_s: float):
-        cmd = [sys.executable, "-m", "realrl.impl.verifiers.math_verifier", "--serve"]
-        if test_hooks:
-            cmd.append("--test-hooks")
-        # Same process group as the parent: a launcher that kills the worker's
-        # group kills its verifiers too; a parent that dies closes our stdin.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        self._buf = b""
-        self._next_id = 0
-        try:
-            line = self._read_line(time.monotonic() + startup_timeout_s)
-            ready = line is not None and json.loads(line).get("ready") is True
-        except (_ChildGone, ValueError, AttributeError) as e:
-            ready, line = False, repr(e).encode()
-        if not ready:
-            self.kill()
-            raise RuntimeError(f"math verifier child did not start within {startup_timeout_s}s (got {line!r})")
-
-    def _read_line(self, deadline: float) -> bytes | None:
-        """The next reply line; None at the deadline; _ChildGone if the child died."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            readable, _, _ = select.select([fd], [], [], remaining)
-            if not readable:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise _ChildGone(f"exited with code {self.proc.wait()}")
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line
-
-    def check(self, answer: str, solutions: list[str], timeout_s: float) -> float:
-        self._next_id += 1
-        request = {"id": self._next_id, "answer": answer, "solutions": solutions, "timeout_s": timeout_s}
-        try:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        except (BrokenPipeError, OSError) as e:
-            raise _ChildGone(f"stdin closed ({e})") from None
-        line = self._read_line(time.monotonic() + timeout_s)
-        if line is None:
-            raise _ChildGone(f"no answer within {timeout_s}s")
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            raise _ChildGone(f"sent a malformed reply {line[:200]!r}") from None
-        if not isinstance(reply, dict) or reply.get("id") != self._next_id:
-            raise _ChildGone(f"sent {line[:200]!r} for request {self._next_id}")
-        if reply.get("error"):
-            logger.debug("math-verify failed on %r: %s", answer[:200], reply["error"])
-        return float(reply["score"])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            logger.warning("math verifier child %d did not exit after SIGKILL", self.proc.pid)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        super().__init__(_child_cmd(test_hooks), startup_timeout_s, name="math verifier child")
 
 
 class MathVerifier:
@@ -294,17 +209,16 @@ class MathVerifier:
         self.n_procs = n_procs
         self.test_hooks = test_hooks
         self.startup_timeout_s = startup_timeout_s
+        self._pool = ChildPool(_child_cmd(test_hooks), n_procs, startup_timeout_s, name="math verifier child")
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(n_procs)
-        self._idle: list[_Child] = []
-        self._live: set[_Child] = set()
-        self._closed = False
-        self._executor = ThreadPoolExecutor(max_workers=n_procs, thread_name_prefix="math-verify")
         # Counters for logging / tests.
         self.n_child_calls = 0
         self.n_timeouts = 0
         self.n_crashes = 0
-        self.n_children_started = 0
+
+    @property
+    def n_children_started(self) -> int:
+        return self._pool.n_children_started
 
     # -- public API
     def verify(self, answer_text: str, solutions: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
@@ -315,7 +229,12 @@ class MathVerifier:
             return fast
         if not answer_text or not answer_text.strip():
             return 0.0
-        return self._check_in_child(answer_text, solutions, timeout_s)
+        request = {"answer": answer_text, "solutions": solutions, "timeout_s": timeout_s}
+        try:
+            reply = self._pool.call(request, timeout_s)
+        except ChildGone as e:
+            return self._child_lost(e)
+        return self._score(reply, answer_text)
 
     async def averify(self, answer_text: str, solutions: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
         """`verify` that never blocks the event loop (child checks run on a thread)."""
@@ -325,61 +244,35 @@ class MathVerifier:
             return fast
         if not answer_text or not answer_text.strip():
             return 0.0
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._check_in_child, answer_text, solutions, timeout_s)
+        request = {"answer": answer_text, "solutions": solutions, "timeout_s": timeout_s}
+        try:
+            reply = await self._pool.acall(request, timeout_s)
+        except ChildGone as e:
+            return self._child_lost(e)
+        return self._score(reply, answer_text)
 
     def close(self) -> None:
         """Kill every child (idle or busy); later calls raise."""
-        with self._lock:
-            self._closed = True
-            children = list(self._live)
-            self._idle.clear()
-            self._live.clear()
-        for child in children:
-            child.kill()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
     def child_pids(self) -> list[int]:
-        with self._lock:
-            return [c.proc.pid for c in self._live]
+        return self._pool.child_pids()
 
     # -- internals
-    def _check_in_child(self, answer: str, solutions: list[str], timeout_s: float) -> float:
-        with self._slots:
-            child = self._take_child()
-            try:
-                score = child.check(answer, solutions, timeout_s)
-            except _ChildGone as e:
-                timed_out = child.proc.poll() is None
-                with self._lock:
-                    self.n_timeouts += timed_out
-                    self.n_crashes += not timed_out
-                    self._live.discard(child)
-                child.kill()
-                logger.warning("math verifier child %d %s; scored 0 and restarting", child.proc.pid, e)
-                return 0.0
-            with self._lock:
-                self.n_child_calls += 1
-                if self._closed:
-                    child.kill()
-                else:
-                    self._idle.append(child)
-            return score
+    def _score(self, reply: dict, answer: str) -> float:
+        with self._lock:
+            self.n_child_calls += 1
+        if reply.get("error"):
+            logger.debug("math-verify failed on %r: %s", answer[:200], reply["error"])
+            return 0.0
+        return float(reply["score"])
 
-    def _take_child(self) -> _Child:
+    def _child_lost(self, e: ChildGone) -> float:
         with self._lock:
-            if self._closed:
-                raise RuntimeError("MathVerifier is closed")
-            if self._idle:
-                return self._idle.pop()
-            self.n_children_started += 1
-        child = _Child(self.test_hooks, self.startup_timeout_s)  # outside the lock: takes seconds
-        with self._lock:
-            if self._closed:
-                child.kill()
-                raise RuntimeError("MathVerifier is closed")
-            self._live.add(child)
-        return child
+            self.n_timeouts += isinstance(e, ChildTimeout)
+            self.n_crashes += not isinstance(e, ChildTimeout)
+        logger.warning("%s; scored 0 and restarting", e)
+        return 0.0
 
 
 # ---------------------------------------------------------------- process-wide default
