@@ -58,7 +58,7 @@ def run(mode: str, steps: int, fileroot: str, extra: list[str]) -> dict:
         "seconds_per_step": {"fetch (waiting for rollouts)": mean("time/fetch_s"), "inference": mean("time/inference_s"),
                              "train + publish": mean("time/train_s")},  # fmt: skip
         "reward_per_step": [s.get("rollout/reward/mean") for s in steps_stats],
-        "accuracy_per_step": [s.get("rollout/accuracy/mean") for s in steps_stats],
+        "accuracy_per_step": [s.get("rollout/accuracy") for s in steps_stats],
         "max_staleness_trained": summary["max_staleness_trained"],
         "initial_eval_accuracy": summary["initial_eval_accuracy"],
         "final_eval_accuracy": summary["final_eval_accuracy"],

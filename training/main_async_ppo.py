@@ -28,9 +28,15 @@ CONFIG_DIR = os.path.join(_REPO, "training", "configs")
 ConfigStore.instance().store(name="async_ppo_schema", node=AsyncPPOConfig)
 
 
+# Free-form dicts: their keys are the plugin's to define, so a new key needs no
+# Hydra `+` (an override of one becomes `++`, "add or replace").
+FREE_FORM_KEYS = ("rollout.agent.args.", "rollout.env.args.")
+
+
 def load_config(overrides: list[str], config_name: str = "async-ppo") -> AsyncPPOConfig:
     """Composes defaults + overrides into a typed AsyncPPOConfig; any error
     becomes a ConfigError whose message names the key."""
+    overrides = [f"++{o}" if o.startswith(FREE_FORM_KEYS) else o for o in overrides]
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             cfg = compose(config_name=config_name, overrides=overrides)

@@ -17,7 +17,8 @@ import sys
 import tempfile
 from typing import Callable
 
-from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, validate
+from realrl.api.agent_api import AgentSettings
+from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, EnvConfig, validate
 from realrl.api.system_api import (
     GenerationServerConfig,
     GserverManagerConfig,
@@ -35,7 +36,7 @@ logger = getLogger("training")
 class TrialPaths:
     fileroot: str
     log_dir: str
-    weights_dir: str  # <fileroot>/weights/<exp>/<trial>/actor/<version>/ (DESIGN §8)
+    weights_dir: str  # <fileroot>/weights/<exp>/<trial>/actor/<version>/ (docs/design.md §8)
     checkpoint_dir: str
     final_model_dir: str
     summary: str
@@ -86,27 +87,49 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
                 recipe, warm_start=dataclasses.replace(recipe.warm_start, steps=cfg.tiny_kit.warm_start_steps)
             )
         kit = build_tiny_kit(cache, recipe, dataset)
-        logger.info("tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)", kit.root,
-                    kit.warm_start_stats.accuracy, kit.warm_start_stats.k, kit.warm_start_stats.pass_at_k)  # fmt: skip
+        if dataset is None:
+            logger.info("tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)", kit.root,
+                        kit.warm_start_stats.accuracy, kit.warm_start_stats.k, kit.warm_start_stats.pass_at_k)  # fmt: skip
+        else:  # its built-in check compares numbers; your task's score is the step-0 evaluation
+            logger.info("tiny kit: %s (warm-started on %s; the step-0 evaluation scores it on your task)",
+                        kit.root, train_path)  # fmt: skip
         model_path = model_path or kit.model_path
         if not train_path:
             train_path, test_path = kit.train_path, kit.test_path
     return model_path, train_path, test_path
 
 
-def agent_args(cfg: AsyncPPOConfig, tokenizer_path: str) -> dict:
-    """The built-in agents' arguments from the PPO/rollout config; user args win."""
-    args = {
-        "tokenizer_path": tokenizer_path,
-        "group_size": cfg.ppo.group_size,
-        "gconfig": dataclasses.asdict(cfg.rollout.gconfig),
-        "reward_bias": cfg.ppo.reward_bias,
-        "reward_scaling": cfg.ppo.reward_scaling,
-        "success_rate_lb": cfg.rollout.success_rate_lb,
-        "success_rate_ub": cfg.rollout.success_rate_ub,
-    }
-    args.update(cfg.rollout.agent.args)
-    return args
+def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
+    """The run-wide settings every agent gets (its own args are rollout.agent.args)."""
+    return AgentSettings(
+        tokenizer_path=tokenizer_path,
+        group_size=cfg.ppo.group_size,
+        gconfig=dataclasses.replace(cfg.rollout.gconfig),
+        reward_bias=cfg.ppo.reward_bias,
+        reward_scaling=cfg.ppo.reward_scaling,
+        success_rate_lb=cfg.rollout.success_rate_lb,
+        success_rate_ub=cfg.rollout.success_rate_ub,
+    )
+
+
+def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
+    """The environment episodes use: `rollout.reward_fn` becomes the
+    "reward-fn" environment (a file path made absolute: workers may run
+    elsewhere); the synthetic arithmetic task checks bare numbers."""
+    env = cfg.rollout.env
+    if cfg.rollout.reward_fn:
+        spec = cfg.rollout.reward_fn
+        path, sep, name = spec.rpartition(":")
+        if sep and path.endswith(".py"):
+            spec = f"{os.path.abspath(path)}:{name}"
+        plugins = [os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins]
+        return EnvConfig(type="reward-fn", args={"fn": spec, "timeout_s": cfg.rollout.reward_fn_timeout,
+                                                 "plugins": plugins, **env.args})  # fmt: skip
+    if not cfg.dataset.train_path and env.type == "math":
+        # The synthetic arithmetic task's answers are bare numbers ("81");
+        # a hedged or decorated answer ("~81") does not count.
+        return dataclasses.replace(env, args={"answer_format": "exact", **env.args})
+    return env
 
 
 def _one_line(text: str) -> str:
@@ -179,6 +202,22 @@ def model_positions(cfg: AsyncPPOConfig) -> int | None:
     return None
 
 
+def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool) -> None:
+    """ConfigError naming `key` when `factory` cannot take `args` (an unknown
+    or missing keyword), checked from its signature without calling it."""
+    import inspect
+
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let it fail where it runs
+        return
+    try:
+        signature.bind(*([None] if with_settings else []), **args)
+    except TypeError as e:
+        accepted = [p for p in list(signature.parameters)[int(with_settings):] if p not in ("self", "args", "kwargs")]
+        raise ConfigError(f"{key}: {e}; {getattr(factory, '__name__', factory)} accepts {accepted}") from None
+
+
 def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     """The checks that need the file system, the plugins or the model's
     config, run after `validate` and before anything is created (fileroot,
@@ -191,11 +230,20 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     from realrl.api.agent_api import AGENTS
     from realrl.api.env_api import ENVIRONMENTS
 
-    for key, name, registry in (("rollout.agent.type", cfg.rollout.agent.type, AGENTS),
-                                ("rollout.env.type", cfg.rollout.env.type, ENVIRONMENTS)):  # fmt: skip
+    env = env_config(cfg)
+    for key, name, args, registry in (("rollout.agent.type", cfg.rollout.agent.type, cfg.rollout.agent.args, AGENTS),
+                                      ("rollout.env.type", env.type, env.args, ENVIRONMENTS)):  # fmt: skip
         if name not in registry:
             hint = "" if cfg.plugins else " (a plugin can register more: plugins=[path/to/plugin.py])"
             raise ConfigError(f"{key}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}{hint}")
+        check_arguments(registry.get(name), args, key.replace(".type", ".args"), with_settings=registry is AGENTS)
+    if cfg.rollout.reward_fn:
+        from realrl.impl.reward_fn import load_reward_fn
+
+        try:
+            load_reward_fn(env.args["fn"])
+        except ValueError as e:
+            raise ConfigError(f"rollout.reward_fn: {_one_line(e)}") from None
     if cfg.mode == "ray":
         from realrl.launcher.ray import connect
 
@@ -242,12 +290,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     paths = trial_paths(cfg)
     model_path, train_path, test_path = resolve_model_and_data(cfg, paths.fileroot)
     ppo, rollout = cfg.ppo, cfg.rollout
-    if not cfg.dataset.train_path and rollout.env.type == "math":
-        # The synthetic arithmetic task's answers are bare numbers ("81");
-        # a hedged or decorated answer ("~81") does not count.
-        rollout = dataclasses.replace(
-            rollout, env=dataclasses.replace(rollout.env, args={"answer_format": "exact", **rollout.env.args})
-        )
+    rollout = dataclasses.replace(rollout, env=env_config(cfg))
     n_train = alloc.train.dp
     temperature = 0.0 if rollout.gconfig.greedy else rollout.gconfig.temperature
 
@@ -285,6 +328,8 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         checkpoint_dir=paths.checkpoint_dir,
         eval_dataset_path=test_path,
         eval_max_new_tokens=cfg.eval.max_new_tokens or rollout.gconfig.max_new_tokens,
+        agent=rollout.agent,
+        agent_settings=agent_settings(cfg, model_path),
         eval_batch_size=cfg.eval.batch_size,
         eval_max_prompts=cfg.eval.max_prompts,
         env=rollout.env,
@@ -321,7 +366,8 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         max_prompt_len=max_prompt_len,
         shuffle=cfg.dataset.shuffle,
         seed=cfg.seed,
-        agent=dataclasses.replace(rollout.agent, args=agent_args(cfg, model_path)),
+        agent=rollout.agent,
+        agent_settings=agent_settings(cfg, model_path),
         env=rollout.env,
         max_concurrent_rollouts=per_worker_concurrency,
         new_tokens_per_chunk=rollout.new_tokens_per_chunk,

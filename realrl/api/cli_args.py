@@ -1,4 +1,4 @@
-"""User-facing configuration (Hydra structured configs, DESIGN §10).
+"""User-facing configuration (Hydra structured configs, docs/design.md §10).
 
 `training/configs/async-ppo.yaml` holds the defaults; every field can be
 overridden on the command line, e.g.
@@ -74,7 +74,7 @@ class PPOConfig:
     eps_clip: float = 0.2
     c_clip: Optional[float] = None  # dual clip for negative advantages
     value_eps_clip: float = 0.2
-    use_decoupled_loss: bool = True  # recompute proximal logprobs; DESIGN §9
+    use_decoupled_loss: bool = True  # recompute proximal logprobs; docs/design.md §9
     behav_imp_weight_cap: Optional[float] = 5.0
     kl_ctl: float = 0.0  # > 0 loads a frozen reference model
     kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
@@ -90,7 +90,7 @@ class PPOConfig:
 
 @dataclasses.dataclass
 class AgentConfig:
-    type: str = "math-single-step"
+    type: str = "single-step"
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -111,6 +111,10 @@ class RolloutConfig:
     gconfig: GenerationHyperparameters = dataclasses.field(default_factory=GenerationHyperparameters)
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    # A reward function instead of an environment: "path/to/task.py:reward",
+    # "module:function" or a registered name (sets env to "reward-fn").
+    reward_fn: str = ""
+    reward_fn_timeout: float = 10.0  # seconds per call; a call cut off scores 0
     request_timeout: float = 600.0
     request_retries: int = 3
 
@@ -368,6 +372,9 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(sg.log_level in SGLANG_LOG_LEVELS, "server.sglang.log_level",
            f"must be {'|'.join(SGLANG_LOG_LEVELS)}, got {sg.log_level!r}")  # fmt: skip
     _check(s.startup_timeout > 0, "server.startup_timeout", f"must be > 0 seconds, got {s.startup_timeout}")
+    _check(r.reward_fn_timeout > 0, "rollout.reward_fn_timeout", f"must be > 0 seconds, got {r.reward_fn_timeout}")
+    _check(not r.reward_fn or r.env.type in ("math", "reward-fn"), "rollout.reward_fn",
+           f"replaces the environment; it cannot be combined with rollout.env.type={r.env.type}")  # fmt: skip
     _check(s.weight_update_timeout > 0, "server.weight_update_timeout",
            f"must be > 0 seconds, got {s.weight_update_timeout}")  # fmt: skip
     _check(s.weight_update_retries >= 0, "server.weight_update_retries",

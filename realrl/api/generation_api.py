@@ -1,10 +1,10 @@
 """What an agent asks for and gets back when it needs text generated.
 
-An agent puts a `GenerationRequest` (one prompt, `group_size` samples) on its
-obs_queue; the rollout worker's PartialRolloutManager turns it into
-`group_size` server requests (resubmitting chunks and interrupted requests),
-and puts one `GenerationResult` on the agent's act_queue, with per-token
-logprobs and weight versions (DESIGN §5–§6).
+`Agent.generate` makes a `GenerationRequest` (one prompt, `group_size`
+samples); in training the rollout worker's PartialRolloutManager turns it into
+`group_size` server requests (resubmitting chunks and interrupted requests)
+and answers with one `GenerationResult`, with per-token logprobs and weight
+versions (docs/design.md §5–§6).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, NoReturn
 
-# Bounds on SGLang-named sampling parameters (DESIGN §6), shared by
+# Bounds on SGLang-named sampling parameters (docs/design.md §6), shared by
 # `GenerationHyperparameters.validate` and the torch server's request check.
 #
 # Temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Below
@@ -120,7 +120,7 @@ class GenerationHyperparameters:
             raise SamplingParamError(f"{prefix}.max_new_tokens must be positive, got 0")
 
     def sampling_params(self, max_new_tokens: int | None = None) -> dict:
-        """SGLang-native `sampling_params` (DESIGN §6)."""
+        """SGLang-native `sampling_params` (docs/design.md §6)."""
         params = {
             "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             "min_new_tokens": self.min_new_tokens,
@@ -157,3 +157,9 @@ class GenerationResult:
     @property
     def group_size(self) -> int:
         return len(self.output_ids)
+
+    def answer(self, i: int) -> "GenerationResult":
+        """Answer `i` alone, as a result of group size 1."""
+        return GenerationResult(self.qid, list(self.prompt_ids), [self.output_ids[i]], [self.output_logprobs[i]],
+                                [self.output_versions[i]], [self.no_eos[i]], [self.version_start[i]],
+                                [self.version_end[i]])  # fmt: skip

@@ -81,6 +81,7 @@ def from_plain(config_cls: type, raw: Any) -> Any:
 # training/utils.py derives these from the user's AsyncPPOConfig; each worker
 # gets only what it needs, so a worker can also be started on its own (tests).
 
+from realrl.api.agent_api import AgentSettings  # noqa: E402
 from realrl.api.cli_args import (  # noqa: E402
     AgentConfig,
     EnvConfig,
@@ -109,7 +110,7 @@ class GserverManagerConfig:
     train_batch_size: int = 16  # trajectories per train step (the staleness unit)
     max_head_offpolicyness: int = 4
     max_concurrent_rollouts: int = 64
-    # Weight version v of the actor lives in <weights_dir>/<v>/ (DESIGN §8).
+    # Weight version v of the actor lives in <weights_dir>/<v>/ (docs/design.md §8).
     weights_dir: str = ""
     weight_update_timeout: float = 120.0
     weight_update_retries: int = 3
@@ -123,8 +124,8 @@ class RolloutWorkerConfig:
     max_prompt_len: int = 256
     shuffle: bool = True
     seed: int = 1
-    # The agent's args carry group_size, gconfig and reward shaping (training/utils.agent_args).
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    agent_settings: AgentSettings = dataclasses.field(default_factory=AgentSettings)  # training/utils.agent_settings
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     max_concurrent_rollouts: int = 64  # episodes in flight in this worker
     new_tokens_per_chunk: int = 1 << 30
@@ -153,11 +154,14 @@ class ModelWorkerConfig:
     weights_dir: str = ""  # publish version v of the actor to <weights_dir>/<v>/
     checkpoint_dir: str = ""  # recovery checkpoints
     max_buffered_trajectories: int = 100000
-    # evaluation (greedy accuracy on the test split, run by data-parallel rank 0)
+    # evaluation: the rollout's agent and environment on the test split, greedy,
+    # on this trainer's weights (each data-parallel rank scores its share)
     eval_dataset_path: str = ""
     eval_max_new_tokens: int = 16
     eval_batch_size: int = 256
     eval_max_prompts: int = 0
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    agent_settings: AgentSettings = dataclasses.field(default_factory=AgentSettings)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
 
 

@@ -1,11 +1,14 @@
-"""The trajectory schema (DESIGN §5): what rollout workers push and trainers pull.
+"""The trajectory schema (docs/design.md §5): what rollout workers push and trainers pull.
 
 One `Trajectory` is one prompt's group of sampled answers (group_size
 sequences; a multi-turn agent adds one sequence per turn and answer). Per
 sequence: `input_ids` = prompt + completion (int32), `prompt_len`, behaviour
 `logprobs` and weight `versions` per completion token, `version_start` /
-`version_end` (weights at the first / last token), `reward`, `no_eos`
-(truncated). `to_wire()` packs the sequences into a few flat arrays for the
+`version_end` (weights at the first / last token), `reward` (what the trainer
+optimises), `no_eos` (truncated), and optionally `scores`: the task's raw score
+per sequence before reward shaping (1.0 = full credit; accuracy and the
+success-rate filter read it). `Trajectory.from_results` builds one from
+generation results. `to_wire()` packs the sequences into a few flat arrays for the
 wire format (realrl.base.wire); `from_wire()` validates everything a peer sent
 that the schema alone can judge, and `check_token_ids(vocab_size)` what only the
 receiver can: that every token id fits its model's vocabulary.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -37,7 +41,34 @@ class Trajectory:
     version_end: list[int]
     reward: list[float]
     no_eos: list[bool]
+    scores: list[float] = dataclasses.field(default_factory=list)  # empty, or one raw task score per sequence
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_results(cls, prompt: Any, results: list, scores: list[float], rewards: list[float],
+                     metadata: dict[str, Any] | None = None) -> "Trajectory":  # fmt: skip
+        """One sequence per answer of each `GenerationResult` in `results`, in
+        order: the result's `prompt_ids` (the whole context the answer was
+        generated from) + the answer, with its logprobs and weight versions.
+        `prompt` is the episode's PromptRecord (for qid and task); `scores` and
+        `rewards` give one value per sequence."""
+        input_ids, prompt_len, logprobs, versions, start, end, no_eos = [], [], [], [], [], [], []
+        for result in results:
+            for i in range(result.group_size):
+                input_ids.append(np.asarray(list(result.prompt_ids) + list(result.output_ids[i]), dtype=np.int32))
+                prompt_len.append(len(result.prompt_ids))
+                logprobs.append(np.asarray(result.output_logprobs[i], dtype=np.float32))
+                versions.append(np.asarray(result.output_versions[i], dtype=np.int32))
+                start.append(int(result.version_start[i]))
+                end.append(int(result.version_end[i]))
+                no_eos.append(bool(result.no_eos[i]))
+        if len(scores) != len(input_ids) or len(rewards) != len(input_ids):
+            raise TrajectoryError(f"trajectory {prompt.qid}: {len(input_ids)} sequences but {len(scores)} scores "
+                                  f"and {len(rewards)} rewards")  # fmt: skip
+        return cls(qid=prompt.qid, task=prompt.task, birth_time=time.time(), input_ids=input_ids, prompt_len=prompt_len,
+                   logprobs=logprobs, versions=versions, version_start=start, version_end=end,
+                   reward=[float(r) for r in rewards], no_eos=no_eos, scores=[float(s) for s in scores],
+                   metadata=dict(metadata or {})).validate()  # fmt: skip
 
     @property
     def group_size(self) -> int:
@@ -65,6 +96,10 @@ class Trajectory:
             raise TrajectoryError(f"qid must be a non-empty str, got {self.qid!r}")
         if n == 0:
             raise TrajectoryError(f"trajectory {self.qid} has no sequences")
+        if self.scores and len(self.scores) != n:
+            raise TrajectoryError(f"trajectory {self.qid}: scores has {len(self.scores)} entries for {n} sequences")
+        if not all(math.isfinite(x) for x in self.scores):
+            raise TrajectoryError(f"trajectory {self.qid}: non-finite score")
         per_seq = dict(prompt_len=self.prompt_len, logprobs=self.logprobs, versions=self.versions,
                        version_start=self.version_start, version_end=self.version_end,
                        reward=self.reward, no_eos=self.no_eos)  # fmt: skip
@@ -128,6 +163,7 @@ class Trajectory:
             "version_end": np.asarray(self.version_end, dtype=np.int32),
             "reward": np.asarray(self.reward, dtype=np.float32),
             "no_eos": np.asarray(self.no_eos, dtype=np.bool_),
+            "scores": np.asarray(self.scores, dtype=np.float32),
             "metadata": self.metadata,
         }
 
@@ -165,6 +201,7 @@ class Trajectory:
                 version_end=_array(msg, "version_end", np.int32, n).tolist(),
                 reward=_array(msg, "reward", np.float32, n).astype(float).tolist(),
                 no_eos=_array(msg, "no_eos", np.bool_, n).tolist(),
+                scores=_array(msg, "scores", np.float32, n).astype(float).tolist() if len(msg.get("scores", ())) else [],
                 metadata=meta,
             )
         except KeyError as e:

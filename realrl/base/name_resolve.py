@@ -1,4 +1,4 @@
-"""name_resolve: how realrl's processes find one another (DESIGN §3).
+"""name_resolve: how realrl's processes find one another (docs/design.md §3).
 
 One API, three backends:
 

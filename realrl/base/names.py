@@ -1,4 +1,4 @@
-"""The only place name_resolve keys are built (DESIGN §3).
+"""The only place name_resolve keys are built (docs/design.md §3).
 
 Every key of a trial lives under `<user>/<experiment>/<trial>/`, so clearing
 one trial (`name_resolve.clear_subtree(names.trial_root(exp, trial))`) never

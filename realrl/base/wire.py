@@ -1,4 +1,4 @@
-"""The wire format of realrl's streams (DESIGN §4): msgpack for structure, raw
+"""The wire format of realrl's streams (docs/design.md §4): msgpack for structure, raw
 frames for numeric arrays. Never pickle: a peer that can reach a port must not
 be able to run code in the receiver.
 

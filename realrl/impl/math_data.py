@@ -180,3 +180,9 @@ def load_math_jsonl(path: str) -> list[dict[str, Any]]:
             record.setdefault("task", "math")
             records.append(record)
     return records
+
+
+def dataset_row_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A loaded record's own fields beyond query_id, prompt, answer,
+    solutions and task: what a reward function gets as keyword arguments."""
+    return {k: v for k, v in record.items() if k not in ("query_id", "prompt", "answer", "solutions", "task")}

@@ -1,4 +1,4 @@
-"""GenerationServer worker: owns one inference server process (DESIGN §2, §6).
+"""GenerationServer worker: owns one inference server process (docs/design.md §2, §6).
 
 `_configure`:
 1. checks the backend can run here (e.g. SGLang installed) and that the model

@@ -1,4 +1,4 @@
-"""GserverManager worker: admission, routing and weight updates (DESIGN §2, §6-§8).
+"""GserverManager worker: admission, routing and weight updates (docs/design.md §2, §6-§8).
 
 One manager per trial sits between the rollout workers and the generation
 servers. It serves this HTTP API (the contract with the rollout side; JSON,
@@ -23,7 +23,7 @@ The state lives in two plain classes that know nothing about HTTP:
 - `StalenessController`: admission. A rollout is admitted iff training has
   started, rollouts are not stopped, `running < max_concurrent_rollouts`, and
   `(accepted - dropped + running) // train_batch_size <= η + version`
-  (`within_staleness_bound`, DESIGN §7), where `version` is the weight version
+  (`within_staleness_bound`, docs/design.md §7), where `version` is the weight version
   every server holds (not merely the one the trainer published: rollouts
   admitted for v+1 must be generated with v+1). With version v, at most
   `(η + v + 1) * train_batch_size` trajectories are ever admitted, counting
@@ -77,7 +77,7 @@ _MAX_BODY_DEPTH = 8
 def within_staleness_bound(
     accepted: int, dropped: int, running: int, train_batch_size: int, max_head_offpolicyness: int, version: int
 ) -> bool:
-    """DESIGN §7: may one more rollout start? `accepted` counts every trajectory
+    """docs/design.md §7: may one more rollout start? `accepted` counts every trajectory
     finished and accepted so far (consumed or still buffered), `dropped` the
     ones the trainer threw away (their budget is given back), `version` the
     weight version every generation server holds."""
@@ -468,7 +468,7 @@ class GserverManager(AsyncWorker):
     # ---- weight updates ------------------------------------------------------------------
     def _sync_admission_version(self) -> None:
         """Admission for version v opens once the trainer published v and
-        every server holds it (DESIGN §7): rollouts admitted for v are
+        every server holds it (docs/design.md §7): rollouts admitted for v are
         generated with v, and never with more than the trainer has."""
         self.controller.version = min(self.controller.trainer_version, self.router.version)
 

@@ -1,4 +1,4 @@
-"""MasterWorker: the training dataflow, one step per poll (DESIGN §2, §7).
+"""MasterWorker: the training dataflow, one step per poll (docs/design.md §2, §7).
 
 Each step, over the request-reply stream to the model workers:
 
@@ -35,6 +35,7 @@ import time
 
 import aiohttp
 
+from realrl.api.agent_api import FULL_CREDIT
 from realrl.api.system_api import MasterWorkerConfig
 from realrl.base import name_resolve, names
 from realrl.base.datapack import partition_balanced
@@ -172,7 +173,8 @@ class MasterWorker(AsyncWorker):
                              "recv_from": recv_from, "current_version": self.version})  # fmt: skip
         parts = await self.stream.call_async(all_ranks, "assemble", requests, timeout=self.cfg.rpc_timeout)
         batch: dict = {k: [x for p in parts for x in p[k]]
-                       for k in ("staleness", "version_start", "rewards", "correct", "seq_lens", "gen_lens")}  # fmt: skip
+                       for k in ("staleness", "version_start", "rewards", "scores", "seq_lens", "gen_lens",
+                                "generate_in_flight")}  # fmt: skip
         batch["rank_tokens"] = [p["n_tokens"] for p in parts]
         batch["moved"] = sum(p["n_moved_out"] for p in parts)
         return batch
@@ -203,8 +205,12 @@ class MasterWorker(AsyncWorker):
         stats["batch/moved_between_ranks"] = batch["moved"]
         stats["batch/rank_tokens_max_over_mean"] = max(batch["rank_tokens"]) / max(n_tokens / len(batch["rank_tokens"]), 1e-9)
         stats.update(summarize(batch["rewards"], "rollout/reward"))
-        stats.update(summarize(batch["correct"], "rollout/accuracy"))
+        # Accuracy: the fraction of trained answers with full credit (score >= 1).
+        stats.update(summarize(batch["scores"], "rollout/score"))
+        if batch["scores"]:
+            stats["rollout/accuracy"] = sum(x >= FULL_CREDIT for x in batch["scores"]) / len(batch["scores"])
         stats.update(summarize([float(x) for x in batch["gen_lens"]], "rollout/gen_len"))
+        stats.update(summarize(batch["generate_in_flight"], "rollout/generate_in_flight"))
         stats.update(summarize([float(x) for x in batch["staleness"]], "staleness"))
         stats.update(summarize([float(x) for x in batch["version_start"]], "rollout/version_start"))
         stats["staleness/histogram"] = histogram(batch["staleness"])
@@ -220,7 +226,7 @@ class MasterWorker(AsyncWorker):
         if self.cfg.checkpoint_every_n_steps and self.step % self.cfg.checkpoint_every_n_steps == 0:
             await self._checkpoint()
         self.stats_logger.log(self.step, stats)
-        acc = stats.get("rollout/accuracy/mean", stats.get("rollout/reward/mean", 0.0))
+        acc = stats.get("rollout/accuracy", 0.0)  # trained answers with full credit
         self.logger.info(
             "step %d/%d v%d | acc %.3f reward %.3f | loss %.4f clip %.3f | staleness max %d | %.2fs (fetch %.2f, inf %.2f, train %.2f)",
             self.step, self.cfg.total_train_steps, self.version, acc, stats.get("rollout/reward/mean", 0.0),
@@ -279,7 +285,7 @@ class MasterWorker(AsyncWorker):
             "step": self.step,
             "version": self.version,
             "accuracy": sum(p["n_correct"] for p in parts) / total,
-            "reward_mean": sum(p["reward_sum"] for p in parts) / total,
+            "score_mean": sum(p["score_sum"] for p in parts) / total,
             "n": sum(p["n"] for p in parts),
             "seconds": max(p["seconds"] for p in parts),
             "samples": [s for p in parts for s in p["samples"]],
@@ -287,7 +293,8 @@ class MasterWorker(AsyncWorker):
         self.eval_history.append({k: v for k, v in result.items() if k != "samples"})
         self.logger.info("eval at step %d: greedy accuracy %.3f on %d prompts (%.1fs); e.g. %s",
                          self.step, result["accuracy"], result["n"], result["seconds"], result["samples"][:2])  # fmt: skip
-        self.stats_logger.log(self.step, {"eval/accuracy": result["accuracy"], "eval/n": result["n"]})
+        self.stats_logger.log(self.step, {"eval/accuracy": result["accuracy"], "eval/score": result["score_mean"],
+                                          "eval/n": result["n"]})  # fmt: skip
         return result
 
     async def _checkpoint(self) -> None:

@@ -20,13 +20,13 @@ Cheap handles run on the serving thread and are answered even while a long
 one runs on the worker thread (so the master can keep filling the next batch).
 
 A step's batch is chosen by the master from what all ranks hold together
-(DESIGN §7): no rank has a quota, so trajectories that land unevenly (one
+(docs/design.md §7): no rank has a quota, so trajectories that land unevenly (one
 rollout worker faster, a filter that hits one shard) never stall a step.
 `assemble` moves the trajectories planned for another rank over a gloo group
 of their own (also when training runs on NCCL), in the wire format (no
 pickle), point to point.
 
-Weights (DESIGN §8): after each train step rank 0 writes the actor as HF
+Weights (docs/design.md §8): after each train step rank 0 writes the actor as HF
 safetensors into a temp directory, renames it to `<weights_dir>/<version>/`,
 and only then sets `model_version/actor`; a half-written version is never
 visible. Data parallelism uses torch.distributed (gloo on CPU, NCCL on CUDA);
@@ -36,6 +36,7 @@ count, so every rank ends a step with identical weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -114,10 +115,12 @@ class ModelWorker(Worker):
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        import realrl.impl.environments  # noqa: F401  built-in envs score evaluations
+        import realrl.impl.agents  # noqa: F401  evaluation runs the built-in agents and environments
+        import realrl.impl.environments  # noqa: F401
 
         dtype = _DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        self._eval_agent = None  # made at the first evaluation (the agent may load things)
         actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
@@ -268,7 +271,9 @@ class ModelWorker(Worker):
             "staleness": [current - t.min_version_start for t in mine],
             "version_start": [t.min_version_start for t in mine],
             "rewards": [r for t in mine for r in t.reward],
-            "correct": [float(c) for t in mine for c in t.metadata.get("correct", [])],
+            "scores": [float(x) for t in mine for x in t.scores],
+            # the most generate() calls one episode had in flight at once
+            "generate_in_flight": [float(t.metadata.get("max_generate_in_flight", 1)) for t in mine],
             "seq_lens": [n for t in mine for n in t.seq_lens],
             "gen_lens": [n - p for t in mine for n, p in zip(t.seq_lens, t.prompt_len)],
             "n_tokens": sum(t.n_tokens for t in mine),
@@ -335,65 +340,47 @@ class ModelWorker(Worker):
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    @torch.no_grad()
     def _handle_evaluate(self, data: dict) -> dict:
-        """Greedy answers of the current actor on this rank's share of the test
-        split, scored by the configured environment (the verifier that gives
-        rewards). Every rank evaluates its shard; the master sums the counts."""
+        """Every test prompt of this rank's share through the run's agent and
+        environment, greedy, on this trainer's current weights (the contract:
+        realrl/impl/evaluation.py). The master sums the ranks' counts."""
         import asyncio
 
-        from realrl.api.agent_api import PromptRecord
-        from realrl.impl.math_data import load_math_jsonl
+        from realrl.api.agent_api import PromptRecord, make_agent
+        from realrl.impl.evaluation import ModelGenerator, evaluate_prompts, summarize_scores
+        from realrl.impl.math_data import dataset_row_fields, load_math_jsonl
 
         t0 = time.monotonic()
         records = load_math_jsonl(self.cfg.eval_dataset_path)
         if self.cfg.eval_max_prompts:
             records = records[: self.cfg.eval_max_prompts]
         mine = records[self.dp_rank :: self.dp_size]
-        # Under FSDP every forward is a collective: all ranks run the same
-        # number of batches (the shortest shards repeat a prompt, not scored).
-        n_batches = -(-len(records[0 :: self.dp_size]) // self.cfg.eval_batch_size)
-        model, tok = self.actor.model, self.tokenizer
+        prompts = [PromptRecord(qid=f"eval-{r['query_id']}", prompt=r["prompt"], solutions=r["solutions"],
+                                prompt_ids=list(self.tokenizer.encode(r["prompt"], add_special_tokens=False)),
+                                task=r.get("task", "math"), row=dataset_row_fields(r)) for r in mine]  # fmt: skip
+        if self._eval_agent is None:
+            settings = dataclasses.replace(self.cfg.agent_settings, tokenizer=self.tokenizer)
+            self._eval_agent = make_agent(self.cfg.agent.type, settings.for_evaluation(self.cfg.eval_max_new_tokens),
+                                          **self.cfg.agent.args)  # fmt: skip
+        generator = ModelGenerator(self.actor.model, self.tokenizer, self.device, self.version,
+                                   batch_size=self.cfg.eval_batch_size,
+                                   all_ranks_busy=self._all_ranks_busy if self.cfg.fsdp else None)  # fmt: skip
+        model = self.actor.model
         was_training = model.training
         model.eval()
-        completions: list[str] = []
-        tok.padding_side = "left"
-        for b in range(n_batches):
-            chunk = mine[b * self.cfg.eval_batch_size : (b + 1) * self.cfg.eval_batch_size] or records[:1]
-            enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(
-                input_ids=enc["input_ids"].to(self.device), attention_mask=enc["attention_mask"].to(self.device),
-                max_new_tokens=self.cfg.eval_max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id, synced_gpus=self.cfg.fsdp,
-            )  # fmt: skip
-            for row in out[:, enc["input_ids"].shape[1] :].tolist():
-                completions.append(tok.decode(row, skip_special_tokens=True))
-        completions = completions[: len(mine)]
-        model.train(was_training)
+        try:
+            results = asyncio.run(evaluate_prompts(self._eval_agent, lambda: make_env(self.cfg.env.type, **self.cfg.env.args),
+                                                   prompts, generator))  # fmt: skip
+        finally:
+            model.train(was_training)
+        samples = [{"prompt": p.prompt, "completion": text, "score": score} for p, (score, text) in zip(prompts[:3], results)]
+        return {**summarize_scores([score for score, _ in results]), "seconds": time.monotonic() - t0,
+                "batches": generator.n_batches, "samples": samples}  # fmt: skip
 
-        async def score() -> list[float]:
-            rewards = []
-            for record, completion in zip(mine, completions):
-                solutions = record.get("solutions") or [record["answer"]]
-                env = make_env(self.cfg.env.type, **self.cfg.env.args)
-                prompt = PromptRecord(qid=str(record["query_id"]), prompt=record["prompt"], prompt_ids=[],
-                                      solutions=[str(s) for s in solutions], task=record.get("task", "math"))  # fmt: skip
-                await env.reset(options={"prompt": prompt})
-                _, reward, *_ = await env.step([completion])
-                await env.close()
-                rewards.append(float(reward[0]))
-            return rewards
-
-        rewards = asyncio.run(score())
-        samples = [{"prompt": r["prompt"], "completion": c, "reward": w} for r, c, w in list(zip(mine, completions, rewards))[:3]]
-        return {
-            # An answer counts as correct when it earns the full reward (1.0).
-            "n_correct": sum(r >= 1.0 - 1e-6 for r in rewards),
-            "reward_sum": sum(rewards),
-            "n": len(mine),
-            "seconds": time.monotonic() - t0,
-            "samples": samples,
-        }
+    def _all_ranks_busy(self, have_batch: bool, running: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([float(have_batch), float(running)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
 
     def _handle_save(self, data: dict) -> dict:
         state_dict = self._full_state_dict(self.actor.model)

@@ -1,8 +1,8 @@
 """Partial rollouts: one agent `GenerationRequest` -> `group_size` server requests.
 
-The rollout worker hands every `GenerationRequest` an agent puts on its
-obs_queue to `PartialRolloutManager.generate`, which returns one
-`GenerationResult` (DESIGN §5-§6). Each of the `group_size` answers is produced
+Every `await agent.generate(...)` of an episode in the rollout worker becomes
+a `GenerationRequest` for `PartialRolloutManager.generate`, which returns one
+`GenerationResult` (docs/design.md §5-§6). Each of the `group_size` answers is produced
 by its own loop, all answers concurrently:
 
 1. ask the GserverManager for a server (`/schedule_request`); after the first
@@ -78,7 +78,7 @@ def _retryable_status(status: int) -> bool:
 
 
 class GserverManagerClient:
-    """The rollout side of the GserverManager's HTTP contract (notes/manager_api.md).
+    """The rollout side of the GserverManager's HTTP contract (docs/design.md §6).
 
     One aiohttp session per client (bound to the event loop of first use);
     `await close()` when done. Calls that cannot reach the manager, time out or

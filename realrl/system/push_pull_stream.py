@@ -1,5 +1,5 @@
 """Push-pull stream: rollout workers push trajectories to the trainers' pullers
-(DESIGN §4).
+(docs/design.md §4).
 
 - `ZMQPuller` binds a PULL socket (127.0.0.1 in local mode; a free port when
   none is given) and `pull(timeout)` returns a batch of decoded messages.

@@ -1,5 +1,5 @@
 """Request-reply stream: control messages between the master and the model
-workers (DESIGN §4).
+workers (docs/design.md §4).
 
 Sockets. The master (`NameResolvingRequestClient`) binds one PUSH socket per
 model worker (`master_send_{i}`) and one PULL socket for all replies

@@ -1,4 +1,4 @@
-"""The RolloutWorker: prompts in, trajectories out (DESIGN §2, §5-§7).
+"""The RolloutWorker: prompts in, trajectories out (docs/design.md §2, §5-§7).
 
 Each rollout worker owns a shard of the prompt data set
 (`records[worker_index::worker_count]`) and keeps up to
@@ -10,10 +10,10 @@ Each rollout worker owns a shard of the prompt data set
    refusal (staleness bound, concurrency cap, rollouts stopped) keeps the
    prompt for the next try after a short, growing back-off (allocate and finish
    carry the episode's `rollout_id`, so the manager ignores a retried call);
-2. an admitted episode runs `agent.collect_trajectory(record, env, obs_queue,
-   act_queue)` against a fresh environment; a small task serves the episode's
-   queue pair, passing each `GenerationRequest` to the `PartialRolloutManager`
-   and putting the `GenerationResult` on act_queue;
+2. an admitted episode runs `agent.run_episode(record, env, partial_rollout)`
+   against a fresh environment: every `self.generate(...)` of the agent
+   becomes a `GenerationRequest` served by the `PartialRolloutManager`
+   (several may be in flight at once);
 3. every returned trajectory is pushed (`traj.to_wire()`) to this worker's
    trainer puller, from a dedicated thread so that back-pressure (a full
    high-water mark) never blocks the event loop; then `/finish_rollout` with
@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -45,12 +46,12 @@ import numpy as np
 
 from realrl.api.agent_api import PromptRecord, make_agent
 from realrl.api.env_api import make_env
-from realrl.api.generation_api import GenerationRequest
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
+from realrl.impl.math_data import dataset_row_fields
 from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
 from realrl.system.worker_base import AsyncWorker, PollResult
@@ -78,7 +79,8 @@ class RolloutWorker(AsyncWorker):
         if config.max_concurrent_rollouts < 1:
             raise ValueError(f"max_concurrent_rollouts must be >= 1, got {config.max_concurrent_rollouts}")
         self.prompts, self.n_skipped_prompts = self._load_prompts(config)
-        self.agent = make_agent(config.agent.type, **config.agent.args)
+        settings = dataclasses.replace(config.agent_settings, tokenizer=self.tokenizer)
+        self.agent = make_agent(config.agent.type, settings, **config.agent.args)
 
         self.manager_url = self._wait_for_key(names.gen_server_manager(self.experiment_name, self.trial_name))
         self.pusher = NameResolvingZmqPusher(
@@ -140,10 +142,9 @@ class RolloutWorker(AsyncWorker):
             seen[query_id] += 1
             if seen[query_id] > 1:  # keep episode qids unique even if the data set repeats an id
                 query_id = f"{query_id}#{seen[query_id] - 1}"
-            metadata = {k: v for k, v in r.items() if k not in ("query_id", "prompt", "answer", "solutions", "task")}
             prompts.append(
                 PromptRecord(qid=query_id, prompt=r["prompt"], prompt_ids=ids, solutions=list(r["solutions"]),
-                             task=r.get("task", "math"), metadata=metadata)  # fmt: skip
+                             task=r.get("task", "math"), row=dataset_row_fields(r))  # fmt: skip
             )
         if not prompts:
             raise ValueError(
@@ -184,8 +185,9 @@ class RolloutWorker(AsyncWorker):
             prompt_ids=list(base.prompt_ids),
             solutions=list(base.solutions),
             task=base.task,
+            row=base.row,
             # The manager's calls are retried; this id makes them idempotent there.
-            metadata=dict(base.metadata, query_id=base.qid, epoch=self.epoch,
+            metadata=dict(query_id=base.qid, epoch=self.epoch,
                           rollout_id=f"{self.info.worker_index}:{self.epoch}:{self._position}:{uuid.uuid4().hex[:8]}"),
         )  # fmt: skip
 
@@ -252,30 +254,13 @@ class RolloutWorker(AsyncWorker):
 
     async def _run_episode(self, record: PromptRecord) -> None:
         env = make_env(self.cfg.env.type, **self.cfg.env.args)
-        obs_queue: asyncio.Queue = asyncio.Queue()
-        act_queue: asyncio.Queue = asyncio.Queue()
-        collect = asyncio.create_task(self.agent.collect_trajectory(record, env, obs_queue, act_queue))
-        serve = asyncio.create_task(self._serve_generation(obs_queue, act_queue))
         try:
-            done, _ = await asyncio.wait({collect, serve}, return_when=asyncio.FIRST_COMPLETED)
-            if serve in done:  # it only ends by failing; the agent would wait forever
-                serve.result()
-                raise RuntimeError(f"the generation task of episode {record.qid} ended unexpectedly")
-            trajectories = collect.result()
+            trajectories = await self.agent.run_episode(record, env, self.partial_rollout)
         finally:
-            for task in (collect, serve):
-                task.cancel()
-            await asyncio.gather(collect, serve, return_exceptions=True)
             await env.close()
-        if not isinstance(trajectories, list) or not all(isinstance(t, Trajectory) for t in trajectories):
-            raise TypeError(
-                f"agent {self.cfg.agent.type!r} returned {type(trajectories).__name__} for {record.qid}; "
-                "collect_trajectory must return a list of Trajectory"
-            )
 
         n_tokens = 0
         for traj in trajectories:
-            traj.validate()
             await asyncio.get_running_loop().run_in_executor(self._push_thread, self._push_blocking, traj.to_wire())
             n_tokens += traj.n_tokens
             self.counters["trajectories_pushed"] += 1
@@ -285,14 +270,6 @@ class RolloutWorker(AsyncWorker):
         await self.manager.finish_rollout(record.metadata["rollout_id"], n_trajectories=len(trajectories),
                                           n_tokens=n_tokens)  # fmt: skip
         self.counters["episodes_accepted" if trajectories else "episodes_rejected"] += 1
-
-    async def _serve_generation(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
-        """Answers the agent's requests in order (an agent awaits each result)."""
-        while True:
-            request = await obs_queue.get()
-            if not isinstance(request, GenerationRequest):
-                raise TypeError(f"agents put GenerationRequest on obs_queue, got {type(request).__name__}")
-            await act_queue.put(await self.partial_rollout.generate(request))
 
     def _push_blocking(self, message: dict[str, Any]) -> None:
         """Runs on the push thread (the only thread that touches the socket).
@@ -321,6 +298,7 @@ class RolloutWorker(AsyncWorker):
             "version_end": traj.version_end,
             "answers": [self.tokenizer.decode(traj.completion_ids(i).tolist(), skip_special_tokens=True)
                         for i in range(traj.group_size)],  # fmt: skip
+            "scores": traj.scores,
             "reward": traj.reward,
             "no_eos": traj.no_eos,
             "completion_lens": [len(traj.completion_ids(i)) for i in range(traj.group_size)],

@@ -1,4 +1,4 @@
-"""The trainer's end of the trajectory stream (DESIGN §4–§5, §7).
+"""The trainer's end of the trajectory stream (docs/design.md §4–§5, §7).
 
 `PullerStreamDataset` owns one data-parallel rank's puller. A background thread
 pulls, decodes and validates trajectories into a buffer, so the trainer never
@@ -15,7 +15,7 @@ the embedding table and kill the trainer. Invalid ones are dropped, counted in
 `n_invalid` (the master adds these to its `dropped_invalid` and gives their
 budget back) and logged, rate-limited.
 
-Accounting (DESIGN §5): every message that reaches the puller is either
+Accounting (docs/design.md §5): every message that reaches the puller is either
 rejected (wire format), invalid (schema or vocabulary), taken (consumed), dropped as stale,
 or still buffered: `received_total == n_wire_rejected + n_invalid + n_taken +
 n_dropped_stale + buffered`.

@@ -1,4 +1,4 @@
-"""The skeleton every worker process lives in (DESIGN §2).
+"""The skeleton every worker process lives in (docs/design.md §2).
 
 A worker is a loop: `_configure` once, then `_poll` (or `_poll_async`) until
 the trial ends. The base class owns everything that is the same for every

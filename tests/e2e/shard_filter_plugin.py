@@ -5,12 +5,12 @@ workers feed 2 ranks): trajectories then reach the ranks very unevenly."""
 from __future__ import annotations
 
 from realrl.api.agent_api import register_agent
-from realrl.impl.agents.math_single_step import MathSingleStepAgent
+from realrl.impl.agents.single_step import SingleStepAgent
 
 
-class ShardFilterAgent(MathSingleStepAgent):
-    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
-        trajectories = await super().collect_trajectory(prompt, env, obs_queue, act_queue)
+class ShardFilterAgent(SingleStepAgent):
+    async def collect_trajectory(self, prompt, env):
+        trajectories = await super().collect_trajectory(prompt, env)
         worker, _, position = prompt.metadata["rollout_id"].split(":")[:3]
         if worker == "2" and int(position) % 4 != 0:
             return []

@@ -157,7 +157,7 @@ def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_c
     assert summary["max_staleness_trained"] <= eta
     # Admission: what the resumed run accepted, on top of what the trial had
     # consumed and dropped at its checkpoint, minus drops, never exceeds
-    # (η + version + 1) batches (DESIGN §7). A manager that forgot the first
+    # (η + version + 1) batches (docs/design.md §7). A manager that forgot the first
     # run's consumption admits up to 3 batches too many here.
     r = summary["rollouts"]
     accepted_after_resume = r["admitted"] - (r["rejected"] - checkpoint["filtered"])  # one trajectory per episode

@@ -30,6 +30,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("rollout.agent.type=nosuch", "rollout.agent.type"),
         ("rollout.env.type=nosuch", "rollout.env.type"),
         ("plugins=[{repo}/tests/e2e/shard_filter_plugin.py] rollout.agent.type=shard-filter-agnet", "rollout.agent.type"),
+        # a reward function: missing file, missing function, broken file, unknown name, clash with an env
+        ("rollout.reward_fn={tmp}/nonexistent.py:reward", "rollout.reward_fn"),
+        ("rollout.reward_fn={tmp}/reward.py:no_such_fn", "rollout.reward_fn"),
+        ("rollout.reward_fn={tmp}/broken_plugin.py:reward", "rollout.reward_fn"),
+        ("rollout.reward_fn=no_such_registered_reward", "rollout.reward_fn"),
+        ("rollout.reward_fn={tmp}/reward.py:reward rollout.env.type=nosuch", "rollout.reward_fn"),
+        ("rollout.reward_fn_timeout=0", "rollout.reward_fn_timeout"),
+        # the agent's and environment's own arguments, against their signatures (no `+` needed)
+        ("rollout.agent.args.no_such_arg=1", "rollout.agent.args"),
+        ("rollout.agent.type=math-multi-turn rollout.agent.args.num_turn=3", "rollout.agent.args"),
+        ("rollout.env.args.no_such_arg=1", "rollout.env.args"),
         ("plugins=[/nonexistent.py]", "plugins"),
         ("plugins=[{tmp}/broken_plugin.py]", "plugins"),
         ("plugins=[no_such_module_xyz]", "plugins"),
@@ -69,6 +80,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, overrides, key):
     (tmp_path / "a_file").write_text("a regular file, not a directory\n")
     (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('this plugin fails on import')\n")
+    (tmp_path / "reward.py").write_text("def reward(prompt, completion, answer, **row):\n    return 1.0\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
     (tmp_path / "train.jsonl").write_text(json.dumps({"query_id": "q0", "prompt": "1+1=", "answer": "2"}) + "\n")

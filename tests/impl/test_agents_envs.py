@@ -1,6 +1,6 @@
 """Built-in agents and the math environment, driven the way the rollout worker
-drives them: real asyncio queues, a coroutine in the rollout worker's role that
-answers each GenerationRequest with answers encoded by the real character
+drives them: `agent.run_episode` with a generator in the rollout worker's role
+that answers each GenerationRequest with answers encoded by the real character
 tokenizer (loaded from disk with AutoTokenizer), and the real math env."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 import realrl.impl.agents  # noqa: F401  (registers the built-ins)
 import realrl.impl.environments  # noqa: F401
-from realrl.api.agent_api import PromptRecord, make_agent
+from realrl.api.agent_api import AgentSettings, PromptRecord, make_agent
 from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationRequest, GenerationResult
 from realrl.api.trajectory import Trajectory
@@ -62,27 +62,32 @@ def generation_result(tokenizer, request: GenerationRequest, texts: list[str], t
     )
 
 
+class ScriptedGenerator:
+    """Answers each request with `answer(request)` after yielding once (so
+    concurrent requests really overlap); records requests and peak concurrency."""
+
+    def __init__(self, answer: Callable[[GenerationRequest], GenerationResult]):
+        self.answer = answer
+        self.requests: list[GenerationRequest] = []
+        self.in_flight = self.max_in_flight = 0
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self.requests.append(request)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
+        return self.answer(request)
+
+
 def run_episode(agent, env, prompt: PromptRecord, answer: Callable[[GenerationRequest], GenerationResult]):
-    """Runs one collect_trajectory with a rollout-worker stand-in serving its queue.
-    Returns (trajectories, requests seen)."""
-    requests: list[GenerationRequest] = []
+    """Runs one episode as the rollout worker does. Returns (trajectories, requests seen)."""
+    generator = ScriptedGenerator(answer)
+    return asyncio.run(agent.run_episode(prompt, env, generator)), generator.requests
 
-    async def main():
-        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
 
-        async def serve():
-            while True:
-                request = await obs_queue.get()
-                requests.append(request)
-                await act_queue.put(answer(request))
-
-        server = asyncio.create_task(serve())
-        try:
-            return await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
-        finally:
-            server.cancel()
-
-    return asyncio.run(main()), requests
+def agent(name: str, tokenizer_path: str, own: dict | None = None, **settings):
+    return make_agent(name, AgentSettings(tokenizer_path=tokenizer_path, **settings), **(own or {}))
 
 
 # ---------------------------------------------------------------- math env
@@ -128,11 +133,11 @@ def test_math_env_latex_answers_and_time_limited_checks():
 
 
 def test_single_step_trajectory_schema_and_reward_shaping(tokenizer, tokenizer_path):
-    agent = make_agent("math-single-step", tokenizer_path=tokenizer_path, group_size=4,
-                       gconfig={"max_new_tokens": 8, "temperature": 0.7}, reward_bias=0.2, reward_scaling=2.0)  # fmt: skip
+    agent_ = agent("single-step", tokenizer_path, group_size=4, gconfig={"max_new_tokens": 8, "temperature": 0.7},
+                   reward_bias=0.2, reward_scaling=2.0)  # fmt: skip
     prompt = record(tokenizer)
     texts = ["81", "81.0", "7", "hello"]
-    trajs, requests = run_episode(agent, make_env("math"), prompt,
+    trajs, requests = run_episode(agent_, make_env("math"), prompt,
                                   lambda req: generation_result(tokenizer, req, texts, truncated={3}))  # fmt: skip
 
     assert len(requests) == 1
@@ -157,15 +162,16 @@ def test_single_step_trajectory_schema_and_reward_shaping(tokenizer, tokenizer_p
     # ((r - 0.5) * 2 - 0.2) * 2: right 1.6, wrong -2.4
     assert traj.reward == pytest.approx([1.6, 1.6, -2.4, -2.4])
     assert traj.reward == pytest.approx([shape_reward(r, 0.2, 2.0) for r in (1, 1, 0, 0)])
-    assert traj.metadata["correct"] == [1.0, 1.0, 0.0, 0.0]
+    assert traj.scores == [1.0, 1.0, 0.0, 0.0]
     assert traj.metadata["answers"] == texts
     assert traj.metadata["accuracy"] == 0.5
-    assert agent.pop_stats() == {"n_episodes": 1.0, "n_rejected": 0.0, "n_answers": 4.0, "accuracy": 0.5}
+    assert agent_.pop_stats() == {"n_episodes": 1.0, "n_rejected": 0.0, "n_answers": 4.0, "accuracy": 0.5,
+                                  "mean_score": 0.5, "env/n_correct": 2.0, "env/n_answers": 4.0}  # fmt: skip
 
     # The trajectory survives the stream's wire format (metadata included).
     wire = pytest.importorskip("realrl.base.wire")
     back = Trajectory.from_wire(wire.loads(wire.dumps(traj.to_wire())))
-    assert back.metadata == traj.metadata and back.reward == pytest.approx(traj.reward)
+    assert back.metadata == traj.metadata and back.reward == pytest.approx(traj.reward) and back.scores == traj.scores
 
 
 @pytest.mark.parametrize(
@@ -182,33 +188,53 @@ def test_single_step_trajectory_schema_and_reward_shaping(tokenizer, tokenizer_p
     ],
 )
 def test_success_rate_filter(tokenizer, tokenizer_path, lb, ub, texts, kept):
-    agent = make_agent("math-single-step", tokenizer_path=tokenizer_path, group_size=4,
-                       success_rate_lb=lb, success_rate_ub=ub)  # fmt: skip
-    trajs, _ = run_episode(agent, make_env("math"), record(tokenizer),
+    agent_ = agent("single-step", tokenizer_path, group_size=4, success_rate_lb=lb, success_rate_ub=ub)
+    trajs, _ = run_episode(agent_, make_env("math"), record(tokenizer),
                            lambda req: generation_result(tokenizer, req, texts))  # fmt: skip
     assert (len(trajs) == 1) == kept
-    stats = agent.pop_stats()
+    stats = agent_.pop_stats()
     assert stats["n_rejected"] == (0.0 if kept else 1.0)
     assert stats["accuracy"] == texts.count("81") / 4
 
 
 def test_agent_config_errors(tokenizer_path):
     with pytest.raises(ValueError, match="success_rate"):
-        make_agent("math-single-step", tokenizer_path=tokenizer_path, success_rate_lb=0.8, success_rate_ub=0.2)
+        AgentSettings(tokenizer_path=tokenizer_path, success_rate_lb=0.8, success_rate_ub=0.2)
     with pytest.raises(ValueError, match="unknown gconfig keys"):
-        make_agent("math-single-step", tokenizer_path=tokenizer_path, gconfig={"max_tokens": 8})
+        AgentSettings(tokenizer_path=tokenizer_path, gconfig={"max_tokens": 8})
     with pytest.raises(ValueError, match="tokenizer"):
-        make_agent("math-single-step")
+        make_agent("math-multi-turn")  # it encodes its feedback at construction
     with pytest.raises(TypeError):
-        make_agent("math-single-step", tokenizer_path=tokenizer_path, no_such_option=1)
+        agent("single-step", tokenizer_path, own={"no_such_option": 1})
+
+
+def test_partial_credit_passes_through_and_evaluation_keeps_everything(tokenizer, tokenizer_path):
+    """A float score is not rounded to right/wrong: it becomes the reward by
+    the affine shaping, and only full credit counts as correct."""
+    from realrl.api.env_api import EnvironmentService
+
+    class HalfCredit(EnvironmentService):
+        async def step(self, answers):
+            return None, [0.5 if a == "8" else float(a == "81") for a in answers], True, False, {}
+
+    agent_ = agent("single-step", tokenizer_path, group_size=3, success_rate_lb=0.5)
+    trajs, _ = run_episode(agent_, HalfCredit(), record(tokenizer),
+                           lambda req: generation_result(tokenizer, req, ["8", "81", "81"]))  # fmt: skip
+    (traj,) = trajs
+    assert traj.scores == [0.5, 1.0, 1.0] and traj.reward == pytest.approx([0.0, 1.0, 1.0])
+    # Evaluation: greedy, one answer, no filter (this group would fail lb=0.5).
+    evaluating = make_agent("single-step", agent_.settings.for_evaluation(max_new_tokens=5))
+    trajs, requests = run_episode(evaluating, HalfCredit(), record(tokenizer),
+                                  lambda req: generation_result(tokenizer, req, ["8"] * req.group_size))  # fmt: skip
+    assert trajs[0].scores == [0.5]
+    assert requests[0].group_size == 1 and requests[0].gconfig.greedy and requests[0].gconfig.max_new_tokens == 5
 
 
 # ---------------------------------------------------------------- multi-turn agent
 
 
 def test_multi_turn_feedback_context_and_discounted_rewards(tokenizer, tokenizer_path):
-    agent = make_agent("math-multi-turn", tokenizer_path=tokenizer_path, group_size=2, num_turns=3,
-                       turn_level_discount=0.5)  # fmt: skip
+    agent_ = agent("math-multi-turn", tokenizer_path, {"num_turns": 3, "turn_level_discount": 0.5}, group_size=2)
     prompt = record(tokenizer)
 
     # Chain 0: wrong "7", wrong "9", right "81". Chain 1: right at once.
@@ -222,7 +248,7 @@ def test_multi_turn_feedback_context_and_discounted_rewards(tokenizer, tokenizer
             return generation_result(tokenizer, request, ["81"])
         raise AssertionError(f"unexpected context {context!r}")
 
-    trajs, requests = run_episode(agent, make_env("math"), prompt, answer)
+    trajs, requests = run_episode(agent_, make_env("math"), prompt, answer)
     assert [r.group_size for r in requests] == [2, 1, 1]
     # The eos the model emitted is not part of the next context.
     assert tokenizer.eos_token_id not in requests[1].prompt_ids + requests[2].prompt_ids
@@ -233,9 +259,9 @@ def test_multi_turn_feedback_context_and_discounted_rewards(tokenizer, tokenizer
     assert traj.metadata["chain"] == [0, 0, 0, 1]
     assert traj.metadata["turn"] == [0, 1, 2, 0]
     assert traj.metadata["answers"] == ["7", "9", "81", "81"]
-    assert traj.metadata["correct"] == [0.0, 0.0, 1.0, 1.0]
+    assert traj.scores == [0.0, 0.0, 1.0, 1.0]
     # Solved at turn 2: earlier turns get 0.5**2, 0.5**1.
-    assert traj.metadata["score"] == [0.25, 0.5, 1.0, 1.0]
+    assert traj.metadata["credit"] == [0.25, 0.5, 1.0, 1.0]
     assert traj.reward == pytest.approx([-0.5, 0.0, 1.0, 1.0])
     contexts = [requests[0].prompt_ids, requests[1].prompt_ids, requests[2].prompt_ids, requests[0].prompt_ids]
     for i, context in enumerate(contexts):
@@ -243,19 +269,19 @@ def test_multi_turn_feedback_context_and_discounted_rewards(tokenizer, tokenizer
         assert traj.input_ids[i][: traj.prompt_len[i]].tolist() == context
         assert tokenizer.decode(traj.completion_ids(i), skip_special_tokens=True) == traj.metadata["answers"][i]
     assert traj.metadata["solve_rate"] == 1.0 and traj.metadata["first_turn_accuracy"] == 0.5
-    stats = agent.pop_stats()
+    stats = agent_.pop_stats()
     assert stats["n_answers"] == 4 and stats["accuracy"] == 0.5 and stats["solve_rate"] == 1.0
 
 
 def test_multi_turn_unsolved_chain_stops_after_num_turns(tokenizer, tokenizer_path):
-    agent = make_agent("math-multi-turn", tokenizer_path=tokenizer_path, group_size=1, num_turns=3,
-                       turn_level_discount=0.9, reward_scaling=0.5, feedback="\nNo.\nA:")  # fmt: skip
-    trajs, requests = run_episode(agent, make_env("math"), record(tokenizer),
+    agent_ = agent("math-multi-turn", tokenizer_path, {"num_turns": 3, "turn_level_discount": 0.9, "feedback": "\nNo.\nA:"},
+                   group_size=1, reward_scaling=0.5)  # fmt: skip
+    trajs, requests = run_episode(agent_, make_env("math"), record(tokenizer),
                                   lambda req: generation_result(tokenizer, req, ["5"]))  # fmt: skip
     assert len(requests) == 3
     assert tokenizer.decode(requests[2].prompt_ids) == PROMPT + "5\nNo.\nA:5\nNo.\nA:"
     (traj,) = trajs
-    assert traj.metadata["score"] == [0.0, 0.0, 0.0]
+    assert traj.metadata["credit"] == [0.0, 0.0, 0.0]
     assert traj.reward == pytest.approx([-0.5, -0.5, -0.5])  # unsolved chains: every turn -1 * scaling
 
 
@@ -263,14 +289,13 @@ def test_multi_turn_context_limit_and_success_filter(tokenizer, tokenizer_path):
     prompt = record(tokenizer)
     # Room for the prompt + one answer, not for a second turn's context.
     limit = len(prompt.prompt_ids) + 16 + 5
-    agent = make_agent("math-multi-turn", tokenizer_path=tokenizer_path, group_size=2, num_turns=4,
-                       max_context_tokens=limit, gconfig={"max_new_tokens": 16})  # fmt: skip
-    trajs, requests = run_episode(agent, make_env("math"), prompt,
+    agent_ = agent("math-multi-turn", tokenizer_path, {"num_turns": 4, "max_context_tokens": limit}, group_size=2,
+                   gconfig={"max_new_tokens": 16})  # fmt: skip
+    trajs, requests = run_episode(agent_, make_env("math"), prompt,
                                   lambda req: generation_result(tokenizer, req, ["1"] * req.group_size))  # fmt: skip
     assert len(requests) == 1 and trajs[0].group_size == 2
 
-    picky = make_agent("math-multi-turn", tokenizer_path=tokenizer_path, group_size=2, num_turns=2,
-                       success_rate_ub=0.9)  # fmt: skip
+    picky = agent("math-multi-turn", tokenizer_path, {"num_turns": 2}, group_size=2, success_rate_ub=0.9)
     trajs, requests = run_episode(picky, make_env("math"), prompt,
                                   lambda req: generation_result(tokenizer, req, ["1", "81"][: req.group_size]))  # fmt: skip
     # chain 0 answers "1" twice (wrong), chain 1 "81" at once: solve_rate 0.5, kept
@@ -279,3 +304,46 @@ def test_multi_turn_context_limit_and_success_filter(tokenizer, tokenizer_path):
                                lambda req: generation_result(tokenizer, req, ["81"] * req.group_size))  # fmt: skip
     assert all_right == []  # every chain solved: solve_rate 1 > ub
     assert picky.pop_stats()["n_rejected"] == 1.0
+
+
+def test_multi_turn_retries_of_a_group_are_in_flight_together(tokenizer, tokenizer_path):
+    agent_ = agent("math-multi-turn", tokenizer_path, {"num_turns": 2}, group_size=4)
+    generator = ScriptedGenerator(lambda req: generation_result(tokenizer, req, ["1"] * req.group_size))
+    (traj,) = asyncio.run(agent_.run_episode(record(tokenizer), make_env("math"), generator))
+    assert [r.group_size for r in generator.requests] == [4, 1, 1, 1, 1]
+    assert generator.max_in_flight == 4  # the four retries overlapped
+    assert traj.metadata["max_generate_in_flight"] == 4 and traj.metadata["generate_calls"] == 5
+    assert traj.group_size == 8 and traj.metadata["turn"] == [0, 1] * 4
+
+
+def test_generate_outside_an_episode_says_so(tokenizer_path):
+    agent_ = agent("single-step", tokenizer_path)
+    with pytest.raises(RuntimeError, match="only available inside an episode"):
+        asyncio.run(agent_.generate([1, 2, 3]))
+
+
+def test_reward_fn_env_passes_floats_and_row_fields_and_counts_failures(tmp_path, tokenizer):
+    (tmp_path / "task.py").write_text(
+        "import time\n"
+        "def reward(prompt, completion, answer, unit, **row):\n"
+        "    if completion == 'hang':\n"
+        "        time.sleep(60)\n"
+        "    if completion == 'boom':\n"
+        "        raise ValueError('bad')\n"
+        "    return 1.0 if completion == answer + unit else 0.37\n"
+    )
+    env = make_env("reward-fn", fn=f"{tmp_path / 'task.py'}:reward", timeout_s=1.0)
+    prompt = PromptRecord(qid="q", prompt="How long?", prompt_ids=[1], solutions=["3"], row={"unit": "m"})
+
+    async def main():
+        await env.reset(options={"prompt": prompt})
+        return await env.step(["3m", "3", "hang", "boom"])
+
+    from realrl.impl.environments.reward_fn_env import close_runners
+
+    try:
+        _, scores, _, _, info = asyncio.run(main())
+    finally:
+        close_runners()
+    assert scores == [1.0, 0.37, 0.0, 0.0]
+    assert info == {"reward_timeouts": 1, "reward_errors": 1}

@@ -15,7 +15,7 @@ import pytest
 
 import realrl.impl.agents  # noqa: F401
 import realrl.impl.environments  # noqa: F401
-from realrl.api.agent_api import PromptRecord, make_agent
+from realrl.api.agent_api import AgentSettings, PromptRecord, make_agent
 from realrl.api.env_api import make_env
 from realrl.base.plugins import PluginError, load_plugin, load_plugins
 from realrl.impl.math_data import load_math_jsonl
@@ -96,7 +96,7 @@ def test_entry_point_plugin_is_loaded_without_configuration(tmp_path):
                 return None, 0.0, True, False, {}
 
         class FixtureAgent(Agent):
-            async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+            async def collect_trajectory(self, prompt, env):
                 return []
 
         register_environment("fixture-env", FixtureEnv)
@@ -173,18 +173,25 @@ def test_example_agent_and_env_collect_a_trajectory(tmp_path):
     prompt_text = "Reverse: abc\nA:"
     prompt = PromptRecord(qid="r-1", prompt=prompt_text, task="reverse_string", solutions=["cba"],
                           prompt_ids=tokenizer.encode(prompt_text, add_special_tokens=False))  # fmt: skip
-    agent = make_agent("reverse-string-agent", tokenizer=tokenizer, group_size=4, gconfig={"max_new_tokens": 8})
-    texts = ["cba", "cbx", "xyz", "cba\nReverse: q"]
-    trajs, requests = run_episode(agent, make_env("reverse-string"), prompt,
-                                  lambda req: generation_result(tokenizer, req, texts))  # fmt: skip
-    assert len(requests) == 1 and requests[0].gconfig.max_new_tokens == 8
+    settings = AgentSettings(tokenizer=tokenizer, group_size=4, gconfig={"max_new_tokens": 8})
+    agent = make_agent("reverse-string-agent", settings)
+    first = ["cba", "cbx", "xyz", "cba\nReverse: q"]
+
+    def answer(req):  # first attempts, then every retry gets it right
+        return generation_result(tokenizer, req, first if req.group_size == 4 else ["cba"])
+
+    trajs, requests = run_episode(agent, make_env("reverse-string"), prompt, answer)
+    assert [r.group_size for r in requests] == [4, 1, 1] and requests[0].gconfig.max_new_tokens == 8
+    # The two inexact answers were told how much they got right and retried.
+    assert [tokenizer.decode(r.prompt_ids) for r in requests[1:]] == [
+        prompt_text + "cbx\n2 right. Again:", prompt_text + "xyz\n0 right. Again:"]
     (traj,) = trajs
-    traj.validate()
-    assert traj.task == "reverse_string" and traj.group_size == 4
-    # scores: exact 1, prefix 2/3 of the target -> 0.5 * 2/3, nothing 0, exact after cutting at newline 1
-    assert traj.metadata["scores"] == pytest.approx([1.0, 1 / 3, 0.0, 1.0])
-    assert traj.reward == pytest.approx([1.0, -1 / 3, -1.0, 1.0])
+    assert traj.task == "reverse_string" and traj.group_size == 6
+    # scores: exact 1, prefix 2/3 of the target -> 0.5 * 2/3, nothing 0, exact after cutting at newline 1; retries exact
+    assert traj.scores == pytest.approx([1.0, 1 / 3, 0.0, 1.0, 1.0, 1.0])
+    assert traj.reward == pytest.approx([1.0, -1 / 3, -1.0, 1.0, 1.0, 1.0])
+    assert traj.metadata["max_generate_in_flight"] == 2  # the retries ran together
 
     uniform, _ = run_episode(agent, make_env("reverse-string"), prompt,
-                             lambda req: generation_result(tokenizer, req, ["zzz"] * 4))  # fmt: skip
-    assert uniform == []  # all answers scored the same: no GRPO signal, dropped
+                             lambda req: generation_result(tokenizer, req, ["zzz"] * req.group_size))  # fmt: skip
+    assert uniform == []  # all first answers scored the same: no GRPO signal, dropped

@@ -1,6 +1,6 @@
 """Generation backends: the commands they build and the availability check.
 
-SGLang cannot be installed on a machine without a GPU (DESIGN §6), so its
+SGLang cannot be installed on a machine without a GPU (docs/design.md §6), so its
 path is covered here by the exact argv it builds, and by the worker refusing
 to start a process when SGLang is missing."""
 

@@ -107,7 +107,7 @@ def test_controller_allocate_and_finish_are_idempotent_per_rollout_id():
 def test_controller_admits_nothing_before_start_and_resumes_from_the_checkpoint_counts():
     c = StalenessController(train_batch_size=16, max_head_offpolicyness=2, max_concurrent_rollouts=1000)
     assert c.allocate("early") == (False, "waiting for the trainer: training has not started")
-    # Recovered at version 4 after 64 consumed and 10 dropped (DESIGN §7): an
+    # Recovered at version 4 after 64 consumed and 10 dropped (docs/design.md §7): an
     # uninterrupted run would hold (2 + 4 + 1) * 16 - 64 = 48 more.
     c.start(accepted=64 + 10, rejected=3)
     c.dropped, c.version = 10, 4

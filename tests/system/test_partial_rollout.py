@@ -18,7 +18,7 @@ import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM
 
-from realrl.api.agent_api import PromptRecord, make_agent
+from realrl.api.agent_api import AgentSettings, PromptRecord, make_agent
 from realrl.api.cli_args import TorchServerConfig
 from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
@@ -159,18 +159,8 @@ def prompt_records(tiny_kit, n: int) -> list[PromptRecord]:
 
 
 async def run_episode(agent, record, env, prm: PartialRolloutManager):
-    """What the rollout worker does per episode: serve the agent's queue pair."""
-    obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-
-    async def serve():
-        while True:
-            await act_queue.put(await prm.generate(await obs_queue.get()))
-
-    server_task = asyncio.create_task(serve())
-    try:
-        return await agent.collect_trajectory(record, env, obs_queue, act_queue)
-    finally:
-        server_task.cancel()
+    """What the rollout worker does per episode."""
+    return await agent.run_episode(record, env, prm)
 
 
 def forward_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -210,8 +200,8 @@ async def with_prm(manager_url: str, fn, **prm_kwargs):
 @pytest.mark.parametrize("chunk", [1 << 30, 2])
 def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, trial, verifier, chunk):
     group_size, max_new = 3, 9
-    agent = make_agent("math-single-step", tokenizer_path=tiny_kit["model_dir"], group_size=group_size,
-                       gconfig={"max_new_tokens": max_new, "temperature": 1.0})  # fmt: skip
+    agent = make_agent("single-step", AgentSettings(tokenizer_path=tiny_kit["model_dir"], group_size=group_size,
+                                                    gconfig={"max_new_tokens": max_new, "temperature": 1.0}))  # fmt: skip
     records = prompt_records(tiny_kit, 4)
 
     async def go(prm, manager):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from realrl.api.agent_api import AgentSettings
 from realrl.api.cli_args import AgentConfig
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
@@ -48,12 +49,12 @@ def rollout_group(tiny_kit, dataset: str, count: int, **kwargs) -> list:
     from realrl.launcher.local import WorkerGroup
 
     gconfig = {"max_new_tokens": 6, "temperature": 1.0}
-    agent_args = {"tokenizer_path": tiny_kit["model_dir"], "group_size": 2, "gconfig": gconfig}
     config = RolloutWorkerConfig(
         dataset_path=dataset,
         tokenizer_path=tiny_kit["model_dir"],
         max_prompt_len=MAX_PROMPT_LEN,
-        agent=AgentConfig(type="math-single-step", args=agent_args),
+        agent=AgentConfig(type="single-step"),
+        agent_settings=AgentSettings(tokenizer_path=tiny_kit["model_dir"], group_size=2, gconfig=gconfig),
         n_pullers=1,
         **kwargs,
     )

@@ -53,7 +53,7 @@ class SyntheticRolloutWorker(Worker):
             versions=[np.full(G, v, dtype=np.int32) for _ in range(g)],
             version_start=[v] * g, version_end=[v] * g,
             reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)], no_eos=[False] * g,
-            metadata={"correct": [0] * g},
+            scores=[0.0] * g,
         )  # fmt: skip
         message = traj.validate().to_wire()
         invalid_every = self.cfg.get("invalid_every", 0)

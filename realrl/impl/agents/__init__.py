@@ -1,4 +1,4 @@
-"""Built-in agents; importing this package registers them:
-`"math-single-step"` and `"math-multi-turn"`."""
+"""Built-in agents; importing this package registers them: `"single-step"`
+(also as `"math-single-step"`) and `"math-multi-turn"`."""
 
-from realrl.impl.agents import math_multi_turn, math_single_step  # noqa: F401
+from realrl.impl.agents import math_multi_turn, single_step  # noqa: F401

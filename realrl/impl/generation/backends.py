@@ -1,6 +1,6 @@
 """Generation backends: how to launch one inference server process.
 
-A backend knows two things about its server (DESIGN §6):
+A backend knows two things about its server (docs/design.md §6):
 
 - `check_available()`: whether it can run here at all, checked *before* any
   process starts, so a missing package fails with a message that says what to

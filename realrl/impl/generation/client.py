@@ -6,7 +6,7 @@ manager, tests, benchmarks) goes through `GenerationClient`. It keeps one
 bound to the event loop it is first used on, and must be closed explicitly
 (`await client.close()` or `async with GenerationClient() as client:`).
 
-It sticks to SGLang's native field names (DESIGN §6), so it drives a real SGLang
+It sticks to SGLang's native field names (docs/design.md §6), so it drives a real SGLang
 server unchanged:
 
     async with GenerationClient(timeout_s=600) as client:

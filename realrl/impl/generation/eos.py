@@ -1,7 +1,7 @@
 """A model's EOS token ids, read from its HF directory without loading weights.
 
 The partial-rollout manager needs them to tell a finished answer from one cut
-by length (DESIGN §6): SGLang checks the length limit before EOS, so an answer
+by length (docs/design.md §6): SGLang checks the length limit before EOS, so an answer
 whose last allowed token is EOS comes back as `finish_reason=length`.
 
 Sources, all merged (any may be missing): `eos_token_id` of

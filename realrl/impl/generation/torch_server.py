@@ -5,7 +5,7 @@
         [--max-running-requests 64] [--seed 1] [--weight-version 0] [--num-threads K] \
         [--length-before-eos]
 
-It speaks the subset of SGLang's native API that realrl uses (DESIGN §6), so the
+It speaks the subset of SGLang's native API that realrl uses (docs/design.md §6), so the
 same `GenerationClient` drives it and a real SGLang server:
 
 - `POST /generate` `{"input_ids": [...] | [[...], ...], "sampling_params": {...},

@@ -1,0 +1,55 @@
+"""Try an agent against one generation server, without a trial.
+
+    python -m realrl.impl.generation.torch_server --model-path MODEL --port 30000   # or an SGLang server
+
+    generator = ServerGenerator("http://127.0.0.1:30000")
+    trajectories = await agent.run_episode(prompt, env, generator)
+    await generator.close()
+
+Each answer of a request is one `/generate` call (all of a request's answers
+concurrently), with the request's sampling parameters and the whole
+`max_new_tokens` at once: no manager, no chunking, no weight updates. Weight
+versions are what the server reports (0 if it reports none). Good for
+developing and unit-testing an agent; training goes through the rollout
+worker's partial rollouts instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from realrl.api.generation_api import GenerationRequest, GenerationResult
+from realrl.impl.generation.client import GenerationClient
+
+
+class ServerGenerator:
+    def __init__(self, url: str, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.client = GenerationClient(timeout_s=timeout_s)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        params = request.gconfig.sampling_params()
+        responses = await asyncio.gather(*(
+            self.client.generate(self.url, list(request.prompt_ids), params, rid=f"{request.qid}/{i}/{uuid.uuid4().hex[:8]}")
+            for i in range(request.group_size)
+        ))  # fmt: skip
+        versions = []
+        for r in responses:
+            try:
+                versions.append(int(r.weight_version))
+            except (TypeError, ValueError):
+                versions.append(0)
+        return GenerationResult(
+            qid=request.qid,
+            prompt_ids=list(request.prompt_ids),
+            output_ids=[list(r.output_ids) for r in responses],
+            output_logprobs=[list(r.output_logprobs) for r in responses],
+            output_versions=[[v] * len(r.output_ids) for v, r in zip(versions, responses)],
+            no_eos=[r.finish_reason != "stop" for r in responses],
+            version_start=versions,
+            version_end=versions,
+        )
+
+    async def close(self) -> None:
+        await self.client.close()
