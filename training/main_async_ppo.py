@@ -5,7 +5,8 @@ Overrides use Hydra syntax against the structured config in
 (pick another file in that directory with `--config-name NAME`). A bad key or
 value is reported in one line naming the key, before any process starts, and
 so is a trial of the same experiment/trial name that is already running; both
-exit with code 2. The last line printed is `summary: <path of summary.json>`.
+exit with code 2. The last lines printed are `plots: <folder of the run's PNGs>`
+and `summary: <path of summary.json>`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrialAlreadyRunning as e:
         print(f"realrl: {e}", file=sys.stderr)
         return 2
-    if code == 0:
+    if code == 0 and summary:  # (mode=slurm with dry_run or follow=false runs nothing here)
+        plots = os.path.join(os.path.dirname(summary), "plots")
+        if os.path.isdir(plots):
+            print(f"plots: {plots}", flush=True)
         print(f"summary: {summary}", flush=True)
     return code
 

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Callable
 
 from realrl.api.agent_api import AgentSettings
@@ -278,12 +279,10 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
 def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None = None) -> Experiment:
     """`claim_trial()` runs once the config is checked and before anything is
     built (it raises if another launcher runs the same trial)."""
-    if cfg.mode == "slurm":  # a valid value whose launcher does not exist yet
-        raise ConfigError(f"mode: {cfg.mode!r} is not available yet; use mode=local (one machine)")
     alloc = validate(cfg)
     max_positions = check_environment(cfg, alloc)  # before anything (fileroot, kit, etcd, workers) is created
-    # Locally the GPUs are placed here (a shortage is a config error); on Ray,
-    # Ray places them from each group's gpus_per_worker.
+    # Locally the GPUs are placed here (a shortage is a config error); on Ray
+    # and Slurm, the launcher places them from each group's gpus_per_worker.
     gen_gpus, train_gpus = place_gpus(cfg, alloc) if cfg.mode == "local" else ([], [])
     if claim_trial is not None:
         claim_trial()
@@ -304,11 +303,15 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         kl_ctl=ppo.kl_ctl,
         evaluate=bool(test_path),
         eval_every_n_steps=cfg.eval.every_n_steps if test_path else 0,
-        checkpoint_every_n_steps=cfg.saver.checkpoint_every_n_steps,
+        # With recovery on, checkpoints are taken by default (a crash then costs at most this much).
+        checkpoint_every_n_steps=cfg.saver.checkpoint_every_n_steps or (20 if cfg.recover == "auto" else 0),
+        checkpoint_every_minutes=cfg.saver.checkpoint_every_minutes or (10.0 if cfg.recover == "auto" else 0.0),
+        n_rollout_workers=rollout.n_workers,
         save_final_model=cfg.saver.save_final_model,
         recover=cfg.recover == "auto",
         checkpoint_dir=paths.checkpoint_dir,
         final_model_dir=paths.final_model_dir,
+        wandb=cfg.stats.wandb,
     )
     model_worker = ModelWorkerConfig(
         model_path=model_path,
@@ -328,10 +331,10 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         checkpoint_dir=paths.checkpoint_dir,
         eval_dataset_path=test_path,
         eval_max_new_tokens=cfg.eval.max_new_tokens or rollout.gconfig.max_new_tokens,
-        agent=rollout.agent,
-        agent_settings=agent_settings(cfg, model_path),
         eval_batch_size=cfg.eval.batch_size,
         eval_max_prompts=cfg.eval.max_prompts,
+        agent=rollout.agent,
+        agent_settings=agent_settings(cfg, model_path),
         env=rollout.env,
     )
     gen_server = GenerationServerConfig(
@@ -342,6 +345,9 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         startup_timeout=cfg.server.startup_timeout,
         torch=cfg.server.torch,
         sglang=cfg.server.sglang,
+        weights_dir=paths.weights_dir,
+        max_restarts=cfg.server.max_restarts,
+        restart_window=cfg.server.restart_window,
     )
     manager = GserverManagerConfig(
         n_servers=alloc.gen.dp,
@@ -351,6 +357,9 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         weights_dir=paths.weights_dir,
         weight_update_timeout=cfg.server.weight_update_timeout,
         weight_update_retries=cfg.server.weight_update_retries,
+        health_check_interval=cfg.server.health_check_interval,
+        health_check_timeout=cfg.server.health_check_timeout,
+        health_check_failures=cfg.server.health_check_failures,
     )
     per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
     max_prompt_len = cfg.dataset.max_prompt_len
@@ -387,9 +396,9 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
                     cpus_per_worker=cfg.train.num_threads, gpus_per_worker=int(cfg.train.device == "cuda")),
         WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads),
                     env_per_index=gen_gpus, cpus_per_worker=cfg.server.torch.num_threads,
-                    gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0),
+                    gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0, restarts=cfg.server.max_restarts),
         WorkerGroup("gserver_manager", 1, manager, env=threads(1), cpus_per_worker=0),
-        WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1)),
+        WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1), restarts=rollout.max_restarts),
     ]  # fmt: skip
     return Experiment(groups, paths, model_path, train_path, test_path)
 
@@ -438,18 +447,62 @@ def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], 
 
 
 def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[int, str]:
-    """Runs the trial; returns (exit code, summary path)."""
+    """Runs the trial; returns (exit code, summary path). With recover=auto, a
+    trial that fails (a worker died, the name service was lost) is restarted
+    from its newest checkpoint, up to `recover_retries` times, each restart
+    said on the console and recorded in summary.json under "restarts"."""
+    restarts: list[dict] = []
+    while True:
+        started = time.time()
+        code, summary_path, launcher = _run_trial_once(cfg, timeout)
+        if code != 1 or cfg.recover != "auto" or len(restarts) >= cfg.recover_retries or launcher is None:
+            break
+        why = f"worker {launcher.failed_worker} failed" if launcher and launcher.failed_worker else "the trial failed"
+        restarts.append({"after_s": round(time.time() - started, 1), "why": why})
+        print(f"\nrealrl: {why}; restarting the trial from its newest checkpoint "
+              f"(restart {len(restarts)} of at most {cfg.recover_retries})", file=sys.stderr, flush=True)
+    if restarts and summary_path and os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        summary["restarts"] = restarts
+        tmp = summary_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(summary, f, indent=1)
+        os.replace(tmp, summary_path)
+    return code, summary_path
+
+
+def _run_trial_once(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[int, str, LocalLauncher | None]:
+    """One launch of the trial: (exit code, summary path, its launcher). With mode=slurm,
+    outside the trial's own batch job: checks the config, submits the job and
+    follows it (summary path "" when nothing ran: slurm.dry_run, slurm.follow=false)."""
     launcher: LocalLauncher | None = None
+    if cfg.mode == "slurm":
+        from realrl.launcher import slurm
+
+        if not slurm.inside_job():
+            check_environment(cfg, validate(cfg))  # before anything is written or submitted
+            paths = trial_paths(cfg)
+            run_dir = os.path.join(paths.fileroot, "run", cfg.experiment_name, cfg.trial_name)
+            repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            # (recover=auto restarts happen inside the job, where its launcher runs)
+            return (*slurm.submit_trial(cfg, paths.log_dir, paths.summary, run_dir, repo_root), None)
 
     def claim_trial() -> None:  # once the config is known to be good (the launcher needs valid names)
         nonlocal launcher
         args = (cfg.experiment_name, cfg.trial_name, trial_paths(cfg).fileroot, cfg.name_resolve)
         kwargs = dict(heartbeat_ttl=cfg.heartbeat_ttl, plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
-                      echo_worker="master_worker")  # fmt: skip
+                      echo_worker="master_worker", console_every_n_steps=cfg.console.every_n_steps,
+                      watchdog_timeout=cfg.watchdog.timeout, watchdog_action=cfg.watchdog.action)  # fmt: skip
         if cfg.mode == "ray":
             from realrl.launcher.ray import RayLauncher
 
             launcher = RayLauncher(*args, ray_address=cfg.ray.address, bind_address=cfg.bind_address, **kwargs)
+        elif cfg.mode == "slurm":
+            from realrl.launcher.slurm import SlurmLauncher
+
+            launcher = SlurmLauncher(*args, bind_address=cfg.bind_address, gpus_per_node=cfg.slurm.gpus_per_node,
+                                     srun_args=cfg.slurm.srun_args, **kwargs)  # fmt: skip
         else:
             launcher = LocalLauncher(*args, **kwargs)
         launcher.acquire_trial()
@@ -467,4 +520,4 @@ def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[i
     if code == 0 and not os.path.exists(experiment.paths.summary):
         print("realrl: the trial ended without writing a summary", file=sys.stderr)
         code = 1
-    return code, experiment.paths.summary
+    return code, experiment.paths.summary, launcher

@@ -115,6 +115,9 @@ class RolloutConfig:
     # "module:function" or a registered name (sets env to "reward-fn").
     reward_fn: str = ""
     reward_fn_timeout: float = 10.0  # seconds per call; a call cut off scores 0
+    # A rollout worker that dies is started again (it takes over its data shard;
+    # its running rollouts go back to admission and are generated again), this often.
+    max_restarts: int = 3
     request_timeout: float = 600.0
     request_retries: int = 3
 
@@ -148,6 +151,16 @@ class ServerConfig:
     startup_timeout: float = 300.0
     weight_update_timeout: float = 120.0
     weight_update_retries: int = 3
+    # Servers that come and go (docs/architecture.md): the manager checks every
+    # server's /health each health_check_interval s (health_check_timeout each);
+    # health_check_failures in a row or a refused connection take it out of routing.
+    health_check_interval: float = 2.0
+    health_check_timeout: float = 5.0
+    health_check_failures: int = 3
+    # A server process that dies is restarted (current weights, then it rejoins),
+    # at most max_restarts times within restart_window s; then the trial fails.
+    max_restarts: int = 3
+    restart_window: float = 600.0
 
 
 @dataclasses.dataclass
@@ -167,13 +180,62 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class SaverConfig:
-    checkpoint_every_n_steps: int = 0  # 0 = never (recovery checkpoints)
+    # Recovery checkpoints every N steps and/or every M minutes (0 = never; with
+    # recover=auto, 0 means the defaults: every 20 steps and every 10 minutes).
+    checkpoint_every_n_steps: int = 0
+    checkpoint_every_minutes: float = 0.0
     save_final_model: bool = True
 
 
 @dataclasses.dataclass
 class RayConfig:
     address: str = ""  # the cluster to join; "" = RAY_ADDRESS, else the cluster this node is part of ("auto")
+
+
+@dataclasses.dataclass
+class SlurmConfig:
+    """mode=slurm: the trial as one batch job (docs/slurm.md maps each key to its sbatch option)."""
+
+    partition: str = ""  # --partition; "" = the cluster's default
+    nodes: int = 1  # --nodes
+    gpus_per_node: int = 0  # --gpus-per-node; 0 = none
+    cpus_per_node: int = 0  # --cpus-per-task (one task per node); 0 = whole nodes (--exclusive)
+    mem: str = ""  # --mem per node, e.g. 64G; "" = the partition's default
+    time: str = ""  # --time, e.g. 12:00:00 or 2-00:00:00; "" = the partition's default
+    account: str = ""  # --account
+    qos: str = ""  # --qos
+    constraint: str = ""  # --constraint
+    job_name: str = ""  # --job-name; "" = realrl-<experiment_name>-<trial_name>
+    sbatch_args: list[str] = dataclasses.field(default_factory=list)  # more #SBATCH options, e.g. [--exclude=n7]
+    srun_args: list[str] = dataclasses.field(default_factory=list)  # more options of every worker's srun step
+    setup: list[str] = dataclasses.field(default_factory=list)  # shell lines before the launcher (module load ...)
+    dry_run: bool = False  # print the batch script (and write it under the log directory), submit nothing
+    follow: bool = True  # wait for the job, stream its progress, return its exit code; false = print the job id
+
+
+@dataclasses.dataclass
+class ConsoleConfig:
+    """What the launcher's console shows (docs/observability.md): on a terminal one progress bar;
+    redirected (not a TTY), a plain line for the first step, every N-th and the last."""
+
+    every_n_steps: int = 10
+
+
+@dataclasses.dataclass
+class StatsConfig:
+    """Where per-step stats go besides stats.jsonl and TensorBoard (docs/observability.md)."""
+
+    wandb: bool = False  # Weights & Biases in offline mode (<log_dir>/wandb/), if wandb is installed
+
+
+@dataclasses.dataclass
+class WatchdogConfig:
+    """The hang watchdog (docs/observability.md): once every worker runs, no new
+    training step or stage for `timeout` seconds writes a hang report (every
+    worker's stacks and progress) to the log directory and stops the trial."""
+
+    timeout: float = 300.0  # seconds without training progress; 0 = off. Above your longest step/evaluation
+    action: str = "stop"  # stop (exit code 1, like a failed worker) | report (write the report, keep running)
 
 
 @dataclasses.dataclass
@@ -187,9 +249,10 @@ class AsyncPPOConfig:
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
     total_train_steps: int = 40
     heartbeat_ttl: float = 5.0
-    # multi-node modes: the address every worker binds ("" = its node's address from Ray); local mode binds 127.0.0.1
+    # multi-node modes: the address every worker binds ("" = its node's address from Ray or Slurm); local mode binds 127.0.0.1
     bind_address: str = ""
-    recover: str = "disabled"  # disabled | auto (resume from the newest checkpoint)
+    recover: str = "disabled"  # disabled | auto (resume from the newest checkpoint, and restart after a failure)
+    recover_retries: int = 3  # recover=auto: restarts after failures before giving up
     plugins: list[str] = dataclasses.field(default_factory=list)
     name_resolve: NameResolveConfig = dataclasses.field(default_factory=lambda: NameResolveConfig(type="etcd3"))
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -203,6 +266,10 @@ class AsyncPPOConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     saver: SaverConfig = dataclasses.field(default_factory=SaverConfig)
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    console: ConsoleConfig = dataclasses.field(default_factory=ConsoleConfig)
+    stats: StatsConfig = dataclasses.field(default_factory=StatsConfig)
+    watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
 
 
 # ---- allocation_mode --------------------------------------------------------
@@ -295,6 +362,8 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     except ConfigError as e:
         raise ConfigError(str(e)) from None
     _check(cfg.recover in ("disabled", "auto"), "recover", f"must be disabled|auto, got {cfg.recover!r}")
+    _check(cfg.recover_retries >= 0, "recover_retries", f"must be >= 0 (0 = resume by hand only), got {cfg.recover_retries}")
+    _check(cfg.saver.checkpoint_every_minutes >= 0, "saver.checkpoint_every_minutes", "must be >= 0 (0 = never)")
     _check(cfg.total_train_steps >= 1, "total_train_steps", "must be >= 1")
     _check(cfg.heartbeat_ttl >= 1, "heartbeat_ttl", "must be >= 1 second")
     try:
@@ -350,6 +419,10 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         r.gconfig.validate("rollout.gconfig")
     except ValueError as e:
         raise ConfigError(_key_first(str(e))) from None
+    _check(r.max_restarts >= 0, "rollout.max_restarts", f"must be >= 0 (0 = a dead rollout worker stops the trial), got {r.max_restarts}")
+    _check(r.reward_fn_timeout > 0, "rollout.reward_fn_timeout", f"must be > 0 seconds, got {r.reward_fn_timeout}")
+    _check(not r.reward_fn or r.env.type in ("math", "reward-fn"), "rollout.reward_fn",
+           f"replaces the environment; it cannot be combined with rollout.env.type={r.env.type}")  # fmt: skip
     _check(r.request_timeout > 0, "rollout.request_timeout", f"must be > 0 seconds, got {r.request_timeout}")
     _check(r.request_retries >= 0, "rollout.request_retries", f"must be >= 0 (0 = no retry), got {r.request_retries}")
 
@@ -372,13 +445,18 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(sg.log_level in SGLANG_LOG_LEVELS, "server.sglang.log_level",
            f"must be {'|'.join(SGLANG_LOG_LEVELS)}, got {sg.log_level!r}")  # fmt: skip
     _check(s.startup_timeout > 0, "server.startup_timeout", f"must be > 0 seconds, got {s.startup_timeout}")
-    _check(r.reward_fn_timeout > 0, "rollout.reward_fn_timeout", f"must be > 0 seconds, got {r.reward_fn_timeout}")
-    _check(not r.reward_fn or r.env.type in ("math", "reward-fn"), "rollout.reward_fn",
-           f"replaces the environment; it cannot be combined with rollout.env.type={r.env.type}")  # fmt: skip
     _check(s.weight_update_timeout > 0, "server.weight_update_timeout",
            f"must be > 0 seconds, got {s.weight_update_timeout}")  # fmt: skip
     _check(s.weight_update_retries >= 0, "server.weight_update_retries",
            f"must be >= 0 (0 = no retry), got {s.weight_update_retries}")  # fmt: skip
+    _check(s.health_check_interval > 0, "server.health_check_interval",
+           f"must be > 0 seconds, got {s.health_check_interval}")  # fmt: skip
+    _check(s.health_check_timeout > 0, "server.health_check_timeout",
+           f"must be > 0 seconds, got {s.health_check_timeout}")  # fmt: skip
+    _check(s.health_check_failures >= 1, "server.health_check_failures", f"must be >= 1, got {s.health_check_failures}")
+    _check(s.max_restarts >= 0, "server.max_restarts",
+           f"must be >= 0 (0 = a dead server fails the trial), got {s.max_restarts}")  # fmt: skip
+    _check(s.restart_window > 0, "server.restart_window", f"must be > 0 seconds, got {s.restart_window}")
     ev = cfg.eval
     _check(ev.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0")
     _check(ev.batch_size >= 1, "eval.batch_size", f"must be >= 1, got {ev.batch_size}")
@@ -386,6 +464,42 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
            f"must be >= 0 (0 = rollout.gconfig.max_new_tokens), got {ev.max_new_tokens}")  # fmt: skip
     _check(ev.max_prompts >= 0, "eval.max_prompts", f"must be >= 0 (0 = the whole test split), got {ev.max_prompts}")
     _check(cfg.saver.checkpoint_every_n_steps >= 0, "saver.checkpoint_every_n_steps", "must be >= 0")
-    if cfg.mode == "slurm":
-        _check(bool(cfg.bind_address), "bind_address", f"mode={cfg.mode} needs the address of the network to use")
+    validate_slurm(cfg.slurm)
+    validate_watchdog(cfg.watchdog)
+    _check(cfg.console.every_n_steps >= 1, "console.every_n_steps",
+           f"must be >= 1 (a plain line every N steps when the output is not a terminal), got {cfg.console.every_n_steps}")  # fmt: skip
     return alloc
+
+
+def validate_watchdog(w: "WatchdogConfig") -> None:
+    _check(w.timeout == 0 or w.timeout >= 5, "watchdog.timeout",
+           f"must be 0 (off) or >= 5 seconds, got {w.timeout}")  # fmt: skip
+    _check(w.action in ("stop", "report"), "watchdog.action", f"must be stop|report, got {w.action!r}")
+
+
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.,:+=@%\-]+")  # what a value on an #SBATCH line may hold
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+_SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+
+
+def validate_slurm(s: "SlurmConfig") -> None:
+    """The slurm.* keys (they are written into a batch script: no newline, no stray shell)."""
+    _check(s.nodes >= 1, "slurm.nodes", f"must be >= 1, got {s.nodes}")
+    _check(s.gpus_per_node >= 0, "slurm.gpus_per_node", f"must be >= 0 (0 = none), got {s.gpus_per_node}")
+    _check(s.cpus_per_node >= 0, "slurm.cpus_per_node", f"must be >= 0 (0 = whole nodes), got {s.cpus_per_node}")
+    _check(not s.mem or bool(_SLURM_MEM.fullmatch(s.mem)), "slurm.mem", f"must be a size like 64G or 500M, got {s.mem!r}")
+    _check(not s.time or bool(_SLURM_TIME.fullmatch(s.time)), "slurm.time",
+           f"must be minutes, [D-]HH:MM:SS, D-HH or UNLIMITED, got {s.time!r}")  # fmt: skip
+    for key in ("partition", "account", "qos", "job_name"):
+        value = getattr(s, key)
+        _check(not value or bool(_SLURM_NAME.fullmatch(value)), f"slurm.{key}",
+               f"must be letters, digits and _.,:+=@%-, got {value!r}")  # fmt: skip
+    _check(not s.constraint or bool(re.fullmatch(r"[A-Za-z0-9_.,:+=@%&|*!()\[\]\-]+", s.constraint)),
+           "slurm.constraint", f"must be a Slurm feature expression (e.g. a100&ib), got {s.constraint!r}")  # fmt: skip
+    for key in ("sbatch_args", "srun_args"):
+        for arg in getattr(s, key):
+            _check(isinstance(arg, str) and arg.startswith("-") and "\n" not in arg and "\r" not in arg,
+                   f"slurm.{key}", f"entries must be options starting with '-' on one line, got {arg!r}")  # fmt: skip
+    for line in s.setup:
+        _check(isinstance(line, str) and "\n" not in line and "\r" not in line, "slurm.setup",
+               f"entries must be single shell lines, got {line!r}")  # fmt: skip

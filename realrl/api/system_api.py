@@ -102,6 +102,12 @@ class GenerationServerConfig:
     startup_timeout: float = 300.0
     torch: TorchServerConfig = dataclasses.field(default_factory=TorchServerConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+    # A (re)started server loads the trainer's current version from <weights_dir>/<v>/ before it registers.
+    weights_dir: str = ""
+    # A server process that dies is restarted, at most max_restarts times within
+    # restart_window seconds; one more death fails the worker (and the trial).
+    max_restarts: int = 3
+    restart_window: float = 600.0
 
 
 @dataclasses.dataclass
@@ -115,6 +121,12 @@ class GserverManagerConfig:
     weight_update_timeout: float = 120.0
     weight_update_retries: int = 3
     poll_interval: float = 0.1  # seconds between reads of model_version
+    # Health checks: every server's /health every health_check_interval seconds;
+    # health_check_failures failures in a row (or a refused connection) take it
+    # out of routing until it answers again and holds the current weights.
+    health_check_interval: float = 2.0
+    health_check_timeout: float = 5.0
+    health_check_failures: int = 3
 
 
 @dataclasses.dataclass
@@ -177,6 +189,8 @@ class MasterWorkerConfig:
     evaluate: bool = True  # greedy evaluation before/after training (needs a test split)
     eval_every_n_steps: int = 0
     checkpoint_every_n_steps: int = 0
+    checkpoint_every_minutes: float = 0.0
+    n_rollout_workers: int = 1  # whose data cursors go into checkpoints
     save_final_model: bool = True
     recover: bool = False
     checkpoint_dir: str = ""  # the model workers' checkpoints (step<N>/ subdirectories)
@@ -185,3 +199,4 @@ class MasterWorkerConfig:
     rpc_warn_after: float = 10.0  # warn about a request no model worker has confirmed after this long ...
     rpc_receipt_timeout: float = 60.0  # ... and fail the trial after this long
     fetch_poll_interval: float = 0.05
+    wandb: bool = False  # also log the stats to Weights & Biases, offline (stats.wandb)

@@ -92,6 +92,10 @@ class EtcdServer:
             "--initial-cluster", f"realrl={peer}",
             "--logger=zap",
             "--log-level=error",
+            # Workers rewrite their progress records every second: keep ten
+            # minutes of history, not all of it (etcd's space quota).
+            "--auto-compaction-mode=periodic",
+            "--auto-compaction-retention=10m",
         ]  # fmt: skip
 
     def start(self, timeout: float = 30.0) -> "EtcdServer":

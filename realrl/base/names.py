@@ -55,6 +55,24 @@ def worker_error(experiment_name: str, trial_name: str, worker_type: str, worker
     return f"{trial_root(experiment_name, trial_name)}/worker_error/{worker_type}/{worker_index}"
 
 
+def worker_progress_root(experiment_name: str, trial_name: str) -> str:
+    return f"{trial_root(experiment_name, trial_name)}/worker_progress"
+
+
+def worker_progress(experiment_name: str, trial_name: str, worker_type: str, worker_index: int) -> str:
+    """Value: JSON `{"host", "pid", "state", "time", "progress", "doing", ...}`,
+    rewritten by the worker about once a second from its loop (no TTL: a dead
+    worker's last record stays, and its `time` says since when it is silent)."""
+    return f"{worker_progress_root(experiment_name, trial_name)}/{worker_type}/{worker_index}"
+
+
+def stack_dump_request(experiment_name: str, trial_name: str) -> str:
+    """Value: the id of the newest request for stack dumps; every worker then
+    appends the stacks of all its threads to its stacks file (`realrl status
+    --stacks`, the hang watchdog)."""
+    return f"{trial_root(experiment_name, trial_name)}/stack_dump_request"
+
+
 def used_ports(experiment_name: str, trial_name: str, host: str) -> str:
     """Subtree of `<port>` keys: ports already handed to a process of the trial."""
     return f"{trial_root(experiment_name, trial_name)}/used_ports/{host}"
@@ -125,3 +143,10 @@ def training_start(experiment_name: str, trial_name: str) -> str:
     by the master once it knows where training starts (0s, or a recovered
     checkpoint's counts). The GserverManager admits no rollout before it."""
     return f"{trial_root(experiment_name, trial_name)}/training_start"
+
+
+def rollout_cursor(experiment_name: str, trial_name: str, worker_index: int) -> str:
+    """Value: JSON {"epoch", "position"}: how far rollout worker `worker_index`
+    has issued its shard's prompts (written before each prompt is offered; the
+    master stores it in recovery checkpoints)."""
+    return f"{trial_root(experiment_name, trial_name)}/rollout_cursor/{worker_index}"

@@ -19,7 +19,9 @@ import socket
 from realrl.base import name_resolve, names
 
 LOOPBACK = "127.0.0.1"
-PORT_RANGE = (20000, 60000)
+# Below Linux's default ephemeral range (32768-60999): a port picked there can be
+# taken meanwhile by any outgoing connection's local end.
+PORT_RANGE = (20000, 32000)
 
 
 def bind_address(mode: str = "local", interface_address: str = "") -> str:

@@ -6,6 +6,11 @@
 the JSONL). A fresh trial (`resume_step=0`) starts both anew; a trial recovered
 at step k keeps the records of steps <= k and drops the later ones, which the
 resumed run is about to write again.
+
+With `wandb={"project": ..., "name": ...}` the numeric values also go to
+Weights & Biases in offline mode (under `<log_dir>/wandb/`; `wandb sync`
+uploads them later). wandb is not a dependency: without it, one warning says
+so and the JSONL and TensorBoard go on as usual.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ logger = getLogger("stats")
 
 
 class StatsLogger:
-    def __init__(self, log_dir: str, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, log_dir: str, resume_step: int = 0, tensorboard: bool = True, wandb: dict | None = None):
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "stats.jsonl")
         tb_dir = os.path.join(log_dir, "tensorboard")
@@ -40,21 +45,56 @@ class StatsLogger:
                 self._tb = SummaryWriter(tb_dir, purge_step=resume_step + 1 if resume_step > 0 else None)
             except ImportError:
                 logger.warning("tensorboardX is not installed: stats go to %s only", self.path)
+        self._wandb = None
+        if wandb is not None:
+            self._wandb = _open_wandb(log_dir, **wandb)
 
     def log(self, step: int, stats: dict[str, Any]) -> None:
         record = {"step": step, **stats}
         self._file.write(json.dumps(record, default=_jsonable) + "\n")
         self._file.flush()
+        scalars = {key: value for key, value in stats.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}  # fmt: skip
         if self._tb is not None:
-            for key, value in stats.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            try:
+                self._wandb.log(scalars, step=step)
+            except Exception as e:  # a side channel: never fail the caller
+                logger.warning("wandb logging failed, stopping it: %s: %s", type(e).__name__, e)
+                self._wandb = None
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception as e:
+                logger.warning("wandb finish failed: %s: %s", type(e).__name__, e)
+            self._wandb = None
+
+
+def _open_wandb(log_dir: str, project: str = "realrl", name: str | None = None) -> Any:
+    """A Weights & Biases run in offline mode, or None (with one warning) when
+    wandb is not installed or does not start."""
+    try:
+        import wandb
+    except ImportError:
+        logger.warning("stats.wandb=true, but wandb is not installed (pip install wandb): "
+                       "stats go to stats.jsonl and TensorBoard only")  # fmt: skip
+        return None
+    try:
+        run = wandb.init(project=project, name=name, dir=log_dir, mode="offline")
+    except Exception as e:
+        logger.warning("stats.wandb=true, but wandb did not start (%s: %s): stats go to stats.jsonl and "
+                       "TensorBoard only", type(e).__name__, e)  # fmt: skip
+        return None
+    logger.info("wandb: logging offline under %s (upload with `wandb sync`)", os.path.join(log_dir, "wandb"))
+    return run
 
 
 def _truncate_after(path: str, step: int) -> None:

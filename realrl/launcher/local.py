@@ -34,15 +34,17 @@ from typing import Any
 
 from realrl.api.system_api import WorkerInfo, WorkerSpec, to_plain
 from realrl.base import name_resolve, names
+from realrl.base.console import ConsoleRenderer
 from realrl.base.etcd_server import start_supervised
 from realrl.base.logging import getLogger
 from realrl.base.process import log_tail, signal_tree
 from realrl.system import worker_class_path
-from realrl.system.worker_base import ExperimentStatus, set_experiment_status
+from realrl.system.worker_base import RESTARTS_ENV, ExperimentStatus, set_experiment_status
 
 logger = getLogger("launcher")
 
 _TRACEBACK_TAIL_LINES = 40
+HUNG_STOP_TIMEOUT_S = 10.0  # after a hang report: ABORTED, SIGTERM, then SIGKILL this soon
 
 
 @dataclasses.dataclass
@@ -57,6 +59,11 @@ class WorkerGroup:
     # What one worker holds on a cluster (the ray launcher reserves it; local mode ignores it).
     cpus_per_worker: float = 1.0
     gpus_per_worker: int = 0
+    # A worker of this group that fails is started again from its spec (same
+    # index) up to this many times, instead of stopping the trial: only for
+    # workers the trial can lose for a while (generation servers; see
+    # docs/architecture.md, "Generation servers that come and go").
+    restarts: int = 0
 
     @property
     def name(self) -> str:
@@ -132,6 +139,9 @@ class LocalLauncher:
         stop_timeout: float = 30.0,
         poll_interval: float = 0.2,
         echo_worker: str | None = None,
+        console_every_n_steps: int = 10,
+        watchdog_timeout: float = 0.0,
+        watchdog_action: str = "stop",
     ):
         names.trial_root(experiment_name, trial_name)  # validates both names
         name_resolve_config.validate()
@@ -147,12 +157,22 @@ class LocalLauncher:
         self.run_dir = os.path.join(self.fileroot, "run", experiment_name, trial_name)
         self.echo_worker = echo_worker  # copy this worker type's log (index 0) to our stdout
         self._echo_offset = 0
+        self._echo_partial = b""  # the echoed log's last line, until its newline arrives
+        self.console_every_n_steps = console_every_n_steps
+        self._console: ConsoleRenderer | None = None  # made at the first echo: renders the echoed lines
         self._procs: list[WorkerProcess] = []
+        # WorkerGroup.restarts: tag -> (info, spec_path, env, log_path, restarts left)
+        self._respawn: dict[str, tuple] = {}
         self._etcd_supervisor: subprocess.Popen | None = None
         self._lock_file = None  # held while this launcher owns the trial
         self._owns_keepalive = False
-        self._console_line_open = False  # the echoed log left a line without its newline (a progress bar)
         self.failed_worker: str | None = None
+        # The hang watchdog (realrl/launcher/watchdog.py): seconds without training progress before a
+        # hang report (0 = off; it needs a master_worker), then stop the trial or only report.
+        self.watchdog_timeout = watchdog_timeout
+        self.watchdog_action = watchdog_action
+        self._watchdog = None
+        self._outcome: int | None = None  # what run() returns, for the trial record
 
     # ---- public ---------------------------------------------------------------
     def run(self, groups: list[WorkerGroup], timeout: float | None = None) -> int:
@@ -165,11 +185,15 @@ class LocalLauncher:
         name_service_ok = True
         try:
             self._start_name_resolve()
+            self._write_trial_record()
             self._start_workers(groups)
-            return self._wait(timeout)
+            self._watchdog = self._make_watchdog()
+            self._outcome = self._wait(timeout)
+            return self._outcome
         except KeyboardInterrupt:
             self._say(f"realrl: interrupted; stopping trial {self.experiment_name}/{self.trial_name}")
             self._set_experiment_status(ExperimentStatus.ABORTED)
+            self._outcome = 130
             return 130
         except NameServiceLost as e:
             name_service_ok = False
@@ -177,9 +201,12 @@ class LocalLauncher:
             self._owns_keepalive = False
             name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
             self._say(f"realrl: name service lost ({e}); stopping trial {self.experiment_name}/{self.trial_name}")
+            self._outcome = 1
             return 1
         finally:
+            self._close_console()
             self._stop_all(name_service_ok)
+            self._write_trial_record(final=name_service_ok)
             self._stop_name_resolve()
             if _in_main_thread():
                 signal.signal(signal.SIGTERM, previous_sigterm)
@@ -292,6 +319,8 @@ class LocalLauncher:
                     self._echo_offset = os.path.getsize(log_path)  # a resumed trial: echo only this attempt
                 env = dict(base_env, **group.env, **(group.env_per_index[index] if group.env_per_index else {}))
                 self._procs.append(self._spawn(info, spec_path, env, log_path))
+                if group.restarts > 0:
+                    self._respawn[info.tag] = (info, spec_path, env, log_path, group.restarts)
         logger.info("started %d workers; logs in %s", len(self._procs), self.log_dir)
 
     def _worker_info(self, info: WorkerInfo) -> WorkerInfo:
@@ -354,6 +383,8 @@ class LocalLauncher:
             if lost is not None:
                 return self._abort(f"realrl: {lost}; stopping the trial")
             failed = [p for p in self._procs if p.poll() not in (None, 0)]
+            if failed and self._respawn:
+                failed = self._restart_failed(failed)
             if failed:
                 problem = self._name_service_problem()  # workers die when it goes: say the cause, not a symptom
                 if problem is not None:
@@ -374,14 +405,40 @@ class LocalLauncher:
             if status == ExperimentStatus.ABORTED:
                 self._say("realrl: trial aborted (experiment_status=ABORTED)")
                 return 1
+            if self._watchdog is not None and self._watchdog.tick() == "stop":
+                return self._stop_hung_trial()
             if deadline is not None and time.monotonic() > deadline:
                 self._say(f"realrl: trial did not finish within {timeout}s; stopping it")
                 self._set_experiment_status(ExperimentStatus.ABORTED)
                 return 124
             time.sleep(self.poll_interval)
 
-    def _echo(self) -> None:
-        """Copies what the echoed worker wrote since the last call to stdout."""
+    def _restart_failed(self, failed: list[WorkerProcess]) -> list[WorkerProcess]:
+        """Starts again the failed workers of groups with `restarts` left
+        (while the trial runs and its name service answers); returns the
+        failed workers that stop the trial."""
+        if self._name_service_problem() is not None or self._experiment_status() != ExperimentStatus.RUNNING:
+            return failed
+        rest = []
+        for proc in failed:
+            entry = self._respawn.get(proc.tag)
+            if entry is None or entry[4] <= 0:
+                rest.append(proc)
+                continue
+            info, spec_path, env, log_path, left = entry
+            # How many times it was started again: a worker that takes over from a dead one may act on it.
+            env = {**env, RESTARTS_ENV: str(int(env.get(RESTARTS_ENV, "0")) + 1)}
+            self._respawn[proc.tag] = (info, spec_path, env, log_path, left - 1)
+            self._say(f"realrl: worker {proc.tag} failed ({proc.describe_exit(proc.poll())}); starting it again "
+                      f"({left - 1} restarts left); log: {log_path}")  # fmt: skip
+            self._procs[self._procs.index(proc)] = self._spawn(info, spec_path, env, log_path)
+        return rest
+
+    def _echo(self, final: bool = False) -> None:
+        """Copies what the echoed worker wrote since the last call to stdout,
+        line by line through the console renderer (realrl/base/console.py:
+        the master's step lines become a progress bar on a terminal, periodic
+        plain lines otherwise). `final`: also the last line without a newline."""
         if self.echo_worker is None:
             return
         try:
@@ -389,12 +446,24 @@ class LocalLauncher:
                 f.seek(self._echo_offset)
                 chunk = f.read()
         except FileNotFoundError:
-            return
-        if chunk:
-            self._echo_offset += len(chunk)
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
-            self._console_line_open = not chunk.endswith(b"\n")
+            chunk = b""
+        self._echo_offset += len(chunk)
+        *lines, self._echo_partial = (self._echo_partial + chunk).split(b"\n")
+        if final and self._echo_partial:
+            lines.append(self._echo_partial)
+            self._echo_partial = b""
+        for line in lines:
+            self.console.feed(line.decode(errors="replace"))
+
+    @property
+    def console(self) -> ConsoleRenderer:
+        if self._console is None:
+            self._console = ConsoleRenderer(sys.stdout, self.console_every_n_steps)
+        return self._console
+
+    def _close_console(self) -> None:
+        if self._console is not None:
+            self._console.close()
 
     def _abort(self, message: str) -> int:
         """Says why the trial stops and sets ABORTED; the exit code of a failed trial."""
@@ -403,13 +472,13 @@ class LocalLauncher:
         return 1
 
     def _say(self, message: str) -> None:
-        """A message of ours on stderr, on a line of its own (not glued to an
-        echoed progress bar)."""
-        if self._console_line_open:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            self._console_line_open = False
+        """A message of ours on stderr, on a line of its own (above the
+        console's progress bar, if one is drawn)."""
+        if self._console is not None:
+            self._console.pause()
         print(message, file=sys.stderr, flush=True)
+        if self._console is not None:
+            self._console.resume()
 
     def _wait_for_completion(self) -> int:
         logger.info("experiment COMPLETE; waiting for workers to exit")
@@ -417,7 +486,7 @@ class LocalLauncher:
         while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
             self._echo()
             time.sleep(self.poll_interval)
-        self._echo()
+        self._echo(final=True)
         for p in self._procs:
             if p.poll() not in (None, 0):
                 logger.warning("%s exited with %s after completion; log: %s", p.tag, p.poll(), p.log_path)
@@ -457,6 +526,74 @@ class LocalLauncher:
                 p.wait(timeout=5)
             except (subprocess.TimeoutExpired, TimeoutError):
                 logger.error("%s (pid %d on %s) did not die after SIGKILL", p.tag, p.pid, p.node)
+
+    # ---- observability: the trial record, the hang watchdog ---------------------------------
+    def _make_watchdog(self):
+        workers = [(p.worker_type, p.index) for p in self._procs]
+        if self.watchdog_timeout <= 0 or ("master_worker", 0) not in workers:
+            return None
+        from realrl.launcher.watchdog import Watchdog
+
+        return Watchdog(self.experiment_name, self.trial_name, self.log_dir, workers, self.watchdog_timeout,
+                        self.watchdog_action, self._say, signal_worker=self._signal_for_stacks)  # fmt: skip
+
+    def _signal_for_stacks(self, row) -> bool:
+        """SIGUSR1 to a worker that did not answer a stack dump request: only a
+        local worker process itself (a signal to its tree would kill children
+        such as the inference server, for which SIGUSR1 is fatal)."""
+        from realrl.system.hang_report import signal_local_worker
+
+        return self.mode == "local" and signal_local_worker(row)
+
+    def _stop_hung_trial(self) -> int:
+        """The watchdog found a hang: stop the trial like a failed worker. A
+        hung worker ignores ABORTED and SIGTERM, so do not wait long for it."""
+        self.failed_worker = self._watchdog.culprit  # None when the report could not tell
+        self.stop_timeout = min(self.stop_timeout, HUNG_STOP_TIMEOUT_S)
+        self._set_experiment_status(ExperimentStatus.ABORTED)
+        return 1
+
+    def _write_trial_record(self, final: bool = False) -> None:
+        """`<run_dir>/trial.json`: how to reach this trial's name service and
+        whether it runs (read by `realrl status`, also after the trial and its
+        private etcd are gone). `final`: the exit code and every worker's last
+        row, read before the name service stops."""
+        import json
+        import socket
+
+        record = {"experiment_name": self.experiment_name, "trial_name": self.trial_name, "mode": self.mode,
+                  "launcher_pid": os.getpid(), "launcher_host": socket.gethostname(), "log_dir": self.log_dir,
+                  "name_resolve": dataclasses.asdict(self.nr_config), "started": getattr(self, "_started_at", None),
+                  "ended": None}  # fmt: skip
+        if record["started"] is None:
+            record["started"] = self._started_at = time.time()
+        if final or self._outcome is not None:
+            record.update(ended=time.time(), exit_code=self._outcome, failed_worker=self.failed_worker,
+                          hang_reports=list(self._watchdog.reports) if self._watchdog is not None else [])  # fmt: skip
+        if final:
+            try:
+                from realrl.system.trial_status import read_rows, row_to_json
+
+                rows = read_rows(name_resolve.default_repository(), self.experiment_name, self.trial_name,
+                                 [(p.worker_type, p.index) for p in self._procs])  # fmt: skip
+                exits = {(p.worker_type, p.index): p for p in self._procs}
+                for row in rows:
+                    proc = exits.get((row.worker_type, row.index))
+                    code = proc.poll() if proc is not None else None
+                    if code not in (None, 0):
+                        row.note = f"process ended: {proc.describe_exit(code)}" + (f"; {row.note}" if row.note else "")
+                        if row.state not in ("COMPLETED", "ERROR"):
+                            row.state = "DEAD"
+                record["workers"] = [row_to_json(r) for r in rows]
+            except Exception as e:  # the record must not fail the teardown
+                logger.debug("no final worker rows in the trial record: %s", e)
+        try:
+            path = os.path.join(self.run_dir, "trial.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f, indent=1)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            logger.warning("could not write the trial record: %s", e)
 
     def _wait_exit(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

@@ -12,32 +12,43 @@
    the worker, even one killed by SIGKILL;
 3. waits for `/health` (up to `startup_timeout`); if the child dies or never
    gets healthy the worker fails with the tail of the server log;
-4. registers `http://<address>:<port>` under `names.gen_server(exp, trial, i)`.
+4. loads the trainer's current weight version (`names.model_version`, from
+   `<weights_dir>/<v>/`) when one was published (a server started mid-run:
+   restarted, or added with `python -m realrl add-server`);
+5. registers `http://<address>:<port>` under `names.gen_server(exp, trial, i)`.
 
-`_poll` watches the child: if it dies the worker raises (status ERROR, the
-launcher stops the trial and shows the server log tail). `_exit_hook`
-unregisters the URL, stops the child's whole process tree (SIGTERM, then
-SIGKILL after a grace period) and reaps it.
+`_poll` watches the child: if it dies, the worker unregisters, logs the tail
+of the server log and starts a new server (steps 2-5, at a new port); the
+manager puts it back into routing once it holds the current weights
+(docs/architecture.md, "Generation servers that come and go"). A server that
+dies more than `max_restarts` times within `restart_window` seconds fails the
+worker (status ERROR, the launcher stops the trial and shows why and the
+server log tail). `_exit_hook` unregisters the URL, stops the child's whole
+process tree (SIGTERM, then SIGKILL after a grace period) and reaps it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
+import urllib.request
 
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base import name_resolve, names, network
 from realrl.base.process import log_tail, stop_process_tree, with_parent_death_signal
 from realrl.impl.generation.backends import get_backend
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.system.worker_base import IDLE, PollResult, Worker
 
 _LOG_TAIL_LINES = 60
 _STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+_INFO_INTERVAL_S = 2.0  # the progress record's server figures are at most this old
 
 class GenerationServer(Worker):
     config_cls = GenerationServerConfig
@@ -56,17 +67,30 @@ class GenerationServer(Worker):
         if not os.path.exists(config.model_path):
             raise FileNotFoundError(f"generation server model_path {config.model_path!r} does not exist")
 
+        self._backend = backend
+        self._restarts: list[float] = []  # when the server was restarted (time.monotonic())
+        log_dir = self.info.log_dir or tempfile.mkdtemp(prefix="realrl-gen-server-")
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_path = os.path.join(log_dir, f"{self.info.worker_type}-{self.info.worker_index}.server.log")
+        self._log_file = open(self.log_path, "ab")
+        try:
+            self._start_server()
+        except RuntimeError:  # it died while starting (e.g. its port was taken meanwhile): a restart
+            if self.process is None or self.process.poll() is None:
+                raise
+            self._restart("during startup")
+
+    def _start_server(self) -> None:
+        """Starts the server process, waits for /health, loads the trainer's
+        current weight version and registers the URL (a restart registers
+        again under the same index, at a new port)."""
+        config = self.cfg
         host = network.bind_address(self.info.mode, self.info.bind_address)
         port = network.find_free_port(self.experiment_name, self.trial_name, host=host)
         # The launcher hands each worker its own devices through
         # CUDA_VISIBLE_DEVICES; without that, server i takes GPUs [i*tp, (i+1)*tp).
         base_gpu_id = 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else self.info.worker_index * config.tp_size
-        cmd = backend.command(config, host, port, base_gpu_id=base_gpu_id)
-
-        log_dir = self.info.log_dir or tempfile.mkdtemp(prefix="realrl-gen-server-")
-        os.makedirs(log_dir, exist_ok=True)
-        self.log_path = os.path.join(log_dir, f"{self.info.worker_type}-{self.info.worker_index}.server.log")
-        self._log_file = open(self.log_path, "ab")
+        cmd = self._backend.command(config, host, port, base_gpu_id=base_gpu_id)
         self.logger.info("starting %s server on %s:%d (log %s): %s", config.backend, host, port, self.log_path,
                          " ".join(cmd))  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -84,10 +108,46 @@ class GenerationServer(Worker):
         t0 = time.monotonic()
         if not asyncio.run(self._wait_healthy(url)):
             return  # the trial ended while we waited; the main loop exits at once
-        self.url = url
         self.logger.info("server pid %d healthy at %s after %.1fs", self.process.pid, url, time.monotonic() - t0)
+        asyncio.run(self._load_current_weights(url))
+        self.url = url
         name_resolve.add(names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index), url,
                          replace=True)  # fmt: skip
+
+    def _trainer_version(self) -> int | None:
+        try:
+            return int(name_resolve.get(names.model_version(self.experiment_name, self.trial_name, "actor")))
+        except name_resolve.NameEntryNotFoundError:
+            return None
+        except Exception as e:
+            self.logger.warning("could not read the trainer's weight version: %s: %s", type(e).__name__, e)
+            return None
+
+    async def _load_current_weights(self, url: str) -> None:
+        """A server started mid-run (restarted, or added) loads the version
+        the trainer published last, `<weights_dir>/<v>/`, before it registers.
+        The manager checks again and brings it up to date before it routes a
+        request there, so a failure here only costs time."""
+        if not self.cfg.weights_dir:
+            return
+        async with GenerationClient(timeout_s=self.cfg.startup_timeout, connect_timeout_s=5.0) as client:
+            for attempt in range(1, 4):
+                version = await asyncio.to_thread(self._trainer_version)
+                if version is None or version <= self.cfg.weight_version:
+                    return
+                path = os.path.join(self.cfg.weights_dir, str(version))
+                t0 = time.monotonic()
+                try:
+                    await client.update_weights_from_disk(url, path, version, abort_all_requests=True)
+                except (GenerationServerError, GenerationServerUnavailable) as e:
+                    # e.g. a newer version was published and this one deleted meanwhile
+                    self.logger.warning("loading weight version %d from %s failed (attempt %d/3): %s", version, path,
+                                        attempt, e)  # fmt: skip
+                    await asyncio.sleep(0.5 * attempt)
+                    continue
+                self.logger.info("loaded the current weight version %d in %.1fs", version, time.monotonic() - t0)
+                return
+        self.logger.warning("registering without the current weights: the manager loads them before routing here")
 
     async def _wait_healthy(self, url: str) -> bool:
         """True once /health answers; False if the worker is asked to exit
@@ -122,8 +182,69 @@ class GenerationServer(Worker):
         )
 
     def _poll(self) -> PollResult:
-        self._check_child("while serving")
+        if self.process is None or self.process.poll() is None:
+            return IDLE
+        self._restart("while serving")
         return IDLE
+
+    def _restart(self, when: str) -> None:
+        """The server process died: unregister, then start a new one on the
+        current weights, unless it already died max_restarts times within
+        restart_window seconds (then the worker fails, and with it the trial)."""
+        while True:
+            try:
+                self._check_child(when)
+                return
+            except RuntimeError as e:
+                death = str(e)
+            self._unregister()
+            stop_process_tree(self.process, _STOP_GRACE_S)  # reaps it, and stops anything it left behind
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < self.cfg.restart_window]
+            if len(self._restarts) >= self.cfg.max_restarts:
+                raise RuntimeError(
+                    f"{death}\nnot restarting it: it was restarted {len(self._restarts)} times within "
+                    f"{self.cfg.restart_window:.0f}s (server.max_restarts={self.cfg.max_restarts})"
+                )
+            self._restarts.append(now)
+            self.logger.warning("%s\nrestarting it (restart %d, at most %d within %.0fs)", death, len(self._restarts),
+                                self.cfg.max_restarts, self.cfg.restart_window)  # fmt: skip
+            try:
+                self._start_server()
+                return
+            except RuntimeError as e:  # it died again while starting: counted as one more restart
+                when = "while restarting"
+                if self.process is None or self.process.poll() is None:
+                    raise
+                self.logger.warning("the restarted server failed: %s", str(e).split("\n", 1)[0])
+
+    def _unregister(self) -> None:
+        if self.url is None:
+            return
+        url, self.url = self.url, None
+        try:  # stop routing to us (the manager's health checks notice it too)
+            name_resolve.delete(names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index))
+        except Exception as e:
+            self.logger.debug("could not unregister %s: %s", url, e)
+
+    def _progress_info(self) -> dict:
+        """The weight version and requests of the server, from its
+        /get_server_info, read by a short-lived thread at most every
+        _INFO_INTERVAL_S (the loop never waits for the server)."""
+        now = time.monotonic()
+        if self.url is not None and now - getattr(self, "_info_time", -float("inf")) >= _INFO_INTERVAL_S:
+            self._info_time = now
+            threading.Thread(target=self._read_server_info, args=(self.url,), name="server-info", daemon=True).start()
+        return {**getattr(self, "_info", {}), "server_pid": self.process.pid if self.process is not None else None}
+
+    def _read_server_info(self, url: str) -> None:
+        try:
+            with urllib.request.urlopen(f"{url}/get_server_info", timeout=1.0) as r:
+                info = json.load(r)
+            self._info = {"version": info.get("weight_version"), "running": info.get("num_running_requests"),
+                          "waiting": info.get("num_waiting_requests")}  # fmt: skip
+        except Exception as e:  # busy or restarting: say so, the next read may answer
+            self._info = {"server_info": f"no answer ({type(e).__name__})"}
 
     def _exit_hook(self) -> None:
         if getattr(self, "url", None) is not None:

@@ -20,10 +20,13 @@ the trajectory counts training starts from, fresh or recovered): the
 GserverManager opens admission only then, with those counts, so a resumed
 trial admits exactly what an uninterrupted one would.
 
-Around the steps: stats to `stats.jsonl` + TensorBoard and a progress bar with
-ETA (in this worker's log), greedy evaluation on the test split before
-training, every `eval_every_n_steps`, and at the end, recovery checkpoints,
-and finally `summary.json` and `experiment_status` COMPLETE.
+Around the steps: stats to `stats.jsonl` + TensorBoard (+ Weights & Biases
+offline with `wandb`), one line per step in this worker's log through the
+`realrl.steps` logger (the launcher turns those into its console's progress
+bar or periodic lines: realrl/base/console.py), greedy evaluation on the test
+split before training, every `eval_every_n_steps`, and at the end, each
+followed by the PNGs of `<log_dir>/plots/` (realrl/base/plots.py), recovery
+checkpoints, and finally `summary.json` and `experiment_status` COMPLETE.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ import aiohttp
 from realrl.api.agent_api import FULL_CREDIT
 from realrl.api.system_api import MasterWorkerConfig
 from realrl.base import name_resolve, names
+from realrl.base.console import STEP_LOGGER
 from realrl.base.datapack import partition_balanced
+from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
+from realrl.system import checkpoints
 from realrl.system.request_reply_stream import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
@@ -97,13 +103,22 @@ class MasterWorker(AsyncWorker):
         self.dropped_invalid = 0  # rejected at the pullers (schema): their budget is given back too
         self._invalid_seen = 0  # the pullers' own invalid count (since they started)
         self.filtered_at_checkpoint = 0  # episodes the agent had rejected by the checkpoint we resume from
+        # The data ledger (for exactly-once resumes): qids trained, in order; and at a resume, what the
+        # checkpoint says was done and where each rollout worker's data cursor stood.
+        self.trained_qids: list[str] = []
+        self.dropped_qids: list[str] = []  # dropped as stale by the trainers
+        self.regenerated_before = 0  # prompts generated again after earlier resumes (from the checkpoint)
+        self.resume: dict = {}
+        self._last_checkpoint = time.monotonic()
         self.max_staleness_trained = 0
         self.eval_history: list[dict] = []
         self.started = time.monotonic()
         self.stats_logger: StatsLogger | None = None  # opened once we know whether we resume
-        self.state_path = os.path.join(self.info.log_dir, "master_state.json")
         self.summary_path = os.path.join(self.info.log_dir, "summary.json")
-        self._progress = None
+        self.plots_dir = os.path.join(self.info.log_dir, "plots")
+        self.step_logger = getLogger(STEP_LOGGER)  # one line per step: the log file; the launcher renders it
+        self._gen_utilization: dict | None = None  # the manager's cumulative figures at the previous step
+        self._wait_data_s = 0.0  # of the last _fetch: time the ranks held too few trajectories
         self._finished = False
 
     async def _setup_async(self) -> None:
@@ -112,22 +127,32 @@ class MasterWorker(AsyncWorker):
         self.logger.info("model workers ready: %s", [(s["dp_rank"], s["version"]) for s in specs])
         if self.cfg.recover:
             await self._recover()
-        self.stats_logger = StatsLogger(self.info.log_dir, resume_step=self.step)
+        self.stats_logger = StatsLogger(self.info.log_dir, resume_step=self.step,
+                                        wandb={"project": self.experiment_name, "name": self.trial_name}
+                                        if self.cfg.wandb else None)  # fmt: skip
         self._publish_counters()
         self._publish_training_start()
-        from tqdm import tqdm
-
-        self._progress = tqdm(total=self.cfg.total_train_steps, initial=self.step, desc="train steps",
-                              mininterval=1.0, dynamic_ncols=False, ncols=100)  # fmt: skip
         if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
 
     async def _teardown_async(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
         if self.stats_logger is not None:
             self.stats_logger.close()
         self.stream.close()
+
+    def _progress_info(self) -> dict:
+        """Step and stage for `realrl status` and the hang watchdog (which
+        counts a new step or stage as progress); the stage is read off the
+        coroutines the loop waits in, the RPCs from the request stream."""
+        stages = {"_setup_async": "setup", "_recover": "recover", "_fetch": "fetch", "_evaluate": "evaluate",
+                  "_checkpoint": "checkpoint", "_finish": "finish", "_train_step": "step"}  # fmt: skip
+        stage = next((stages[n] for n in reversed(self.awaiting()) if n in stages), "running")
+        rpcs = self.stream.in_flight()
+        if stage == "step" and rpcs:
+            stage = rpcs[0][0]  # inference, train_step
+        return {"step": self.step, "total_steps": self.cfg.total_train_steps, "stage": stage, "version": self.version,
+                "waiting_on": [f"model_worker/{w} {name} {age:.0f}s{'' if ok else ' (unconfirmed)'}"
+                               for name, w, age, ok in rpcs]}  # fmt: skip
 
     # ---- the step ------------------------------------------------------------------
     async def _poll_async(self) -> PollResult:
@@ -143,7 +168,7 @@ class MasterWorker(AsyncWorker):
         n, B = self.cfg.n_model_workers, self.cfg.train_batch_size
         all_ranks = list(range(n))
         min_version = self.version - self.cfg.max_head_offpolicyness
-        waiting_since = last_warning = time.monotonic()
+        started = waiting_since = last_warning = time.monotonic()
         have = -1
         while True:
             replies = await self.stream.call_async(all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n,
@@ -154,6 +179,7 @@ class MasterWorker(AsyncWorker):
                 self._publish_counters()  # give the dropped rollouts' budget back now
             chosen = choose_batch([r["items"] for r in replies], B)
             if chosen is not None:
+                self._wait_data_s = time.monotonic() - started
                 break
             now = time.monotonic()
             held = sum(len(r["items"]) for r in replies)
@@ -174,12 +200,19 @@ class MasterWorker(AsyncWorker):
         parts = await self.stream.call_async(all_ranks, "assemble", requests, timeout=self.cfg.rpc_timeout)
         batch: dict = {k: [x for p in parts for x in p[k]]
                        for k in ("staleness", "version_start", "rewards", "scores", "seq_lens", "gen_lens",
-                                "generate_in_flight")}  # fmt: skip
+                                "generate_in_flight", "qids")}  # fmt: skip
         batch["rank_tokens"] = [p["n_tokens"] for p in parts]
+        token_staleness: dict[str, int] = {}
+        for p in parts:
+            for k, n in p.get("token_staleness", {}).items():
+                token_staleness[k] = token_staleness.get(k, 0) + n
+        batch["token_staleness"] = dict(sorted(token_staleness.items(), key=lambda kv: int(kv[0])))
         batch["moved"] = sum(p["n_moved_out"] for p in parts)
         return batch
 
     async def _train_step(self) -> None:
+        if self._gen_utilization is None:  # the baseline of the first step's generation figures
+            self._gen_utilization = await self._manager_utilization()
         t0 = time.monotonic()
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
@@ -194,6 +227,7 @@ class MasterWorker(AsyncWorker):
         self.version += 1
         self.step += 1
         self.consumed += len(batch["staleness"])
+        self.trained_qids += batch["qids"]
         self.max_staleness_trained = max([self.max_staleness_trained] + batch["staleness"])
         self._publish_counters()
 
@@ -203,6 +237,7 @@ class MasterWorker(AsyncWorker):
         # The trainers reduce their stats over ranks: every rank reports the same.
         stats.update({f"train/{key}": value for key, value in results[0].items()})
         stats["batch/moved_between_ranks"] = batch["moved"]
+        stats["batch/qids"] = batch["qids"]  # which prompts (`<query_id>@<epoch>`) this step trained on
         stats["batch/rank_tokens_max_over_mean"] = max(batch["rank_tokens"]) / max(n_tokens / len(batch["rank_tokens"]), 1e-9)
         stats.update(summarize(batch["rewards"], "rollout/reward"))
         # Accuracy: the fraction of trained answers with full credit (score >= 1).
@@ -214,28 +249,66 @@ class MasterWorker(AsyncWorker):
         stats.update(summarize([float(x) for x in batch["staleness"]], "staleness"))
         stats.update(summarize([float(x) for x in batch["version_start"]], "rollout/version_start"))
         stats["staleness/histogram"] = histogram(batch["staleness"])
+        if batch["token_staleness"]:
+            stats["staleness/token_histogram"] = batch["token_staleness"]  # generated tokens, per staleness
         stats["time/fetch_s"] = t_fetch - t0
+        stats["time/wait_data_s"] = self._wait_data_s  # part of fetch_s
         stats["time/inference_s"] = t_inf - t_fetch
         stats["time/train_s"] = t_train - t_inf
+        if isinstance(results[0].get("publish_seconds"), (int, float)):
+            stats["time/publish_s"] = results[0]["publish_seconds"]  # part of train_s
         stats["time/step_s"] = t_train - t0
         stats["throughput/tokens_per_s"] = n_tokens / max(t_train - t0, 1e-9)
+        stats.update(self._perf_stats(stats, n_tokens, await self._manager_utilization()))
         stats["time/elapsed_s"] = time.monotonic() - self.started
 
         if self.cfg.eval_every_n_steps and self.step % self.cfg.eval_every_n_steps == 0 and self.step < self.cfg.total_train_steps:
             stats["eval/accuracy"] = (await self._evaluate())["accuracy"]
-        if self.cfg.checkpoint_every_n_steps and self.step % self.cfg.checkpoint_every_n_steps == 0:
+        every_n, every_s = self.cfg.checkpoint_every_n_steps, self.cfg.checkpoint_every_minutes * 60
+        if (every_n and self.step % every_n == 0) or (every_s and time.monotonic() - self._last_checkpoint >= every_s):
             await self._checkpoint()
         self.stats_logger.log(self.step, stats)
         acc = stats.get("rollout/accuracy", 0.0)  # trained answers with full credit
-        self.logger.info(
-            "step %d/%d v%d | acc %.3f reward %.3f | loss %.4f clip %.3f | staleness max %d | %.2fs (fetch %.2f, inf %.2f, train %.2f)",
+        # The format is read back by realrl/base/console.py (step N/T, acc, reward, staleness max).
+        self.step_logger.info(
+            "step %d/%d v%d | acc %.3f reward %.3f | loss %.4f clip %.3f | staleness max %d | %.2fs (fetch %.2f, inf %.2f, train %.2f)"
+            " | idle trainer %s gen %s | tokens/s gen %s train %.0f",
             self.step, self.cfg.total_train_steps, self.version, acc, stats.get("rollout/reward/mean", 0.0),
             stats.get("train/actor_loss", 0.0), stats.get("train/clip_frac", 0.0), max(batch["staleness"], default=0),
             stats["time/step_s"], stats["time/fetch_s"], stats["time/inference_s"], stats["time/train_s"],
+            _fmt(stats.get("perf/trainer_idle_ratio"), ".2f"), _fmt(stats.get("perf/gen_idle_ratio"), ".2f"),
+            _fmt(stats.get("perf/gen_tokens_per_s"), ".0f"), stats["perf/train_tokens_per_s"],
         )  # fmt: skip
-        if self._progress is not None:
-            self._progress.set_postfix(acc=f"{acc:.3f}", v=self.version)
-            self._progress.update(1)
+
+    def _perf_stats(self, stats: dict, n_tokens: int, utilization: dict | None) -> dict:
+        """Idle ratios and throughput of this step (docs/observability.md):
+        the trainers' from this step's timings, the generation servers' from
+        the manager's cumulative figures since the previous step."""
+        step_s = max(stats["time/step_s"], 1e-9)
+        perf = {"perf/trainer_idle_ratio": min(max(stats["time/wait_data_s"] / step_s, 0.0), 1.0),
+                "perf/train_tokens_per_s": n_tokens / step_s}  # fmt: skip
+        before, self._gen_utilization = self._gen_utilization, utilization
+        if before is not None and utilization is not None:
+            server_s = utilization["gen_server_s"] - before["gen_server_s"]
+            clock_s = utilization["gen_clock_s"] - before["gen_clock_s"]
+            if server_s > 0 and clock_s > 0:
+                idle = utilization["gen_idle_s"] - before["gen_idle_s"]
+                perf["perf/gen_idle_ratio"] = min(max(idle / server_s, 0.0), 1.0)
+                perf["perf/gen_tokens_per_s"] = (utilization["gen_tokens"] - before["gen_tokens"]) / clock_s
+        return perf
+
+    async def _manager_utilization(self) -> dict | None:
+        """The generation servers' cumulative utilization from the manager;
+        None when it does not answer (the step's gen figures are then left out)."""
+        try:
+            rs = await self._manager("GET", "/rollout_stats")
+        except Exception as e:  # figures only: never fail the step
+            self.logger.debug("no utilization from the gserver manager: %s: %s", type(e).__name__, e)
+            return None
+        keys = ("gen_idle_s", "gen_server_s", "gen_tokens", "gen_clock_s")
+        if rs is None or not all(isinstance(rs.get(k), (int, float)) for k in keys):
+            return None
+        return {k: float(rs[k]) for k in keys}
 
     async def _warn_starved(self, have: int, want: int, waited: float) -> None:
         """Says why a step is waiting, so a starved run is not silent."""
@@ -272,7 +345,7 @@ class MasterWorker(AsyncWorker):
     def _publish_training_start(self) -> None:
         """Opens the manager's admission with the counts training starts from."""
         start = {"step": self.step, "version": self.version, "consumed": self.consumed, "dropped": self.dropped,
-                 "filtered": self.filtered_at_checkpoint}  # fmt: skip
+                 "filtered": self.filtered_at_checkpoint, **self.resume}  # fmt: skip
         name_resolve.add(names.training_start(self.experiment_name, self.trial_name), json.dumps(start),
                          replace=True, delete_on_exit=False)  # fmt: skip
 
@@ -294,34 +367,76 @@ class MasterWorker(AsyncWorker):
         self.logger.info("eval at step %d: greedy accuracy %.3f on %d prompts (%.1fs); e.g. %s",
                          self.step, result["accuracy"], result["n"], result["seconds"], result["samples"][:2])  # fmt: skip
         self.stats_logger.log(self.step, {"eval/accuracy": result["accuracy"], "eval/score": result["score_mean"],
-                                          "eval/n": result["n"]})  # fmt: skip
+                                          "eval/n": result["n"], "time/elapsed_s": time.monotonic() - self.started})  # fmt: skip
+        await self._write_plots()
         return result
 
+    async def _write_plots(self) -> list[str]:
+        """The PNGs of plots/ from stats.jsonl so far; a failure is a warning, never the trial's."""
+        from realrl.base.plots import write_plots
+
+        try:
+            paths = await asyncio.to_thread(write_plots, self.stats_logger.path, self.plots_dir)
+        except Exception as e:
+            self.logger.warning("could not write the plots to %s: %s: %s", self.plots_dir, type(e).__name__, e)
+            return []
+        self.logger.debug("plots: %s", paths)
+        return paths
+
     async def _checkpoint(self) -> None:
-        await self.stream.call_async(list(range(self.cfg.n_model_workers)), "checkpoint",
-                                     [{"step": self.step}] * self.cfg.n_model_workers, timeout=self.cfg.rpc_timeout)  # fmt: skip
-        filtered = self.filtered_at_checkpoint
+        """A recovery checkpoint (realrl/system/checkpoints.py), in this order:
+        the trainers write models and buffered trajectories, then the rollout
+        cursors are read, then the manager's rejected qids. A cursor read after
+        the buffers were saved covers every prompt they hold; whatever was
+        issued before it and is neither trained, buffered, rejected nor dropped
+        is generated again by a resumed trial (exactly once)."""
+        n = self.cfg.n_model_workers
+        temp = checkpoints.new_temp_dir(self.cfg.checkpoint_dir, self.step)
+        parts = await self.stream.call_async(list(range(n)), "checkpoint", [{"step": self.step, "dir": temp}] * n,
+                                             timeout=self.cfg.rpc_timeout)  # fmt: skip
+        self.dropped_qids += [q for p in parts for q in p["dropped_qids"]]
+        cursors = await asyncio.to_thread(self._read_rollout_cursors)
+        filtered, rejected_qids = self.filtered_at_checkpoint, list(self.resume.get("rejected_qids", []))
         try:  # the agent-filtered count keeps the whole-trial accounting after a resume
             rs = await self._manager("GET", "/rollout_stats")
-            filtered = rs["rejected"] if rs is not None else filtered
+            rq = await self._manager("GET", "/rejected_qids")
+            if rs is not None and rq is not None:
+                filtered, rejected_qids = rs["rejected"], rejected_qids + rq["qids"]
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self.logger.warning("checkpoint without the manager's filtered count: %s", e)
+            self.logger.warning("checkpoint without the manager's rejected episodes: %s", e)
+        oldest_epoch = min((c["epoch"] for c in cursors.values()), default=0) - 1  # the ledger needs no older qids
+        recent = [q for q in self.trained_qids if _epoch_of(q) >= oldest_epoch]
         state = {"step": self.step, "version": self.version, "consumed": self.consumed,
                  "dropped_stale": self.dropped_stale, "dropped_invalid": self.dropped_invalid, "filtered": filtered,
-                 "max_staleness_trained": self.max_staleness_trained, "eval_history": self.eval_history}  # fmt: skip
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
+                 "max_staleness_trained": self.max_staleness_trained, "eval_history": self.eval_history,
+                 "trained_qids": recent, "buffered_qids": [q for p in parts for q in p["buffered_qids"]],
+                 "rejected_qids": rejected_qids, "dropped_qids": self.dropped_qids, "rollout_cursors": cursors,
+                 "regenerated": self.regenerated_before + sum(c.get("regenerated", 0) for c in cursors.values()),
+                 "elapsed_s": time.monotonic() - self.started}  # fmt: skip
+        with open(os.path.join(temp, "master_state.json"), "w") as f:
             json.dump(state, f)
-        os.replace(tmp, self.state_path)
-        self.logger.info("checkpoint at step %d", self.step)
+        path = checkpoints.commit(temp, self.cfg.checkpoint_dir, self.step)
+        self._last_checkpoint = time.monotonic()
+        self.logger.info("checkpoint at step %d: %s (%d trajectories buffered)", self.step, path,
+                         len(state["buffered_qids"]))  # fmt: skip
+
+    def _read_rollout_cursors(self) -> dict[str, dict]:
+        cursors = {}
+        for i in range(self.cfg.n_rollout_workers):
+            try:
+                value = name_resolve.get(names.rollout_cursor(self.experiment_name, self.trial_name, i))
+            except name_resolve.NameEntryNotFoundError:
+                continue
+            cursors[str(i)] = json.loads(value)
+        return cursors
 
     async def _recover(self) -> None:
-        if not os.path.exists(self.state_path):
-            self.logger.info("recover=auto: no checkpoint yet, starting fresh")
+        path = await asyncio.to_thread(checkpoints.newest_valid, self.cfg.checkpoint_dir)
+        if path is None:
+            self.logger.info("recover=auto: no usable checkpoint, starting fresh")
             return
-        with open(self.state_path) as f:
+        with open(os.path.join(path, "master_state.json")) as f:
             state = json.load(f)
-        path = os.path.join(self.cfg.checkpoint_dir, f"step{state['step']}")
         n = self.cfg.n_model_workers
         replies = await self.stream.call_async(list(range(n)), "load", [{"path": path}] * n, timeout=self.cfg.rpc_timeout)
         self.step, self.version = state["step"], replies[0]["version"]
@@ -329,7 +444,17 @@ class MasterWorker(AsyncWorker):
         self.dropped_invalid, self.filtered_at_checkpoint = state.get("dropped_invalid", 0), state.get("filtered", 0)
         self.max_staleness_trained = state["max_staleness_trained"]
         self.eval_history = state["eval_history"]
-        self.logger.info("recovered at step %d (weight version %d) from %s", self.step, self.version, path)
+        self.started = time.monotonic() - float(state.get("elapsed_s", 0.0))  # time/elapsed_s goes on from here
+        self.trained_qids = list(state.get("trained_qids", []))
+        self.dropped_qids = list(state.get("dropped_qids", []))
+        self.regenerated_before = int(state.get("regenerated", 0))
+        restored = sum(r["restored"] for r in replies)
+        done = set(self.trained_qids) | set(state.get("buffered_qids", [])) | set(state.get("rejected_qids", []))
+        self.resume = {"buffered": restored, "rollout_cursors": state.get("rollout_cursors", {}),
+                       "done_qids": sorted(done | set(self.dropped_qids)),
+                       "rejected_qids": state.get("rejected_qids", [])}  # fmt: skip
+        self.logger.info("recovered at step %d (weight version %d) from %s: %d buffered trajectories restored",
+                         self.step, self.version, path, restored)  # fmt: skip
 
     async def _manager(self, method: str, path: str) -> dict | None:
         try:
@@ -397,17 +522,35 @@ class MasterWorker(AsyncWorker):
             },
             "rollouts": ledger,  # the manager's counts (admitted: episodes admitted by this run's manager)
             "max_staleness_trained": self.max_staleness_trained,
+            # a resumed trial: prompts in flight (or not yet offered) at the checkpoint, generated again once
+            "regenerated_after_resume": self.regenerated_before + sum(
+                c.get("regenerated", 0) for c in (await asyncio.to_thread(self._read_rollout_cursors)).values()),
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
             "dp_weights_identical": len(checksums) <= 1,
             "stats_path": self.stats_logger.path,
+            "plots_dir": self.plots_dir,
         }
+        if not self.cfg.evaluate:  # (else the final evaluation just wrote them)
+            await self._write_plots()
         tmp = self.summary_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(tmp, self.summary_path)
-        self.logger.info("training complete: eval accuracy %s -> %s in %d steps, %.0fs; summary %s",
+        self.logger.info("training complete: eval accuracy %s -> %s in %d steps, %.0fs; summary %s, plots in %s",
                          summary["initial_eval_accuracy"], summary["final_eval_accuracy"], self.step,
-                         summary["wall_time_s"], self.summary_path)  # fmt: skip
+                         summary["wall_time_s"], self.summary_path, self.plots_dir)  # fmt: skip
         self._finished = True
         set_experiment_status(self.experiment_name, self.trial_name, ExperimentStatus.COMPLETE)
         self.request_exit("training complete")
+
+
+def _epoch_of(qid: str) -> int:
+    """`<query_id>@<epoch>` (the rollout workers' episode ids) -> epoch."""
+    try:
+        return int(qid.rsplit("@", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

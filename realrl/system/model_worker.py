@@ -43,6 +43,7 @@ import shutil
 import time
 import uuid
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -86,6 +87,18 @@ def weights_checksum(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _token_staleness(trajectories: list[Trajectory], current_version: int) -> dict[str, int]:
+    """How many generated tokens of `trajectories` have each staleness
+    (`current_version` minus the weight version that generated the token)."""
+    counts: dict[int, int] = {}
+    for t in trajectories:
+        for versions in t.versions:
+            values, n = np.unique(current_version - np.asarray(versions, dtype=np.int64), return_counts=True)
+            for v, c in zip(values.tolist(), n.tolist()):
+                counts[v] = counts.get(v, 0) + c
+    return {str(k): counts[k] for k in sorted(counts)}
 
 
 def _shard(model: torch.nn.Module) -> None:
@@ -224,6 +237,11 @@ class ModelWorker(Worker):
         handled = self.server.serve(timeout=0.05)
         return PollResult(batch_count=handled)
 
+    def _progress_info(self) -> dict:
+        stats = self.dataset.stats()
+        return {"buffered": stats["buffered"], "received": stats["received"], "version": self.version,
+                "requests": self.server.n_pending}  # fmt: skip
+
     def _exit_hook(self) -> None:
         for closer in ("server", "dataset"):
             obj = getattr(self, closer, None)
@@ -271,6 +289,7 @@ class ModelWorker(Worker):
             "staleness": [current - t.min_version_start for t in mine],
             "version_start": [t.min_version_start for t in mine],
             "rewards": [r for t in mine for r in t.reward],
+            "qids": [t.qid for t in mine],  # the master's data ledger
             "scores": [float(x) for t in mine for x in t.scores],
             # the most generate() calls one episode had in flight at once
             "generate_in_flight": [float(t.metadata.get("max_generate_in_flight", 1)) for t in mine],
@@ -278,6 +297,7 @@ class ModelWorker(Worker):
             "gen_lens": [n - p for t in mine for n, p in zip(t.seq_lens, t.prompt_len)],
             "n_tokens": sum(t.n_tokens for t in mine),
             "n_moved_out": sum(len(v) for v in outgoing.values()),
+            "token_staleness": _token_staleness(mine, current),
         }
 
     def _exchange(self, outgoing: dict[int, list[Trajectory]], recv_from: dict[int, int]) -> list[Trajectory]:
@@ -415,35 +435,50 @@ class ModelWorker(Worker):
         opt.scheduler.load_state_dict(state["scheduler"])
 
     def _handle_checkpoint(self, data: dict) -> dict:
-        """Everything needed to resume: models, optimizers, schedules, version."""
-        path = os.path.join(self.cfg.checkpoint_dir, f"step{int(data['step'])}")
+        """Writes this rank's part of a recovery checkpoint into `dir` (the
+        master's temporary directory, which it renames once every part and the
+        manifest are there): rank 0 the models, optimizers, schedules and
+        version; every rank its buffered trajectories (so none is lost). The
+        reply names the qids buffered and dropped as stale, for the data ledger."""
+        directory = data["dir"]
         state = {"actor": self._gather(self.actor)}  # every rank: a collective under FSDP
         if self.critic is not None:
             state["critic"] = self._gather(self.critic)
+        buffered = self.dataset.snapshot()
+        with open(os.path.join(directory, f"buffer-rank{self.dp_rank}.wire"), "wb") as f:
+            f.write(wire.dumps({"trajectories": [t.to_wire() for t in buffered]}))
         if self.dp_rank == 0:
-            tmp = path + f".tmp-{uuid.uuid4().hex[:8]}"
-            os.makedirs(tmp)
-            torch.save(state, os.path.join(tmp, "model_worker.pt"))
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"version": self.version, "step": int(data["step"])}, f)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.rename(tmp, path)
-        return {"path": path}
+            torch.save(state, os.path.join(directory, "model_worker.pt"))
+            with open(os.path.join(directory, "meta.json"), "w") as f:
+                json.dump({"version": self.version, "step": int(data["step"]), "dp_size": self.dp_size}, f)
+        dropped, self.dataset.dropped_qids = self.dataset.dropped_qids, []
+        return {"buffered_qids": [t.qid for t in buffered], "dropped_qids": dropped}
 
     def _handle_load(self, data: dict) -> dict:
+        """Restores a checkpoint the master has verified: models, version, and
+        the buffered trajectories of the ranks that wrote it (rank files
+        spread over this trial's ranks when the data-parallel size changed)."""
         path = data["path"]
-        # Our own checkpoint file on local disk; weights_only keeps it data-only.
+        # Our own checkpoint file; weights_only keeps it data-only.
         state = torch.load(os.path.join(path, "model_worker.pt"), map_location="cpu", weights_only=True)
         self._restore(self.actor, state["actor"])
         if self.critic is not None and "critic" in state:
             self._restore(self.critic, state["critic"])
         with open(os.path.join(path, "meta.json")) as f:
-            version = int(json.load(f)["version"])
+            meta = json.load(f)
+        version = int(meta["version"])
+        restored = []
+        for r in range(self.dp_rank, int(meta.get("dp_size", 1)), self.dp_size):
+            buffer_path = os.path.join(path, f"buffer-rank{r}.wire")
+            if os.path.exists(buffer_path):
+                with open(buffer_path, "rb") as f:
+                    msg = wire.loads(f.read())
+                restored += [Trajectory.from_wire(t) for t in msg["trajectories"]]
+        self.dataset.restore(restored)
         state_dict = self._full_state_dict(self.actor.model)
         if self.dp_rank == 0:
             publish_weights(self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict)
             self._set_version(version)
         else:
             self.version = version
-        return {"version": version}
+        return {"version": version, "restored": len(restored)}

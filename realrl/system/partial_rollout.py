@@ -34,11 +34,28 @@ times in a row; then `PartialRolloutError` names the server, qid, answer index
 and cause. A 4xx answer (e.g. prompt + budget longer than the model's context)
 fails at once: resending the same request cannot help. The manager itself is
 reached through `GserverManagerClient` with the same retry rule.
+
+Servers that come and go (docs/architecture.md): the reschedule after a
+failure names the servers that failed in a row (`avoid_urls`), so the manager
+picks another one while any is up. A failure on a server that the manager
+reports taken out of routing (`down`), when it routes the retry to another
+server, does not count against `request_retries` (at most
+MAX_UNCOUNTED_FAILURES such in a row): a dead server cannot use up the
+retries while healthy ones exist. A manager answer without a server (none is
+up) counts, so with no healthy server an answer still fails after
+`request_retries` failures in a row. The tokens, logprobs and versions an
+answer already has are kept across all of this; only the chunk that was being
+generated on the lost server is generated again. A request in flight on a
+server that the manager takes out of routing (it stopped answering) is
+abandoned and resubmitted at once instead of waiting for `request_timeout`:
+while requests are in flight, the manager's `/servers` is read every
+`server_watch_interval` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import uuid
 from typing import Any, Iterable
@@ -59,6 +76,9 @@ logger = getLogger(__name__)
 # Interrupted responses with no new token in a row before we give up: a server
 # that aborts everything it is sent (e.g. shutting down) must not loop forever.
 MAX_EMPTY_ABORTS = 50
+# Failures on servers the manager took out of routing that are not counted,
+# in a row: servers that keep dying and coming back must not loop forever.
+MAX_UNCOUNTED_FAILURES = 20
 
 
 class PartialRolloutError(RuntimeError):
@@ -134,19 +154,29 @@ class GserverManagerClient:
         return await self.call("POST", "/finish_rollout", payload)
 
     async def schedule_request(
-        self, qid: str, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None
+        self, qid: str, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None,
+        avoid_urls: list[str] | None = None,
     ) -> dict:
+        """`{"url", "version", "down"}`; `url` is None when no server is up.
+        `avoid_urls`: servers that just failed for this caller."""
         payload = {"qid": qid, "n": n, "previous_server_url": previous_server_url, "previous_version": previous_version}
+        if avoid_urls:
+            payload["avoid_urls"] = list(avoid_urls)
         return await self.call("POST", "/schedule_request", payload)
 
-    async def release_request(self, url: str, n: int = 1, retries: int | None = None) -> dict:
-        return await self.call("POST", "/release_request", {"url": url, "n": n}, retries=retries)
+    async def release_request(self, url: str, n: int = 1, retries: int | None = None, n_tokens: int = 0) -> dict:
+        """`n_tokens`: what the released requests generated (the manager's tokens/s)."""
+        return await self.call("POST", "/release_request", {"url": url, "n": n, "n_tokens": n_tokens}, retries=retries)
 
     async def get_model_version(self) -> int:
         return int((await self.call("GET", "/get_model_version"))["version"])
 
     async def rollout_stats(self) -> dict:
         return await self.call("GET", "/rollout_stats")
+
+    async def servers(self, retries: int | None = None) -> dict:
+        """Every registered generation server and its state (up, joining, down, retired)."""
+        return await self.call("GET", "/servers", retries=retries)
 
 
 @dataclasses.dataclass
@@ -168,6 +198,7 @@ class PartialRolloutStats:
     interruptions: int = 0  # responses that ended with finish_reason abort
     chunk_continuations: int = 0  # resubmissions after a chunk ended by length
     retries: int = 0  # server errors retried
+    server_losses: int = 0  # failures on servers the manager took out of routing (not counted against the retries)
     generated_tokens: int = 0
 
     def pop(self) -> dict[str, int]:
@@ -189,6 +220,7 @@ class PartialRolloutManager:
         request_retries: int = 3,
         retry_backoff_s: float = 0.5,
         eos_token_ids: Iterable[int] = (),
+        server_watch_interval: float = 2.0,
     ):
         if new_tokens_per_chunk < 1:
             raise ValueError(f"new_tokens_per_chunk must be >= 1, got {new_tokens_per_chunk}")
@@ -202,6 +234,10 @@ class PartialRolloutManager:
         self.retry_backoff_s = retry_backoff_s
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.stats = PartialRolloutStats()
+        self.server_watch_interval = server_watch_interval
+        self._in_flight: collections.Counter[str] = collections.Counter()  # url -> our requests on it
+        self._gone: dict[str, asyncio.Event] = {}  # url -> set once the manager took it out of routing
+        self._watch_task: asyncio.Task | None = None
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """All `group_size` answers of `request`, generated concurrently. If one
@@ -238,52 +274,78 @@ class PartialRolloutManager:
         answer = _Answer()
         previous_url: str | None = None
         previous_version: int | None = None
-        failures = empty_aborts = 0
+        failures = empty_aborts = uncounted = 0
+        avoid: list[str] = []  # servers that failed in the current run of failures
+        failed_url: str | None = None  # where the previous attempt failed
+        last_error = last_server_error = ""  # why the last attempt failed; the last failure on a server
         while True:
             remaining = gconfig.max_new_tokens - len(answer.output_ids)
             chunk = min(self.new_tokens_per_chunk, remaining)
             params = gconfig.sampling_params(max_new_tokens=chunk)
             params["min_new_tokens"] = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
 
-            scheduled = await self._schedule(request.qid, previous_url, previous_version)
+            scheduled = await self._schedule(request.qid, previous_url, previous_version, avoid)
+            if failed_url is not None:
+                if (scheduled.get("url") is not None and failed_url in (scheduled.get("down") or ())
+                        and uncounted < MAX_UNCOUNTED_FAILURES):  # fmt: skip
+                    # The server that failed is out of routing and another one took over: not counted.
+                    failures -= 1
+                    uncounted += 1
+                    self.stats.server_losses += 1
+                failed_url = None
+            if scheduled.get("url") is None:  # no server is up: counted
+                failures += 1
+                last_error = scheduled.get("reason") or "no generation server is up"
+                if last_server_error:
+                    last_error += f"; {last_server_error}"
+            if failures > self.request_retries:
+                if scheduled.get("url") is not None:
+                    await self._release(str(scheduled["url"]))
+                raise PartialRolloutError(
+                    f"generation for qid {request.qid!r} (answer {index}) failed {failures} times in a row; "
+                    f"{last_error}"
+                )
+            if scheduled.get("url") is None:
+                self.stats.retries += 1
+                logger.warning("qid %s answer %d: %s; retry %d/%d", request.qid, index, last_error, failures,
+                               self.request_retries)  # fmt: skip
+                await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
+                continue
             url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
             if answer.scheduled_version is None:
                 answer.scheduled_version = scheduled_version
             rid = f"{request.qid}/{index}/{uuid.uuid4().hex[:12]}"
             self.stats.server_requests += 1
+            response = None
             try:
                 try:
-                    response = await self.client.generate(
-                        url,
-                        list(request.prompt_ids) + answer.output_ids,
-                        params,
-                        return_logprob=True,
-                        rid=rid,
-                        timeout_s=self.request_timeout,
-                    )
+                    response = await self._generate_on(url, list(request.prompt_ids) + answer.output_ids, params, rid)
                 finally:
-                    await self._release(url)
+                    await self._release(url, len(response.output_ids) if response is not None else 0)
             except (GenerationServerUnavailable, GenerationServerError) as e:
                 if isinstance(e, GenerationServerError) and not _retryable_status(e.status):
                     raise PartialRolloutError(
                         f"generation for qid {request.qid!r} (answer {index}) was refused by server {url} "
                         f"(HTTP {e.status}; resending cannot help): {e.message}"
                     ) from e
+                # Counted now; not counted after all if the manager reports the server
+                # out of routing when it reschedules (see the module docstring).
                 failures += 1
-                if failures > self.request_retries:
-                    raise PartialRolloutError(
-                        f"generation for qid {request.qid!r} (answer {index}) failed {failures} times in a row; "
-                        f"last server {url}: {e}"
-                    ) from e
+                last_error = last_server_error = f"last server {url}: {e}"
+                failed_url = url
+                if url not in avoid:
+                    avoid.append(url)
                 self.stats.retries += 1
                 logger.warning(
-                    "qid %s answer %d: server %s failed (%s); retry %d/%d",
-                    request.qid, index, url, e, failures, self.request_retries,
+                    "qid %s answer %d: server %s failed (%s); retry %d/%d (%d tokens kept)",
+                    request.qid, index, url, e, failures, self.request_retries, len(answer.output_ids),
                 )  # fmt: skip
                 previous_url = previous_version = None  # let the manager route elsewhere
                 await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
                 continue
-            failures = 0
+            failures = uncounted = 0
+            avoid.clear()
+            last_error = last_server_error = ""
 
             version = _parse_version(response.weight_version, scheduled_version)
             n_new = self._append(answer, response, version, request.qid, url)
@@ -334,26 +396,74 @@ class PartialRolloutManager:
         self.stats.generated_tokens += n
         return n
 
-    async def _schedule(self, qid: str, previous_url: str | None, previous_version: int | None) -> dict:
+    async def _schedule(
+        self, qid: str, previous_url: str | None, previous_version: int | None, avoid: list[str] | None = None
+    ) -> dict:
         """The manager's `schedule_request`, safe against cancellation: once the
         manager may have counted the request, the slot is released even if this
         answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
-        call = asyncio.ensure_future(self.manager.schedule_request(qid, 1, previous_url, previous_version))
+        kwargs = {"avoid_urls": list(avoid)} if avoid else {}
+        call = asyncio.ensure_future(self.manager.schedule_request(qid, 1, previous_url, previous_version, **kwargs))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             try:
                 scheduled = await call
-                await self._release(str(scheduled["url"]))
+                if scheduled.get("url") is not None:
+                    await self._release(str(scheduled["url"]))
             except Exception:  # the manager never answered: nothing was counted for us
                 pass
             raise
 
-    async def _release(self, url: str) -> None:
+    async def _generate_on(self, url: str, input_ids: list[int], params: dict, rid: str) -> GenerateResult:
+        """`/generate` on `url`, abandoned (GenerationServerUnavailable) as
+        soon as the manager takes the server out of routing, e.g. because it
+        stopped answering: its answer is then resubmitted elsewhere."""
+        gone = self._gone.get(url)
+        if gone is None or gone.is_set():  # the manager just routed us here: it is up now
+            gone = self._gone[url] = asyncio.Event()
+        self._in_flight[url] += 1
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_servers())
+        generate = asyncio.ensure_future(
+            self.client.generate(url, input_ids, params, return_logprob=True, rid=rid, timeout_s=self.request_timeout)
+        )
+        abandoned = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait({generate, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+            if generate in done:
+                return generate.result()
+            raise GenerationServerUnavailable(url, "the manager took it out of routing (failed health checks)")
+        finally:
+            self._in_flight[url] -= 1
+            for task in (generate, abandoned):
+                task.cancel()
+            await asyncio.gather(generate, abandoned, return_exceptions=True)
+
+    async def _watch_servers(self) -> None:
+        """While requests are in flight: marks the servers the manager took
+        out of routing, so their requests are abandoned (`_generate_on`)."""
+        idle_rounds = 0
+        while idle_rounds < 5:
+            await asyncio.sleep(self.server_watch_interval)
+            if not +self._in_flight:
+                idle_rounds += 1
+                continue
+            idle_rounds = 0
+            try:
+                info = await self.manager.servers(retries=0)
+            except (ManagerError, KeyError, TypeError, ValueError):
+                continue  # an older manager, or a hiccup: the request timeout still applies
+            for server in (info or {}).get("servers", []):
+                gone = self._gone.get(server.get("url"))
+                if gone is not None and server.get("state") in ("down", "retired") and self._in_flight[server["url"]]:
+                    gone.set()
+
+    async def _release(self, url: str, n_tokens: int = 0) -> None:
         # One quick attempt: an in-flight count that is off by one only skews
         # routing, and teardown (cancellation) must not wait on retries.
         try:
-            await self.manager.release_request(url, 1, retries=0)
+            await self.manager.release_request(url, 1, retries=0, n_tokens=n_tokens)
         except ManagerError as e:
             logger.warning("could not release a request on %s: %s", url, e)
 

@@ -319,6 +319,14 @@ class NameResolvingRequestClient:
     def n_rejected(self) -> int:
         return self._receiver.n_rejected
 
+    def in_flight(self) -> list[tuple[str, int, float, bool]]:
+        """Requests sent and not yet collected, oldest first: (handle name,
+        model worker, seconds since sent, confirmed by the worker)."""
+        now = time.monotonic()
+        out = [(name, worker, now - self._sent_at.get(rid, now), rid in self._received)
+               for rid, (_, name, worker) in list(self._inflight.items())]  # fmt: skip
+        return sorted(out, key=lambda r: -r[2])
+
     def _wait_for_workers(self, barrier: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:

@@ -54,9 +54,10 @@ from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import dataset_row_fields
 from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
-from realrl.system.worker_base import AsyncWorker, PollResult
+from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 
 STATS_INTERVAL_S = 10.0
+CURSOR_AHEAD = 32  # prompts the published data cursor runs ahead of the real one
 PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
 REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after a refused allocation
 MANAGER_CALL_TIMEOUT_S = 30.0
@@ -104,6 +105,11 @@ class RolloutWorker(AsyncWorker):
         self._order = self._epoch_order(0)
         self._position = 0
         self._pending: PromptRecord | None = None  # refused prompt, offered again next time
+        self._redo: collections.deque[PromptRecord] = collections.deque()  # a resumed trial's unfinished prompts
+        self.n_regenerated = 0
+        self._cursor_published = 0
+        self._training_started = False
+        self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))  # set by the launcher when it restarted this worker
 
         self._episodes: dict[str, asyncio.Task] = {}
         self._next_allocate_time = 0.0
@@ -172,24 +178,104 @@ class RolloutWorker(AsyncWorker):
         return rng.permutation(len(self.prompts))
 
     def _next_prompt(self) -> PromptRecord:
+        """The next prompt to offer: first those a resumed trial must generate
+        again, then the shard in this epoch's order. The cursor is published
+        before the prompt can be offered (the recovery ledger relies on it)."""
+        if self._redo:
+            return self._redo.popleft()
         if self._position == len(self._order):
             self.epoch += 1
             self._order = self._epoch_order(self.epoch)
-            self._position = 0
+            self._position = self._cursor_published = 0
             self.logger.info("starting epoch %d", self.epoch)
-        base = self.prompts[int(self._order[self._position])]
+        record = self._record(self.epoch, self._position)
         self._position += 1
+        if self._position > self._cursor_published:
+            self._publish_cursor(ahead=CURSOR_AHEAD)
+        return record
+
+    def _record(self, epoch: int, position: int) -> PromptRecord:
+        order = self._order if epoch == self.epoch else self._epoch_order(epoch)
+        return self._make_record(self.prompts[int(order[position])], epoch, f"{position + 1}")
+
+    def _make_record(self, base: PromptRecord, epoch: int, tag: str) -> PromptRecord:
         return PromptRecord(
-            qid=f"{base.qid}@{self.epoch}",
+            qid=f"{base.qid}@{epoch}",
             prompt=base.prompt,
             prompt_ids=list(base.prompt_ids),
             solutions=list(base.solutions),
             task=base.task,
             row=base.row,
-            # The manager's calls are retried; this id makes them idempotent there.
-            metadata=dict(query_id=base.qid, epoch=self.epoch,
-                          rollout_id=f"{self.info.worker_index}:{self.epoch}:{self._position}:{uuid.uuid4().hex[:8]}"),
+            # The manager's calls are retried; this id makes them idempotent there
+            # (and its prefix names this worker: a restarted one releases its predecessor's).
+            metadata=dict(query_id=base.qid, epoch=epoch,
+                          rollout_id=f"{self.info.worker_index}:{epoch}:{tag}:{uuid.uuid4().hex[:8]}"),
         )  # fmt: skip
+
+    def _take_over(self) -> None:
+        """This process replaces one of the trial that died (the launcher
+        restarted it). The manager releases its predecessor's running rollouts
+        (generated again here) and says how far it had got admitted; this
+        process continues right after that."""
+        reply = self._manager_call_blocking("/reset_rollout_worker", {"worker_index": self.info.worker_index})
+        if reply.get("furthest"):
+            epoch, issued = (int(x) for x in reply["furthest"])  # the position tag counts prompts issued
+            self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), issued
+        by_qid = {p.qid: p for p in self.prompts}
+        for qid in reply["qids"]:
+            base, _, epoch = qid.rpartition("@")
+            if base in by_qid:
+                self._redo.append(self._make_record(by_qid[base], int(epoch), "redo"))
+        self.n_regenerated += len(self._redo)
+        self.logger.info("took over from a failed rollout worker %d: epoch %d position %d, %d running rollouts "
+                         "generated again", self.info.worker_index, self.epoch, self._position, len(self._redo))  # fmt: skip
+
+    def _manager_call_blocking(self, path: str, payload: dict) -> dict:
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.manager_url}{path}", data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        with urllib.request.urlopen(request, timeout=MANAGER_CALL_TIMEOUT_S) as resp:
+            return json.loads(resp.read())
+
+    def _publish_cursor(self, ahead: int = 0) -> None:
+        """Publishes a cursor up to `ahead` prompts past the real one (one
+        name-service write per `ahead` prompts): a resumed trial then treats
+        those as issued and unfinished, and generates them, once."""
+        self._cursor_published = min(len(self._order), self._position + ahead)
+        cursor = {"epoch": self.epoch, "position": self._cursor_published, "regenerated": self.n_regenerated}
+        name_resolve.add(names.rollout_cursor(self.experiment_name, self.trial_name, self.info.worker_index),
+                         json.dumps(cursor), replace=True, delete_on_exit=False)  # fmt: skip
+
+    def _read_training_start(self) -> bool:
+        """Waits (non-blocking) for the master's training_start; a resumed
+        trial's carries this worker's cursor and the qids already trained,
+        buffered, rejected or dropped: every prompt issued before the cursor
+        and not among them was in flight (or not yet offered) at the
+        checkpoint, and is generated again, once."""
+        try:
+            start = json.loads(name_resolve.get(names.training_start(self.experiment_name, self.trial_name)))
+        except name_resolve.NameEntryNotFoundError:
+            return False
+        if self.restarts:
+            self._take_over()
+            self._publish_cursor()
+            return True
+        cursor = (start.get("rollout_cursors") or {}).get(str(self.info.worker_index))
+        if cursor:
+            done = set(start.get("done_qids", []))
+            epoch, position = int(cursor["epoch"]), int(cursor["position"])
+            self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), position
+            for e in range(max(0, epoch - 1), epoch + 1):
+                for pos in range(len(self.prompts) if e < epoch else position):
+                    record = self._record(e, pos)
+                    if record.qid not in done:
+                        self._redo.append(record)
+            self.n_regenerated = len(self._redo)
+            self.logger.info("resuming at epoch %d position %d: %d prompts issued before the checkpoint are "
+                             "generated again (in flight or not yet offered then)", epoch, position, len(self._redo))  # fmt: skip
+        self._publish_cursor()
+        return True
 
     # ---- the event loop ---------------------------------------------------------
     async def _setup_async(self) -> None:
@@ -220,6 +306,11 @@ class RolloutWorker(AsyncWorker):
             raise
 
     async def _poll_once(self) -> PollResult:
+        if not self._training_started:  # nothing is admitted before it anyway
+            self._training_started = await asyncio.to_thread(self._read_training_start)
+            if not self._training_started:
+                await asyncio.sleep(0.1)
+                return PollResult()
         finished = self._reap_episodes()
         started = 0
         while len(self._episodes) < self.cfg.max_concurrent_rollouts and time.monotonic() >= self._next_allocate_time:
@@ -241,6 +332,11 @@ class RolloutWorker(AsyncWorker):
         if time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S:
             self._log_stats()
         return PollResult(sample_count=started + finished)
+
+    def _progress_info(self) -> dict:
+        c = self.counters
+        return {"episodes": len(self._episodes), "started": c["episodes_started"], "pushed": c["trajectories_pushed"],
+                "push_queue": self._push_thread._work_queue.qsize(), "epoch": self.epoch}  # fmt: skip
 
     def _reap_episodes(self) -> int:
         """Drop finished episodes; an episode's exception fails the worker."""

@@ -15,10 +15,12 @@ the embedding table and kill the trainer. Invalid ones are dropped, counted in
 `n_invalid` (the master adds these to its `dropped_invalid` and gives their
 budget back) and logged, rate-limited.
 
-Accounting (docs/design.md §5): every message that reaches the puller is either
-rejected (wire format), invalid (schema or vocabulary), taken (consumed), dropped as stale,
-or still buffered: `received_total == n_wire_rejected + n_invalid + n_taken +
-n_dropped_stale + buffered`.
+Accounting (docs/design.md §5): every message that reaches the puller, and
+every trajectory restored from a checkpoint, is either rejected (wire format),
+invalid (schema or vocabulary), taken (consumed), dropped as stale, or still
+buffered: `received_total + restored == n_wire_rejected + n_invalid + n_taken +
+n_dropped_stale + buffered`. `snapshot()` / `restore()` carry the buffer
+across a recovery checkpoint.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class PullerStreamDataset:
         self.n_invalid = 0
         self.n_taken = 0
         self.n_dropped_stale = 0
+        self.n_restored = 0  # put back from a checkpoint (recovery)
+        self.dropped_qids: list[str] = []  # of the stale drops: a resumed trial must not generate them again
         self.address = ""
         # zmq sockets are not thread-safe: the puller lives entirely in the thread.
         self._thread = threading.Thread(
@@ -129,7 +133,7 @@ class PullerStreamDataset:
         dropped = 0
         with self._lock:  # the heap is ordered by version_start: the stale ones are on top
             while self._heap and self._heap[0][0] < min_version:
-                heapq.heappop(self._heap)
+                self.dropped_qids.append(heapq.heappop(self._heap)[3].qid)
                 dropped += 1
             self.n_dropped_stale += dropped
             oldest = heapq.nsmallest(limit, self._heap)
@@ -149,9 +153,23 @@ class PullerStreamDataset:
             self.n_taken += len(keys)
         return [found[k] for k in keys]
 
+    def snapshot(self) -> list[Trajectory]:
+        """Every buffered trajectory, oldest first (for a checkpoint)."""
+        self._check()
+        with self._lock:
+            return [item[3] for item in sorted(self._heap)]
+
+    def restore(self, trajectories: list[Trajectory]) -> None:
+        """Buffers trajectories saved by `snapshot` (resuming a trial)."""
+        with self._lock:
+            for traj in trajectories:
+                heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
+            self.n_restored += len(trajectories)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
+                "restored": self.n_restored,
                 "received": self.n_received + self.n_wire_rejected,
                 "wire_rejected": self.n_wire_rejected,
                 "invalid": self.n_invalid,

@@ -10,7 +10,15 @@ kind of worker:
   launcher's keep-alive key disappears (the launcher died), or on SIGTERM /
   SIGINT;
 - on an exception: status ERROR, the traceback in the log and under
-  `names.worker_error`, where the launcher reads it to say what failed.
+  `names.worker_error`, where the launcher reads it to say what failed;
+- a progress record under `names.worker_progress` (host, pid, state, a
+  progress counter and what the worker is doing: `_progress_info`),
+  rewritten about once a second from the loop, for `realrl status` and the
+  hang watchdog (docs/observability.md);
+- stack dumps of all its threads into `<log_dir>/stacks/<type>-<index>.txt`,
+  on SIGUSR1 (faulthandler, works even while the process is wedged) or when
+  `names.stack_dump_request` changes (a thread watches it, so launchers and
+  `realrl status --stacks` reach workers on any node).
 
 Run a worker process with `python -m realrl.system.worker_base --spec F`
 (the launcher writes F; see `realrl.api.system_api.WorkerSpec`).
@@ -20,7 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import faulthandler
+import json
+import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -60,7 +73,15 @@ class PollResult(NamedTuple):
 
 IDLE = PollResult(0, 0)
 _MAX_IDLE_SLEEP = 0.05  # seconds; a poll that found nothing backs off up to this
+RESTARTS_ENV = "REALRL_WORKER_RESTARTS"  # set by the launcher for a worker it started again after it failed
 _STATUS_CHECK_INTERVAL = 0.5  # seconds between reads of experiment_status
+PROGRESS_INTERVAL = 1.0  # seconds between rewrites of the progress record
+_STACK_REQUEST_POLL = 1.0  # seconds between reads of the stack dump request key
+
+
+def stacks_path(log_dir: str, worker_type: str, worker_index: int) -> str:
+    """Where a worker appends its stack dumps."""
+    return os.path.join(log_dir, "stacks", f"{worker_type}-{worker_index}.txt")
 
 
 class WorkerExiting(Exception):
@@ -82,6 +103,12 @@ class Worker:
         self._stop = threading.Event()
         self._last_status_check = 0.0
         self._status = ""
+        self._progress_count = 0  # work done: the poll results' sample + batch counts
+        self._last_progress_publish = -float("inf")
+        self._progress_lock = threading.Lock()
+        self._stacks_file = None
+        self._stacks_lock = threading.Lock()
+        self._ran = threading.Event()  # run() returned: the stack dump thread ends
 
     # ---- hooks for subclasses ---------------------------------------------
     def _configure(self, config: Any) -> None:
@@ -92,6 +119,12 @@ class Worker:
 
     def _exit_hook(self) -> None:
         """Release what `_configure` acquired (child processes, sockets)."""
+
+    def _progress_info(self) -> dict:
+        """What this worker is doing now, in a few JSON-able fields (its queue
+        depths among them), for `realrl status` and the hang watchdog. Called
+        about once a second from the loop while RUNNING: keep it cheap."""
+        return {}
 
     # ---- control ------------------------------------------------------------
     @property
@@ -125,6 +158,96 @@ class Worker:
             delete_on_exit=not final,
         )
         self._status = status
+        self._publish_progress(force=True)
+
+    def _publish_progress(self, force: bool = False) -> None:
+        """Rewrites this worker's progress record (at most every
+        PROGRESS_INTERVAL unless `force`). Never raises: it is only a report."""
+        now = time.monotonic()
+        if not force and now - self._last_progress_publish < PROGRESS_INTERVAL:
+            return
+        if not self._progress_lock.acquire(blocking=False):
+            return  # another thread is publishing right now
+        try:
+            self._last_progress_publish = now
+            doing: dict = {}
+            if self._status in (WorkerStatus.RUNNING, WorkerStatus.PAUSED):
+                try:
+                    doing = self._progress_info() or {}
+                except Exception as e:  # e.g. a field not set up yet
+                    self.logger.debug("progress info failed: %s: %s", type(e).__name__, e)
+            record = {"host": socket.gethostname(), "pid": os.getpid(), "state": self._status, "time": time.time(),
+                      "progress": self._progress_count, "main_thread": f"0x{threading.main_thread().ident:016x}",
+                      "doing": doing}  # fmt: skip
+            key = names.worker_progress(self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index)
+            name_resolve.add(key, json.dumps(record, default=str), replace=True, delete_on_exit=False)
+        except Exception as e:  # the name service hiccuped: the next one will do
+            self.logger.debug("progress record not published: %s: %s", type(e).__name__, e)
+        finally:
+            self._progress_lock.release()
+
+    # ---- stack dumps ------------------------------------------------------------
+    def _install_stack_dumps(self) -> None:
+        """SIGUSR1 dumps every thread's stack into the stacks file (faulthandler:
+        C code, so it works while the interpreter is stuck), and a thread
+        serves `names.stack_dump_request` the same way for requesters on other
+        nodes (launchers, `realrl status --stacks`)."""
+        if not self.info.log_dir:
+            return
+        path = stacks_path(self.info.log_dir, self.info.worker_type, self.info.worker_index)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._stacks_file = open(path, "a")
+        except OSError as e:
+            self.logger.warning("no stack dumps (cannot open %s: %s)", path, e)
+            return
+        if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+            faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True, chain=False)
+        threading.Thread(target=self._serve_stack_requests, name="stack-dumps", daemon=True).start()
+
+    def _serve_stack_requests(self) -> None:
+        key = names.stack_dump_request(self.experiment_name, self.trial_name)
+        last = None
+        first = True
+        while not self._ran.is_set():
+            try:
+                request = name_resolve.get(key)
+            except Exception:  # none yet, or the name service hiccuped
+                request = None
+            if first:  # a request from before we started is not for us
+                first, last = False, request
+            elif request is not None and request != last:
+                last = request
+                self.dump_stacks(request)
+            self._ran.wait(_STACK_REQUEST_POLL)
+
+    def _uninstall_stack_dumps(self) -> None:
+        self._ran.set()
+        if self._stacks_file is None:
+            return
+        if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+            faulthandler.unregister(signal.SIGUSR1)
+        with self._stacks_lock:
+            self._stacks_file.close()
+            self._stacks_file = None
+
+    def dump_stacks(self, request_id: str = "") -> None:
+        """Appends the stacks of all threads to the stacks file, between a
+        header naming the main thread and an end line (what requesters wait for)."""
+        with self._stacks_lock:
+            f = self._stacks_file
+            if f is None:
+                return
+            try:
+                stamp = datetime.datetime.now().isoformat(timespec="seconds")
+                f.write(f"=== stack dump {request_id} | {self.info.tag} pid {os.getpid()} on {socket.gethostname()} | "
+                        f"main thread 0x{threading.main_thread().ident:016x} | {stamp} ===\n")  # fmt: skip
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+                f.write(f"=== end {request_id} ===\n")
+                f.flush()
+            except (OSError, ValueError) as e:  # disk full, file closed at exit
+                self.logger.debug("stack dump failed: %s", e)
 
     @property
     def bind_host(self) -> str:
@@ -139,6 +262,7 @@ class Worker:
             raise WorkerExiting(self.exit_reason)
 
     def _check_exit_conditions(self) -> bool:
+        self._publish_progress()
         if self._stop.is_set():
             return True
         now = time.monotonic()
@@ -182,6 +306,7 @@ class Worker:
         idle_sleep = 0.001
         while not self._check_exit_conditions():
             result = self._poll()
+            self._progress_count += result.sample_count + result.batch_count
             if result.sample_count or result.batch_count:
                 idle_sleep = 0.001
             else:
@@ -192,6 +317,7 @@ class Worker:
         """Runs the worker to the end; returns the process exit code."""
         realrl_logging.configure(self.info.tag)
         self._install_signal_handlers()
+        self._install_stack_dumps()
         code = 0
         try:
             self.set_status(WorkerStatus.READY)
@@ -226,6 +352,7 @@ class Worker:
             except Exception as e:  # name service gone at shutdown: nothing to tell
                 self.logger.debug("final status not recorded: %s", e)
         self.logger.info("exited with code %d", code)
+        self._uninstall_stack_dumps()
         return code
 
     def _name_service_reachable(self) -> bool:
@@ -251,6 +378,23 @@ class AsyncWorker(Worker):
     `_setup_async` / `_teardown_async` run inside the event loop (e.g. to start
     and stop an HTTP service)."""
 
+    _loop_task: asyncio.Task | None = None
+
+    def awaiting(self) -> list[str]:
+        """The coroutines the loop is suspended in, outermost first (function
+        names, e.g. `[..., "_poll_async", "_train_step", "_fetch", "sleep"]`).
+        Meaningful when called from another task of the loop (the progress
+        record is published from the exit watcher)."""
+        chain: list[str] = []
+        coro = self._loop_task.get_coro() if self._loop_task is not None else None
+        while coro is not None and len(chain) < 64:
+            code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+            if code is None:  # a future, not a coroutine: the bottom of the chain
+                break
+            chain.append(code.co_name)
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        return chain
+
     async def _setup_async(self) -> None:
         pass
 
@@ -268,7 +412,7 @@ class AsyncWorker(Worker):
         # poll may wait a long time (the master in an RPC to a worker that just
         # died), and the trial's end or a SIGTERM must stop it within a poll
         # interval, not when the wait times out.
-        loop_task = asyncio.create_task(self._setup_and_poll())
+        loop_task = self._loop_task = asyncio.create_task(self._setup_and_poll())
         watcher = asyncio.create_task(self._watch_exit())
         try:
             await asyncio.wait({loop_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -288,6 +432,7 @@ class AsyncWorker(Worker):
         idle_sleep = 0.001
         while not self._check_exit_conditions():
             result = await self._poll_async()
+            self._progress_count += result.sample_count + result.batch_count
             if result.sample_count or result.batch_count:
                 idle_sleep = 0.001
                 await asyncio.sleep(0)

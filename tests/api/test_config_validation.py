@@ -73,6 +73,7 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("ppo.kl_estimator=k9", "ppo.kl_estimator"),
         ("allocation_mode=torch.d1p2m1+d1p1m1", "allocation_mode"),
         ("name_resolve.type=zookeeper", "name_resolve.type"),
+        ("console.every_n_steps=0", "console.every_n_steps"),
     ],
 )
 def test_validate_names_the_key_first(tmp_path, override, key):

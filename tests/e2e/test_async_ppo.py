@@ -136,7 +136,10 @@ def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_c
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-    with open(os.path.join(logs, "master_state.json")) as f:
+    from realrl.system import checkpoints
+
+    newest = checkpoints.newest_valid(os.path.join(tmp_path, "checkpoints", "async-ppo-tiny", trial))
+    with open(os.path.join(newest, "master_state.json")) as f:
         checkpoint = json.load(f)
     resumed_at = checkpoint["step"]
     assert resumed_at in (3, 6)  # (usually 3; 6 if the kill came late)
@@ -156,12 +159,13 @@ def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_c
     assert t["consumed"] == steps * 16
     assert summary["max_staleness_trained"] <= eta
     # Admission: what the resumed run accepted, on top of what the trial had
-    # consumed and dropped at its checkpoint, minus drops, never exceeds
+    # consumed, dropped and buffered at its checkpoint, minus drops, never exceeds
     # (η + version + 1) batches (docs/design.md §7). A manager that forgot the first
     # run's consumption admits up to 3 batches too many here.
     r = summary["rollouts"]
     accepted_after_resume = r["admitted"] - (r["rejected"] - checkpoint["filtered"])  # one trajectory per episode
-    before = checkpoint["consumed"] + checkpoint["dropped_stale"] + checkpoint["dropped_invalid"]
+    before = (checkpoint["consumed"] + checkpoint["dropped_stale"] + checkpoint["dropped_invalid"]
+              + len(checkpoint["buffered_qids"]))  # restored into the trainers: accepted before the crash
     assert before + accepted_after_resume - r["dropped"] <= (eta + steps + 1) * 16, (checkpoint, r)
 
     # A fresh run of the same trial (recover off) starts its stats anew.

@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("allocation_mode=gen:x", "allocation_mode"),
         ("nosuchkey=1", "nosuchkey"),
         ("ppo.no_such_field=1", "ppo.no_such_field"),
-        ("mode=slurm", "mode"),
+        ("mode=slurm slurm.nodes=0", "slurm.nodes"),
         ("model.path=/nonexistent/model", "model.path"),
         # agent / environment types, against the registries after loading the plugins
         ("rollout.agent.type=nosuch", "rollout.agent.type"),
@@ -100,15 +100,51 @@ def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, over
 
 
 def test_run_script_trains_and_ends_with_the_summary_path(tmp_path, kit_cache):
+    """Also what a run shows (docs/observability.md): its output is redirected
+    (pipes), so plain lines for the first, every N-th and the last step, no
+    carriage return; the idle-ratio and throughput stats; the plots."""
+    steps = 4
     proc = subprocess.run(
         ["bash", "examples/run_async_ppo.sh", f"fileroot={tmp_path}", f"tiny_kit.cache_dir={kit_cache}",
-         "total_train_steps=2", "eval.every_n_steps=0", "heartbeat_ttl=3"],
+         f"total_train_steps={steps}", "eval.every_n_steps=0", "heartbeat_ttl=3", "console.every_n_steps=3"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("summary: "), proc.stdout[-2000:]
-    with open(last[len("summary: ") :]) as f:
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("summary: "), proc.stdout[-2000:]
+    with open(lines[-1][len("summary: ") :]) as f:
         summary = json.load(f)
-    assert summary["steps"] == 2 and summary["trajectories"]["consumed"] == 2 * 16
+    assert summary["steps"] == steps and summary["trajectories"]["consumed"] == steps * 16
     assert summary["initial_eval_accuracy"] is not None and summary["final_eval_accuracy"] is not None
+
+    # The console: no carriage return anywhere, and one plain line for steps 1, 3 (every 3rd) and 4 (the last).
+    assert "\r" not in proc.stdout and "\r" not in proc.stderr
+    step_lines = [ln for ln in lines if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in step_lines] == ["1/4", "3/4", "4/4"], proc.stdout[-3000:]
+    assert " acc " in step_lines[-1] and " reward " in step_lines[-1] and "steps/s" in step_lines[-1]
+    assert "realrl.steps" not in proc.stdout  # the per-step log lines stay in the log file ...
+    log_dir = os.path.dirname(lines[-1][len("summary: ") :])
+    assert open(os.path.join(log_dir, "master_worker-0.log")).read().count(" realrl.steps: step ") == steps  # ... here
+
+    # Idle ratios and throughput, every step.
+    with open(summary["stats_path"]) as f:
+        stats = [json.loads(line) for line in f]
+    train = [s for s in stats if "train/actor_loss" in s]
+    assert len(train) == steps
+    for s in train:
+        assert 0 <= s["perf/trainer_idle_ratio"] <= 1 and 0 <= s["perf/gen_idle_ratio"] <= 1, s
+        assert s["perf/train_tokens_per_s"] > 0 and s["perf/gen_tokens_per_s"] >= 0, s
+        assert 0 <= s["time/wait_data_s"] <= s["time/fetch_s"] and 0 <= s["time/publish_s"] <= s["time/train_s"], s
+        # every generated token of the batch (16 trajectories of 8 answers) has a staleness
+        assert sum(s["staleness/token_histogram"].values()) == pytest.approx(s["rollout/gen_len/mean"] * 16 * 8), s
+    assert sum(s["perf/gen_tokens_per_s"] for s in train) > 0
+
+    # The plots: named on the console and in the summary, each a PNG with data.
+    plots = os.path.join(log_dir, "plots")
+    assert summary["plots_dir"] == plots and lines[-2] == f"plots: {plots}", lines[-3:]
+    from tests.base.test_observability import assert_png_has_data
+
+    names = sorted(os.listdir(plots))
+    assert names == ["accuracy_reward.png", "idle_ratios.png", "staleness.png", "step_time.png", "throughput.png"]
+    for name in names:
+        assert_png_has_data(os.path.join(plots, name))

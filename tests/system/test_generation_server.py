@@ -114,8 +114,8 @@ def test_server_registers_serves_and_stops_with_the_trial(tmp_path, etcd_server,
         trial.close()
 
 
-def test_killed_server_fails_the_worker_and_the_trial(tmp_path, etcd_server, tiny_model_dir, capfd):
-    group = WorkerGroup("generation_server", 1, server_config(tiny_model_dir))
+def test_killed_server_fails_the_worker_and_the_trial_without_restarts(tmp_path, etcd_server, tiny_model_dir, capfd):
+    group = WorkerGroup("generation_server", 1, server_config(tiny_model_dir, max_restarts=0))
     trial = TrialThread(tmp_path, etcd_server.addr, [group], EXP)
     try:
         trial.start()
@@ -129,8 +129,45 @@ def test_killed_server_fails_the_worker_and_the_trial(tmp_path, etcd_server, tin
         err = capfd.readouterr().err
         assert "worker generation_server/0 failed" in err
         assert "generation server (pid %d) was killed by signal SIGKILL while serving" % server.pid in err
+        assert "server.max_restarts=0" in err
         assert "listening on" in err  # the tail of the server's log is in the report
         assert not alive(worker_pid) and not alive(server.pid)
+    finally:
+        trial.close()
+
+
+def test_killed_server_restarts_on_the_current_weights_until_max_restarts(tmp_path, etcd_server, tiny_model_dir,
+                                                                          capfd):  # fmt: skip
+    """The worker restarts a dead server, which loads the trainer's current
+    version before it registers again (same index, new URL); one death more
+    than max_restarts within restart_window fails the worker and the trial."""
+    weights_dir = tmp_path / "weights"
+    save_tiny_model(str(weights_dir / "3"), seed=2)  # what the trainer published as version 3
+    config = server_config(tiny_model_dir, max_restarts=1, weights_dir=str(weights_dir))
+    trial = TrialThread(tmp_path, etcd_server.addr, [WorkerGroup("generation_server", 1, config)], EXP)
+    key = names.gen_server(EXP, trial.trial, 0)
+    try:
+        trial.start()
+        first_url = trial.wait_key(key)
+        (worker_pid,) = trial.launcher.worker_pids
+        (first,) = worker_children(worker_pid)
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "3")
+        first.send_signal(signal.SIGKILL)
+
+        second_url = wait_until(lambda: (u := trial.get(key)) not in (None, first_url) and u, 180, "re-registration")
+        info, result = asyncio.run(_generate(second_url))
+        assert info["weight_version"] == "3" and result.weight_version == "3"  # the current weights, not model_path's
+        assert not alive(first.pid)
+        (second,) = worker_children(worker_pid)
+        log = open(trial.launcher.log_path("generation_server", 0)).read()
+        assert "restarting it (restart 1, at most 1 within 600s)" in log
+        assert "loaded the current weight version 3" in log
+
+        second.send_signal(signal.SIGKILL)
+        assert trial.join() == 1
+        err = capfd.readouterr().err
+        assert "not restarting it: it was restarted 1 times within 600s (server.max_restarts=1)" in err
+        assert not alive(worker_pid) and not alive(second.pid)
     finally:
         trial.close()
 

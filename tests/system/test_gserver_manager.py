@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import urllib.request
 
 import aiohttp
+import psutil
 import pytest
 
 from realrl.api.system_api import GserverManagerConfig
@@ -23,6 +25,7 @@ from realrl.base import names, network
 from realrl.impl.generation.client import GenerationClient
 from realrl.launcher.local import WorkerGroup
 from realrl.system.gserver_manager import (
+    NoServerUp,
     RequestRouter,
     StalenessController,
     delete_old_weight_dirs,
@@ -135,6 +138,62 @@ def test_router_least_requests_ties_and_stickiness():
     assert r.in_flight["a"] == 0  # never below zero
     with pytest.raises(KeyError):
         r.release("zzz")
+
+
+def test_router_skips_a_down_server_and_absorbs_its_releases():
+    clock = [0.0]
+    r = RequestRouter(["a", "b"], [0, 0], clock=lambda: clock[0])
+    assert [r.schedule()[0] for _ in range(4)] == ["a", "b", "a", "b"]
+    clock[0] = 10.0
+    assert r.mark_down("a") == 2  # two requests were in flight there
+    assert r.mark_down("a") == 0 and r.up_urls == ["b"] and r.in_flight["a"] == 0
+    # Nothing goes to a down server: not as least loaded, not sticky.
+    assert {r.schedule()[0] for _ in range(5)} == {"b"}
+    assert r.schedule(1, "a", 0)[0] == "b"
+    r.release("a")
+    r.release("a")  # the releases still due from before it went down: absorbed
+    r.set_loaded_version("b", 3)
+    r.add_server("a", 3)  # back (new weights loaded): its count starts from 0
+    assert r.in_flight["a"] == 0 and r.up_urls == ["a", "b"]
+    r.release("a")  # one too many is still never below zero
+    assert r.schedule()[0] == "a"
+    # avoid: another server while one is up; the avoided one when it is the only one
+    assert r.schedule(1, None, None, avoid=["a"])[0] == "b"
+    assert r.schedule(1, None, None, avoid=["a", "b"])[0] in ("a", "b")
+    r.mark_down("a")
+    r.mark_down("b")
+    with pytest.raises(NoServerUp):
+        r.schedule()
+    # a new server mid-run
+    r.add_server("c", 3)
+    assert r.schedule()[0] == "c" and r.urls == ["a", "b", "c"]
+    # utilization counts a server only while it is in routing
+    clock[0] = 20.0
+    u = r.utilization()
+    assert u["gen_server_s"] == 10.0 + 10.0 + 10.0  # a and b up from 0 to 10 s, c from 10 to 20 s
+    assert u["gen_idle_s"] == 0.0  # each busy all that time
+    with pytest.raises(KeyError):
+        r.release("zzz")
+
+
+def test_router_version_never_goes_back_when_servers_leave_and_join():
+    r = RequestRouter(["a", "b"], [2, 2])
+    r.set_loaded_version("a", 3)  # an update in progress: b still on 2
+    assert r.version == 2
+    r.mark_down("b")  # the oldest server leaves: the ones up all hold 3
+    assert r.version == 3
+    with pytest.raises(ValueError, match="older than the servers in routing"):
+        r.add_server("b", 2)  # rejoining with old weights would drag admission back
+    assert r.version == 3 and not r.is_up("b")
+    r.add_server("b", 3)
+    assert r.version == 3 and r.is_up("b")
+    r.mark_down("a")
+    r.mark_down("b")
+    assert r.version == 3  # nothing up: stays where it was
+    with pytest.raises(ValueError):
+        r.add_server("d", 0)
+    r.add_server("d", 4)
+    assert r.version == 4
 
 
 def test_delete_old_weight_dirs_only_touches_old_versions(tmp_path):
@@ -477,7 +536,8 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
     from realrl.system.model_worker import publish_weights
 
     weights_dir = tmp_path / "weights"
-    model_dir = publish_weights(tiny_model, str(weights_dir), 0)
+    publish_weights(tiny_model, str(weights_dir), 0)
+    model_dir = publish_weights(tiny_model, str(tmp_path / "model"), 0)  # the initial model (kept: restarts use it)
     (weights_dir / "notes.txt").write_text("not a version")
     (weights_dir / ".tmp-2-abcd").mkdir()  # a publish in progress
     manager_cfg = GserverManagerConfig(n_servers=2, train_batch_size=B, max_head_offpolicyness=1,
@@ -532,11 +592,43 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 1})
         assert reply == {"url": a, "version": 1}
 
+        # Server a's process dies: out of routing at once (a client names it in avoid_urls), restarted
+        # by its worker on model_path (version 0), brought to version 1 by the manager before it is
+        # routed to again: the version admission uses never goes back.
+        in_flight_a = (await m.get("/rollout_stats"))["server_in_flight"][a]
+        assert in_flight_a > 0
+        (server_a,) = psutil.Process(trial.launcher.worker_pids[0]).children()
+        server_a.kill()
+        reply = await m.post("/schedule_request", {"qid": "f", "avoid_urls": [a]})
+        assert reply["url"] == b  # another server while one is up
+        seen_versions, rejoined = set(), None
+        for _ in range(2400):
+            seen_versions.add((await m.get("/get_model_version"))["version"])
+            servers = (await m.get("/servers"))["servers"]
+            if any(s["url"] == a and s["state"] != "up" for s in servers):
+                assert (await m.post("/schedule_request", {"qid": "g"}))["url"] != a  # never to a down server
+            rejoined = next((s for s in servers if s["index"] == 0 and s["url"] != a and s["state"] == "up"), None)
+            if rejoined:
+                break
+            await asyncio.sleep(0.05)
+        assert rejoined is not None and rejoined["version"] == 1, servers
+        assert seen_versions == {1}
+        assert next(s for s in servers if s["url"] == a)["state"] in ("down", "retired")
+        async with GenerationClient(timeout_s=60) as client:
+            assert await client.weight_version(rejoined["url"]) == "1"
+        for _ in range(in_flight_a):  # releases of requests a had: absorbed
+            await m.post("/release_request", {"url": a, "n": 1})
+        stats = await m.get("/rollout_stats")
+        assert stats["server_in_flight"][a] == 0 and stats["n_servers"] == 2 and stats["loaded_version"] == 1
+        assert stats["server_events"]["rejoined"] == 1
+
     try:
         url = trial.wait_key(names.gen_server_manager(EXP, trial.trial), timeout=180)
         run_with_manager(url, scenario)
         assert trial.complete() == 0
         log = open(trial.launcher.log_path("gserver_manager", 0)).read()
         assert "all servers hold weight version 1" in log and "deleted old weights: 0" in log
+        assert "holds weight version 0: loading version 1 before it takes requests" in log
+        assert len(re.findall(r"generation server 0 at \S+ (is down|left routing)", log)) == 1
     finally:
         trial.close()

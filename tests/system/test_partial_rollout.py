@@ -178,8 +178,8 @@ class ObservedManagerClient(GserverManagerClient):
         super().__init__(*args, **kwargs)
         self.scheduled: list[dict] = []
 
-    async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None):
-        reply = await super().schedule_request(qid, n, previous_server_url, previous_version)
+    async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None):
+        reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls)
         self.scheduled.append({"qid": qid, "previous_server_url": previous_server_url,
                                "previous_version": previous_version, **reply})  # fmt: skip
         return reply
@@ -402,3 +402,4 @@ def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
     finally:
         fake.stop()
         t.close()
+

@@ -98,6 +98,16 @@ class GenerateResult:
         )
 
 
+@dataclass
+class HealthProbe:
+    """What one `GenerationClient.probe` found: `ok`, else `reason`, and
+    `gone` when nothing answers at that address any more."""
+
+    ok: bool
+    reason: str = ""
+    gone: bool = False
+
+
 def _normalise(url: str) -> str:
     url = url.rstrip("/")
     return url if "://" in url else f"http://{url}"
@@ -245,6 +255,25 @@ class GenerationClient:
             return True
         except (GenerationServerError, GenerationServerUnavailable):
             return False
+
+    async def probe(self, url: str, timeout_s: float = 5.0) -> "HealthProbe":
+        """One /health check that says why it failed, and whether the server
+        is gone (connection refused or dropped: nothing listens there) rather
+        than slow or unhealthy."""
+        full = f"{_normalise(url)}/health"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
+        try:
+            async with self._get_session().get(full, timeout=timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return HealthProbe(True)
+                return HealthProbe(False, f"/health answered HTTP {resp.status}")
+        except asyncio.TimeoutError:
+            return HealthProbe(False, f"/health did not answer within {timeout_s:g}s")
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as e:
+            return HealthProbe(False, f"{type(e).__name__}: {e}", gone=True)
+        except aiohttp.ClientError as e:
+            return HealthProbe(False, f"{type(e).__name__}: {e}")
 
     async def model_info(self, url: str) -> dict[str, Any]:
         try:

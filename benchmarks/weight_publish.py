@@ -1,0 +1,356 @@
+"""Weight publication: trainer step end -> every generation server serves the new version.
+
+    python benchmarks/weight_publish.py [--quick] [--json PATH] [--servers N] [--repeats R]
+                                        [--dtype float32|bfloat16] [--inflight K] [--models tiny,100m]
+
+Through the real components, for two models: the tiny kit's model (0.8M
+parameters; found or built first, by default under /tmp/kit when that exists)
+and a random ~100M-parameter Llama (hidden 640, 12 layers, vocab 32000,
+untied head; built with transformers' LlamaConfig on CPU), both in
+`--dtype` (float32 by default, what training uses):
+
+- `--servers` torch generation servers (`python -m realrl.impl.generation.torch_server`,
+  one thread each, as the default run starts them) serve the model;
+- realrl: this process plays the trainer and the manager. A "step end" is
+  followed by `publish_weights` (realrl/system/model_worker.py: HF
+  safetensors into a temp directory, renamed to `<weights_dir>/<v>`), then
+  `GenerationClient.update_weights_from_disk(url, <weights_dir>/<v>, v,
+  abort_all_requests=True)` on every server at once (what the gserver
+  manager sends), until every server answers that it serves v (checked
+  afterwards with `/model_info`). Not included: the trainer setting the
+  version in the name service and the manager noticing it (it polls every
+  0.1 s; `benchmarks/step_cost.py` measures that lag in a real run);
+- baseline: the same weights saved with `safetensors.torch.save_model` and
+  loaded back into the model with `load_model`, in this process.
+
+Each side runs `--repeats` times, interleaved, the weights changed a little
+before each (as a train step would); the table shows medians. The realrl path
+runs twice per repeat: with idle servers (this is the "ratio" = realrl /
+baseline) and with `--inflight` requests per server generating all the time
+(long outputs, ignore_eos). An update aborts the requests in flight; each
+aborted request is resumed at once the way the rollout worker resumes one
+(prompt + partial output sent again), and its pause is the time from the
+abort reaching the client to the first token of the resumed request. `--json
+PATH` writes everything with a top-level "ratio" (of the ~100M model; of the
+tiny model when only that one runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+
+import torch  # noqa: E402
+
+from realrl.base.process import with_parent_death_signal  # noqa: E402
+from realrl.impl.generation.client import GenerationClient  # noqa: E402
+from realrl.system.model_worker import publish_weights  # noqa: E402
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ---- models --------------------------------------------------------------------------------
+
+
+def tiny_model(dtype: torch.dtype, fileroot: str, overrides: list[str]):
+    from transformers import AutoModelForCausalLM
+
+    from training.main_async_ppo import load_config
+    from training.utils import resolve_model_and_data
+
+    cache = [] if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit") \
+        else ["tiny_kit.cache_dir=/tmp/kit"]  # fmt: skip
+    cfg = load_config([f"fileroot={fileroot}", *cache, *overrides])
+    model_path, _, _ = resolve_model_and_data(cfg, os.path.abspath(cfg.fileroot))
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+
+
+def llama_100m(dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=640, intermediate_size=1728, num_hidden_layers=12,
+                         num_attention_heads=10, num_key_value_heads=10, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+# ---- servers --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(model_dir: str, n: int, dtype: str, log_dir: str) -> list[tuple[subprocess.Popen, str]]:
+    servers = []
+    for i in range(n):
+        port = free_port()
+        with open(os.path.join(log_dir, f"server-{i}.log"), "wb") as log:
+            cmd = [sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir,
+                   "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--num-threads", "1",
+                   "--max-running-requests", "64", "--log-level", "WARNING"]  # fmt: skip
+            proc = subprocess.Popen(
+                with_parent_death_signal(cmd, os.getpid()),  # SIGKILLed with us, should we die
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        servers.append((proc, f"http://127.0.0.1:{port}"))
+    return servers
+
+
+def stop_servers(servers: list[tuple[subprocess.Popen, str]]) -> None:
+    for proc, _ in servers:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, _ in servers:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ---- in-flight load -------------------------------------------------------------------------
+
+
+class InflightLoad:
+    """`k` requests per server generating all the time. An aborted request
+    (a weight update) is resumed at once with prompt + partial output, first
+    for one token: its pause is abort received -> that token received."""
+
+    def __init__(self, client: GenerationClient, urls: list[str], k: int, vocab: int, max_new: int):
+        self.client, self.urls, self.k = client, urls, k
+        self.vocab, self.max_new = vocab, max_new
+        self.pauses: list[dict] = []
+        self.tokens = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._tasks = [asyncio.create_task(self._loop(url, random.Random(i))) for url in self.urls for i in range(self.k)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        errors = [r for r in results if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError)]
+        if errors:
+            raise RuntimeError(f"in-flight requests failed: {errors[0]!r}")
+
+    async def _loop(self, url: str, rng: random.Random) -> None:
+        params = {"temperature": 1.0, "ignore_eos": True}
+        while not self._stop.is_set():
+            prompt = [1] + [rng.randrange(3, self.vocab) for _ in range(16)]
+            res = await self.client.generate(url, prompt, {**params, "max_new_tokens": self.max_new}, return_logprob=False)
+            self.tokens += len(res.output_ids)
+            if not res.aborted or self._stop.is_set():
+                continue
+            t_abort = time.perf_counter()
+            resumed = await self.client.generate(url, prompt + res.output_ids, {**params, "max_new_tokens": 1},
+                                                 return_logprob=False)  # fmt: skip
+            self.pauses.append({"pause_s": time.perf_counter() - t_abort, "at": t_abort,
+                                "version_before": res.weight_version, "version_after": resumed.weight_version})  # fmt: skip
+
+
+# ---- one model ------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def nudge(model: torch.nn.Module, step: int) -> None:
+    """A stand-in for a train step: every parameter changes."""
+    for p in model.parameters():
+        p.add_(1e-4 * ((-1) ** step))
+
+
+def baseline(model: torch.nn.Module, directory: str) -> dict:
+    from safetensors.torch import load_model, save_model
+
+    path = os.path.join(directory, "model.safetensors")
+    t0 = time.perf_counter()
+    save_model(model, path)
+    t1 = time.perf_counter()
+    load_model(model, path)
+    t2 = time.perf_counter()
+    os.unlink(path)
+    return {"total_s": t2 - t0, "save_s": t1 - t0, "load_s": t2 - t1}
+
+
+async def publish_and_update(client: GenerationClient, urls: list[str], model, weights_dir: str, version: int) -> dict:
+    t0 = time.perf_counter()  # the trainer's step end
+    path = await asyncio.to_thread(publish_weights, model, weights_dir, version)
+    t1 = time.perf_counter()
+    results = await asyncio.gather(*(client.update_weights_from_disk(u, path, version, abort_all_requests=True)
+                                     for u in urls))  # fmt: skip
+    t2 = time.perf_counter()
+    served = await asyncio.gather(*(client.weight_version(u) for u in urls))
+    if any(v != str(version) for v in served):
+        raise RuntimeError(f"servers report versions {served} after updating to {version}")
+    for name in os.listdir(weights_dir):  # the manager deletes older versions once all servers hold v
+        if name.isdigit() and int(name) < version:
+            shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
+    return {"total_s": t2 - t0, "publish_s": t1 - t0, "update_s": t2 - t1, "t_update_start": t1, "t_end": t2,
+            "aborted": sum(int(r.get("num_paused_requests", 0) or 0) for r in results)}  # fmt: skip
+
+
+async def measure(model, urls: list[str], weights_dir: str, scratch: str, repeats: int, inflight: int,
+                  max_new: int) -> dict:  # fmt: skip
+    vocab = model.config.vocab_size
+    async with GenerationClient(timeout_s=600) as client:
+        for u in urls:
+            await client.wait_healthy(u, timeout_s=300)
+        load = InflightLoad(client, urls, inflight, vocab, max_new)
+        idle, loaded, base = [], [], []
+        version = 0
+        # warm-up (first-call allocations on both sides; not counted)
+        version += 1
+        nudge(model, version)
+        await publish_and_update(client, urls, model, weights_dir, version)
+        baseline(model, scratch)
+        for r in range(repeats):
+            version += 1
+            nudge(model, version)
+            base.append(baseline(model, scratch))
+            version += 1
+            nudge(model, version)
+            idle.append(await publish_and_update(client, urls, model, weights_dir, version))
+            if inflight:
+                version += 1
+                nudge(model, version)
+                load.start()
+                await asyncio.sleep(1.0)  # every request is decoding
+                n_before = len(load.pauses)
+                loaded.append(await publish_and_update(client, urls, model, weights_dir, version))
+                deadline = time.monotonic() + 60
+                while len(load.pauses) - n_before < loaded[-1]["aborted"] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)  # every aborted request has resumed
+                loaded[-1]["pauses_s"] = [p["pause_s"] for p in load.pauses[n_before:]]
+                await load.stop()
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    out = {
+        "baseline": {k: med(base, k) for k in ("total_s", "save_s", "load_s")},
+        "realrl_idle": {k: med(idle, k) for k in ("total_s", "publish_s", "update_s")},
+        "runs": {"baseline": base, "realrl_idle": idle, "realrl_inflight": loaded},
+    }
+    out["ratio"] = out["realrl_idle"]["total_s"] / out["baseline"]["total_s"]
+    if loaded:
+        pauses = [p for r in loaded for p in r["pauses_s"]]
+        out["realrl_inflight"] = {k: med(loaded, k) for k in ("total_s", "publish_s", "update_s")}
+        out["realrl_inflight"].update(aborted_per_update=statistics.mean(r["aborted"] for r in loaded),
+                                      pause_s_median=statistics.median(pauses) if pauses else None,
+                                      pause_s_max=max(pauses) if pauses else None, pauses=len(pauses))  # fmt: skip
+        out["ratio_inflight"] = out["realrl_inflight"]["total_s"] / out["baseline"]["total_s"]
+    for rows in out["runs"].values():
+        for row in rows:
+            row.pop("t_update_start", None)
+            row.pop("t_end", None)
+    return out
+
+
+def run_model(name: str, model, dtype: str, servers: int, repeats: int, inflight: int, max_new: int) -> dict:
+    n_params = sum(p.numel() for p in model.parameters())
+    work = tempfile.mkdtemp(prefix=f"weight-publish-{name}-")
+    running: list = []
+    try:
+        model_dir = os.path.join(work, "model")
+        model.save_pretrained(model_dir)
+        bytes_on_disk = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+                            if f.endswith(".safetensors"))  # fmt: skip
+        running = start_servers(model_dir, servers, dtype, work)
+        os.makedirs(os.path.join(work, "scratch"))
+        t0 = time.monotonic()
+        result = asyncio.run(measure(model, [u for _, u in running], os.path.join(work, "weights"),
+                                     os.path.join(work, "scratch"), repeats, inflight, max_new))  # fmt: skip
+        for proc, url in running:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        result.update(params=n_params, bytes=bytes_on_disk, dtype=dtype, servers=servers, repeats=repeats,
+                      inflight_per_server=inflight, seconds=time.monotonic() - t0)  # fmt: skip
+        return result
+    finally:
+        stop_servers(running)
+        for _ in range(20):  # (an interrupted publish may still be writing from its thread)
+            shutil.rmtree(work, ignore_errors=True)
+            if not os.path.exists(work):
+                break
+            time.sleep(0.5)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 repeats (< 2 minutes on 2 cores)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--models", default="tiny,100m", help="comma-separated: tiny, 100m")
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 2)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--inflight", type=int, default=4, help="requests generating per server (0: none)")
+    parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
+    args, overrides = parser.parse_known_args()
+    repeats = args.repeats or (2 if args.quick else 5)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the servers on the way out
+    torch.set_num_threads(1)  # the trainer's default (train.num_threads=1)
+    dtype = _DTYPES[args.dtype]
+    results = {}
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if name == "tiny":
+            model = tiny_model(dtype, args.fileroot, overrides)
+            max_new = 200  # the tiny model has 256 positions
+        elif name == "100m":
+            model = llama_100m(dtype)
+            max_new = 1024
+        else:
+            parser.error(f"unknown model {name!r} (tiny, 100m)")
+        results[name] = run_model(name, model, args.dtype, args.servers, repeats, args.inflight, max_new)
+        del model
+
+    print(f"\nweight publication: step end -> {args.servers} torch server(s) serve the new version, vs "
+          f"safetensors save_model + load_model in one process; {args.dtype}, median of {repeats}")  # fmt: skip
+    print(f"{'model':<7}{'params':>8}{'MB':>7}{'baseline s':>11}{'realrl s':>10}{'publish':>9}{'update':>8}"
+          f"{'ratio':>7}{'in-flight s':>12}{'ratio':>7}{'aborted':>8}{'pause med/max s':>17}")  # fmt: skip
+    for name, r in results.items():
+        b, i = r["baseline"], r["realrl_idle"]
+        line = (f"{name:<7}{r['params'] / 1e6:>7.1f}M{r['bytes'] / 1e6:>7.1f}{b['total_s']:>11.3f}{i['total_s']:>10.3f}"
+                f"{i['publish_s']:>9.3f}{i['update_s']:>8.3f}{r['ratio']:>7.2f}")  # fmt: skip
+        f = r.get("realrl_inflight")
+        if f:
+            pause = f"{f['pause_s_median']:.3f}/{f['pause_s_max']:.3f}" if f["pauses"] else "-"
+            line += f"{f['total_s']:>12.3f}{r['ratio_inflight']:>7.2f}{f['aborted_per_update']:>8.1f}{pause:>17}"
+        print(line)
+    print("baseline = save_model + load_model; realrl = publish_weights + update_weights_from_disk on every server "
+          "(idle servers; 'in-flight': with requests generating); pause = abort -> first token after resuming")  # fmt: skip
+    if args.json:
+        main_ratio = results["100m"]["ratio"] if "100m" in results else next(iter(results.values()))["ratio"]
+        with open(args.json, "w") as f:
+            json.dump({"ratio": main_ratio, **results}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted; everything this script started is stopped", file=sys.stderr)
+        sys.exit(130)

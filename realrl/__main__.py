@@ -1,0 +1,7 @@
+"""`python -m realrl status ...`: see realrl/cli.py."""
+
+import sys
+
+from realrl.cli import main
+
+sys.exit(main())

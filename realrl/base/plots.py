@@ -1,0 +1,277 @@
+"""PNG plots of a run, from its `stats.jsonl` (docs/observability.md).
+
+`write_plots(stats_path, out_dir)` reads the per-step records the master
+writes (realrl/base/stats.py) and writes one PNG per figure into `out_dir`,
+returning their paths. Only figures with data are written (a run without a
+test split has no evaluation figure). The master calls it at every evaluation
+and at the end of the run, into `<log_dir>/plots/`; it also works offline:
+
+    python -m realrl.base.plots <log_dir or stats.jsonl> [out_dir]
+
+matplotlib is imported here only, with the non-interactive Agg canvas and no
+pyplot (no global state, safe off the main thread), so processes that never
+plot never import it.
+
+Figures:
+- accuracy_reward.png: greedy eval accuracy and score, and the trained
+  answers' accuracy and mean reward, per step and against wall time;
+- staleness.png: histogram of the trained tokens' staleness (the trainer's
+  version minus the version that generated each token), and per step;
+- step_time.png: seconds per step by stage (waiting for data, assembling the
+  batch, inference, train, publishing the weights);
+- throughput.png: tokens generated per second and tokens trained per second;
+- idle_ratios.png: the fraction of time the trainers waited for data and the
+  generation servers had no request running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Callable
+
+PLOTS_DIR = "plots"
+
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+
+
+def read_stats(stats_path: str) -> list[dict[str, Any]]:
+    """The records of a stats.jsonl (a torn last line is skipped)."""
+    records = []
+    with open(stats_path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+                records.append(record)
+    return records
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _series(records: list[dict], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        x, y = _number(r.get(x_key)), _number(r.get(key))
+        if x is not None and y is not None:
+            xs.append(x)
+            ys.append(y)
+    return xs, ys
+
+
+def _smooth(ys: list[float]) -> list[float] | None:
+    """A trailing moving average over ~5% of the points (None when too few to need one)."""
+    window = len(ys) // 20
+    if window < 2:
+        return None
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= window:
+            total -= ys[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _line(ax, xs, ys, label, color, marker=None, linestyle="-", raw_alpha=0.35) -> bool:
+    if not xs:
+        return False
+    smooth = None if marker else _smooth(ys)
+    if smooth is None:
+        ax.plot(xs, ys, label=label, color=color, marker=marker, markersize=4, linewidth=1.5, linestyle=linestyle)
+    else:
+        ax.plot(xs, ys, color=color, alpha=raw_alpha, linewidth=0.8)
+        ax.plot(xs, smooth, label=f"{label} (moving avg.)", color=color, linewidth=1.8)
+    return True
+
+
+def _figure(n_panels: int, title: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.0 * n_panels, 3.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, n_panels, squeeze=False)[0]
+    fig.suptitle(title, fontsize=11)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return fig, list(axes)
+
+
+def _save(fig, path: str) -> str:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+# ---- the figures: each returns the figure, or None when it has no data -----------------
+
+
+def _train_records(records):
+    return [r for r in records if "train/actor_loss" in r or "time/step_s" in r]
+
+
+def _eval_records(records):
+    return [r for r in records if "eval/score" in r]  # the records the evaluation itself writes
+
+
+def _plot_accuracy_reward(records):
+    train, evals = _train_records(records), _eval_records(records)
+    curves = [("eval/accuracy", evals, "eval accuracy (greedy)", "o"), ("eval/score", evals, "eval score", "s"),
+              ("rollout/accuracy", train, "trained answers: accuracy", None),
+              ("rollout/reward/mean", train, "trained answers: reward (mean)", None)]  # fmt: skip
+    if not any(_series(recs, key)[0] for key, recs, _, _ in curves):
+        return None
+    fig, (by_step, by_time) = _figure(2, "accuracy and reward")
+    for ax, x_key, x_label in ((by_step, "step", "train step"), (by_time, "time/elapsed_s", "wall time (min)")):
+        for (key, recs, label, marker), color in zip(curves, _COLORS):
+            xs, ys = _series(recs, key, x_key)
+            if x_key != "step":
+                xs = [x / 60 for x in xs]
+            _line(ax, xs, ys, label, color, marker, linestyle="--" if key == "eval/score" else "-")
+        ax.set_xlabel(x_label)
+    by_step.set_ylabel("accuracy / reward")
+    by_step.legend(fontsize=8, loc="best")
+    return fig
+
+
+def _plot_staleness(records):
+    train = _train_records(records)
+    totals: dict[int, float] = {}
+    key, what = "staleness/token_histogram", "trained tokens"
+    if not any(isinstance(r.get(key), dict) for r in train):
+        key, what = "staleness/histogram", "trained trajectories"
+    for r in train:
+        hist = r.get(key)
+        if isinstance(hist, dict):
+            for k, v in hist.items():
+                try:
+                    totals[int(k)] = totals.get(int(k), 0) + float(v)
+                except (TypeError, ValueError):
+                    continue
+    steps_mean = _series(train, "staleness/mean")
+    if not totals and not steps_mean[0]:
+        return None
+    fig, (hist_ax, step_ax) = _figure(2, "staleness (trainer version - generating version)")
+    if totals:
+        xs = sorted(totals)
+        total = sum(totals.values()) or 1.0
+        hist_ax.bar(xs, [totals[x] / total for x in xs], color=_COLORS[0], width=0.8)
+        hist_ax.set_xticks(xs)
+    hist_ax.set_xlabel("staleness (versions)")
+    hist_ax.set_ylabel(f"fraction of {what}")
+    _line(step_ax, *steps_mean, "mean (trajectory)", _COLORS[0])
+    _line(step_ax, *_series(train, "staleness/max"), "max (trajectory)", _COLORS[3])
+    step_ax.set_xlabel("train step")
+    step_ax.set_ylabel("staleness")
+    step_ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_step_time(records):
+    train = [r for r in _train_records(records) if _number(r.get("time/step_s")) is not None]
+    if not train:
+        return None
+
+    def get(r, key):
+        return _number(r.get(key)) or 0.0
+
+    stages: list[tuple[str, Callable[[dict], float]]] = [
+        ("wait for data", lambda r: get(r, "time/wait_data_s")),
+        ("assemble batch", lambda r: max(get(r, "time/fetch_s") - get(r, "time/wait_data_s"), 0.0)),
+        ("inference", lambda r: get(r, "time/inference_s")),
+        ("train", lambda r: max(get(r, "time/train_s") - get(r, "time/publish_s"), 0.0)),
+        ("publish weights", lambda r: get(r, "time/publish_s")),
+    ]
+    xs = [r["step"] for r in train]
+    fig, (ax,) = _figure(1, "seconds per step by stage")
+    ax.stackplot(xs, *[[f(r) for r in train] for _, f in stages], labels=[name for name, _ in stages],
+                 colors=_COLORS[: len(stages)], alpha=0.85)  # fmt: skip
+    ax.set_xlabel("train step")
+    ax.set_ylabel("seconds")
+    ax.set_xlim(min(xs), max(xs) if len(xs) > 1 else min(xs) + 1)
+    ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+def _plot_throughput(records):
+    train = _train_records(records)
+    gen, trained = _series(train, "perf/gen_tokens_per_s"), _series(train, "perf/train_tokens_per_s")
+    if not gen[0] and not trained[0]:
+        return None
+    fig, (ax,) = _figure(1, "throughput (tokens/s)")
+    _line(ax, *gen, "generated (answer tokens)", _COLORS[0])
+    _line(ax, *trained, "trained (prompt + answer tokens)", _COLORS[1])
+    ax.set_xlabel("train step")
+    ax.set_ylabel("tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_idle(records):
+    train = _train_records(records)
+    trainer, gen = _series(train, "perf/trainer_idle_ratio"), _series(train, "perf/gen_idle_ratio")
+    if not trainer[0] and not gen[0]:
+        return None
+    fig, (ax,) = _figure(1, "idle ratios")
+    _line(ax, *trainer, "trainers waiting for data", _COLORS[1])
+    _line(ax, *gen, "generation servers with no request", _COLORS[0])
+    ax.set_xlabel("train step")
+    ax.set_ylabel("fraction of wall time")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    return fig
+
+
+FIGURES: dict[str, Callable] = {
+    "accuracy_reward.png": _plot_accuracy_reward,
+    "staleness.png": _plot_staleness,
+    "step_time.png": _plot_step_time,
+    "throughput.png": _plot_throughput,
+    "idle_ratios.png": _plot_idle,
+}
+
+
+def write_plots(stats_path: str, out_dir: str) -> list[str]:
+    """Writes the figures that have data to `out_dir`; their paths."""
+    records = read_stats(stats_path)
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, plot in FIGURES.items():
+        fig = plot(records)
+        if fig is not None:
+            written.append(_save(fig, os.path.join(out_dir, name)))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or len(args) > 2:
+        print("usage: python -m realrl.base.plots <log_dir or stats.jsonl> [out_dir]", file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    source = args[0]
+    stats_path = os.path.join(source, "stats.jsonl") if os.path.isdir(source) else source
+    if not os.path.isfile(stats_path):
+        print(f"realrl: no stats file at {stats_path}", file=sys.stderr)
+        return 1
+    out_dir = args[1] if len(args) > 1 else os.path.join(os.path.dirname(os.path.abspath(stats_path)), PLOTS_DIR)
+    for path in write_plots(stats_path, out_dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

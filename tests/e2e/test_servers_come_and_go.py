@@ -1,0 +1,204 @@
+"""Generation servers that come and go without stopping training
+(docs/architecture.md), in the default trial run as the user runs it
+(`training/main_async_ppo.py` in a subprocess):
+
+- chaos: the torch server process of generation server 0 is SIGKILLed, then
+  the whole GenerationServer worker 1: each is restarted, loads the current
+  weights and rejoins; the trial completes its steps, accuracy rises, the
+  trajectory accounting holds and nothing is left running;
+- a server added mid-run with `python -m realrl add-server` serves requests
+  within one weight version, and ends with the trial.
+
+The measured times (kill -> back in routing) are printed (`pytest -s`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXP = "async-ppo-tiny"
+
+
+class Trial:
+    """`main_async_ppo.py` in its own process group, stdout and stderr merged."""
+
+    def __init__(self, tmp_path, kit_cache, trial: str, *overrides: str):
+        self.name = trial
+        self.log_dir = os.path.join(tmp_path, "logs", EXP, trial)
+        args = [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), f"fileroot={tmp_path}",
+                f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "heartbeat_ttl=3", "eval.every_n_steps=0",
+                "eval.max_prompts=32", "saver.save_final_model=false", *overrides]  # fmt: skip
+        self.out_path = os.path.join(tmp_path, f"{trial}.console")
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+    def wait_for(self, what: str, predicate, timeout: float = 600):
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            assert self.proc.poll() is None, f"the trial ended before {what}:\n{self.console()[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"  # a hang guard
+            time.sleep(0.1)
+
+    def wait_for_step(self, step: int) -> None:
+        path = os.path.join(self.log_dir, "stats.jsonl")
+        self.wait_for(f"step {step}", lambda: os.path.exists(path) and any(
+            json.loads(line).get("step", 0) >= step for line in open(path)))  # fmt: skip
+
+    def log(self, tag: str) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{tag}.log"), errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def wait_for_log(self, tag: str, pattern: str, start: int = 0) -> re.Match:
+        return self.wait_for(f"{pattern!r} in {tag}.log", lambda: re.search(pattern, self.log(tag)[start:]))
+
+    def worker(self, tag: str) -> psutil.Process:
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            if f"specs/{tag}.json" in " ".join(p.cmdline()):
+                return p
+        raise AssertionError(f"no process of {tag}")
+
+    def wait(self, timeout: float = 900) -> int:
+        return self.proc.wait(timeout=timeout)  # a hang guard, not a performance threshold
+
+    def console(self) -> str:
+        with open(self.out_path, errors="replace") as f:
+            return f.read()
+
+    def kill(self) -> None:
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        for p in [self.proc, *descendants]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(descendants, timeout=10)
+
+    def summary(self) -> dict:
+        with open(os.path.join(self.log_dir, "summary.json")) as f:
+            return json.load(f)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def check_trained_and_accounted(summary: dict, steps: int, eta: int) -> None:
+    assert summary["steps"] == steps and summary["final_version"] == steps
+    assert summary["max_staleness_trained"] <= eta
+    t = summary["trajectories"]
+    assert t["produced"] == t["consumed"] + t["dropped"] + t["buffered"], t
+
+
+def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path, kit_cache):
+    steps, eta = 40, 2
+    trial = Trial(tmp_path, kit_cache, "chaos", "allocation_mode=torch.d2p1m1+d1p1m1", f"total_train_steps={steps}",
+                  f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
+    timings = {}
+    try:
+        trial.wait_for_step(3)
+        # 1. The torch server process of generation server 0.
+        (server,) = trial.worker("generation_server-0").children()
+        mark = len(trial.log("gserver_manager-0"))
+        t0 = time.monotonic()
+        server.kill()
+        # out of routing by a health check, or as its worker unregistered it, whichever came first
+        trial.wait_for_log("gserver_manager-0", r"generation server 0 at \S+ (is down|left routing)", mark)
+        timings["server child: kill -> out of routing"] = time.monotonic() - t0
+        rejoined = trial.wait_for_log("gserver_manager-0", r"generation server 0 at \S+ rejoined routing at weight "
+                                      r"version (\d+) after [\d.]+s \(trainer version (\d+)\)", mark)  # fmt: skip
+        timings["server child: kill -> back in routing"] = time.monotonic() - t0
+        assert int(rejoined.group(1)) >= int(rejoined.group(2))  # on the current weights
+        assert gone(server.pid)
+
+        # 2. A whole GenerationServer worker: the launcher starts it again from its spec.
+        worker = trial.worker("generation_server-1")
+        (server1,) = worker.children()
+        mark = len(trial.log("gserver_manager-0"))
+        t0 = time.monotonic()
+        worker.kill()
+        rejoined = trial.wait_for_log("gserver_manager-0", r"generation server 1 at \S+ rejoined routing at weight "
+                                      r"version (\d+) after [\d.]+s \(trainer version (\d+)\)", mark)  # fmt: skip
+        timings["server worker: kill -> back in routing"] = time.monotonic() - t0
+        assert int(rejoined.group(1)) >= int(rejoined.group(2))
+        assert gone(worker.pid) and gone(server1.pid)
+        code = trial.wait()
+    finally:
+        trial.kill()
+    print(f"\nchaos timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+    out = trial.console()
+    assert code == 0, out[-3000:]
+    assert "realrl: worker generation_server/1 failed (signal SIGKILL); starting it again" in out, out[-3000:]
+    summary = trial.summary()
+    check_trained_and_accounted(summary, steps, eta)
+    assert summary["final_eval_accuracy"] > summary["initial_eval_accuracy"], summary["eval_history"]  # it learned
+    manager = trial.log("gserver_manager-0")
+    assert len(re.findall(r"generation server 0 at \S+ (is down|left routing)", manager)) == 1, manager[-3000:]  # once
+    assert "restarting it (restart 1" in trial.log("generation_server-0")
+    # Every worker ended by itself (the autouse fixture also checks nothing is left running).
+    for tag in ("master_worker-0", "model_worker-0", "generation_server-0", "generation_server-1", "gserver_manager-0",
+                "rollout_worker-0"):  # fmt: skip
+        assert "exited with code 0" in trial.log(tag), tag
+
+
+def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cache):
+    steps, eta = 40, 2
+    trial = Trial(tmp_path, kit_cache, "add", "allocation_mode=torch.d1p1m1+d1p1m1", f"total_train_steps={steps}",
+                  f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
+    pid = None
+    try:
+        trial.wait_for_step(3)
+        t0 = time.monotonic()
+        added = subprocess.run([sys.executable, "-m", "realrl", "add-server", EXP, "add", f"fileroot={tmp_path}"],
+                               cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+        pid = int(m.group(1)) if (m := re.search(r"\(pid (\d+)\)", added.stdout)) else None
+        assert added.returncode == 0, added.stdout + added.stderr
+        print(f"\nadd-server: in routing {time.monotonic() - t0:.1f}s after the command started")
+        assert re.search(r"generation_server 1 at \S+ is in routing at weight version \d+", added.stdout), added.stdout
+        code = trial.wait()
+        # The added worker ends with the trial, by itself.
+        deadline = time.monotonic() + 60
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gone(pid)
+    finally:
+        trial.kill()
+        if pid is not None and not gone(pid):
+            psutil.Process(pid).kill()
+    out = trial.console()
+    assert code == 0, out[-3000:]
+    check_trained_and_accounted(trial.summary(), steps, eta)
+    manager = trial.log("gserver_manager-0")
+    joined = re.search(r"generation server 1 at \S+ joined routing at weight version (\d+) after [\d.]+s "
+                       r"\(trainer version (\d+)\)", manager)  # fmt: skip
+    assert joined, manager[-3000:]
+    version, trainer_version = int(joined.group(1)), int(joined.group(2))
+    assert version == trainer_version  # the current weights
+    first = re.search(r"generation server 1 at \S+ got its first request \(weight version (\d+), trainer version "
+                      r"(\d+)\)", manager)  # fmt: skip
+    assert first, manager[-3000:]
+    assert int(first.group(1)) >= version and int(first.group(2)) <= version + 1  # within one weight version
+    routed = re.search(r"requests routed per server \(index: requests\): 0: (\d+), 1: (\d+)", manager)
+    assert routed and int(routed.group(2)) > 0, manager[-3000:]
+    assert "exited with code 0" in trial.log("generation_server-1")
+    assert os.path.exists(os.path.join(trial.log_dir, "generation_server-1.server.log"))
+    assert os.path.exists(os.path.join(trial.log_dir, "specs", "generation_server-1.json"))

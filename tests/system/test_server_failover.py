@@ -1,0 +1,147 @@
+"""Generation servers that come and go, seen from the rollout side: a
+PartialRolloutManager against a GserverManager routing over a real torch
+server (a GenerationServer worker) and a fake one that dies or hangs
+(docs/architecture.md, "Generation servers that come and go").
+
+In a module of its own: a TrialThread's launcher owns the process-global
+name_resolve, so these trials must not overlap test_partial_rollout's
+module-wide trial."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.request
+
+from aiohttp import web
+
+from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
+from realrl.base import names
+from tests.system.test_partial_rollout import (  # noqa: F401  (tiny_kit: a fixture)
+    EXP,
+    HealthOnlyServer,
+    manager_group,
+    manager_stats,
+    server_group,
+    tiny_kit,
+    with_prm,
+)
+from tests.system.trial_thread import TrialThread
+
+
+class HangingServer(HealthOnlyServer):
+    """Answers /health and /model_info until `hang()`; from then on every
+    request (health checks, /generate) waits forever: a server that stops
+    answering without dying."""
+
+    def __init__(self):
+        self.hanging = threading.Event()
+        super().__init__()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+
+        async def wait_if_hanging():
+            while self.hanging.is_set():
+                await asyncio.sleep(0.1)
+
+        async def health(request):
+            await wait_if_hanging()
+            return web.Response(text="ok")
+
+        async def model_info(request):
+            return web.json_response({"weight_version": "0"})
+
+        async def generate(request):
+            await wait_if_hanging()
+            return web.json_response({"error": "never reached"}, status=500)
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_post("/generate", generate)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        self.hanging.clear()
+        super().stop()
+
+
+def two_server_trial(tmp_path, etcd_server, tiny_kit, fake_url: str, **manager_kwargs) -> TrialThread:
+    """A real server (index 0) and `fake_url` (index 1) behind one manager."""
+    groups = [server_group(tiny_kit["model_dir"]), manager_group(n_servers=2, train_batch_size=4, **manager_kwargs)]
+    t = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
+    t.start()
+    t.set(names.gen_server(EXP, t.trial, 1), fake_url)
+    t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
+    t.server_url = t.get(names.gen_server(EXP, t.trial, 0))
+    return t
+
+
+def manager_servers(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/servers", timeout=30) as resp:
+        return {s["url"]: s for s in json.loads(resp.read())["servers"]}
+
+
+def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, etcd_server, tiny_kit):
+    """No retry at all is allowed, and half the answers are first routed to a
+    server that is gone: each is resubmitted to the live one, because the
+    manager, probing the server the client names, reports it out of routing."""
+    fake = HealthOnlyServer()
+    # No periodic health check during the test: only the clients' reports take the server out.
+    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=3600)
+    try:
+        fake.stop()
+        request = GenerationRequest("dead-1", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+
+        async def go(prm, manager):
+            result = await prm.generate(request)
+            return result, prm.stats.pop(), manager.scheduled
+
+        result, stats, scheduled = asyncio.run(with_prm(t.manager_url, go, request_retries=0, retry_backoff_s=0.01))
+        assert [len(o) for o in result.output_ids] == [4] * 4
+        assert any(s["url"] == fake.url for s in scheduled)  # some answers went to the dead server first
+        assert stats["server_losses"] >= 1 and stats["server_losses"] == stats["retries"]
+        servers = manager_servers(t.manager_url)
+        assert servers[fake.url]["state"] == "down" and servers[t.server_url]["state"] == "up"
+        assert manager_stats(t.manager_url)["server_in_flight"] == {t.server_url: 0, fake.url: 0}
+    finally:
+        fake.stop()
+        t.close()
+
+
+def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etcd_server, tiny_kit):
+    """A server that hangs (its connections stay open) fails its health
+    checks: the manager takes it out of routing and the requests waiting on it
+    are resubmitted at once, long before request_timeout."""
+    fake = HangingServer()
+    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=0.5,
+                         health_check_timeout=0.5, health_check_failures=2)  # fmt: skip
+    try:
+        fake.hanging.set()
+        request = GenerationRequest("hang-1", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+
+        async def go(prm, manager):
+            t0 = asyncio.get_running_loop().time()
+            result = await prm.generate(request)
+            return result, prm.stats.pop(), manager.scheduled, asyncio.get_running_loop().time() - t0
+
+        result, stats, scheduled, elapsed = asyncio.run(
+            with_prm(t.manager_url, go, request_retries=1, retry_backoff_s=0.01, request_timeout=600,
+                     server_watch_interval=0.2)  # fmt: skip
+        )
+        assert [len(o) for o in result.output_ids] == [4] * 4
+        assert elapsed < 120  # abandoned when the manager took the server out, not at the 600 s timeout
+        if any(s["url"] == fake.url for s in scheduled):  # (the first health checks may have been faster)
+            assert stats["server_losses"] >= 1
+        assert manager_servers(t.manager_url)[fake.url]["state"] == "down"
+        log = open(t.launcher.log_path("gserver_manager", 0)).read()
+        assert f"generation server 1 at {fake.url} is down (/health did not answer within 0.5s" in log
+    finally:
+        fake.stop()
+        t.close()
