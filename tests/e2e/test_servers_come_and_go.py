@@ -3,8 +3,9 @@
 (`training/main_async_ppo.py` in a subprocess):
 
 - chaos: the torch server process of generation server 0 is SIGKILLed, then
-  the whole GenerationServer worker 1: each is restarted, loads the current
-  weights and rejoins; the trial completes its steps, accuracy rises, the
+  the whole GenerationServer worker 1, then the rollout worker: each server is
+  restarted, loads the current weights and rejoins, the rollout worker is
+  started again and takes over its shard; the trial completes its steps, accuracy rises, the
   trajectory accounting holds and nothing is left running;
 - a server added mid-run with `python -m realrl add-server` serves requests
   within one weight version, and ends with the trial.
@@ -110,7 +111,7 @@ def check_trained_and_accounted(summary: dict, steps: int, eta: int) -> None:
 
 
 def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path, kit_cache):
-    steps, eta = 40, 2
+    steps, eta = 60, 2
     trial = Trial(tmp_path, kit_cache, "chaos", "allocation_mode=torch.d2p1m1+d1p1m1", f"total_train_steps={steps}",
                   f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
     timings = {}
@@ -141,6 +142,14 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
         timings["server worker: kill -> back in routing"] = time.monotonic() - t0
         assert int(rejoined.group(1)) >= int(rejoined.group(2))
         assert gone(worker.pid) and gone(server1.pid)
+
+        # 3. A rollout worker: started again, it takes over its shard and its running rollouts.
+        rollout = trial.worker("rollout_worker-0")
+        mark = len(trial.log("rollout_worker-0"))
+        t0 = time.monotonic()
+        rollout.kill()
+        trial.wait_for_log("rollout_worker-0", r"took over from a failed rollout worker 0", mark)
+        timings["rollout worker: kill -> taken over"] = time.monotonic() - t0
         code = trial.wait()
     finally:
         trial.kill()
@@ -148,6 +157,7 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
     out = trial.console()
     assert code == 0, out[-3000:]
     assert "realrl: worker generation_server/1 failed (signal SIGKILL); starting it again" in out, out[-3000:]
+    assert "realrl: worker rollout_worker/0 failed (signal SIGKILL); starting it again" in out, out[-3000:]
     summary = trial.summary()
     check_trained_and_accounted(summary, steps, eta)
     assert summary["final_eval_accuracy"] > summary["initial_eval_accuracy"], summary["eval_history"]  # it learned
