@@ -9,6 +9,7 @@ Pure file reading: fast, no network.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,15 @@ def _inside_repo(path: Path) -> bool:
         return False
 
 
+def _exists_in_clone(path: Path) -> bool:
+    """Exists, and would exist in a fresh clone too (not a git-ignored output of
+    some earlier run, e.g. benchmark results)."""
+    if not path.exists():
+        return False
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=REPO, capture_output=True)
+    return ignored.returncode != 0  # 0: ignored; 1: not ignored; 128: not a git checkout
+
+
 def _check_target(doc: Path, target: str) -> str | None:
     """An error message, or None if `target` is fine."""
     if re.match(r"^(https?|mailto):", target, re.I):
@@ -156,7 +166,7 @@ def _check_target(doc: Path, target: str) -> str | None:
         resolved = (doc.parent / path_part).resolve()
         if not _inside_repo(resolved):
             return f"{target!r} points outside the repository"
-        if not resolved.exists():
+        if not _exists_in_clone(resolved):
             return f"{target!r} does not exist (resolved to {resolved})"
     if anchor and resolved.suffix == ".md" and resolved.is_file() and anchor not in _anchors(resolved):
         return f"{target!r}: no heading with anchor #{anchor} in {_rel(resolved)}"
@@ -190,7 +200,7 @@ def test_file_references_exist(doc: Path):
     errors = []
     for n, token in _code_span_paths(doc.read_text(encoding="utf-8")):
         candidates = [REPO / token, doc.parent / token]
-        hits = [c for c in candidates if _inside_repo(c) and c.exists()]
+        hits = [c for c in candidates if _inside_repo(c) and _exists_in_clone(c)]
         if not hits:
             errors.append(f"{_rel(doc)}:{n}: `{token}` does not exist in the repository")
     assert not errors, "\n".join(errors)
