@@ -11,6 +11,8 @@ from realrl.impl.agents.single_step import SingleStepAgent
 class ShardFilterAgent(SingleStepAgent):
     async def collect_trajectory(self, prompt, env):
         trajectories = await super().collect_trajectory(prompt, env)
+        if self.settings.evaluating:  # evaluation keeps every prompt (and has no rollout ids)
+            return trajectories
         worker, _, position = prompt.metadata["rollout_id"].split(":")[:3]
         if worker == "2" and int(position) % 4 != 0:
             return []

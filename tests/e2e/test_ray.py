@@ -70,7 +70,9 @@ def _start_trial(cluster: TwoNodeRayCluster, tmp_path, kit_cache, trial: str):
     proc = cluster.popen_on_head(
         [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray", f"ray.address={cluster.address}",
          f"fileroot={tmp_path / 'runs'}", f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "total_train_steps=400",
-         "eval.every_n_steps=0", "eval.max_prompts=16", "heartbeat_ttl=3", "saver.save_final_model=false"],
+         "eval.every_n_steps=0", "eval.max_prompts=16", "heartbeat_ttl=3", "saver.save_final_model=false",
+         # (by default a dead server or rollout worker is started again; here a failure must stop the trial)
+         "server.max_restarts=0", "rollout.max_restarts=0"],
         cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
     )  # fmt: skip
     stats = tmp_path / "runs" / "logs" / "async-ppo-tiny" / trial / "stats.jsonl"

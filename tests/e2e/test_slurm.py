@@ -113,8 +113,9 @@ def test_a_trial_runs_as_one_batch_job(slurm, tmp_path, kit_cache):
 
 
 def test_a_killed_worker_stops_the_job_with_its_log_tail(slurm, tmp_path, kit_cache):
+    # (by default a dead server is started again; here its death must stop the job)
     proc = _start(slurm, tmp_path, _trial_args(tmp_path / "runs", kit_cache, "killed", "total_train_steps=400",
-                                               "eval.max_prompts=16"), "killed")  # fmt: skip
+                                               "eval.max_prompts=16", "server.max_restarts=0"), "killed")  # fmt: skip
     (victim,) = [pid for pid, cmd in slurm.job_processes()
                  if "realrl.system.worker_base" in cmd and "generation_server-0" in cmd and not cmd.startswith("srun")]  # fmt: skip
     killed_at = time.monotonic()
