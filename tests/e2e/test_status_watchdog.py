@@ -49,7 +49,7 @@ def table(text: str) -> dict[str, list[str]]:
 
 
 def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache):
-    trial = Trial(tmp_path, kit_cache, "status")
+    trial = Trial(tmp_path, kit_cache, "status", "rollout.max_restarts=0")  # its death must end the trial here
     tags = [f"{w}/0" for w in WORKERS]
     try:
         trial.wait_for_step(2)
