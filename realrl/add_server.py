@@ -48,33 +48,16 @@ class UsageError(ValueError):
 
 def parse_args(argv: list[str]) -> tuple[list[str], list[str], str, float | None]:
     """(positional names, KEY=VALUE overrides, config name, timeout)."""
-    positional, overrides, config_name, timeout = [], [], "async-ppo", None
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-h", "--help"):
-            raise UsageError(__doc__.strip())
-        if a in ("--config-name", "--timeout"):
-            if i + 1 >= len(argv):
-                raise UsageError(f"{a} needs a value")
-            if a == "--config-name":
-                config_name = argv[i + 1]
-            else:
-                try:
-                    timeout = float(argv[i + 1])
-                except ValueError:
-                    raise UsageError(f"--timeout: not a number: {argv[i + 1]!r}") from None
-            i += 1
-        elif a.startswith("-"):
-            raise UsageError(f"unknown option {a!r} (options: --config-name NAME, --timeout S)")
-        elif "=" in a:
-            overrides.append(a)
-        else:
-            positional.append(a)
-        i += 1
-    if len(positional) > 2:
-        raise UsageError(f"at most EXPERIMENT and TRIAL, got {positional}")
-    return positional, overrides, config_name, timeout
+    from realrl.cli import parse_trial_args
+
+    positional, overrides, options = parse_trial_args(argv, __doc__, valued=("--timeout",))
+    timeout = options["--timeout"]
+    if timeout is not None:
+        try:
+            timeout = float(timeout)
+        except ValueError:
+            raise UsageError(f"--timeout: not a number: {timeout!r}") from None
+    return positional, overrides, options["--config-name"], timeout
 
 
 def next_index(log_dir: str, registered: list[str]) -> int:

@@ -90,23 +90,28 @@ def load_settings(overrides: list[str], config_name: str = "async-ppo") -> dict:
                                                            values.get("name_resolve.file_root", ""))}  # fmt: skip
 
 
-def parse_status_args(argv: list[str]) -> tuple[list[str], list[str], bool, str]:
-    """(positional names, KEY=VALUE overrides, --stacks, config name)."""
-    positional, overrides, stacks, config_name = [], [], False, "async-ppo"
+def parse_trial_args(argv: list[str], doc: str, flags: tuple[str, ...] = (),
+                     valued: tuple[str, ...] = ()) -> tuple[list[str], list[str], dict]:  # fmt: skip
+    """`[EXPERIMENT [TRIAL]] [KEY=VALUE ...]` plus `--config-name NAME`, the
+    `flags` (True when given) and the `valued` options (their string):
+    (positional names, overrides, {option: value}). UsageError on anything else."""
+    positional, overrides = [], []
+    options: dict = {"--config-name": "async-ppo", **{f: False for f in flags}, **{v: None for v in valued}}
     i = 0
     while i < len(argv):
         a = argv[i]
         if a in ("-h", "--help"):
-            raise UsageError(__doc__.strip())
-        if a == "--stacks":
-            stacks = True
-        elif a == "--config-name":
+            raise UsageError(doc.strip())
+        if a in flags:
+            options[a] = True
+        elif a == "--config-name" or a in valued:
             if i + 1 >= len(argv):
-                raise UsageError("--config-name needs a value")
-            config_name = argv[i + 1]
+                raise UsageError(f"{a} needs a value")
+            options[a] = argv[i + 1]
             i += 1
         elif a.startswith("-"):
-            raise UsageError(f"unknown option {a!r} (options: --stacks, --config-name NAME)")
+            known = ", ".join([*flags, "--config-name NAME", *(f"{v} VALUE" for v in valued)])
+            raise UsageError(f"unknown option {a!r} (options: {known})")
         elif "=" in a:
             overrides.append(a)
         else:
@@ -114,7 +119,13 @@ def parse_status_args(argv: list[str]) -> tuple[list[str], list[str], bool, str]
         i += 1
     if len(positional) > 2:
         raise UsageError(f"at most EXPERIMENT and TRIAL, got {positional}")
-    return positional, overrides, stacks, config_name
+    return positional, overrides, options
+
+
+def parse_status_args(argv: list[str]) -> tuple[list[str], list[str], bool, str]:
+    """(positional names, KEY=VALUE overrides, --stacks, config name)."""
+    positional, overrides, options = parse_trial_args(argv, __doc__, flags=("--stacks",))
+    return positional, overrides, options["--stacks"], options["--config-name"]
 
 
 def _etcd_healthy(addr: str) -> bool:

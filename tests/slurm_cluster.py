@@ -18,7 +18,7 @@ What works in a container (gVisor, no systemd, no usable cgroups) and why:
   (memory is a consumable: the launcher's `--overlap --mem=0` steps must
   still start side by side).
 * `CommunicationParameters=NoInAddrAny,NoCtldInAddrAny`: slurmctld, slurmd and
-  srun bind the node's address (127.0.0.1, "localhost") instead of 0.0.0.0.
+  srun bind the node's address (127.0.0.1, "localhost"), not every interface.
   `SlurmctldHost` and the node are both named `localhost`, which slurmctld
   and slurmd (`-N localhost`) accept whatever the machine's hostname is.
 * `SlurmUser=root`, `SlurmdUser=root`, `ReturnToService=2`, `MpiDefault=none`
