@@ -761,8 +761,8 @@ class GserverManager(AsyncWorker):
         for task in [self._health_task, *self._server_tasks.values()]:
             if task is not None and task.done() and not task.cancelled():
                 task.result()  # a bug there must not pass silently: it stops the worker
-        if now - self._last_registry_read < REGISTRY_POLL_S:
-            return
+        if now - self._last_registry_read < REGISTRY_POLL_S or self.controller.stopped:
+            return  # after stop_rollouts servers unregister as the trial ends: not a change to act on
         self._last_registry_read = now
         try:
             registered = await asyncio.to_thread(self._read_registry)
@@ -893,8 +893,8 @@ class GserverManager(AsyncWorker):
         if server is None:
             return
         probe = await self._client.probe(url, self.cfg.health_check_timeout)
-        if server.state not in ("up", "down"):
-            return
+        if server.state not in ("up", "down") or self.controller.stopped:
+            return  # after stop_rollouts the trial is ending: servers leaving is expected, not a fault
         if probe.ok:
             server.failures = 0
             if server.state == "down":
