@@ -60,6 +60,9 @@ class SequenceBatch:
     no_eos: torch.Tensor  # bool [N]
     groups: list[list[int]]  # the sequence indices of each trajectory
     prox_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
+    # Decoupled loss with one minibatch: the proximal logprobs are the train
+    # forward's own (detached) logprobs, taken at the same weights (no pass of their own).
+    prox_from_train_forward: bool = False
     ref_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
     values: list[torch.Tensor] | None = None  # [L_i]: state value at every position
 
@@ -296,11 +299,17 @@ class PPOTrainer:
     def inference(self, batch: SequenceBatch, decoupled: bool) -> None:
         """Fills proximal logprobs (decoupled loss), reference logprobs (KL)
         and values (PPO) with the current weights."""
+        use_ref = self.ref is not None and self.cfg.kl_ctl > 0
+        if decoupled and self._prox_in_train_forward(use_ref):
+            batch.prox_from_train_forward = True
+            decoupled = False
+        if not (decoupled or use_ref or self.critic is not None):
+            return
         # One plan, agreed once, serves all three models.
         plan = self._padded_plans(batch, [list(range(batch.n_seqs))])[0]
         if decoupled:
             batch.prox_logprobs = self.compute_logprobs(self.actor.model, batch, plan)
-        if self.ref is not None and self.cfg.kl_ctl > 0:
+        if use_ref:
             batch.ref_logprobs = self.compute_logprobs(self.ref, batch, plan)
         if self.critic is not None:
 
@@ -309,6 +318,20 @@ class PPOTrainer:
                 return [v[row, : len(batch.input_ids[i])].cpu() for row, i in enumerate(mb.indices)]
 
             batch.values = self._per_seq(self.critic.model, batch, plan, values)
+
+    def _prox_in_train_forward(self, use_ref: bool) -> bool:
+        """Whether the proximal logprobs can come from the train step's own
+        forward: with one minibatch that forward runs at exactly the weights a
+        separate pass would use (before the step's only optimizer update), so
+        its detached logprobs are the proximal ones and the pass is saved. Not
+        when they are needed earlier (KL rewards use them in the advantages)
+        or when the forward is random (dropout in train mode)."""
+        if self.cfg.ppo_n_minibatches != 1 or use_ref:
+            return False
+        model = self.actor.model
+        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+        config = getattr(model, "config", None)
+        return not dropout and not getattr(config, "attention_dropout", 0.0)
 
     # ---- advantages ------------------------------------------------------------------
     def _kl_token_rewards(self, batch: SequenceBatch, i: int) -> torch.Tensor:
@@ -358,7 +381,10 @@ class PPOTrainer:
         the same on every rank."""
         cfg = self.cfg
         advs, returns = self.advantages(batch)
-        prox = batch.prox_logprobs if batch.prox_logprobs is not None else batch.behav_logprobs
+        if batch.prox_from_train_forward:
+            prox = None  # taken from the forward itself (_optimize_actor)
+        else:
+            prox = batch.prox_logprobs if batch.prox_logprobs is not None else batch.behav_logprobs
         # Every rank steps n_mbs times (each step all-reduces), so n_mbs comes
         # from the largest group count; a rank with fewer groups gets empty
         # minibatches and adds zero gradients. Minibatches keep each
@@ -424,7 +450,8 @@ class PPOTrainer:
 
     def _optimize_actor(self, batch, plan, normalizer, prox, advs, acc) -> None:
         """One optimizer step over the micro-batches of `plan`; adds this
-        rank's share of the stats to `acc`."""
+        rank's share of the stats to `acc`. `prox` None: the proximal
+        logprobs are this forward's own (`SequenceBatch.prox_from_train_forward`)."""
         cfg, actor = self.cfg, self.actor
         actor.model.train()
         actor.optimizer.zero_grad(set_to_none=False)
@@ -433,7 +460,7 @@ class PPOTrainer:
             logp = forward_logprobs(actor.model, mb, self.temperature)
             loss, st = F.decoupled_ppo_actor_loss(
                 logp,
-                mb.scatter(prox),
+                logp.detach() if prox is None else mb.scatter(prox),
                 mb.scatter(batch.behav_logprobs),
                 mb.scatter(advs),
                 mb.loss_mask,

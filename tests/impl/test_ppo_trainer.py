@@ -10,7 +10,7 @@ import torch
 from realrl.api.cli_args import PPOConfig
 from realrl.impl import ppo_functional as F
 from realrl.impl.ppo_interface import make_micro_batch
-from tests.impl.trainer_kit import build_trainer, make_batch, make_groups
+from tests.impl.trainer_kit import build_trainer, full_weights, make_batch, make_groups
 
 
 @pytest.mark.parametrize("aggregation", ["token", "seq"])
@@ -69,3 +69,42 @@ def test_empty_batch_changes_nothing(tiny_llama_dir):
     assert stats["n_seqs"] == 0 and all(math.isfinite(v) for v in stats.values())
     assert sum(forwards.values()) == 0  # no optimizer step either: the weights are untouched
     assert all(torch.equal(v, before[k]) for k, v in trainer.actor.model.state_dict().items())
+
+
+def test_proximal_logprobs_from_the_train_forward_equal_a_separate_pass(tiny_llama_dir):
+    # With one minibatch the decoupled loss takes the proximal logprobs from
+    # the train step's own forward (no pass of their own). The step must be
+    # the one a separate proximal pass gives: same weights after, same stats.
+    torch.set_num_threads(1)
+    groups = make_groups(5, 4, 4, (3, 6), (2, 7))
+    ppo = PPOConfig(algorithm="grpo", group_size=4, ppo_n_minibatches=1, max_tokens_per_mb=48)
+    results = []
+    for fused in (True, False):
+        trainer, forwards = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
+        batch = make_batch(groups)
+        trainer.inference(batch, decoupled=True)
+        assert batch.prox_from_train_forward and batch.prox_logprobs is None
+        assert sum(forwards.values()) == 0  # the pass was saved
+        if not fused:
+            batch.prox_from_train_forward = False
+            batch.prox_logprobs = trainer.compute_logprobs(trainer.actor.model, batch)
+        results.append((trainer.train_step(batch), full_weights(trainer.actor.model)))
+    (fused_stats, fused_weights), (separate_stats, separate_weights) = results
+    for key in ("actor_loss", "clip_frac", "behav_imp_weight_mean", "approx_kl"):
+        assert fused_stats[key] == pytest.approx(separate_stats[key], abs=1e-5), key
+    for name, w in fused_weights.items():
+        torch.testing.assert_close(w, separate_weights[name], atol=1e-5, rtol=1e-5)
+    # The weights moved: the comparison is not between two untouched models.
+    untouched, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
+    assert any(not torch.equal(w, full_weights(untouched.actor.model)[n]) for n, w in fused_weights.items())
+
+
+def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tiny_llama_dir):
+    torch.set_num_threads(1)
+    groups = make_groups(6, 4, 2, (3, 5), (2, 5))
+    for ppo in (PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2),
+                PPOConfig(algorithm="grpo", group_size=2, kl_ctl=0.1)):  # fmt: skip
+        trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
+        batch = make_batch(groups)
+        trainer.inference(batch, decoupled=True)
+        assert not batch.prox_from_train_forward and len(batch.prox_logprobs) == batch.n_seqs
