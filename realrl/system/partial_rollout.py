@@ -2,8 +2,17 @@
 
 Every `await agent.generate(...)` of an episode in the rollout worker becomes
 a `GenerationRequest` for `PartialRolloutManager.generate`, which returns one
-`GenerationResult` (docs/design.md §5-§6). Each of the `group_size` answers is produced
-by its own loop, all answers concurrently:
+`GenerationResult` (docs/design.md §5-§6).
+
+A group's answers are generated together first (`_generate_group`): each
+round is one batched `/generate` (one prompt per unfinished answer) on one
+server, scheduled and released through the manager once for the round, so a
+group costs one request per round instead of one per answer, and the server
+prefills the shared prompt once. Unfinished answers (interrupted by a weight
+update, or a chunk ended by length) go on together in the next round, sticky
+to the server. When a round fails, generates nothing, or leaves answers on
+different weight versions, each unfinished answer goes on in its own loop,
+with what it has, all answers concurrently:
 
 1. ask the GserverManager for a server (`/schedule_request`); after the first
    chunk the request is sticky: it names the server and the weight version that
@@ -58,7 +67,7 @@ import asyncio
 import collections
 import dataclasses
 import uuid
-from typing import Any, Iterable
+from typing import Any, Coroutine, Iterable, TypeVar
 
 import aiohttp
 
@@ -72,6 +81,7 @@ from realrl.impl.generation.client import (
 )
 
 logger = getLogger(__name__)
+_T = TypeVar("_T")
 
 # Interrupted responses with no new token in a row before we give up: a server
 # that aborts everything it is sent (e.g. shutting down) must not loop forever.
@@ -191,6 +201,19 @@ class _Answer:
 
 
 @dataclasses.dataclass
+class _Resume:
+    """Where an answer's own loop starts after the group request: its tokens
+    so far and the server that made them, or the server where the group
+    request failed."""
+
+    answer: _Answer
+    previous_url: str | None = None
+    previous_version: int | None = None
+    failed_url: str | None = None
+    last_error: str = ""
+
+
+@dataclasses.dataclass
 class PartialRolloutStats:
     """Counters since the last `pop()` (the rollout worker logs them)."""
 
@@ -247,7 +270,14 @@ class PartialRolloutManager:
         if request.group_size < 1:
             raise ValueError(f"generation request {request.qid}: group_size must be >= 1")
         request.gconfig.validate()
-        tasks = [asyncio.create_task(self._generate_answer(request, i)) for i in range(request.group_size)]
+        starts: list[_Answer | _Resume | None] = [None] * request.group_size
+        if request.group_size > 1:
+            starts = await self._generate_group(request)
+        tasks = [
+            asyncio.create_task(self._finished(start) if isinstance(start, _Answer)
+                                else self._generate_answer(request, i, start))
+            for i, start in enumerate(starts)
+        ]  # fmt: skip
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:  # on failure or cancellation: stop the other answers, release their servers
@@ -269,21 +299,122 @@ class PartialRolloutManager:
             version_end=[a.versions[-1] if a.versions else a.scheduled_version for a in answers],
         )
 
-    async def _generate_answer(self, request: GenerationRequest, index: int) -> _Answer:
+    async def _generate_group(self, request: GenerationRequest) -> list[_Answer | _Resume]:
+        """The answers of a group, generated together: each round is one
+        batched `/generate` on one server for every answer not finished yet
+        (one schedule, one request, one release instead of one of each per
+        answer; the server prefills the shared prompt once). After an
+        interruption or a chunk ended by length, the unfinished answers go on
+        together, sticky to the server. Returns each answer finished, or how
+        its own loop (`_generate_answer`) goes on: after a failure of a round
+        (counted once per answer, as if each had failed alone), a round that
+        generated no token (its loop backs off), or answers that ended up on
+        different weight versions."""
         gconfig = request.gconfig
-        answer = _Answer()
+        answers = [_Answer() for _ in range(request.group_size)]
+        out: list[_Answer | _Resume | None] = [None] * request.group_size
+        live = list(range(request.group_size))
         previous_url: str | None = None
         previous_version: int | None = None
-        failures = empty_aborts = uncounted = 0
-        avoid: list[str] = []  # servers that failed in the current run of failures
-        failed_url: str | None = None  # where the previous attempt failed
-        last_error = last_server_error = ""  # why the last attempt failed; the last failure on a server
-        while True:
-            remaining = gconfig.max_new_tokens - len(answer.output_ids)
-            chunk = min(self.new_tokens_per_chunk, remaining)
-            params = gconfig.sampling_params(max_new_tokens=chunk)
-            params["min_new_tokens"] = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
+        while live:
+            scheduled = await self._schedule(request.qid, previous_url, previous_version, n=len(live))
+            if scheduled.get("url") is None:  # no server is up: each answer's loop retries
+                break
+            url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
+            for i in live:
+                if answers[i].scheduled_version is None:
+                    answers[i].scheduled_version = scheduled_version
+            rid = uuid.uuid4().hex[:12]
+            self.stats.server_requests += 1
+            responses: list[GenerateResult] | None = None
+            try:
+                try:
+                    responses = await self._generate_on(url, self.client.generate_batch(
+                        url, [list(request.prompt_ids) + answers[i].output_ids for i in live],
+                        [self._chunk_params(gconfig, answers[i]) for i in live], return_logprob=True,
+                        rids=[f"{request.qid}/{i}/{rid}" for i in live], timeout_s=self.request_timeout))  # fmt: skip
+                finally:
+                    generated = sum(len(r.output_ids) for r in responses) if responses is not None else 0
+                    await self._release(url, generated, n=len(live))
+            except (GenerationServerUnavailable, GenerationServerError) as e:
+                self._raise_if_final(e, request.qid, f"answers {live}", url)
+                self.stats.retries += len(live)  # each answer retries
+                logger.warning("qid %s: batched request of %d answers on server %s failed (%s); each answer retries",
+                               request.qid, len(live), url, e)  # fmt: skip
+                for i in live:
+                    out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}")
+                return out  # type: ignore[return-value]
+            versions, new_tokens, still = set(), 0, []
+            for i, response in zip(live, responses):
+                version = _parse_version(response.weight_version, scheduled_version)
+                new_tokens += self._append(answers[i], response, version, request.qid, url)
+                if self._take(answers[i], response, request, url):
+                    out[i] = answers[i]
+                else:
+                    still.append(i)
+                    versions.add(version)
+            live = still
+            previous_url, previous_version = url, (versions.pop() if len(versions) == 1 else None)
+            if live and (new_tokens == 0 or previous_version is None):
+                break
+        for i in live:  # each goes on alone, sticky to the server that made its tokens
+            last = answers[i].versions[-1] if answers[i].versions else None
+            out[i] = _Resume(answers[i], previous_url=previous_url if last is not None else None,
+                             previous_version=last)  # fmt: skip
+        return out  # type: ignore[return-value]
 
+    def _chunk_params(self, gconfig: GenerationHyperparameters, answer: _Answer) -> dict:
+        """The sampling parameters of an answer's next request: at most one
+        chunk of what its budget has left, and the rest of min_new_tokens."""
+        chunk = min(self.new_tokens_per_chunk, gconfig.max_new_tokens - len(answer.output_ids))
+        params = gconfig.sampling_params(max_new_tokens=chunk)
+        params["min_new_tokens"] = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
+        return params
+
+    @staticmethod
+    async def _finished(answer: _Answer) -> _Answer:
+        return answer
+
+    def _raise_if_final(self, e: Exception, qid: str, which: str, url: str) -> None:
+        """A 4xx answer: resending the same request cannot help."""
+        if isinstance(e, GenerationServerError) and not _retryable_status(e.status):
+            raise PartialRolloutError(
+                f"generation for qid {qid!r} ({which}) was refused by server {url} "
+                f"(HTTP {e.status}; resending cannot help): {e.message}"
+            ) from e
+
+    def _take(self, answer: _Answer, response: GenerateResult, request: GenerationRequest, url: str) -> bool:
+        """After a response's tokens were appended: whether the answer is
+        finished (and whether it ended by EOS); counts why it goes on."""
+        gconfig = request.gconfig
+        if response.finish_reason == "stop" or self._ends_with_eos(answer, gconfig):
+            answer.no_eos = False
+            return True
+        if len(answer.output_ids) >= gconfig.max_new_tokens:
+            answer.no_eos = True
+            return True
+        if response.aborted:
+            self.stats.interruptions += 1
+        elif response.finish_reason == "length":
+            self.stats.chunk_continuations += 1
+        else:
+            raise PartialRolloutError(
+                f"generation for qid {request.qid!r} on server {url}: unknown finish_reason {response.finish_reason!r}"
+            )
+        return False
+
+    async def _generate_answer(self, request: GenerationRequest, index: int, start: _Resume | None = None) -> _Answer:
+        gconfig = request.gconfig
+        start = start or _Resume(_Answer())
+        answer = start.answer
+        previous_url, previous_version = start.previous_url, start.previous_version
+        failed_url = start.failed_url  # where the previous attempt failed
+        failures = 1 if failed_url else 0
+        empty_aborts = uncounted = 0
+        avoid: list[str] = [failed_url] if failed_url else []  # servers that failed in the current run of failures
+        last_error = last_server_error = start.last_error  # why the last attempt failed; the last failure on a server
+        while True:
+            params = self._chunk_params(gconfig, answer)
             scheduled = await self._schedule(request.qid, previous_url, previous_version, avoid)
             if failed_url is not None:
                 if (scheduled.get("url") is not None and failed_url in (scheduled.get("down") or ())
@@ -319,15 +450,13 @@ class PartialRolloutManager:
             response = None
             try:
                 try:
-                    response = await self._generate_on(url, list(request.prompt_ids) + answer.output_ids, params, rid)
+                    response = await self._generate_on(url, self.client.generate(
+                        url, list(request.prompt_ids) + answer.output_ids, params, return_logprob=True, rid=rid,
+                        timeout_s=self.request_timeout))  # fmt: skip
                 finally:
                     await self._release(url, len(response.output_ids) if response is not None else 0)
             except (GenerationServerUnavailable, GenerationServerError) as e:
-                if isinstance(e, GenerationServerError) and not _retryable_status(e.status):
-                    raise PartialRolloutError(
-                        f"generation for qid {request.qid!r} (answer {index}) was refused by server {url} "
-                        f"(HTTP {e.status}; resending cannot help): {e.message}"
-                    ) from e
+                self._raise_if_final(e, request.qid, f"answer {index}", url)
                 # Counted now; not counted after all if the manager reports the server
                 # out of routing when it reschedules (see the module docstring).
                 failures += 1
@@ -351,14 +480,9 @@ class PartialRolloutManager:
             n_new = self._append(answer, response, version, request.qid, url)
             # Sticky next time: this server, as long as it still holds these weights.
             previous_url, previous_version = url, version
-            if response.finish_reason == "stop" or self._ends_with_eos(answer, gconfig):
-                answer.no_eos = False
-                return answer
-            if len(answer.output_ids) >= gconfig.max_new_tokens:
-                answer.no_eos = True
+            if self._take(answer, response, request, url):
                 return answer
             if response.aborted:
-                self.stats.interruptions += 1
                 empty_aborts = 0 if n_new else empty_aborts + 1
                 if empty_aborts > MAX_EMPTY_ABORTS:
                     raise PartialRolloutError(
@@ -367,13 +491,6 @@ class PartialRolloutManager:
                     )
                 if empty_aborts:  # e.g. a weight update in progress: do not hammer the server
                     await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
-            elif response.finish_reason == "length":
-                self.stats.chunk_continuations += 1
-            else:
-                raise PartialRolloutError(
-                    f"generation for qid {request.qid!r} (answer {index}) on server {url}: "
-                    f"unknown finish_reason {response.finish_reason!r}"
-                )
 
     def _ends_with_eos(self, answer: _Answer, gconfig: GenerationHyperparameters) -> bool:
         """Whether the answer's last token finishes it (the servers ban EOS and
@@ -397,37 +514,36 @@ class PartialRolloutManager:
         return n
 
     async def _schedule(
-        self, qid: str, previous_url: str | None, previous_version: int | None, avoid: list[str] | None = None
+        self, qid: str, previous_url: str | None, previous_version: int | None, avoid: list[str] | None = None,
+        n: int = 1,
     ) -> dict:
         """The manager's `schedule_request`, safe against cancellation: once the
         manager may have counted the request, the slot is released even if this
         answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
         kwargs = {"avoid_urls": list(avoid)} if avoid else {}
-        call = asyncio.ensure_future(self.manager.schedule_request(qid, 1, previous_url, previous_version, **kwargs))
+        call = asyncio.ensure_future(self.manager.schedule_request(qid, n, previous_url, previous_version, **kwargs))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             try:
                 scheduled = await call
                 if scheduled.get("url") is not None:
-                    await self._release(str(scheduled["url"]))
+                    await self._release(str(scheduled["url"]), n=n)
             except Exception:  # the manager never answered: nothing was counted for us
                 pass
             raise
 
-    async def _generate_on(self, url: str, input_ids: list[int], params: dict, rid: str) -> GenerateResult:
-        """`/generate` on `url`, abandoned (GenerationServerUnavailable) as
-        soon as the manager takes the server out of routing, e.g. because it
-        stopped answering: its answer is then resubmitted elsewhere."""
+    async def _generate_on(self, url: str, call: Coroutine[Any, Any, _T]) -> _T:
+        """A `/generate` `call` on `url`, abandoned (GenerationServerUnavailable)
+        as soon as the manager takes the server out of routing, e.g. because it
+        stopped answering: its answers are then resubmitted elsewhere."""
         gone = self._gone.get(url)
         if gone is None or gone.is_set():  # the manager just routed us here: it is up now
             gone = self._gone[url] = asyncio.Event()
         self._in_flight[url] += 1
         if self._watch_task is None or self._watch_task.done():
             self._watch_task = asyncio.get_running_loop().create_task(self._watch_servers())
-        generate = asyncio.ensure_future(
-            self.client.generate(url, input_ids, params, return_logprob=True, rid=rid, timeout_s=self.request_timeout)
-        )
+        generate = asyncio.ensure_future(call)
         abandoned = asyncio.ensure_future(gone.wait())
         try:
             done, _ = await asyncio.wait({generate, abandoned}, return_when=asyncio.FIRST_COMPLETED)
@@ -459,11 +575,11 @@ class PartialRolloutManager:
                 if gone is not None and server.get("state") in ("down", "retired") and self._in_flight[server["url"]]:
                     gone.set()
 
-    async def _release(self, url: str, n_tokens: int = 0) -> None:
-        # One quick attempt: an in-flight count that is off by one only skews
+    async def _release(self, url: str, n_tokens: int = 0, n: int = 1) -> None:
+        # One quick attempt: an in-flight count that is off by a few only skews
         # routing, and teardown (cancellation) must not wait on retries.
         try:
-            await self.manager.release_request(url, 1, retries=0, n_tokens=n_tokens)
+            await self.manager.release_request(url, n, retries=0, n_tokens=n_tokens)
         except ManagerError as e:
             logger.warning("could not release a request on %s: %s", url, e)
 

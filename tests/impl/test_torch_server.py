@@ -172,6 +172,28 @@ def test_batched_input_and_zero_tokens(shared_server):
     assert zero.output_ids == [] and zero.finish_reason == "length"
 
 
+def test_a_group_shares_one_prefill_and_samples_independently(shared_server, reference_model):
+    """A batched request of one prompt n times (a GRPO group, as the rollout
+    worker sends it) prefills the prompt once; every answer is still sampled
+    on its own and its logprobs are those of a fresh forward pass."""
+    n, prompt, temperature = 6, PROMPTS[3], 1.0
+    params = {"max_new_tokens": 12, "temperature": temperature, "ignore_eos": True}
+    before = get_json(shared_server.url, "/get_server_info")["stats"]
+    results = run(_with_client(lambda c: c.generate_batch(shared_server.url, [prompt] * n, params,
+                                                            rids=[f"group/{i}" for i in range(n)])))  # fmt: skip
+    after = get_json(shared_server.url, "/get_server_info")["stats"]
+    assert after["prompt_tokens_shared"] - before["prompt_tokens_shared"] == (n - 1) * len(prompt)
+    assert len({tuple(r.output_ids) for r in results}) > 1  # not n copies of one sample
+    for res in results:
+        assert len(res.output_ids) == 12 and res.rid is not None
+        expected = forward_logprobs(reference_model, prompt, res.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-4, rtol=0)
+    greedy = run(_with_client(lambda c: c.generate_batch(
+        shared_server.url, [PROMPTS[1], PROMPTS[2], PROMPTS[1]], {"max_new_tokens": 10, "temperature": 0})))
+    assert greedy[0].output_ids == greedy[2].output_ids == hf_greedy(reference_model, PROMPTS[1], 10)
+    assert greedy[1].output_ids == hf_greedy(reference_model, PROMPTS[2], 10)
+
+
 def test_stop_token_ids_and_min_new_tokens(shared_server, reference_model):
     prompt = PROMPTS[1]
     free = hf_greedy(reference_model, prompt, 30, ignore_eos=True)

@@ -180,7 +180,7 @@ class ObservedManagerClient(GserverManagerClient):
 
     async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None):
         reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls)
-        self.scheduled.append({"qid": qid, "previous_server_url": previous_server_url,
+        self.scheduled.append({"qid": qid, "n": n, "previous_server_url": previous_server_url,
                                "previous_version": previous_version, **reply})  # fmt: skip
         return reply
 
@@ -234,15 +234,21 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
             assert traj.version_start[i] == traj.version_end[i] == 0
     assert n_no_eos > 0  # the random model rarely emits eos in 9 tokens
     assert stats["interruptions"] == 0 and stats["retries"] == 0
+    # A group's answers are generated together: one batched request per round
+    # for the answers not finished yet.
+    first = [s for s in scheduled if s["previous_server_url"] is None]
+    assert len(first) == len(records) and all(s["n"] == group_size for s in first)
+    assert stats["server_requests"] == len(scheduled)
     if chunk == 2:
-        # an answer that used the whole budget took ceil(9 / 2) = 5 requests
+        # an answer that used the whole budget took ceil(9 / 2) = 5 chunks
         assert stats["chunk_continuations"] >= 4 * n_no_eos
         continued = [s for s in scheduled if s["previous_server_url"] is not None]
-        assert len(continued) == stats["chunk_continuations"]
+        assert sum(s["n"] for s in continued) == stats["chunk_continuations"]
+        assert len(continued) <= 4 * len(records)  # at most 4 more rounds per group
         assert all(s["url"] == s["previous_server_url"] == trial.server_url and s["previous_version"] == 0
                    for s in continued)  # fmt: skip
     else:
-        assert stats["chunk_continuations"] == 0 and stats["server_requests"] == len(records) * group_size
+        assert stats["chunk_continuations"] == 0 and stats["server_requests"] == len(records)
     assert set(manager_stats(trial.manager_url)["server_in_flight"].values()) == {0}  # every request released
 
 
@@ -284,7 +290,7 @@ def test_chunk_ending_on_a_stop_token_finishes_the_answer(tiny_kit, reference_mo
         out = result.output_ids[i]
         assert out[: k - 1] == [f] * (k - 1) and out[-1] != f and len(out) == k, out
         assert not result.no_eos[i]
-    assert stats["server_requests"] == group_size and stats["chunk_continuations"] == 0
+    assert stats["server_requests"] == 1 and stats["chunk_continuations"] == 0  # one batched request
     after = server_finishes(trial.server_url)  # the server reported length for each (SGLang's order)
     assert (after["length"] - before["length"], after["stop"] - before["stop"]) == (group_size, 0)
 
@@ -359,7 +365,7 @@ def test_weight_update_interrupts_and_resumes_without_losing_tokens(tiny_kit, re
     # The resubmissions were sticky: the manager still holds version 0 for the
     # server (it did not drive this update), so it kept them on the same server.
     resumed = [s for s in scheduled if s["previous_server_url"] is not None]
-    assert len(resumed) == group_size
+    assert sum(s["n"] for s in resumed) == group_size  # (resumed together, in one batched request)
     assert all(s["previous_version"] == 0 and s["url"] == url for s in resumed)
 
 

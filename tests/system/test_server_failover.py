@@ -89,23 +89,25 @@ def manager_servers(url: str) -> dict:
 
 
 def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, etcd_server, tiny_kit):
-    """No retry at all is allowed, and half the answers are first routed to a
-    server that is gone: each is resubmitted to the live one, because the
-    manager, probing the server the client names, reports it out of routing."""
+    """No retry at all is allowed, and one of two groups is first routed to a
+    server that is gone: each of its answers is resubmitted to the live one,
+    because the manager, probing the server the client names, reports it out
+    of routing."""
     fake = HealthOnlyServer()
     # No periodic health check during the test: only the clients' reports take the server out.
     t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=3600)
     try:
         fake.stop()
-        request = GenerationRequest("dead-1", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+        requests = [GenerationRequest(f"dead-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+                    for i in range(2)]  # fmt: skip
 
         async def go(prm, manager):
-            result = await prm.generate(request)
-            return result, prm.stats.pop(), manager.scheduled
+            results = await asyncio.gather(*(prm.generate(r) for r in requests))
+            return results, prm.stats.pop(), manager.scheduled
 
-        result, stats, scheduled = asyncio.run(with_prm(t.manager_url, go, request_retries=0, retry_backoff_s=0.01))
-        assert [len(o) for o in result.output_ids] == [4] * 4
-        assert any(s["url"] == fake.url for s in scheduled)  # some answers went to the dead server first
+        results, stats, scheduled = asyncio.run(with_prm(t.manager_url, go, request_retries=0, retry_backoff_s=0.01))
+        assert [[len(o) for o in result.output_ids] for result in results] == [[4] * 4] * 2
+        assert any(s["url"] == fake.url for s in scheduled)  # a group went to the dead server first
         assert stats["server_losses"] >= 1 and stats["server_losses"] == stats["retries"]
         servers = manager_servers(t.manager_url)
         assert servers[fake.url]["state"] == "down" and servers[t.server_url]["state"] == "up"
@@ -124,18 +126,20 @@ def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etc
                          health_check_timeout=0.5, health_check_failures=2)  # fmt: skip
     try:
         fake.hanging.set()
-        request = GenerationRequest("hang-1", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+        # Two groups: the manager routes the second to the hanging server.
+        requests = [GenerationRequest(f"hang-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+                    for i in range(2)]  # fmt: skip
 
         async def go(prm, manager):
             t0 = asyncio.get_running_loop().time()
-            result = await prm.generate(request)
-            return result, prm.stats.pop(), manager.scheduled, asyncio.get_running_loop().time() - t0
+            results = await asyncio.gather(*(prm.generate(r) for r in requests))
+            return results, prm.stats.pop(), manager.scheduled, asyncio.get_running_loop().time() - t0
 
-        result, stats, scheduled, elapsed = asyncio.run(
+        results, stats, scheduled, elapsed = asyncio.run(
             with_prm(t.manager_url, go, request_retries=1, retry_backoff_s=0.01, request_timeout=600,
                      server_watch_interval=0.2)  # fmt: skip
         )
-        assert [len(o) for o in result.output_ids] == [4] * 4
+        assert [[len(o) for o in result.output_ids] for result in results] == [[4] * 4] * 2
         assert elapsed < 120  # abandoned when the manager took the server out, not at the 600 s timeout
         if any(s["url"] == fake.url for s in scheduled):  # (the first health checks may have been faster)
             assert stats["server_losses"] >= 1

@@ -206,6 +206,31 @@ class GenerationClient:
             raise GenerationServerError(200, f"unexpected /generate response: {str(body)[:200]}", url)
         return GenerateResult.from_response(body)
 
+    async def generate_batch(
+        self,
+        url: str,
+        input_ids: list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]],
+        return_logprob: bool = True,
+        rids: list[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[GenerateResult]:
+        """One batched `/generate` (SGLang's list-of-prompts form): one result
+        per prompt, in order; the response comes when every prompt is done.
+        `sampling_params`: one dict for all, or one per prompt."""
+        payload: dict[str, Any] = {
+            "input_ids": [list(p) for p in input_ids],
+            "sampling_params": ([dict(p) for p in sampling_params] if isinstance(sampling_params, list)
+                                else dict(sampling_params)),  # fmt: skip
+            "return_logprob": return_logprob,
+        }
+        if rids is not None:
+            payload["rid"] = list(rids)
+        body = await self._request("POST", url, "/generate", payload, timeout_s)
+        if not isinstance(body, list) or len(body) != len(input_ids) or not all(isinstance(b, dict) for b in body):
+            raise GenerationServerError(200, f"unexpected batched /generate response: {str(body)[:200]}", url)
+        return [GenerateResult.from_response(b) for b in body]
+
     # ---- control
 
     async def update_weights_from_disk(

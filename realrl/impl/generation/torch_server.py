@@ -63,9 +63,11 @@ Finished rows leave at once (their HTTP response is sent immediately): the last
 rows move into their slots with one indexed copy per layer, and leading columns
 that became padding in every row drop out of the window. Buffers are
 re-allocated only when rows or columns run out. Decode steps pass a ready 4D
-boolean mask, so HF builds no mask per step. Sampling is vectorised over the
-batch with per-row temperature / top-p / top-k / min-p tensors and a per-server
-`torch.Generator` seeded from `--seed`.
+boolean mask, so HF builds no mask per step. Identical prompts prefilled
+together (the answers of one GRPO group) are computed once and their rows
+copied. Sampling is vectorised over the batch with per-row temperature /
+top-p / top-k / min-p tensors and a per-server `torch.Generator` seeded from
+`--seed`.
 
 **Weight updates.** `update_weights_from_disk` reads the safetensors of an HF
 directory (single file or sharded with an index) on a helper thread and checks
@@ -742,6 +744,7 @@ class GenerationEngine:
             "finish_length": 0,
             "finish_abort": 0,
             "prompt_tokens": 0,
+            "prompt_tokens_shared": 0,  # prompt tokens not computed again: same prompt in one prefill
             "generated_tokens": 0,
             "prefill_batches": 0,
             "decode_steps": 0,
@@ -1082,14 +1085,19 @@ class GenerationEngine:
         """One forward over the group's prompts (left-padded); samples each first
         token; returns the rows that go on with their keys/values and mask."""
         self.stats["prefill_batches"] += 1
-        prompts = [r.input_ids for r in group]
+        # Identical prompts (a GRPO group's answers) are computed once; their
+        # rows are copied out of the one forward (`source`: request -> row).
+        unique: dict[tuple[int, ...], int] = {}
+        source = [unique.setdefault(tuple(r.input_ids), len(unique)) for r in group]
+        prompts = list(unique)
         length = max(len(p) for p in prompts)
-        ids = torch.zeros((len(group), length), dtype=torch.long)
-        mask = torch.zeros((len(group), length), dtype=torch.bool)
+        ids = torch.zeros((len(prompts), length), dtype=torch.long)
+        mask = torch.zeros((len(prompts), length), dtype=torch.bool)
         for i, p in enumerate(prompts):
             ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, length - len(p) :] = True
-            self.stats["prompt_tokens"] += len(p)
+        self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in group)
+        self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.config)
@@ -1102,12 +1110,14 @@ class GenerationEngine:
             logits_to_keep=1,
         )
         params = _RowParams.from_requests(group, self.device)
-        tokens, logprobs = sample_tokens(out.logits[:, -1, :], params, self._generator, self._banned(group))
+        source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
+        last_logits = out.logits[:, -1, :].index_select(0, source_rows)
+        tokens, logprobs = sample_tokens(last_logits, params, self._generator, self._banned(group))
         done = set(self._record(group, tokens.tolist(), logprobs.tolist()))
         keep = [i for i in range(len(group)) if i not in done]
         if not keep:
             return None
-        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        rows = source_rows[torch.tensor(keep, dtype=torch.long, device=self.device)]
         kv = [(layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in cache.layers]
         row_mask = mask.index_select(0, rows)
         first = int(row_mask.any(dim=0).int().argmax())
