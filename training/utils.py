@@ -313,12 +313,13 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         final_model_dir=paths.final_model_dir,
         wandb=cfg.stats.wandb,
     )
+    train_threads = trainer_threads(cfg, alloc)
     model_worker = ModelWorkerConfig(
         model_path=model_path,
         tokenizer_path=model_path,
         dtype=cfg.model.dtype,
         device=cfg.train.device,
-        num_threads=cfg.train.num_threads,
+        num_threads=train_threads,
         fsdp=cfg.train.fsdp,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         seed=cfg.seed,
@@ -392,8 +393,8 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
     groups = [
         WorkerGroup("master_worker", 1, master, env=threads(1), cpus_per_worker=0),
-        WorkerGroup("model_worker", n_train, model_worker, env=threads(cfg.train.num_threads), env_per_index=train_gpus,
-                    cpus_per_worker=cfg.train.num_threads, gpus_per_worker=int(cfg.train.device == "cuda")),
+        WorkerGroup("model_worker", n_train, model_worker, env=threads(train_threads), env_per_index=train_gpus,
+                    cpus_per_worker=train_threads, gpus_per_worker=int(cfg.train.device == "cuda")),
         WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads),
                     env_per_index=gen_gpus, cpus_per_worker=cfg.server.torch.num_threads,
                     gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0, restarts=cfg.server.max_restarts),
@@ -401,6 +402,21 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1), restarts=rollout.max_restarts),
     ]  # fmt: skip
     return Experiment(groups, paths, model_path, train_path, test_path)
+
+
+def trainer_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:
+    """torch CPU threads per model worker: `train.num_threads`, or with 0
+    (auto) in local mode the cores this process may use that the CPU
+    generation servers' threads leave, shared by the trainers (at least 1).
+    On a cluster the nodes are not visible from here: auto is 1 there."""
+    if cfg.train.num_threads:
+        return cfg.train.num_threads
+    if cfg.mode != "local":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gen_on_cpu = alloc.gen_backend != "sglang" and cfg.server.torch.device == "cpu"
+    gen_threads = cfg.server.torch.num_threads * alloc.gen.dp if gen_on_cpu else 0
+    return max(1, (cores - gen_threads) // alloc.train.dp)
 
 
 def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], list[dict]]:

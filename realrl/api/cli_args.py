@@ -166,7 +166,9 @@ class ServerConfig:
 @dataclasses.dataclass
 class TrainConfig:
     device: str = "cpu"  # cpu | cuda
-    num_threads: int = 1  # torch CPU threads per model worker
+    # torch CPU threads per model worker; 0 = auto: in local mode the cores the
+    # CPU generation servers' threads leave, shared by the trainers (>= 1)
+    num_threads: int = 0
     fsdp: bool = False  # shard params/grads/optimizer across data-parallel ranks (CUDA)
 
 
@@ -428,7 +430,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
 
     _check(cfg.train.device in ("cpu", "cuda"), "train.device", f"must be cpu|cuda, got {cfg.train.device!r}")
     _check(not cfg.train.fsdp or cfg.train.device == "cuda", "train.fsdp", "needs train.device=cuda")
-    _check(cfg.train.num_threads >= 1, "train.num_threads", "must be >= 1")
+    _check(cfg.train.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = auto)")
     s, ts, sg = cfg.server, cfg.server.torch, cfg.server.sglang
     _check(ts.device in ("cpu", "cuda"), "server.torch.device", f"must be cpu|cuda, got {ts.device!r}")
     _check(ts.dtype in TORCH_DTYPES, "server.torch.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}")

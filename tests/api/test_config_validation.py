@@ -166,3 +166,20 @@ def test_sglang_missing_is_an_allocation_mode_error(tmp_path):
     cfg = config(tmp_path, "allocation_mode=sglang.d1p1m1+d1p1m1")
     with pytest.raises(ConfigError, match="^allocation_mode: .*sglang"):
         check_environment(cfg, validate(cfg))
+
+
+def test_trainer_threads_auto_takes_the_cores_generation_leaves(tmp_path):
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}"]
+    cores = len(os.sched_getaffinity(0))
+
+    def trainer(*overrides):
+        groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, *overrides)).groups}
+        group = groups["model_worker"]
+        assert group.env["OMP_NUM_THREADS"] == str(group.config.num_threads)  # one pool size for both
+        return group.config.num_threads
+
+    assert trainer() == max(1, cores - 1)  # one generation server on one CPU thread
+    assert trainer("server.torch.num_threads=64") == 1  # never below one
+    assert trainer("train.num_threads=3") == 3  # an explicit count wins
+    assert trainer("allocation_mode=torch.d1p1m1+d2p1m1", "ppo.train_batch_size=2") == max(1, (cores - 1) // 2)
