@@ -36,15 +36,41 @@ class Trial:
         with open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
-    def wait_for_step(self, step: int, timeout: float = 600) -> None:
-        path = os.path.join(self.log_dir, "stats.jsonl")
+    def wait_for(self, what: str, predicate, timeout: float = 600):
+        """The first true value of `predicate()`, polled while the trial runs."""
         deadline = time.monotonic() + timeout
         while True:
-            assert self.proc.poll() is None, f"the trial ended early:\n{self.console()[-3000:]}"
-            assert time.monotonic() < deadline, f"the trial never reached step {step}"  # a hang guard
-            if os.path.exists(path) and any(json.loads(line).get("step", 0) >= step for line in open(path)):
-                return
-            time.sleep(0.2)
+            value = predicate()
+            if value:
+                return value
+            assert self.proc.poll() is None, f"the trial ended before {what}:\n{self.console()[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"  # a hang guard
+            time.sleep(0.1)
+
+    def wait_for_step(self, step: int, timeout: float = 600) -> None:
+        path = os.path.join(self.log_dir, "stats.jsonl")
+        self.wait_for(f"step {step}", lambda: os.path.exists(path) and any(
+            json.loads(line).get("step", 0) >= step for line in open(path)), timeout)  # fmt: skip
+
+    def log(self, tag: str) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{tag}.log"), errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def wait_for_log(self, tag: str, pattern: str, start: int = 0) -> re.Match:
+        return self.wait_for(f"{pattern!r} in {tag}.log", lambda: re.search(pattern, self.log(tag)[start:]))
+
+    def worker(self, tag: str) -> psutil.Process:
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            if f"specs/{tag}.json" in " ".join(p.cmdline()):
+                return p
+        raise AssertionError(f"no process of {tag}")
+
+    def summary(self) -> dict:
+        with open(os.path.join(self.log_dir, "summary.json")) as f:
+            return json.load(f)
 
     def workers(self) -> dict[str, psutil.Process]:
         """tag (e.g. 'model_worker-0') -> its process."""

@@ -23,77 +23,9 @@ import time
 
 import psutil
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.e2e.test_faults import REPO, Trial
+
 EXP = "async-ppo-tiny"
-
-
-class Trial:
-    """`main_async_ppo.py` in its own process group, stdout and stderr merged."""
-
-    def __init__(self, tmp_path, kit_cache, trial: str, *overrides: str):
-        self.name = trial
-        self.log_dir = os.path.join(tmp_path, "logs", EXP, trial)
-        args = [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), f"fileroot={tmp_path}",
-                f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "heartbeat_ttl=3", "eval.every_n_steps=0",
-                "eval.max_prompts=32", "saver.save_final_model=false", *overrides]  # fmt: skip
-        self.out_path = os.path.join(tmp_path, f"{trial}.console")
-        with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-
-    def wait_for(self, what: str, predicate, timeout: float = 600):
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            assert self.proc.poll() is None, f"the trial ended before {what}:\n{self.console()[-3000:]}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"  # a hang guard
-            time.sleep(0.1)
-
-    def wait_for_step(self, step: int) -> None:
-        path = os.path.join(self.log_dir, "stats.jsonl")
-        self.wait_for(f"step {step}", lambda: os.path.exists(path) and any(
-            json.loads(line).get("step", 0) >= step for line in open(path)))  # fmt: skip
-
-    def log(self, tag: str) -> str:
-        try:
-            with open(os.path.join(self.log_dir, f"{tag}.log"), errors="replace") as f:
-                return f.read()
-        except FileNotFoundError:
-            return ""
-
-    def wait_for_log(self, tag: str, pattern: str, start: int = 0) -> re.Match:
-        return self.wait_for(f"{pattern!r} in {tag}.log", lambda: re.search(pattern, self.log(tag)[start:]))
-
-    def worker(self, tag: str) -> psutil.Process:
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            if f"specs/{tag}.json" in " ".join(p.cmdline()):
-                return p
-        raise AssertionError(f"no process of {tag}")
-
-    def wait(self, timeout: float = 900) -> int:
-        return self.proc.wait(timeout=timeout)  # a hang guard, not a performance threshold
-
-    def console(self) -> str:
-        with open(self.out_path, errors="replace") as f:
-            return f.read()
-
-    def kill(self) -> None:
-        try:
-            descendants = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            descendants = []
-        for p in [self.proc, *descendants]:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.wait()
-        psutil.wait_procs(descendants, timeout=10)
-
-    def summary(self) -> dict:
-        with open(os.path.join(self.log_dir, "summary.json")) as f:
-            return json.load(f)
 
 
 def gone(pid: int) -> bool:
@@ -112,7 +44,7 @@ def check_trained_and_accounted(summary: dict, steps: int, eta: int) -> None:
 
 def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path, kit_cache):
     steps, eta = 60, 2
-    trial = Trial(tmp_path, kit_cache, "chaos", "allocation_mode=torch.d2p1m1+d1p1m1", f"total_train_steps={steps}",
+    trial = Trial(tmp_path, kit_cache, "chaos", "eval.max_prompts=32", "allocation_mode=torch.d2p1m1+d1p1m1", f"total_train_steps={steps}",
                   f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
     timings = {}
     try:
@@ -150,7 +82,7 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
         rollout.kill()
         trial.wait_for_log("rollout_worker-0", r"took over from a failed rollout worker 0", mark)
         timings["rollout worker: kill -> taken over"] = time.monotonic() - t0
-        code = trial.wait()
+        code = trial.wait(timeout=900)
     finally:
         trial.kill()
     print(f"\nchaos timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
@@ -172,7 +104,7 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
 
 def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cache):
     steps, eta = 40, 2
-    trial = Trial(tmp_path, kit_cache, "add", "allocation_mode=torch.d1p1m1+d1p1m1", f"total_train_steps={steps}",
+    trial = Trial(tmp_path, kit_cache, "add", "eval.max_prompts=32", "allocation_mode=torch.d1p1m1+d1p1m1", f"total_train_steps={steps}",
                   f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
     pid = None
     try:
@@ -184,7 +116,7 @@ def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cac
         assert added.returncode == 0, added.stdout + added.stderr
         print(f"\nadd-server: in routing {time.monotonic() - t0:.1f}s after the command started")
         assert re.search(r"generation_server 1 at \S+ is in routing at weight version \d+", added.stdout), added.stdout
-        code = trial.wait()
+        code = trial.wait(timeout=900)
         # The added worker ends with the trial, by itself.
         deadline = time.monotonic() + 60
         while not gone(pid) and time.monotonic() < deadline:
