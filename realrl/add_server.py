@@ -42,13 +42,9 @@ from realrl.base.process import log_tail, signal_tree
 WORKER_TYPE = "generation_server"
 
 
-class UsageError(ValueError):
-    pass
-
-
 def parse_args(argv: list[str]) -> tuple[list[str], list[str], str, float | None]:
     """(positional names, KEY=VALUE overrides, config name, timeout)."""
-    from realrl.cli import parse_trial_args
+    from realrl.cli import UsageError, parse_trial_args
 
     positional, overrides, options = parse_trial_args(argv, __doc__, valued=("--timeout",))
     timeout = options["--timeout"]
@@ -105,7 +101,7 @@ def add_server_main(argv: list[str]) -> int:
     try:
         positional, overrides, config_name, timeout = parse_args(argv)
         settings, exp, trial, run_dir, log_dir = resolve_trial(positional, overrides, config_name)
-    except (UsageError, ValueError) as e:  # ConfigError is a ValueError
+    except ValueError as e:  # UsageError and ConfigError are ValueErrors
         print(f"realrl add-server: {e}", file=sys.stderr)
         return 2
     fileroot = os.path.abspath(settings["fileroot"])
