@@ -18,8 +18,9 @@ process. Each step:
    (128 rows, sampling at the run's temperature, no top-k / top-p), whose
    logits give the behaviour logprobs;
 2. `SequenceBatch.from_trajectories`, `PPOTrainer.inference` (proximal
-   logprobs, as the decoupled loss does; `--no-prox-recompute` skips it and
-   uses the behaviour logprobs, which on-policy are the same numbers) and
+   logprobs as the decoupled loss takes them: with one minibatch, from the
+   train forward itself; `--no-prox-recompute` skips it and uses the
+   behaviour logprobs, which on-policy are the same numbers) and
    `PPOTrainer.train_step`, built as realrl/system/model_worker.py builds them.
 
 torch runs on all cores (torch.set_num_threads(os.cpu_count())). Every
@@ -399,7 +400,7 @@ def main() -> None:
           f"{cfg.ppo.train_batch_size} prompts x {cfg.ppo.group_size} answers, {cfg.rollout.gconfig.max_new_tokens} new "
           f"tokens; in-process torch threads {inproc['threads']} of {os.cpu_count()} cores "
           f"(OMP_WAIT_POLICY {inproc['omp_wait_policy']}), proximal logprobs "
-          f"{'recomputed' if inproc['prox_recompute'] else 'taken from behaviour'}")  # fmt: skip
+          f"{'as the trainer takes them (PPOTrainer.inference)' if inproc['prox_recompute'] else 'taken from behaviour'}")  # fmt: skip
     print(f"{'side':<11}{'steps/min':>10}{'train s':>9}{'command s':>10}{'to ' + format(args.target, '.2f') + ' (s @ step)':>22}"
           f"  eval accuracy")  # fmt: skip
     for name, r in (("realrl", realrl), ("in-process", inproc)):
