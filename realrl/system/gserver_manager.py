@@ -4,7 +4,9 @@ One manager per trial sits between the rollout workers and the generation
 servers. It serves this HTTP API (the contract with the rollout side; JSON,
 127.0.0.1 in local mode, base URL under `names.gen_server_manager`):
 
-    POST /allocate_rollout {"rollout_id", "qid"}            -> {"success", "reason", "version"}
+    POST /allocate_rollout {"rollout_id", "qid", "wait_s"=0} -> {"success", "reason", "version"}
+                                                               (refused: waits up to wait_s, at most
+                                                               MAX_ALLOCATE_WAIT_S, for admission to open)
     POST /finish_rollout   {"rollout_id", "n_trajectories", "n_tokens"} -> {"success": true}
     POST /reset_rollout_worker {"worker_index"}             -> {"qids", "furthest"}  (its earlier process's running
                                                                rollouts, released; the furthest [epoch, position] it got admitted)
@@ -94,6 +96,7 @@ STATS_LOG_INTERVAL_S = 5.0  # stats line (when something changed) and refusal su
 STATS_LOG_IDLE_INTERVAL_S = 60.0  # stats line even when nothing changed
 SERVER_HEALTH_TIMEOUT_S = 120.0
 REGISTRY_POLL_S = 1.0  # seconds between reads of the generation server registry
+MAX_ALLOCATE_WAIT_S = 10.0  # the longest allocate_rollout long poll a client may ask for
 AVOID_PROBE_WAIT_S = 1.0  # a schedule_request naming failed servers waits this long at most for their probes
 _BAD_REQUESTS_LOGGED = 20  # then every 1000th
 # Request bodies are flat JSON objects of a few fields.
@@ -501,6 +504,9 @@ class GserverManager(AsyncWorker):
         self.router: RequestRouter | None = None
         self.bad_requests = 0
         self._refusals: collections.Counter[str] = collections.Counter()
+        # Set (and replaced) whenever admission may have opened: waiting allocations try again.
+        self._admission_changed = asyncio.Event()
+        self._admission_state: tuple = ()
         self._last_refusal = ""
         self._update_task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
@@ -621,6 +627,11 @@ class GserverManager(AsyncWorker):
                 self._update_task = asyncio.create_task(self._update_weights(self.controller.trainer_version))
         await self._poll_servers(now)
         self._sync_admission_version()
+        c = self.controller
+        state = (c.version, c.dropped, c.started, c.stopped)
+        if state != self._admission_state:
+            self._admission_state = state
+            self._wake_allocations()
         self._log_refusals(now)
         self._log_stats()
         return IDLE
@@ -951,14 +962,37 @@ class GserverManager(AsyncWorker):
 
         return wrapped
 
-    def _allocate_rollout(self, body: dict) -> dict:
+    async def _allocate_rollout(self, body: dict) -> dict:
+        """A long poll: a refused allocation with `wait_s` > 0 is tried again
+        whenever admission may have opened (a new version, a finished,
+        dropped or released rollout), until `wait_s` has passed. The rollout
+        worker thus starts the next rollout as soon as it may, without
+        polling; a repeated call for the same id admits nothing new."""
         rollout_id = _nonempty(body, "rollout_id")
         qid = _qid(body)
+        wait_s = _field(body, "wait_s", (int, float), required=False, default=0)
+        if not 0 <= wait_s <= MAX_ALLOCATE_WAIT_S:
+            raise BadRequest(f"field 'wait_s' must be in [0, {MAX_ALLOCATE_WAIT_S}], got {wait_s}")
+        deadline = time.monotonic() + wait_s
         ok, reason = self.controller.allocate(rollout_id, qid)
+        while not ok and not self.controller.stopped:
+            changed = self._admission_changed
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+            ok, reason = self.controller.allocate(rollout_id, qid)
         if not ok:
             self._refusals[reason.split(":")[0].split(" (")[0]] += 1
             self._last_refusal = reason
         return {"success": ok, "reason": reason, "version": self.controller.version}
+
+    def _wake_allocations(self) -> None:
+        self._admission_changed.set()
+        self._admission_changed = asyncio.Event()
 
     def _reset_rollout_worker(self, body: dict) -> dict:
         """A rollout worker (re)starting: its earlier process's running
@@ -966,6 +1000,7 @@ class GserverManager(AsyncWorker):
         the new process, which generates them again."""
         index = _count(body, "worker_index", minimum=0, default=None)
         qids, furthest = self.controller.release_worker(index)
+        self._wake_allocations()
         if qids:
             self.logger.warning("rollout worker %d restarted: %d running rollouts released, to be generated again",
                                 index, len(qids))  # fmt: skip
@@ -979,6 +1014,7 @@ class GserverManager(AsyncWorker):
             self.controller.finish(rollout_id, n_trajectories, n_tokens)
         except KeyError as e:
             raise BadRequest(str(e.args[0])) from None
+        self._wake_allocations()
         return {"success": True}
 
     async def _schedule_request(self, body: dict) -> dict:
@@ -1024,6 +1060,7 @@ class GserverManager(AsyncWorker):
         if not self.controller.stopped:
             self.logger.info("rollouts stopped: every later allocate_rollout is refused")
         self.controller.stop()
+        self._wake_allocations()
         return {"success": True}
 
     def _get_model_version(self, body: dict) -> dict:

@@ -156,8 +156,11 @@ class GserverManagerClient:
 
     # allocate/finish change the manager's state and are retried: the caller's
     # `rollout_id` (unique per episode) makes a repeated call a no-op there.
-    async def allocate_rollout(self, rollout_id: str, qid: str) -> dict:
-        return await self.call("POST", "/allocate_rollout", {"rollout_id": rollout_id, "qid": qid})
+    async def allocate_rollout(self, rollout_id: str, qid: str, wait_s: float = 0.0) -> dict:
+        """`wait_s`: when refused, the manager waits up to that long for
+        admission to open before answering (a long poll)."""
+        payload = {"rollout_id": rollout_id, "qid": qid, **({"wait_s": wait_s} if wait_s else {})}
+        return await self.call("POST", "/allocate_rollout", payload)
 
     async def finish_rollout(self, rollout_id: str, n_trajectories: int, n_tokens: int) -> dict:
         payload = {"rollout_id": rollout_id, "n_trajectories": n_trajectories, "n_tokens": n_tokens}

@@ -6,9 +6,10 @@ Each rollout worker owns a shard of the prompt data set
 
 1. the next prompt (epochs in a per-epoch shuffle seeded by (seed,
    worker_index, epoch); the episode qid is `"<query_id>@<epoch>"`, unique
-   across epochs) is offered to the GserverManager (`/allocate_rollout`); a
-   refusal (staleness bound, concurrency cap, rollouts stopped) keeps the
-   prompt for the next try after a short, growing back-off (allocate and finish
+   across epochs) is offered to the GserverManager (`/allocate_rollout`, a
+   long poll: the manager holds a refused call up to ALLOCATE_WAIT_S for
+   admission to open); a refusal (staleness bound, concurrency cap, rollouts
+   stopped) keeps the prompt for the next try after a short, growing back-off (allocate and finish
    carry the episode's `rollout_id`, so the manager ignores a retried call);
 2. an admitted episode runs `agent.run_episode(record, env, partial_rollout)`
    against a fresh environment: every `self.generate(...)` of the agent
@@ -59,7 +60,11 @@ from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 STATS_INTERVAL_S = 10.0
 CURSOR_AHEAD = 32  # prompts the published data cursor runs ahead of the real one
 PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
-REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after a refused allocation
+# An allocation the manager refuses waits there up to this long for admission
+# to open (a new weight version, a finished rollout): the next rollout starts
+# as soon as it may, with no polling. Short, so the loop still reaps episodes.
+ALLOCATE_WAIT_S = 1.0
+REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after an allocation that stayed refused
 MANAGER_CALL_TIMEOUT_S = 30.0
 # How long set-up waits for the manager's URL and the trainer's puller (both
 # appear only once servers / model workers have loaded their models).
@@ -317,7 +322,8 @@ class RolloutWorker(AsyncWorker):
             if self._pending is None:
                 self._pending = self._next_prompt()
             record = self._pending
-            reply = await self.manager.allocate_rollout(record.metadata["rollout_id"], record.qid)
+            reply = await self.manager.allocate_rollout(record.metadata["rollout_id"], record.qid,
+                                                        wait_s=ALLOCATE_WAIT_S)  # fmt: skip
             if not reply.get("success"):
                 reason = str(reply.get("reason") or "unknown")
                 self.refusals[_reason_kind(reason)] += 1

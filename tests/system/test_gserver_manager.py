@@ -408,6 +408,50 @@ def test_admission_with_concurrent_clients(tmp_path, etcd_server, shared_server,
         trial.close()
 
 
+def test_a_refused_allocation_waits_for_admission_to_open(tmp_path, etcd_server, shared_server, tiny_model):
+    """allocate_rollout with wait_s is a long poll: refused, it is held until
+    admission opens (a rollout's budget given back, a new version the server
+    holds) and then admits; with nothing changing it answers the refusal when
+    wait_s has passed; a bad wait_s is a 400."""
+    from realrl.system.model_worker import publish_weights
+
+    publish_weights(tiny_model, str(tmp_path / "weights"), 1)
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=0)
+    loop_time = lambda: asyncio.get_running_loop().time()  # noqa: E731
+
+    async def scenario(m: Manager):
+        assert all([(await m.allocate(f"r{i}"))["success"] for i in range(B)])  # the budget of version 0
+        t0 = loop_time()
+        refused = await m.post("/allocate_rollout", {"rollout_id": "w0", "qid": "w0", "wait_s": 0.5})
+        assert not refused["success"] and refused["reason"].startswith("staleness bound")
+        assert loop_time() - t0 >= 0.5  # it waited the whole time (nothing opened)
+
+        waiting = asyncio.ensure_future(m.post("/allocate_rollout", {"rollout_id": "w1", "qid": "w1", "wait_s": 10}))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await m.finish("r0", accepted=False)  # an agent-rejected rollout gives its slot back
+        assert (await asyncio.wait_for(waiting, 5))["success"]
+
+        waiting = asyncio.ensure_future(m.post("/allocate_rollout", {"rollout_id": "w2", "qid": "w2", "wait_s": 10}))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "1")  # the server loads it: B more
+        assert (await asyncio.wait_for(waiting, 8))["success"]
+        assert (await m.get("/rollout_stats"))["version"] == 1
+
+        for bad in (-1, 1e9, "1", True):
+            status, reply = await m.call("POST", "/allocate_rollout", {"rollout_id": "b", "qid": "b", "wait_s": bad})
+            assert status == 400 and "wait_s" in reply["error"], (bad, reply)
+        stats = await m.get("/rollout_stats")
+        assert stats["running"] == B - 1 + 2 and stats["admitted"] == B + 2  # nothing admitted twice or by a bad call
+
+    try:
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+    finally:
+        trial.close()
+
+
 def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(tmp_path, etcd_server, shared_server,
                                                                                tiny_model):  # fmt: skip
     """A recovered trial (training starts at version 4 after 4 batches consumed
