@@ -152,6 +152,20 @@ def micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int, dev
 # ---- models ------------------------------------------------------------------
 
 
+def _train_mode_noise(config: dict) -> bool:
+    """Whether a model config turns on randomness in train mode: any positive
+    dropout / pdrop / jitter setting (e.g. `attention_dropout`, `resid_pdrop`,
+    MoE `router_jitter_noise`), nested configs included."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            if _train_mode_noise(value):
+                return True
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+              and any(word in key for word in ("dropout", "pdrop", "jitter"))):  # fmt: skip
+            return True
+    return False
+
+
 class CriticModel(nn.Module):
     """A value model: the policy's transformer body plus a scalar head."""
 
@@ -329,9 +343,10 @@ class PPOTrainer:
         if self.cfg.ppo_n_minibatches != 1 or use_ref:
             return False
         model = self.actor.model
-        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+            return False
         config = getattr(model, "config", None)
-        return not dropout and not getattr(config, "attention_dropout", 0.0)
+        return not _train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
 
     # ---- advantages ------------------------------------------------------------------
     def _kl_token_rewards(self, batch: SequenceBatch, i: int) -> torch.Tensor:

@@ -763,6 +763,11 @@ class GserverManager(AsyncWorker):
             self.logger.info("requests routed per server (index: requests): %s; server events: %s", counts,
                              dict(self.server_events) or "none")  # fmt: skip
 
+    def _trial_ending(self) -> bool:
+        """Rollouts stopped and none running: the servers exit with the trial
+        (until the last rollout finished, faults are still handled)."""
+        return self.controller.stopped and self.controller.running == 0
+
     def _up_count(self) -> str:
         registered = sum(1 for s in self._servers.values() if s.state != "retired")
         return f"{len(self.router.up)} of {registered} registered servers up"
@@ -772,8 +777,8 @@ class GserverManager(AsyncWorker):
         for task in [self._health_task, *self._server_tasks.values()]:
             if task is not None and task.done() and not task.cancelled():
                 task.result()  # a bug there must not pass silently: it stops the worker
-        if now - self._last_registry_read < REGISTRY_POLL_S or self.controller.stopped:
-            return  # after stop_rollouts servers unregister as the trial ends: not a change to act on
+        if now - self._last_registry_read < REGISTRY_POLL_S or self._trial_ending():
+            return  # servers unregister as the trial ends: not a change to act on
         self._last_registry_read = now
         try:
             registered = await asyncio.to_thread(self._read_registry)
@@ -904,8 +909,8 @@ class GserverManager(AsyncWorker):
         if server is None:
             return
         probe = await self._client.probe(url, self.cfg.health_check_timeout)
-        if server.state not in ("up", "down") or self.controller.stopped:
-            return  # after stop_rollouts the trial is ending: servers leaving is expected, not a fault
+        if server.state not in ("up", "down") or self._trial_ending():
+            return  # servers leaving now is the trial ending, not a fault
         if probe.ok:
             server.failures = 0
             if server.state == "down":

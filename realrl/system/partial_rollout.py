@@ -214,6 +214,7 @@ class _Resume:
     previous_version: int | None = None
     failed_url: str | None = None
     last_error: str = ""
+    failures: int = 0  # counted failures in a row so far
 
 
 @dataclasses.dataclass
@@ -309,10 +310,11 @@ class PartialRolloutManager:
         answer; the server prefills the shared prompt once). After an
         interruption or a chunk ended by length, the unfinished answers go on
         together, sticky to the server. Returns each answer finished, or how
-        its own loop (`_generate_answer`) goes on: after a failure of a round
-        (counted once per answer, as if each had failed alone), a round that
-        generated no token (its loop backs off), or answers that ended up on
-        different weight versions."""
+        its own loop (`_generate_answer`) goes on: after a failed round or
+        no server up (counted once per answer, as if each had failed alone,
+        after one backoff), a round that generated no token (after a short
+        pause), a server that answered the batch with something else, or
+        answers that ended up on different weight versions."""
         gconfig = request.gconfig
         answers = [_Answer() for _ in range(request.group_size)]
         out: list[_Answer | _Resume | None] = [None] * request.group_size
@@ -321,8 +323,13 @@ class PartialRolloutManager:
         previous_version: int | None = None
         while live:
             scheduled = await self._schedule(request.qid, previous_url, previous_version, n=len(live))
-            if scheduled.get("url") is None:  # no server is up: each answer's loop retries
-                break
+            if scheduled.get("url") is None:  # no server is up: counted, as in an answer's loop, which retries
+                reason = scheduled.get("reason") or "no generation server is up"
+                logger.warning("qid %s: %s; each answer retries", request.qid, reason)
+                await asyncio.sleep(_backoff(1, self.retry_backoff_s))
+                for i in live:
+                    out[i] = _Resume(answers[i], last_error=reason, failures=1)
+                return out  # type: ignore[return-value]
             url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
             for i in live:
                 if answers[i].scheduled_version is None:
@@ -340,12 +347,17 @@ class PartialRolloutManager:
                     generated = sum(len(r.output_ids) for r in responses) if responses is not None else 0
                     await self._release(url, generated, n=len(live))
             except (GenerationServerUnavailable, GenerationServerError) as e:
+                if isinstance(e, GenerationServerError) and e.status == 200:  # a server that cannot batch
+                    logger.warning("qid %s: server %s answered a batched /generate with something else (%s); "
+                                   "its answers go one by one", request.qid, url, e)  # fmt: skip
+                    break
                 self._raise_if_final(e, request.qid, f"answers {live}", url)
                 self.stats.retries += len(live)  # each answer retries
                 logger.warning("qid %s: batched request of %d answers on server %s failed (%s); each answer retries",
                                request.qid, len(live), url, e)  # fmt: skip
+                await asyncio.sleep(_backoff(1, self.retry_backoff_s))
                 for i in live:
-                    out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}")
+                    out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}", failures=1)
                 return out  # type: ignore[return-value]
             versions, new_tokens, still = set(), 0, []
             for i, response in zip(live, responses):
@@ -358,7 +370,10 @@ class PartialRolloutManager:
                     versions.add(version)
             live = still
             previous_url, previous_version = url, (versions.pop() if len(versions) == 1 else None)
-            if live and (new_tokens == 0 or previous_version is None):
+            if live and new_tokens == 0:  # e.g. a weight update in progress: do not hammer the server
+                await asyncio.sleep(0.02)
+                break
+            if live and previous_version is None:
                 break
         for i in live:  # each goes on alone, sticky to the server that made its tokens
             last = answers[i].versions[-1] if answers[i].versions else None
@@ -412,7 +427,7 @@ class PartialRolloutManager:
         answer = start.answer
         previous_url, previous_version = start.previous_url, start.previous_version
         failed_url = start.failed_url  # where the previous attempt failed
-        failures = 1 if failed_url else 0
+        failures = start.failures
         empty_aborts = uncounted = 0
         avoid: list[str] = [failed_url] if failed_url else []  # servers that failed in the current run of failures
         last_error = last_server_error = start.last_error  # why the last attempt failed; the last failure on a server

@@ -64,7 +64,7 @@ PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
 # to open (a new weight version, a finished rollout): the next rollout starts
 # as soon as it may, with no polling. Short, so the loop still reaps episodes.
 ALLOCATE_WAIT_S = 1.0
-REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after an allocation that stayed refused
+REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after an allocation refused without waiting
 MANAGER_CALL_TIMEOUT_S = 30.0
 # How long set-up waits for the manager's URL and the trainer's puller (both
 # appear only once servers / model workers have loaded their models).
@@ -322,11 +322,15 @@ class RolloutWorker(AsyncWorker):
             if self._pending is None:
                 self._pending = self._next_prompt()
             record = self._pending
+            asked = time.monotonic()
             reply = await self.manager.allocate_rollout(record.metadata["rollout_id"], record.qid,
                                                         wait_s=ALLOCATE_WAIT_S)  # fmt: skip
             if not reply.get("success"):
                 reason = str(reply.get("reason") or "unknown")
                 self.refusals[_reason_kind(reason)] += 1
+                if time.monotonic() - asked >= ALLOCATE_WAIT_S:  # the manager waited: ask again at once
+                    break
+                # Refused at once (e.g. rollouts stopped): back off.
                 self._next_allocate_time = time.monotonic() + self._refusal_backoff
                 self._refusal_backoff = min(REFUSAL_BACKOFF_S[1], self._refusal_backoff * 2)
                 break

@@ -108,3 +108,15 @@ def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tin
         batch = make_batch(groups)
         trainer.inference(batch, decoupled=True)
         assert not batch.prox_from_train_forward and len(batch.prox_logprobs) == batch.n_seqs
+
+
+def test_configs_with_train_mode_noise_keep_their_proximal_pass():
+    from transformers import LlamaConfig, MixtralConfig
+
+    from realrl.impl.ppo_interface import _train_mode_noise
+
+    assert not _train_mode_noise(LlamaConfig().to_dict())  # attention_dropout 0.0
+    assert _train_mode_noise(LlamaConfig(attention_dropout=0.1).to_dict())
+    assert _train_mode_noise(MixtralConfig(router_jitter_noise=0.01).to_dict())
+    assert _train_mode_noise({"text_config": {"hidden_dropout": 0.1}, "use_cache": True})
+    assert not _train_mode_noise({"text_config": {"hidden_dropout": 0.0}, "dropout_on": False})
