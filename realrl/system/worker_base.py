@@ -333,7 +333,10 @@ class Worker:
                 # Every worker fails when etcd goes; the cause is not in our
                 # traceback, and the launcher says it once for the trial.
                 code = 1
-                self.logger.error("name service lost (%s: %s); exiting", type(e).__name__, str(e).strip().split("\n")[0])
+                # (Worded apart from the launcher's "name service lost" line, which is the one that says it
+                # on the console; the master's log is echoed there too.)
+                self.logger.error("exiting: the name service does not answer (%s: %s)", type(e).__name__,
+                                  str(e).strip().split("\n")[0])  # fmt: skip
                 self.logger.debug("while name service was lost:\n%s", traceback.format_exc())
             else:
                 code = 1
