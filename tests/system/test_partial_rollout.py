@@ -93,18 +93,23 @@ class HealthOnlyServer:
         self._thread.start()
         assert self._ready.wait(10)
 
+    async def _health(self, request):
+        return web.Response(text="ok")
+
+    def _routes(self, app: web.Application) -> None:
+        """More routes (subclasses: fake servers that misbehave)."""
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
-        async def health(request):
-            return web.Response(text="ok")
 
         async def model_info(request):
             return web.json_response({"weight_version": "0"})
 
-        app.router.add_get("/health", health)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/model_info", model_info)
-        self._runner = web.AppRunner(app)
+        self._routes(app)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
         self._ready.set()

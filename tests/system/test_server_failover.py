@@ -39,37 +39,45 @@ class HangingServer(HealthOnlyServer):
         self.hanging = threading.Event()
         super().__init__()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
+    async def _wait_if_hanging(self) -> None:
+        while self.hanging.is_set():
+            await asyncio.sleep(0.1)
 
-        async def wait_if_hanging():
-            while self.hanging.is_set():
-                await asyncio.sleep(0.1)
+    async def _health(self, request):
+        await self._wait_if_hanging()
+        return web.Response(text="ok")
 
-        async def health(request):
-            await wait_if_hanging()
-            return web.Response(text="ok")
-
-        async def model_info(request):
-            return web.json_response({"weight_version": "0"})
-
+    def _routes(self, app: web.Application) -> None:
         async def generate(request):
-            await wait_if_hanging()
+            await self._wait_if_hanging()
             return web.json_response({"error": "never reached"}, status=500)
 
-        app.router.add_get("/health", health)
-        app.router.add_get("/model_info", model_info)
         app.router.add_post("/generate", generate)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        self._loop.run_forever()
 
     def stop(self) -> None:
         self.hanging.clear()
         super().stop()
+
+
+class NonBatchingServer(HealthOnlyServer):
+    """A server that does not take SGLang's list form: a batched /generate is
+    answered 200 with one object; a single request is passed on to the real
+    server at `upstream`."""
+
+    upstream: str | None = None
+
+    def _routes(self, app: web.Application) -> None:
+        import aiohttp
+
+        async def generate(request):
+            body = await request.json()
+            if isinstance(body["input_ids"][0], list):
+                return web.json_response({"output_ids": [], "meta_info": {"finish_reason": None}})
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{self.upstream}/generate", json=body) as resp:
+                    return web.json_response(await resp.json(), status=resp.status)
+
+        app.router.add_post("/generate", generate)
 
 
 def two_server_trial(tmp_path, etcd_server, tiny_kit, fake_url: str, **manager_kwargs) -> TrialThread:
@@ -81,6 +89,22 @@ def two_server_trial(tmp_path, etcd_server, tiny_kit, fake_url: str, **manager_k
     t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
     t.server_url = t.get(names.gen_server(EXP, t.trial, 0))
     return t
+
+
+def two_groups(t: TrialThread, prefix: str) -> tuple[dict, list[dict]]:
+    """Two groups of 4 answers at once with no retry allowed (the manager
+    routes the second to the server the first left idle); every answer must
+    come back complete. Returns (generation stats, the manager's scheduling replies)."""
+    requests = [GenerationRequest(f"{prefix}-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
+                for i in range(2)]  # fmt: skip
+
+    async def go(prm, manager):
+        results = await asyncio.gather(*(prm.generate(r) for r in requests))
+        return results, prm.stats.pop(), manager.scheduled
+
+    results, stats, scheduled = asyncio.run(with_prm(t.manager_url, go, request_retries=0, retry_backoff_s=0.01))
+    assert [[len(o) for o in result.output_ids] for result in results] == [[4] * 4] * 2
+    return stats, scheduled
 
 
 def manager_servers(url: str) -> dict:
@@ -98,15 +122,7 @@ def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, e
     t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=3600)
     try:
         fake.stop()
-        requests = [GenerationRequest(f"dead-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
-                    for i in range(2)]  # fmt: skip
-
-        async def go(prm, manager):
-            results = await asyncio.gather(*(prm.generate(r) for r in requests))
-            return results, prm.stats.pop(), manager.scheduled
-
-        results, stats, scheduled = asyncio.run(with_prm(t.manager_url, go, request_retries=0, retry_backoff_s=0.01))
-        assert [[len(o) for o in result.output_ids] for result in results] == [[4] * 4] * 2
+        stats, scheduled = two_groups(t, "dead")
         assert any(s["url"] == fake.url for s in scheduled)  # a group went to the dead server first
         assert stats["server_losses"] >= 1 and stats["server_losses"] == stats["retries"]
         servers = manager_servers(t.manager_url)
@@ -146,6 +162,25 @@ def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etc
         assert manager_servers(t.manager_url)[fake.url]["state"] == "down"
         log = open(t.launcher.log_path("gserver_manager", 0)).read()
         assert f"generation server 1 at {fake.url} is down (/health did not answer within 0.5s" in log
+    finally:
+        fake.stop()
+        t.close()
+
+
+def test_a_server_that_cannot_batch_gets_its_answers_one_by_one(tmp_path, etcd_server, tiny_kit):
+    """A batched /generate answered with something other than a list (a
+    server without SGLang's list form) is not a failure: the group's answers
+    go one by one, nothing is counted against the retries, every answer is
+    complete."""
+    fake = NonBatchingServer()
+    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=3600)
+    try:
+        fake.upstream = t.server_url
+        stats, scheduled = two_groups(t, "nobatch")
+        assert any(s["url"] == fake.url and s["n"] == 4 for s in scheduled)  # a group's batch went there
+        # (Taken as a final error, the malformed answer would have failed the episode.)
+        assert stats["retries"] == 0 and stats["server_losses"] == 0
+        assert manager_stats(t.manager_url)["server_in_flight"] == {t.server_url: 0, fake.url: 0}
     finally:
         fake.stop()
         t.close()
