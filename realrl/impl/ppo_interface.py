@@ -268,6 +268,11 @@ class PPOTrainer:
         self.all_reduce_sum = all_reduce_sum
         self.sync_grads = sync_grads
         self.loss_scale = loss_scale  # multiplies every loss before backward (see ModelWorker for FSDP)
+        # Whether the actor's train-mode forward is the same function as its eval-mode one (decided once).
+        config = getattr(actor.model, "config", None)
+        self._deterministic_train_forward = not any(
+            isinstance(m, nn.Dropout) and m.p > 0 for m in actor.model.modules()
+        ) and not _train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
 
@@ -340,13 +345,7 @@ class PPOTrainer:
         its detached logprobs are the proximal ones and the pass is saved. Not
         when they are needed earlier (KL rewards use them in the advantages)
         or when the forward is random (dropout in train mode)."""
-        if self.cfg.ppo_n_minibatches != 1 or use_ref:
-            return False
-        model = self.actor.model
-        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
-            return False
-        config = getattr(model, "config", None)
-        return not _train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
+        return self.cfg.ppo_n_minibatches == 1 and not use_ref and self._deterministic_train_forward
 
     # ---- advantages ------------------------------------------------------------------
     def _kl_token_rewards(self, batch: SequenceBatch, i: int) -> torch.Tensor:

@@ -159,8 +159,7 @@ class GserverManagerClient:
     async def allocate_rollout(self, rollout_id: str, qid: str, wait_s: float = 0.0) -> dict:
         """`wait_s`: when refused, the manager waits up to that long for
         admission to open before answering (a long poll)."""
-        payload = {"rollout_id": rollout_id, "qid": qid, **({"wait_s": wait_s} if wait_s else {})}
-        return await self.call("POST", "/allocate_rollout", payload)
+        return await self.call("POST", "/allocate_rollout", {"rollout_id": rollout_id, "qid": qid, "wait_s": wait_s})
 
     async def finish_rollout(self, rollout_id: str, n_trajectories: int, n_tokens: int) -> dict:
         payload = {"rollout_id": rollout_id, "n_trajectories": n_trajectories, "n_tokens": n_tokens}
