@@ -86,6 +86,8 @@ class PPOConfig:
     group_std_norm: bool = True  # GRPO: divide by the group's std
     loss_aggregation: str = "token"  # token | seq
     max_tokens_per_mb: int = 8192  # micro-batch token budget (FFD packing)
+    # Train a prompt's answers in rows that hold the prompt once (where a FLOP estimate says it pays).
+    share_prompts: bool = True
 
 
 @dataclasses.dataclass

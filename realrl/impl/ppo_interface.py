@@ -7,13 +7,15 @@ maths of one train step on one data-parallel rank's share of the batch:
     trainer.inference(batch)        # proximal / reference logprobs, values
     stats = trainer.train_step(batch)
 
-Sequences are trained as padded [B, T] micro-batches (right padding), packed
-by token budget with first-fit-decreasing. Per-token tensors are aligned with
-the predicted positions: column j holds the token at j+1, predicted from the
-logits at j, so sequence i's completion occupies columns prompt_len-1 ..
-len-2. Logprobs are log_softmax(logits / temperature), the same scaling the
-generation servers use, so behaviour, proximal and current logprobs are
-comparable.
+Sequences are trained in padded micro-batches packed by token budget with
+first-fit-decreasing. A micro-batch's rows hold a prompt once, followed by
+the completions of the sequences that share it (a 4-D mask keeps each
+completion to the prompt and itself), or one sequence each where sharing
+does not pay (`share_prompt_rows`). Per-token tensors are in completion
+layout: [n, C], row k a sequence, column j its completion token j (loss
+mask 1 up to its length). Logprobs are log_softmax(logits / temperature),
+the same scaling the generation servers use, so behaviour, proximal and
+current logprobs are comparable.
 
 Data parallelism: every forward/backward pass is a collective under FSDP
 (per-layer all-gather / reduce-scatter), and every optimizer step all-reduces
@@ -64,7 +66,7 @@ class SequenceBatch:
     # forward's own (detached) logprobs, taken at the same weights (no pass of their own).
     prox_from_train_forward: bool = False
     ref_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
-    values: list[torch.Tensor] | None = None  # [L_i]: state value at every position
+    values: list[torch.Tensor] | None = None  # [L_i - P_i + 1]: state values at tokens P_i-1 .. L_i-1
 
     @staticmethod
     def from_trajectories(trajectories: list[Trajectory]) -> "SequenceBatch":
@@ -90,63 +92,169 @@ class SequenceBatch:
     def seq_lens(self) -> list[int]:
         return [len(x) for x in self.input_ids]
 
+    def completion_len(self, i: int) -> int:
+        return len(self.input_ids[i]) - self.prompt_lens[i]
+
     def n_completion_tokens(self, indices: list[int] | None = None) -> int:
         indices = range(self.n_seqs) if indices is None else indices
-        return sum(len(self.input_ids[i]) - self.prompt_lens[i] for i in indices)
+        return sum(map(self.completion_len, indices))
 
 
 @dataclasses.dataclass
 class MicroBatch:
+    """Sequences laid out for one forward pass.
+
+    The model sees `rows`: each holds a prompt once, then the completions of
+    the sequences that share it (one sequence per row when sharing is off or
+    does not pay), right-padded to [R, W]. With shared rows a completion's
+    tokens attend to the prompt and to themselves only (a 4-D mask) and
+    carry their own positions (P, P+1, ...), so each gets exactly the
+    logits it would get alone; gradients through the shared prompt are the
+    sum of its completions' (as with separate rows).
+
+    Per-token tensors are in completion layout [n, C]: row k is sequence
+    `indices[k]`, column j its completion token j, predicted from the token
+    at (src_rows[k, j], src_cols[k, j]); column C_k of src_* is its last token.
+    """
+
     indices: list[int]
-    input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
-    loss_mask: torch.Tensor  # [B, T-1], 1.0 on completion tokens
+    input_ids: torch.Tensor  # [R, W]
+    attention_mask: torch.Tensor  # [R, W] with one sequence per row; else [R, 1, W, W] additive
+    position_ids: torch.Tensor | None  # [R, W] with shared rows
+    src_rows: torch.Tensor  # [n, C+1]
+    src_cols: torch.Tensor  # [n, C+1]
+    targets: torch.Tensor  # [n, C]: the completion tokens
+    loss_mask: torch.Tensor  # [n, C], 1.0 on completion tokens
     batch: SequenceBatch
 
     def scatter(self, per_seq: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
-        """Places per-sequence completion values into [B, T-1] columns P-1..L-2."""
-        out = torch.full(self.loss_mask.shape, fill, dtype=torch.float32, device=self.loss_mask.device)
-        for row, i in enumerate(self.indices):
-            start = self.batch.prompt_lens[i] - 1
+        """Per-sequence completion values as [n, C]."""
+        out = torch.full(self.loss_mask.shape, fill, dtype=torch.float32)
+        for k, i in enumerate(self.indices):
             values = per_seq[i]
-            out[row, start : start + len(values)] = values.to(out.device, torch.float32)
-        return out
+            out[k, : len(values)] = values.to(torch.float32)
+        return out.to(self.loss_mask.device)
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The inverse of `scatter`: per-sequence completion slices of [B, T-1]."""
-        out = []
-        for row, i in enumerate(self.indices):
-            start = self.batch.prompt_lens[i] - 1
-            out.append(tensor[row, start : start + len(self.batch.input_ids[i]) - self.batch.prompt_lens[i]].float().cpu())
-        return out
+        """The inverse of `scatter`: per-sequence slices of [n, C(+1)]; an
+        [n, C+1] tensor (values at src positions) keeps the last token's."""
+        extra = tensor.shape[1] - self.loss_mask.shape[1]
+        tensor = tensor.float().cpu()
+        return [tensor[k, : self.batch.completion_len(i) + extra] for k, i in enumerate(self.indices)]
+
+    def at_sources(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[R, W, ...] model outputs at each completion token's source: [n, C+1, ...]."""
+        return per_position[self.src_rows, self.src_cols]
 
 
-def make_micro_batch(batch: SequenceBatch, indices: list[int], device: torch.device, pad_id: int = 0) -> MicroBatch:
-    """A padded micro-batch of these sequences; no indices gives the padding
-    micro-batch (one 2-token dummy with an all-zero loss mask) that a rank with
-    fewer micro-batches than the others runs to join their collectives."""
-    lengths = [len(batch.input_ids[i]) for i in indices]
-    T = max(lengths, default=2)
-    input_ids = torch.full((max(len(indices), 1), T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((max(len(indices), 1), T), dtype=torch.long)
-    loss_mask = torch.zeros((max(len(indices), 1), T - 1), dtype=torch.float32)
-    if not indices:
-        attention_mask[0] = 1
-    for row, (i, L) in enumerate(zip(indices, lengths)):
-        input_ids[row, :L] = batch.input_ids[i]
-        attention_mask[row, :L] = 1
-        loss_mask[row, batch.prompt_lens[i] - 1 : L - 1] = 1.0  # empty for an empty completion
-    return MicroBatch(indices, input_ids.to(device), attention_mask.to(device), loss_mask.to(device), batch)
+def make_micro_batch(batch: SequenceBatch, rows: list[list[int]], device: torch.device, pad_id: int = 0,
+                     additive_mask: bool = False) -> MicroBatch:  # fmt: skip
+    """A micro-batch of these rows (each a list of sequences with the same
+    prompt; see `plan_micro_batches`). No rows gives the padding micro-batch
+    (one 2-token dummy with an all-zero loss mask) that a rank with fewer
+    micro-batches than the others runs to join their collectives. Shared
+    rows get a boolean mask (SDPA), or an additive one (`additive_mask`:
+    eager attention adds it to the scores)."""
+    indices = [i for row in rows for i in row]
+    widths = [batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row)) for row in rows]
+    W = max(widths, default=2)
+    R = max(len(rows), 1)
+    C = max(map(batch.completion_len, indices), default=1)
+    n = max(len(indices), 1)
+    input_ids = torch.full((R, W), pad_id, dtype=torch.long)
+    segment = torch.full((R, W), -1, dtype=torch.long)  # 0: prompt, s + 1: completion s, -1: padding
+    position_ids = torch.zeros((R, W), dtype=torch.long)
+    src_rows = torch.zeros((n, C + 1), dtype=torch.long)
+    src_cols = torch.zeros((n, C + 1), dtype=torch.long)
+    targets = torch.zeros((n, C), dtype=torch.long)
+    loss_mask = torch.zeros((n, C), dtype=torch.float32)
+    if not rows:
+        segment[0] = 0
+    k = 0
+    for r, row in enumerate(rows):
+        P = batch.prompt_lens[row[0]]
+        input_ids[r, :P] = batch.input_ids[row[0]][:P]
+        segment[r, :P] = 0
+        position_ids[r, :P] = torch.arange(P)
+        col = P
+        for s, i in enumerate(row):
+            G = batch.completion_len(i)
+            input_ids[r, col : col + G] = batch.input_ids[i][P:]
+            segment[r, col : col + G] = s + 1
+            position_ids[r, col : col + G] = torch.arange(P, P + G)
+            # token j is predicted from the one before it: the prompt's last, then this completion's own
+            src_rows[k] = r
+            src_cols[k, 0] = P - 1
+            src_cols[k, 1 : G + 1] = torch.arange(col, col + G)
+            src_cols[k, G + 1 :] = col + G - 1 if G else P - 1
+            targets[k, :G] = batch.input_ids[i][P:]
+            loss_mask[k, :G] = 1.0
+            col += G
+            k += 1
+    if all(len(row) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
+        attention_mask, position_ids = (segment >= 0).long(), None
+    else:
+        attention_mask = _shared_prompt_mask(segment, additive_mask)
+    return MicroBatch(indices, input_ids.to(device), attention_mask.to(device),
+                      None if position_ids is None else position_ids.to(device), src_rows.to(device),
+                      src_cols.to(device), targets.to(device), loss_mask.to(device), batch)  # fmt: skip
 
 
-def plan_micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int) -> list[list[int]]:
-    """Sequence indices of each micro-batch, packed by padded token budget (FFD)."""
-    lengths = [len(batch.input_ids[i]) for i in indices]
-    return [[indices[j] for j in b] for b in split_by_token_budget(lengths, max_tokens, padded=True)]
+def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:
+    """[R, 1, W, W]: causal, and a completion sees the prompt and itself
+    only; a padding position sees itself (no empty softmax). True = attend,
+    or additive: 0 / the float32 minimum."""
+    W = segment.shape[1]
+    q, kv = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    allowed = causal & (q >= 0) & ((kv == 0) | (kv == q))
+    allowed |= torch.eye(W, dtype=torch.bool)
+    if not additive:
+        return allowed[:, None]
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
 
 
-def micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int, device: torch.device) -> list[MicroBatch]:
-    return [make_micro_batch(batch, b, device) for b in plan_micro_batches(batch, indices, max_tokens)]
+def share_prompt_rows(batch: SequenceBatch, indices: list[int], hidden_size: int | None,
+                      max_tokens: int) -> list[list[int]]:  # fmt: skip
+    """Rows for these sequences: those with the same prompt go into rows of k
+    completions after one copy of it, k chosen per prompt to minimise a FLOP
+    estimate of the forward pass; `hidden_size` None: one sequence per row.
+
+    A row of width W costs about W * (6h + W): the linear layers scale with
+    its tokens (~24h^2 each per layer), the masked attention with W^2 (4h each
+    per layer, computed densely). A shared prompt saves (k-1) * P tokens, and
+    costs attention across the row: it pays for short answers after long
+    prompts (small k or none for long answers)."""
+    if hidden_size is None:
+        return [[i] for i in indices]
+    by_prompt: dict[bytes, list[int]] = {}
+    for i in indices:
+        P = batch.prompt_lens[i]
+        key = P.to_bytes(4, "little") + batch.input_ids[i][:P].numpy().tobytes()
+        by_prompt.setdefault(key, []).append(i)
+    rows: list[list[int]] = []
+    for same in by_prompt.values():
+        P = batch.prompt_lens[same[0]]
+        best: tuple[float, list[list[int]]] | None = None
+        for k in range(1, len(same) + 1):
+            chunks = [same[s : s + k] for s in range(0, len(same), k)]
+            widths = [P + sum(map(batch.completion_len, c)) for c in chunks]
+            if k > 1 and max(widths) > max_tokens:
+                continue
+            cost = sum(w * (6 * hidden_size + w) for w in widths)
+            if best is None or cost < best[0]:
+                best = (cost, chunks)
+        rows += best[1]
+    return rows
+
+
+def plan_micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int,
+                       hidden_size: int | None = None) -> list[list[list[int]]]:  # fmt: skip
+    """The rows of each micro-batch (`share_prompt_rows`), packed by padded
+    token budget (FFD)."""
+    rows = share_prompt_rows(batch, indices, hidden_size, max_tokens)
+    widths = [batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row)) for row in rows]
+    return [[rows[j] for j in b] for b in split_by_token_budget(widths, max_tokens, padded=True)]
 
 
 # ---- models ------------------------------------------------------------------
@@ -177,21 +285,40 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype) -> "CriticModel":
+    def from_pretrained(cls, path: str, dtype: torch.dtype, **kwargs) -> "CriticModel":
         from transformers import AutoModel
 
-        backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
         return cls(backbone, backbone.config.hidden_size).to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()  # [B, T]
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """[B, T-1] logprobs of each next token (grad flows when enabled)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    return F.gather_logprobs(logits[:, :-1], mb.input_ids[:, 1:], temperature)
+    """[n, C] logprobs of each completion token (grad flows when enabled)."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                   use_cache=False).logits  # fmt: skip
+    return F.gather_logprobs(mb.at_sources(logits)[:, :-1], mb.targets, temperature)
+
+
+def forward_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """[n, C+1] values at each completion token's source and at the last token."""
+    return mb.at_sources(critic(mb.input_ids, mb.attention_mask, mb.position_ids))
+
+
+def shared_prompt_mask_kind(model: nn.Module) -> str | None:
+    """How a model takes shared-prompt rows: "bool" (SDPA) or "additive"
+    (eager) masks; None for attention kernels without custom 4-D masks
+    (flash-attention, flex), which then train one sequence per row."""
+    config = getattr(model, "config", None)
+    return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
 
 
 # ---- the trainer --------------------------------------------------------------
@@ -275,6 +402,10 @@ class PPOTrainer:
         ) and not _train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
+        # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
+        kinds = {shared_prompt_mask_kind(m) for m in (actor.model, critic and critic.model, ref) if m is not None}
+        self._share_hidden = getattr(config, "hidden_size", None) if cfg.share_prompts and None not in kinds else None
+        self._additive_mask = "additive" in kinds
 
     # ---- agreement between data-parallel ranks ------------------------------------------
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -293,18 +424,21 @@ class PPOTrainer:
     def _padded_plans(self, batch: SequenceBatch, parts: list[list[int]]) -> list[list[list[int]]]:
         """Micro-batch plans of each part, each padded with empty micro-batches
         to the largest count any rank has for that part (one all-reduce)."""
-        plans = [plan_micro_batches(batch, indices, self.cfg.max_tokens_per_mb) for indices in parts]
+        plans = [plan_micro_batches(batch, indices, self.cfg.max_tokens_per_mb, self._share_hidden) for indices in parts]
         counts = self._max_over_ranks([len(plan) for plan in plans])
         return [plan + [[] for _ in range(n - len(plan))] for plan, n in zip(plans, counts)]
 
     # ---- inference ----------------------------------------------------------------
+    def _micro_batch(self, batch: SequenceBatch, rows: list[list[int]]) -> MicroBatch:
+        return make_micro_batch(batch, rows, self.device, additive_mask=self._additive_mask)
+
     @torch.no_grad()
-    def _per_seq(self, model: nn.Module, batch: SequenceBatch, plan: list[list[int]], fn) -> list[torch.Tensor]:
+    def _per_seq(self, model: nn.Module, batch: SequenceBatch, plan: list[list[list[int]]], fn) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * batch.n_seqs
         was_training = model.training
         model.eval()
-        for indices in plan:
-            mb = make_micro_batch(batch, indices, self.device)
+        for rows in plan:
+            mb = self._micro_batch(batch, rows)
             for i, value in zip(mb.indices, fn(model, mb)):
                 out[i] = value
         model.train(was_training)
@@ -332,11 +466,7 @@ class PPOTrainer:
             batch.ref_logprobs = self.compute_logprobs(self.ref, batch, plan)
         if self.critic is not None:
 
-            def values(model, mb):
-                v = model(mb.input_ids, mb.attention_mask)
-                return [v[row, : len(batch.input_ids[i])].cpu() for row, i in enumerate(mb.indices)]
-
-            batch.values = self._per_seq(self.critic.model, batch, plan, values)
+            batch.values = self._per_seq(self.critic.model, batch, plan, lambda m, mb: mb.gather(forward_values(m, mb)))
 
     def _prox_in_train_forward(self, use_ref: bool) -> bool:
         """Whether the proximal logprobs can come from the train step's own
@@ -371,15 +501,15 @@ class PPOTrainer:
             return advs, None
         returns: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         for i in range(batch.n_seqs):
-            P, L = batch.prompt_lens[i], len(batch.input_ids[i])
-            if L == P:  # no completion token to put the reward on
+            G = batch.completion_len(i)
+            if G == 0:  # no completion token to put the reward on
                 continue
             token_rewards = self._kl_token_rewards(batch, i)
             token_rewards[-1] += batch.rewards[i]
-            values = batch.values[i]
-            bootstrap = values[L - 1 : L] if batch.no_eos[i] else torch.zeros(1)
-            mask = torch.ones(1, L - P)
-            adv, ret = F.gae_advantages(token_rewards[None], values[None, P - 1 : L - 1], mask,
+            values = batch.values[i]  # at tokens P-1 .. L-1
+            bootstrap = values[-1:] if batch.no_eos[i] else torch.zeros(1)
+            mask = torch.ones(1, G)
+            adv, ret = F.gae_advantages(token_rewards[None], values[None, :-1], mask,
                                         cfg.discount, cfg.gae_lambda, bootstrap)  # fmt: skip
             advs[i], returns[i] = adv[0], ret[0]
         if cfg.adv_norm:
@@ -413,7 +543,7 @@ class PPOTrainer:
         acc = {**dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0), **_MAX_INIT}
         old_values = None
         if self.critic is not None:
-            old_values = [v[batch.prompt_lens[i] - 1 : len(batch.input_ids[i]) - 1] for i, v in enumerate(batch.values)]
+            old_values = [v[:-1] for v in batch.values]
         for plan, normalizer in zip(plans, normalizers):
             self._optimize_actor(batch, plan, normalizer, prox, advs, acc)
             if self.critic is not None:
@@ -469,8 +599,8 @@ class PPOTrainer:
         cfg, actor = self.cfg, self.actor
         actor.model.train()
         actor.optimizer.zero_grad(set_to_none=False)
-        for indices in plan:
-            mb = make_micro_batch(batch, indices, self.device)
+        for rows in plan:
+            mb = self._micro_batch(batch, rows)
             logp = forward_logprobs(actor.model, mb, self.temperature)
             loss, st = F.decoupled_ppo_actor_loss(
                 logp,
@@ -503,9 +633,9 @@ class PPOTrainer:
         cfg, critic = self.cfg, self.critic
         critic.model.train()
         critic.optimizer.zero_grad(set_to_none=False)
-        for indices in plan:
-            mb = make_micro_batch(batch, indices, self.device)
-            values = critic.model(mb.input_ids, mb.attention_mask)[:, :-1]
+        for rows in plan:
+            mb = self._micro_batch(batch, rows)
+            values = forward_values(critic.model, mb)[:, :-1]
             loss, st = F.critic_loss(values, mb.scatter(old_values), mb.scatter(returns), mb.loss_mask,
                                      cfg.value_eps_clip, cfg.loss_aggregation, normalizer)  # fmt: skip
             (loss * self.loss_scale).backward()

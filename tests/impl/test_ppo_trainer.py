@@ -120,3 +120,76 @@ def test_configs_with_train_mode_noise_keep_their_proximal_pass():
     assert _train_mode_noise(MixtralConfig(router_jitter_noise=0.01).to_dict())
     assert _train_mode_noise({"text_config": {"hidden_dropout": 0.1}, "use_cache": True})
     assert not _train_mode_noise({"text_config": {"hidden_dropout": 0.0}, "dropout_on": False})
+
+
+def _shared_prompt_groups() -> list[list[dict]]:
+    # Short answers after one prompt per group (rows that share it pay), one
+    # empty answer, and two groups with the same prompt (rows may mix them).
+    groups = make_groups(7, 4, 4, (6, 9), (1, 4), shared_prompt=True)
+    groups[0][2]["ids"], groups[0][2]["behav"] = groups[0][2]["ids"][: groups[0][2]["prompt_len"]], []
+    prompt = groups[1][0]["ids"][: groups[1][0]["prompt_len"]]
+    for s in groups[3]:
+        s["ids"] = prompt + s["ids"][s["prompt_len"] :]
+        s["prompt_len"] = len(prompt)
+    return groups
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("algorithm,kl_ctl,n_minibatches", [("grpo", 0.0, 1), ("grpo", 0.1, 2), ("ppo", 0.0, 1)])
+def test_shared_prompt_rows_train_exactly_like_separate_rows(tiny_llama_dir, attn, algorithm, kl_ctl, n_minibatches):
+    # A prompt computed once for all of its answers (4-D mask, own positions)
+    # must give the logprobs, values, stats and updated weights that one row
+    # per sequence gives.
+    from realrl.impl.ppo_interface import plan_micro_batches
+
+    torch.set_num_threads(1)
+    groups = _shared_prompt_groups()
+    results = []
+    for share in (True, False):
+        ppo = PPOConfig(algorithm=algorithm, group_size=4, kl_ctl=kl_ctl, ppo_n_minibatches=n_minibatches,
+                        max_tokens_per_mb=40, share_prompts=share)  # fmt: skip
+        trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"), attn_implementation=attn)
+        batch = make_batch(groups)
+        rows = [row for mb in plan_micro_batches(batch, list(range(batch.n_seqs)), 40, trainer._share_hidden)
+                for row in mb]  # fmt: skip
+        assert max(map(len, rows)) == (8 if share else 1)  # groups 1 and 3 in one row
+        batch = make_batch(groups)
+        trainer.inference(batch, decoupled=True)
+        logprobs = trainer.compute_logprobs(trainer.actor.model, batch)
+        stats = trainer.train_step(batch)
+        grads = {n: p.grad.clone() for n, p in trainer.actor.model.named_parameters()}  # the last minibatch's
+        results.append((logprobs, batch.values, stats, grads))
+    (logp, values, stats, grads), (logp_1, values_1, stats_1, grads_1) = results
+    assert [len(x) for x in logp] == [len(x) for x in logp_1] and len(logp[2]) == 0
+    for a, b in zip(logp, logp_1):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if algorithm == "ppo":
+        for a, b in zip(values, values_1):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert stats.keys() == stats_1.keys()
+    for key, value in stats.items():
+        assert value == pytest.approx(stats_1[key], rel=1e-4, abs=1e-5), key
+    assert abs(stats["actor_loss"]) > 1e-4
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_1[name], atol=1e-6, rtol=1e-4)
+    assert sum(float(g.abs().sum()) for g in grads.values()) > 0
+
+
+def test_prompts_are_shared_where_the_flop_estimate_says_it_pays():
+    from realrl.impl.ppo_interface import share_prompt_rows
+
+    def batch_of(prompt_len: int, answer_lens: list[int]):
+        prompt = list(range(2, 2 + prompt_len))
+        return make_batch([[{"ids": prompt + [5] * n, "prompt_len": prompt_len, "behav": [-1.0] * n, "reward": 0.0,
+                             "no_eos": False} for n in answer_lens]])  # fmt: skip
+
+    short = batch_of(200, [8] * 8)  # long prompt, short answers: one row
+    assert share_prompt_rows(short, list(range(8)), 1024, 8192) == [list(range(8))]
+    long = batch_of(16, [2000] * 8)  # short prompt, long answers: dense attention over 16k would cost more
+    assert share_prompt_rows(long, list(range(8)), 1024, 8192 * 4) == [[i] for i in range(8)]
+    assert share_prompt_rows(short, list(range(8)), 1024, 240) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # row budget
+    assert share_prompt_rows(short, list(range(8)), None, 8192) == [[i] for i in range(8)]  # sharing off
+    mixed = make_batch([[{"ids": [2, 3, 4, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
+                         {"ids": [2, 3, 9, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
+                         {"ids": [2, 3, 4, 6], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False}]])  # fmt: skip
+    assert share_prompt_rows(mixed, [0, 1, 2], 64, 8192) == [[0, 2], [1]]  # only identical prompts share

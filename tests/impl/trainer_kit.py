@@ -30,17 +30,21 @@ from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, ma
 
 
 def make_groups(seed: int, n_groups: int, group_size: int, prompt_len: tuple[int, int],
-                gen_len: tuple[int, int], vocab: int = 64) -> list[list[dict]]:  # fmt: skip
+                gen_len: tuple[int, int], vocab: int = 64, shared_prompt: bool = False) -> list[list[dict]]:  # fmt: skip
     """Random trajectories as JSON-able dicts: one list of sequences per group.
-    Rewards are 0/1 with both values in every group (a GRPO learning signal)."""
+    Rewards are 0/1 with both values in every group (a GRPO learning signal).
+    `shared_prompt`: a group's answers follow one prompt (as sampled groups do)."""
     rng = random.Random(seed)
     groups = []
     for _ in range(n_groups):
         group = []
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_len))]
         for k in range(group_size):
-            P, G = rng.randint(*prompt_len), rng.randint(*gen_len)
+            if not shared_prompt:
+                prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_len))]
+            P, G = len(prompt), rng.randint(*gen_len)
             group.append({
-                "ids": [rng.randrange(2, vocab) for _ in range(P + G)],
+                "ids": prompt + [rng.randrange(2, vocab) for _ in range(G)],
                 "prompt_len": P,
                 # near the random model's own logprobs, so importance weights stay near 1
                 "behav": [-4.2 + 0.1 * rng.gauss(0, 1) for _ in range(G)],
@@ -97,7 +101,7 @@ def sync_grads(model: torch.nn.Module) -> None:
 
 
 def build_trainer(model_dir: str, ppo: PPOConfig, device: torch.device, mode: str = "plain",
-                  process_group=None) -> tuple[PPOTrainer, collections.Counter]:  # fmt: skip
+                  process_group=None, attn_implementation: str = "sdpa") -> tuple[PPOTrainer, collections.Counter]:  # fmt: skip
     """A trainer over the tiny model in `model_dir`, and a Counter of the
     forward passes of each of its models ('actor', 'critic', 'ref')."""
     from transformers import AutoModelForCausalLM
@@ -107,11 +111,12 @@ def build_trainer(model_dir: str, ppo: PPOConfig, device: torch.device, mode: st
     def optimized(model):
         return make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10)
 
-    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    critic = CriticModel.from_pretrained(model_dir, torch.float32).to(device) if ppo.algorithm == "ppo" else None
+    load = dict(dtype=torch.float32, attn_implementation=attn_implementation)
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
+    critic = CriticModel.from_pretrained(model_dir, **load).to(device) if ppo.algorithm == "ppo" else None
     ref = None
     if ppo.kl_ctl > 0:
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
         ref.requires_grad_(False).eval()
     if mode == "fsdp":
         for model in (actor, critic):
