@@ -4,14 +4,20 @@ One manager per trial sits between the rollout workers and the generation
 servers. It serves this HTTP API (the contract with the rollout side; JSON,
 127.0.0.1 in local mode, base URL under `names.gen_server_manager`):
 
-    POST /allocate_rollout {"rollout_id", "qid", "wait_s"=0} -> {"success", "reason", "version"}
+    POST /allocate_rollout {"rollout_id", "qid", "wait_s"=0} -> {"success", "admitted", "reason", "version"}
                                                                (refused: waits up to wait_s, at most
                                                                MAX_ALLOCATE_WAIT_S, for admission to open)
+                           {"rollouts": [{"rollout_id", "qid"}, ...], "wait_s"=0}
+                                                            -> the same; `admitted`: how many of the list, in
+                                                               order, admission took (waits for the first)
     POST /finish_rollout   {"rollout_id", "n_trajectories", "n_tokens"} -> {"success": true}
+                           {"rollouts": [{"rollout_id", "n_trajectories", "n_tokens"}, ...]}
     POST /reset_rollout_worker {"worker_index"}             -> {"qids", "furthest"}  (its earlier process's running
                                                                rollouts, released; the furthest [epoch, position] it got admitted)
     POST /schedule_request {"qid", "n"=1, "previous_server_url", "previous_version", "avoid_urls"=[]}
                                                             -> {"url", "version"[, "down"]}
+                           {..., "parts": [n, ...]} (requests of several callers at once, each part routed
+                                                    as if alone) -> {..., "parts": [{"url", "version"}, ...]}
     POST /release_request  {"url", "n"=1, "n_tokens"=0}     -> {"success": true}
     GET  /get_model_version                                 -> {"version"}
     POST /stop_rollouts                                     -> {"success": true}
@@ -201,6 +207,10 @@ class StalenessController:
         if len(parts) == 4 and all(p.isdigit() for p in parts[:3]):
             worker, epoch, position = (int(p) for p in parts[:3])
             self._furthest[worker] = max(self._furthest.get(worker, (epoch, position)), (epoch, position))
+
+    def is_known(self, rollout_id: str) -> bool:
+        """Running, or finished recently enough for a repeated finish to be a no-op."""
+        return rollout_id in self._running or rollout_id in self._finished
 
     def finish(self, rollout_id: str, n_trajectories: int, n_tokens: int = 0) -> None:
         """Rollout `rollout_id` ended with `n_trajectories` accepted
@@ -464,6 +474,17 @@ def _nonempty(body: dict, name: str) -> str:
 
 def _qid(body: dict) -> str:
     return _nonempty(body, "qid")
+
+
+def _list_of_objects(body: dict, name: str) -> list[dict]:
+    """The non-empty list of objects under `name`, or the body itself as a
+    one-element list when it has no such field (the single form)."""
+    if name not in body:
+        return [body]
+    items = _field(body, name, list)
+    if not items or not all(isinstance(item, dict) for item in items):
+        raise BadRequest(f"field {name!r} must be a non-empty list of objects")
+    return items
 
 
 def _count(body: dict, name: str, minimum: int = 1, default: int | None = 1) -> int:
@@ -968,19 +989,20 @@ class GserverManager(AsyncWorker):
         return wrapped
 
     async def _allocate_rollout(self, body: dict) -> dict:
-        """A long poll: a refused allocation with `wait_s` > 0 is tried again
-        whenever admission may have opened (a new version, a finished,
-        dropped or released rollout), until `wait_s` has passed. The rollout
-        worker thus starts the next rollout as soon as it may, without
-        polling; a repeated call for the same id admits nothing new."""
-        rollout_id = _nonempty(body, "rollout_id")
-        qid = _qid(body)
+        """Admits one rollout, or a list in order (as many as admission
+        allows: one call per batch of prompts instead of one per prompt).
+        A long poll: while the first is refused and `wait_s` > 0, admission
+        is tried again whenever it may have opened (a new version, a
+        finished, dropped or released rollout), until `wait_s` has passed.
+        The rollout worker thus starts the next rollouts as soon as it may,
+        without polling; a repeated call for the same id admits nothing new."""
+        wanted = [(_nonempty(r, "rollout_id"), _qid(r)) for r in _list_of_objects(body, "rollouts")]
         wait_s = _field(body, "wait_s", (int, float), required=False, default=0)
         if not 0 <= wait_s <= MAX_ALLOCATE_WAIT_S:
             raise BadRequest(f"field 'wait_s' must be in [0, {MAX_ALLOCATE_WAIT_S}], got {wait_s}")
         deadline = time.monotonic() + wait_s
-        ok, reason = self.controller.allocate(rollout_id, qid)
-        while not ok and not self.controller.stopped:
+        admitted, reason = self._admit(wanted)
+        while not admitted and not self.controller.stopped:
             changed = self._admission_changed
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -989,11 +1011,19 @@ class GserverManager(AsyncWorker):
                 await asyncio.wait_for(changed.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
-            ok, reason = self.controller.allocate(rollout_id, qid)
-        if not ok:
+            admitted, reason = self._admit(wanted)
+        if admitted < len(wanted):
             self._refusals[reason.split(":")[0].split(" (")[0]] += 1
             self._last_refusal = reason
-        return {"success": ok, "reason": reason, "version": self.controller.version}
+        return {"success": admitted > 0, "admitted": admitted, "reason": reason, "version": self.controller.version}
+
+    def _admit(self, wanted: list[tuple[str, str]]) -> tuple[int, str | None]:
+        """How many of `wanted` admission takes, in order; the first refusal's reason (None: all taken)."""
+        for k, (rollout_id, qid) in enumerate(wanted):
+            ok, reason = self.controller.allocate(rollout_id, qid)
+            if not ok:
+                return k, reason
+        return len(wanted), None
 
     def _wake_allocations(self) -> None:
         self._admission_changed.set()
@@ -1012,19 +1042,26 @@ class GserverManager(AsyncWorker):
         return {"qids": qids, "furthest": list(furthest) if furthest else None}
 
     def _finish_rollout(self, body: dict) -> dict:
-        rollout_id = _nonempty(body, "rollout_id")
-        n_trajectories = _count(body, "n_trajectories", minimum=0, default=None)
-        n_tokens = _count(body, "n_tokens", minimum=0, default=0)
-        try:
+        finished = [(_nonempty(r, "rollout_id"), _count(r, "n_trajectories", minimum=0, default=None),
+                     _count(r, "n_tokens", minimum=0, default=0)) for r in _list_of_objects(body, "rollouts")]  # fmt: skip
+        unknown = [rid for rid, _, _ in finished if not self.controller.is_known(rid)]
+        if unknown:  # before any is finished: a rejected call changes nothing
+            raise BadRequest(f"no running rollout with id {unknown[0]!r}")
+        for rollout_id, n_trajectories, n_tokens in finished:
             self.controller.finish(rollout_id, n_trajectories, n_tokens)
-        except KeyError as e:
-            raise BadRequest(str(e.args[0])) from None
         self._wake_allocations()
         return {"success": True}
 
     async def _schedule_request(self, body: dict) -> dict:
+        """A server for `n` requests; with `parts`, a server for each part in
+        turn (the requests of several groups sent at once: each part is
+        routed as if it came alone, so they spread over the servers)."""
         _qid(body)
         n = _count(body, "n")
+        sizes = _field(body, "parts", list, required=False)
+        if sizes is not None and (not sizes or sum(sizes) != n
+                                  or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in sizes)):
+            raise BadRequest("field 'parts' must be a non-empty list of counts >= 1 that sum to 'n'")
         previous_url = _field(body, "previous_server_url", str, required=False)
         previous_version = _field(body, "previous_version", int, required=False)
         avoid = _field(body, "avoid_urls", list, required=False, default=[])
@@ -1037,19 +1074,22 @@ class GserverManager(AsyncWorker):
             await asyncio.wait([asyncio.shield(p) for p in probes], timeout=AVOID_PROBE_WAIT_S)
         down = [u for u in avoid if not self.router.is_up(u)]
         try:
-            url, version = self.router.schedule(n, previous_url, previous_version, avoid)
-        except NoServerUp as e:
+            picks = [self.router.schedule(k, previous_url, previous_version, avoid) for k in sizes or [n]]
+        except NoServerUp as e:  # (none is up: the first part already finds that)
             servers = "; ".join(f"{s.index} at {s.url} {s.state}" + (f": {s.reason}" if s.reason else "")
                                 for s in self._servers.values() if s.state != "retired")  # fmt: skip
             return {"url": None, "version": self.router.version, "reason": f"{e} ({servers or 'none registered'})",
                     "down": down}  # fmt: skip
-        server = self._servers.get(url)
-        if server is not None and server.first_request_version is None:
-            server.first_request_version = version
-            if server.joined is not None:  # joined mid-run: say when it starts serving
-                self.logger.info("generation server %d at %s got its first request (weight version %d, trainer "
-                                 "version %d)", server.index, url, version, self.controller.trainer_version)  # fmt: skip
-        return {"url": url, "version": version, **({"down": down} if avoid else {})}
+        for url, version in dict(picks).items():
+            server = self._servers.get(url)
+            if server is not None and server.first_request_version is None:
+                server.first_request_version = version
+                if server.joined is not None:  # joined mid-run: say when it starts serving
+                    self.logger.info("generation server %d at %s got its first request (weight version %d, trainer "
+                                     "version %d)", server.index, url, version, self.controller.trainer_version)  # fmt: skip
+        url, version = picks[0]
+        parts = {"parts": [{"url": u, "version": v} for u, v in picks]} if sizes is not None else {}
+        return {"url": url, "version": version, **parts, **({"down": down} if avoid else {})}
 
     def _release_request(self, body: dict) -> dict:
         url = _field(body, "url", str)

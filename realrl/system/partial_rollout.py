@@ -8,7 +8,10 @@ A group's answers are generated together first (`_generate_group`): each
 round is one batched `/generate` (one prompt per unfinished answer) on one
 server, scheduled and released through the manager once for the round, so a
 group costs one request per round instead of one per answer, and the server
-prefills the shared prompt once. Unfinished answers (interrupted by a weight
+prefills the shared prompt once. Rounds of several groups that are ready in
+the same few event-loop iterations (the rollout worker starts a batch of
+admitted episodes at once) go out together (`_send_rounds`): one schedule,
+one `/generate` and one release per server share instead of per group. Unfinished answers (interrupted by a weight
 update, or a chunk ended by length) go on together in the next round, sticky
 to the server. When a round fails, generates nothing, or leaves answers on
 different weight versions, each unfinished answer goes on in its own loop,
@@ -73,6 +76,7 @@ import aiohttp
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
 from realrl.base.logging import getLogger
+from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import (
     GenerateResult,
     GenerationClient,
@@ -89,6 +93,7 @@ MAX_EMPTY_ABORTS = 50
 # Failures on servers the manager took out of routing that are not counted,
 # in a row: servers that keep dying and coming back must not loop forever.
 MAX_UNCOUNTED_FAILURES = 20
+MAX_ANSWERS_PER_REQUEST = 256  # answers of several groups' rounds sent as one /generate, at most
 
 
 class PartialRolloutError(RuntimeError):
@@ -156,24 +161,31 @@ class GserverManagerClient:
 
     # allocate/finish change the manager's state and are retried: the caller's
     # `rollout_id` (unique per episode) makes a repeated call a no-op there.
-    async def allocate_rollout(self, rollout_id: str, qid: str, wait_s: float = 0.0) -> dict:
-        """`wait_s`: when refused, the manager waits up to that long for
-        admission to open before answering (a long poll)."""
-        return await self.call("POST", "/allocate_rollout", {"rollout_id": rollout_id, "qid": qid, "wait_s": wait_s})
+    async def allocate_rollouts(self, rollouts: list[tuple[str, str]], wait_s: float = 0.0) -> dict:
+        """Admission for (rollout_id, qid) pairs, in order: `admitted` says
+        how many were taken. `wait_s`: while the first is refused, the
+        manager waits up to that long for admission to open (a long poll)."""
+        payload = {"rollouts": [{"rollout_id": r, "qid": q} for r, q in rollouts], "wait_s": wait_s}
+        return await self.call("POST", "/allocate_rollout", payload)
 
-    async def finish_rollout(self, rollout_id: str, n_trajectories: int, n_tokens: int) -> dict:
-        payload = {"rollout_id": rollout_id, "n_trajectories": n_trajectories, "n_tokens": n_tokens}
+    async def finish_rollouts(self, rollouts: list[tuple[str, int, int]]) -> dict:
+        """(rollout_id, n_trajectories, n_tokens) of ended rollouts."""
+        payload = {"rollouts": [{"rollout_id": r, "n_trajectories": n, "n_tokens": t} for r, n, t in rollouts]}
         return await self.call("POST", "/finish_rollout", payload)
 
     async def schedule_request(
         self, qid: str, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None,
-        avoid_urls: list[str] | None = None,
+        avoid_urls: list[str] | None = None, parts: list[int] | None = None,
     ) -> dict:
         """`{"url", "version", "down"}`; `url` is None when no server is up.
-        `avoid_urls`: servers that just failed for this caller."""
+        `avoid_urls`: servers that just failed for this caller. `parts`: the
+        sizes of several callers' requests (summing to n), each routed as if
+        alone; the reply's `parts` has a {"url", "version"} for each."""
         payload = {"qid": qid, "n": n, "previous_server_url": previous_server_url, "previous_version": previous_version}
         if avoid_urls:
             payload["avoid_urls"] = list(avoid_urls)
+        if parts is not None:
+            payload["parts"] = list(parts)
         return await self.call("POST", "/schedule_request", payload)
 
     async def release_request(self, url: str, n: int = 1, retries: int | None = None, n_tokens: int = 0) -> dict:
@@ -200,6 +212,17 @@ class _Answer:
     versions: list[int] = dataclasses.field(default_factory=list)
     scheduled_version: int | None = None  # the manager's version when first scheduled
     no_eos: bool = True
+
+
+@dataclasses.dataclass
+class _Round:
+    """One round of a group: a prompt (+ output so far), sampling parameters
+    and request id per unfinished answer."""
+
+    qid: str
+    prompts: list[list[int]]
+    params: list[dict]
+    rids: list[str]
 
 
 @dataclasses.dataclass
@@ -264,6 +287,11 @@ class PartialRolloutManager:
         self._in_flight: collections.Counter[str] = collections.Counter()  # url -> our requests on it
         self._gone: dict[str, asyncio.Event] = {}  # url -> set once the manager took it out of routing
         self._watch_task: asyncio.Task | None = None
+        # Group rounds ready together (same stickiness) go as one request; see `_send_rounds`.
+        self._rounds: TickBatcher[_Round] = TickBatcher(self._send_rounds)
+
+    async def close(self) -> None:
+        await self._rounds.close()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """All `group_size` answers of `request`, generated concurrently. If one
@@ -321,7 +349,11 @@ class PartialRolloutManager:
         previous_url: str | None = None
         previous_version: int | None = None
         while live:
-            scheduled = await self._schedule(request.qid, previous_url, previous_version, n=len(live))
+            rid = uuid.uuid4().hex[:12]
+            round_ = _Round(request.qid, [list(request.prompt_ids) + answers[i].output_ids for i in live],
+                            [self._chunk_params(gconfig, answers[i]) for i in live],
+                            [f"{request.qid}/{i}/{rid}" for i in live])  # fmt: skip
+            scheduled, outcome = await self._rounds.submit((previous_url, previous_version), round_)
             if scheduled.get("url") is None:  # no server is up: counted, as in an answer's loop, which retries
                 reason = scheduled.get("reason") or "no generation server is up"
                 logger.warning("qid %s: %s; each answer retries", request.qid, reason)
@@ -333,19 +365,8 @@ class PartialRolloutManager:
             for i in live:
                 if answers[i].scheduled_version is None:
                     answers[i].scheduled_version = scheduled_version
-            rid = uuid.uuid4().hex[:12]
-            self.stats.server_requests += 1
-            responses: list[GenerateResult] | None = None
-            try:
-                try:
-                    responses = await self._generate_on(url, self.client.generate_batch(
-                        url, [list(request.prompt_ids) + answers[i].output_ids for i in live],
-                        [self._chunk_params(gconfig, answers[i]) for i in live], return_logprob=True,
-                        rids=[f"{request.qid}/{i}/{rid}" for i in live], timeout_s=self.request_timeout))  # fmt: skip
-                finally:
-                    generated = sum(len(r.output_ids) for r in responses) if responses is not None else 0
-                    await self._release(url, generated, n=len(live))
-            except (GenerationServerUnavailable, GenerationServerError) as e:
+            if isinstance(outcome, (GenerationServerUnavailable, GenerationServerError)):
+                e = outcome
                 if isinstance(e, GenerationServerError) and e.status == 200:  # a server that cannot batch
                     logger.warning("qid %s: server %s answered a batched /generate with something else (%s); "
                                    "its answers go one by one", request.qid, url, e)  # fmt: skip
@@ -359,7 +380,7 @@ class PartialRolloutManager:
                     out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}", failures=1)
                 return out  # type: ignore[return-value]
             versions, new_tokens, still = set(), 0, []
-            for i, response in zip(live, responses):
+            for i, response in zip(live, outcome):
                 version = _parse_version(response.weight_version, scheduled_version)
                 new_tokens += self._append(answers[i], response, version, request.qid, url)
                 if self._take(answers[i], response, request, url):
@@ -379,6 +400,54 @@ class PartialRolloutManager:
             out[i] = _Resume(answers[i], previous_url=previous_url if last is not None else None,
                              previous_version=last)  # fmt: skip
         return out  # type: ignore[return-value]
+
+    async def _send_rounds(self, key: tuple[str | None, int | None], rounds: list[_Round]) -> list[tuple[dict, Any]]:
+        """Rounds of several groups with the same stickiness `key`, ready in
+        the same few event-loop iterations, sent together: one
+        schedule_request whose `parts` route each group as if alone (so they
+        spread over the servers), then per server one batched /generate of
+        its groups' answers (MAX_ANSWERS_PER_REQUEST at most, unless one
+        group alone has more) and one release. Each round gets (its server
+        and version as the manager replied, its responses or the error of
+        its request)."""
+        sizes = [len(r.prompts) for r in rounds]
+        scheduled = await self._schedule(rounds[0].qid, key[0], key[1], n=sum(sizes), parts=sizes)
+        if scheduled.get("url") is None:
+            return [(scheduled, None)] * len(rounds)
+        picks = scheduled["parts"]
+        results: list[Any] = [None] * len(rounds)
+
+        async def send(url: str, part: list[int]) -> None:
+            chunk = [rounds[k] for k in part]
+            n = sum(sizes[k] for k in part)
+            self.stats.server_requests += 1
+            responses = outcome = None
+            try:
+                responses = outcome = await self._generate_on(url, self.client.generate_batch(
+                    url, [p for r in chunk for p in r.prompts], [q for r in chunk for q in r.params],
+                    return_logprob=True, rids=[i for r in chunk for i in r.rids], timeout_s=self.request_timeout))  # fmt: skip
+            except (GenerationServerUnavailable, GenerationServerError) as e:
+                outcome = e
+            finally:
+                generated = sum(len(r.output_ids) for r in responses) if responses is not None else 0
+                await self._release(url, generated, n=n)
+            offset = 0
+            for k in part:
+                mine = outcome[offset : offset + sizes[k]] if isinstance(outcome, list) else outcome
+                results[k] = ({"url": url, "version": picks[k]["version"]}, mine)
+                offset += sizes[k]
+
+        requests = []
+        for url, part in _per_server(picks, list(range(len(rounds)))).items():
+            chunk: list[int] = []
+            for k in part:
+                if chunk and sum(sizes[j] for j in chunk) + sizes[k] > MAX_ANSWERS_PER_REQUEST:
+                    requests.append(send(url, chunk))
+                    chunk = []
+                chunk.append(k)
+            requests.append(send(url, chunk))
+        await asyncio.gather(*requests)
+        return results
 
     def _chunk_params(self, gconfig: GenerationHyperparameters, answer: _Answer) -> dict:
         """The sampling parameters of an answer's next request: at most one
@@ -532,20 +601,24 @@ class PartialRolloutManager:
 
     async def _schedule(
         self, qid: str, previous_url: str | None, previous_version: int | None, avoid: list[str] | None = None,
-        n: int = 1,
+        n: int = 1, parts: list[int] | None = None,
     ) -> dict:
         """The manager's `schedule_request`, safe against cancellation: once the
         manager may have counted the request, the slot is released even if this
         answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
         kwargs = {"avoid_urls": list(avoid)} if avoid else {}
-        call = asyncio.ensure_future(self.manager.schedule_request(qid, n, previous_url, previous_version, **kwargs))
+        call = asyncio.ensure_future(
+            self.manager.schedule_request(qid, n, previous_url, previous_version, parts=parts, **kwargs)
+        )
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             try:
                 scheduled = await call
                 if scheduled.get("url") is not None:
-                    await self._release(str(scheduled["url"]), n=n)
+                    picks = scheduled.get("parts") or [scheduled]
+                    for url, count in _per_server(picks, parts or [n]).items():
+                        await self._release(url, n=sum(count))
             except Exception:  # the manager never answered: nothing was counted for us
                 pass
             raise
@@ -599,6 +672,14 @@ class PartialRolloutManager:
             await self.manager.release_request(url, n, retries=0, n_tokens=n_tokens)
         except ManagerError as e:
             logger.warning("could not release a request on %s: %s", url, e)
+
+
+def _per_server(picks: list[dict], values: list[_T]) -> dict[str, list[_T]]:
+    """`values` (one per part of a schedule_request) grouped by the part's server."""
+    out: dict[str, list[_T]] = {}
+    for pick, value in zip(picks, values):
+        out.setdefault(str(pick["url"]), []).append(value)
+    return out
 
 
 def _parse_version(reported: str, fallback: int) -> int:

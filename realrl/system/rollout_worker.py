@@ -50,6 +50,7 @@ from realrl.api.env_api import make_env
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names
+from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import dataset_row_fields
@@ -64,6 +65,7 @@ PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
 # to open (a new weight version, a finished rollout): the next rollout starts
 # as soon as it may, with no polling. Short, so the loop still reaps episodes.
 ALLOCATE_WAIT_S = 1.0
+ALLOCATE_BATCH = 64  # prompts offered in one allocate_rollout call at most
 REFUSAL_BACKOFF_S = (0.05, 0.5)  # first and largest wait after an allocation refused without waiting
 MANAGER_CALL_TIMEOUT_S = 30.0
 # How long set-up waits for the manager's URL and the trainer's puller (both
@@ -109,7 +111,7 @@ class RolloutWorker(AsyncWorker):
         self.epoch = 0
         self._order = self._epoch_order(0)
         self._position = 0
-        self._pending: PromptRecord | None = None  # refused prompt, offered again next time
+        self._pending: list[PromptRecord] = []  # prompts offered and not admitted yet, offered again first
         self._redo: collections.deque[PromptRecord] = collections.deque()  # a resumed trial's unfinished prompts
         self.n_regenerated = 0
         self._cursor_published = 0
@@ -117,6 +119,8 @@ class RolloutWorker(AsyncWorker):
         self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))  # set by the launcher when it restarted this worker
 
         self._episodes: dict[str, asyncio.Task] = {}
+        # Episodes that end together report it in one /finish_rollout.
+        self._finishes: TickBatcher[tuple[str, int, int]] = TickBatcher(self._send_finishes)
         self._next_allocate_time = 0.0
         self._refusal_backoff = REFUSAL_BACKOFF_S[0]
         self.counters: collections.Counter = collections.Counter()
@@ -319,26 +323,29 @@ class RolloutWorker(AsyncWorker):
         finished = self._reap_episodes()
         started = 0
         while len(self._episodes) < self.cfg.max_concurrent_rollouts and time.monotonic() >= self._next_allocate_time:
-            if self._pending is None:
-                self._pending = self._next_prompt()
-            record = self._pending
+            room = min(self.cfg.max_concurrent_rollouts - len(self._episodes), ALLOCATE_BATCH)
+            while len(self._pending) < room:
+                self._pending.append(self._next_prompt())
+            offered = self._pending[:room]
             asked = time.monotonic()
-            reply = await self.manager.allocate_rollout(record.metadata["rollout_id"], record.qid,
-                                                        wait_s=ALLOCATE_WAIT_S)  # fmt: skip
-            if not reply.get("success"):
+            reply = await self.manager.allocate_rollouts([(r.metadata["rollout_id"], r.qid) for r in offered],
+                                                         wait_s=ALLOCATE_WAIT_S)  # fmt: skip
+            admitted = int(reply.get("admitted", 0))
+            for record in offered[:admitted]:  # started in one go: their first rounds go out together
+                self._episodes[record.qid] = asyncio.create_task(self._run_episode(record), name=f"episode {record.qid}")
+            del self._pending[:admitted]
+            self.counters["episodes_started"] += admitted
+            started += admitted
+            if admitted < len(offered):
                 reason = str(reply.get("reason") or "unknown")
                 self.refusals[_reason_kind(reason)] += 1
-                if time.monotonic() - asked >= ALLOCATE_WAIT_S:  # the manager waited: ask again at once
+                if admitted or time.monotonic() - asked >= ALLOCATE_WAIT_S:  # admission moved or waited: ask again
                     break
                 # Refused at once (e.g. rollouts stopped): back off.
                 self._next_allocate_time = time.monotonic() + self._refusal_backoff
                 self._refusal_backoff = min(REFUSAL_BACKOFF_S[1], self._refusal_backoff * 2)
                 break
-            self._pending = None
             self._refusal_backoff = REFUSAL_BACKOFF_S[0]
-            self._episodes[record.qid] = asyncio.create_task(self._run_episode(record), name=f"episode {record.qid}")
-            self.counters["episodes_started"] += 1
-            started += 1
         if time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S:
             self._log_stats()
         return PollResult(sample_count=started + finished)
@@ -373,9 +380,12 @@ class RolloutWorker(AsyncWorker):
             self.counters["tokens_pushed"] += traj.n_tokens
             if self._sample_file is not None and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0:
                 self._write_sample(record, traj)
-        await self.manager.finish_rollout(record.metadata["rollout_id"], n_trajectories=len(trajectories),
-                                          n_tokens=n_tokens)  # fmt: skip
+        await self._finishes.submit(None, (record.metadata["rollout_id"], len(trajectories), n_tokens))
         self.counters["episodes_accepted" if trajectories else "episodes_rejected"] += 1
+
+    async def _send_finishes(self, _key, finished: list[tuple[str, int, int]]) -> list[None]:
+        await self.manager.finish_rollouts(finished)
+        return [None] * len(finished)
 
     def _push_blocking(self, message: dict[str, Any]) -> None:
         """Runs on the push thread (the only thread that touches the socket).
@@ -434,6 +444,9 @@ class RolloutWorker(AsyncWorker):
             task.cancel()
         await asyncio.gather(*self._episodes.values(), return_exceptions=True)
         self._episodes.clear()
+        await self._finishes.close()
+        if getattr(self, "partial_rollout", None) is not None:
+            await self.partial_rollout.close()
         self._log_stats()
         for client in (getattr(self, "client", None), getattr(self, "manager", None)):  # None: setup did not get there
             if client is not None:

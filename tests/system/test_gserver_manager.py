@@ -537,6 +537,16 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
             ("POST", "/release_request", {"url": "http://127.0.0.1:1", "n": 1}, None),
             ("POST", "/release_request", {"n": True, "url": shared_server}, None),
             ("POST", "/allocate_rollout", None, b'{"rollout_id": "r", "qid": NaN}'),
+            # The list forms: validated whole before anything is admitted or finished.
+            ("POST", "/allocate_rollout", {"rollouts": []}, None),
+            ("POST", "/allocate_rollout", {"rollouts": "q9"}, None),
+            ("POST", "/allocate_rollout", {"rollouts": [{"rollout_id": "q9", "qid": "q9"}, 5]}, None),
+            ("POST", "/allocate_rollout", {"rollouts": [{"rollout_id": "q9", "qid": "q9"}, {"qid": "q"}]}, None),
+            ("POST", "/finish_rollout", {"rollouts": [{"rollout_id": "q1", "n_trajectories": 1},
+                                                      {"rollout_id": "unknown", "n_trajectories": 1}]}, None),
+            ("POST", "/schedule_request", {"qid": "q1", "n": 3, "parts": [1, 1]}, None),
+            ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": [2, 0]}, None),
+            ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": [True, 1]}, None),
         ]
         for method, path, body, raw in bad:
             status, reply = await m.call(method, path, body, raw)
@@ -558,7 +568,7 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
 
         assert await m.post("/stop_rollouts") == {"success": True}
         reply = await m.allocate("after-stop")
-        assert reply == {"success": False, "reason": "rollouts stopped", "version": 0}
+        assert reply == {"success": False, "admitted": 0, "reason": "rollouts stopped", "version": 0}
         await m.finish("q1", accepted=True)  # rollouts in flight still finish
 
     try:
@@ -572,6 +582,44 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
         missing = os.path.join(str(tmp_path / "weights"), "7")
         assert f"generation server {shared_server} could not load weight version 7 from {missing}" in err
         assert "after 2 attempts" in err  # 1 + weight_update_retries
+    finally:
+        trial.close()
+
+
+def test_batched_allocate_and_finish(tmp_path, etcd_server, shared_server):
+    # A rollout worker offers a batch of prompts in one call and reports
+    # episodes that ended together in one call.
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=4,
+                                     max_concurrent_rollouts=5)  # fmt: skip
+
+    def batch(*qids: str) -> dict:
+        return {"rollouts": [{"rollout_id": q, "qid": q} for q in qids]}
+
+    async def scenario(m: Manager):
+        reply = await m.post("/allocate_rollout", batch(*(f"q{i}" for i in range(7))))
+        assert (reply["success"], reply["admitted"]) == (True, 5)  # in order, up to the cap
+        assert reply["reason"] == "max_concurrent_rollouts reached (5)"
+        assert (await m.post("/allocate_rollout", batch("q0", "q1")))["admitted"] == 2  # repeated: a no-op
+        assert (await m.get("/rollout_stats"))["running"] == 5
+        done = {"rollouts": [{"rollout_id": "q0", "n_trajectories": 1, "n_tokens": 3},
+                             {"rollout_id": "q1", "n_trajectories": 0}]}  # fmt: skip
+        assert await m.post("/finish_rollout", done) == {"success": True}
+        assert await m.post("/finish_rollout", done) == {"success": True}  # repeated: a no-op
+        stats = await m.get("/rollout_stats")
+        assert (stats["running"], stats["accepted"], stats["rejected"]) == (3, 1, 1)
+
+        # A long poll for a batch is answered when the first fits: here when
+        # a finish makes room for one.
+        waiting = asyncio.ensure_future(m.post("/allocate_rollout", {**batch("q5", "q6", "q7"), "wait_s": 5}))
+        await m.post("/allocate_rollout", batch("q7", "q8"))  # fills the cap meanwhile
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await m.finish("q2", accepted=True)
+        reply = await waiting
+        assert (reply["success"], reply["admitted"]) == (True, 1)
+
+    try:
+        run_with_manager(url, scenario)
     finally:
         trial.close()
 
@@ -606,6 +654,12 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
             assert reply == {"url": a, "version": 0}
         assert (await m.post("/schedule_request", {"qid": "t"}))["url"] == b  # least requests
         assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 3, b: 1}
+        # Several groups in one call: each part is routed as if alone (least requests, in turn).
+        reply = await m.post("/schedule_request", {"qid": "u", "n": 7, "parts": [3, 2, 2]})
+        assert [p["url"] for p in reply["parts"]] == [b, a, b] and reply["url"] == b
+        assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 5, b: 6}
+        await m.post("/release_request", {"url": a, "n": 2})
+        await m.post("/release_request", {"url": b, "n": 5})
 
         # The trainer publishes version 1: every server loads it.
         _, new_model = build_tiny_model(seed=2)

@@ -183,10 +183,14 @@ class ObservedManagerClient(GserverManagerClient):
         super().__init__(*args, **kwargs)
         self.scheduled: list[dict] = []
 
-    async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None):
-        reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls)
-        self.scheduled.append({"qid": qid, "n": n, "previous_server_url": previous_server_url,
-                               "previous_version": previous_version, **reply})  # fmt: skip
+    async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None,
+                               parts=None):  # fmt: skip
+        """Logs one entry per part (a group's round), numbered by the call ("call")."""
+        reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls, parts)
+        call = len({s["call"] for s in self.scheduled})
+        for size, pick in zip(parts or [n], reply.get("parts") or [reply]):
+            self.scheduled.append({"qid": qid, "n": size, "previous_server_url": previous_server_url,
+                                   "previous_version": previous_version, "call": call, **reply, **pick})  # fmt: skip
         return reply
 
 
@@ -240,20 +244,23 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
     assert n_no_eos > 0  # the random model rarely emits eos in 9 tokens
     assert stats["interruptions"] == 0 and stats["retries"] == 0
     # A group's answers are generated together: one batched request per round
-    # for the answers not finished yet.
+    # for the answers not finished yet; the episodes' rounds that are ready
+    # together (here: the first ones, and the continuations) go as one request.
     first = [s for s in scheduled if s["previous_server_url"] is None]
     assert len(first) == len(records) and all(s["n"] == group_size for s in first)
-    assert stats["server_requests"] == len(scheduled)
+    assert {s["call"] for s in first} == {0}
+    calls = len({s["call"] for s in scheduled})
+    assert stats["server_requests"] == calls  # (one server)
     if chunk == 2:
         # an answer that used the whole budget took ceil(9 / 2) = 5 chunks
         assert stats["chunk_continuations"] >= 4 * n_no_eos
         continued = [s for s in scheduled if s["previous_server_url"] is not None]
         assert sum(s["n"] for s in continued) == stats["chunk_continuations"]
-        assert len(continued) <= 4 * len(records)  # at most 4 more rounds per group
+        assert len({s["call"] for s in continued}) <= 4  # at most 4 more rounds, the groups' together
         assert all(s["url"] == s["previous_server_url"] == trial.server_url and s["previous_version"] == 0
                    for s in continued)  # fmt: skip
     else:
-        assert stats["chunk_continuations"] == 0 and stats["server_requests"] == len(records)
+        assert stats["chunk_continuations"] == 0 and stats["server_requests"] == 1
     assert set(manager_stats(trial.manager_url)["server_in_flight"].values()) == {0}  # every request released
 
 
