@@ -4,13 +4,16 @@ Each rollout worker owns a shard of the prompt data set
 (`records[worker_index::worker_count]`) and keeps up to
 `max_concurrent_rollouts` episodes in flight:
 
-1. the next prompt (epochs in a per-epoch shuffle seeded by (seed,
+1. the next prompts (epochs in a per-epoch shuffle seeded by (seed,
    worker_index, epoch); the episode qid is `"<query_id>@<epoch>"`, unique
-   across epochs) is offered to the GserverManager (`/allocate_rollout`, a
-   long poll: the manager holds a refused call up to ALLOCATE_WAIT_S for
-   admission to open); a refusal (staleness bound, concurrency cap, rollouts
-   stopped) keeps the prompt for the next try after a short, growing back-off (allocate and finish
-   carry the episode's `rollout_id`, so the manager ignores a retried call);
+   across epochs) are offered to the GserverManager as one list, up to
+   ALLOCATE_BATCH (`/allocate_rollout`, a long poll: the manager holds the
+   call up to ALLOCATE_WAIT_S for admission to open, and admits as many as
+   fit, in order); the admitted episodes start together (so their first
+   generation rounds go out as one request), the others are offered again
+   first; a refusal with nothing admitted at once (rollouts stopped) backs
+   off briefly (allocate and finish carry the episode's `rollout_id`, so the
+   manager ignores a retried call);
 2. an admitted episode runs `agent.run_episode(record, env, partial_rollout)`
    against a fresh environment: every `self.generate(...)` of the agent
    becomes a `GenerationRequest` served by the `PartialRolloutManager`
@@ -19,7 +22,7 @@ Each rollout worker owns a shard of the prompt data set
    trainer puller, from a dedicated thread so that back-pressure (a full
    high-water mark) never blocks the event loop; then `/finish_rollout` with
    the number of trajectories pushed (0: the agent rejected the prompt, which
-   uses no staleness budget).
+   uses no staleness budget), one call for the episodes that end together.
 
 An episode that fails (e.g. generation failed after the PartialRolloutManager's
 retries) fails the worker: the exception propagates out of `_poll_async`, the
