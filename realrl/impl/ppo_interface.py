@@ -130,9 +130,8 @@ class MicroBatch:
     def scatter(self, per_seq: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
         """Per-sequence completion values as [n, C]."""
         out = torch.full(self.loss_mask.shape, fill, dtype=torch.float32)
-        for k, i in enumerate(self.indices):
-            values = per_seq[i]
-            out[k, : len(values)] = values.to(torch.float32)
+        if self.indices:  # completions are left-aligned: the mask's row-major order is theirs concatenated
+            out[self.loss_mask.cpu() > 0] = torch.cat([per_seq[i].float().cpu() for i in self.indices])
         return out.to(self.loss_mask.device)
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -156,48 +155,47 @@ def make_micro_batch(batch: SequenceBatch, rows: list[list[int]], device: torch.
     rows get a boolean mask (SDPA), or an additive one (`additive_mask`:
     eager attention adds it to the scores)."""
     indices = [i for row in rows for i in row]
-    widths = [batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row)) for row in rows]
-    W = max(widths, default=2)
-    R = max(len(rows), 1)
-    C = max(map(batch.completion_len, indices), default=1)
-    n = max(len(indices), 1)
-    input_ids = torch.full((R, W), pad_id, dtype=torch.long)
-    segment = torch.full((R, W), -1, dtype=torch.long)  # 0: prompt, s + 1: completion s, -1: padding
-    position_ids = torch.zeros((R, W), dtype=torch.long)
-    src_rows = torch.zeros((n, C + 1), dtype=torch.long)
-    src_cols = torch.zeros((n, C + 1), dtype=torch.long)
-    targets = torch.zeros((n, C), dtype=torch.long)
-    loss_mask = torch.zeros((n, C), dtype=torch.float32)
-    if not rows:
-        segment[0] = 0
-    k = 0
+    # Built as Python lists, one tensor each at the end (a few small tensor
+    # writes per sequence cost more than the forward of a tiny model).
+    ids_rows, seg_rows, pos_rows = [], [], []  # segment: 0 prompt, s + 1 completion s, -1 padding
+    src_rows, src_cols, targets = [], [], []
     for r, row in enumerate(rows):
         P = batch.prompt_lens[row[0]]
-        input_ids[r, :P] = batch.input_ids[row[0]][:P]
-        segment[r, :P] = 0
-        position_ids[r, :P] = torch.arange(P)
-        col = P
-        for s, i in enumerate(row):
-            G = batch.completion_len(i)
-            input_ids[r, col : col + G] = batch.input_ids[i][P:]
-            segment[r, col : col + G] = s + 1
-            position_ids[r, col : col + G] = torch.arange(P, P + G)
+        ids, seg, pos = batch.input_ids[row[0]][:P].tolist(), [0] * P, list(range(P))
+        for s, i in enumerate(row, start=1):
+            completion = batch.input_ids[i][P:].tolist()
+            G, col = len(completion), len(ids)
             # token j is predicted from the one before it: the prompt's last, then this completion's own
-            src_rows[k] = r
-            src_cols[k, 0] = P - 1
-            src_cols[k, 1 : G + 1] = torch.arange(col, col + G)
-            src_cols[k, G + 1 :] = col + G - 1 if G else P - 1
-            targets[k, :G] = batch.input_ids[i][P:]
-            loss_mask[k, :G] = 1.0
-            col += G
-            k += 1
+            src_cols.append([P - 1, *range(col, col + G)])
+            src_rows.append(r)
+            targets.append(completion)
+            ids += completion
+            seg += [s] * G
+            pos += range(P, P + G)
+        ids_rows.append(ids)
+        seg_rows.append(seg)
+        pos_rows.append(pos)
+    if not rows:  # the padding micro-batch
+        ids_rows, seg_rows, pos_rows, src_rows, src_cols, targets = [[pad_id] * 2], [[0, 0]], [[0, 1]], [0], [[0]], [[]]
+    W = max(map(len, ids_rows))
+    C = max(max(map(len, targets)), 0 if rows else 1)
+
+    def padded(lists: list[list[int]], width: int, fill: int) -> torch.Tensor:
+        return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long)
+
+    input_ids, segment, position_ids = padded(ids_rows, W, pad_id), padded(seg_rows, W, -1), padded(pos_rows, W, 0)
+    # Past a completion's end its source repeats its last token (any valid index: masked out).
+    src_cols_t = torch.tensor([c + [c[-1]] * (C + 1 - len(c)) for c in src_cols], dtype=torch.long)
+    src_rows_t = torch.tensor(src_rows, dtype=torch.long)[:, None].expand(-1, C + 1).contiguous()
+    loss_mask = padded([[1] * len(t) for t in targets], C, 0).float()
+    targets_t = padded(targets, C, 0)
     if all(len(row) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
         attention_mask, position_ids = (segment >= 0).long(), None
     else:
         attention_mask = _shared_prompt_mask(segment, additive_mask)
     return MicroBatch(indices, input_ids.to(device), attention_mask.to(device),
-                      None if position_ids is None else position_ids.to(device), src_rows.to(device),
-                      src_cols.to(device), targets.to(device), loss_mask.to(device), batch)  # fmt: skip
+                      None if position_ids is None else position_ids.to(device), src_rows_t.to(device),
+                      src_cols_t.to(device), targets_t.to(device), loss_mask.to(device), batch)  # fmt: skip
 
 
 def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:

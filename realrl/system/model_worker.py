@@ -126,11 +126,13 @@ class ModelWorker(Worker):
             torch.cuda.set_device(self.device)
         self._init_distributed()
 
+        import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         import realrl.impl.agents  # noqa: F401  evaluation runs the built-in agents and environments
         import realrl.impl.environments  # noqa: F401
 
+        transformers.logging.disable_progress_bar()  # a "Writing model shards" bar per published version
         dtype = _DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         self._eval_agent = None  # made at the first evaluation (the agent may load things)

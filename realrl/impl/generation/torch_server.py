@@ -101,6 +101,7 @@ from typing import Any, Callable
 
 import torch
 from aiohttp import web
+import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -1466,6 +1467,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     configure(f"torch_server:{args.port}", args.log_level)
+    transformers.logging.disable_progress_bar()  # a "Loading weights" bar per weight update
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
