@@ -39,7 +39,10 @@ import torch.nn as nn
 from realrl.api.cli_args import PPOConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base.datapack import partition_balanced, split_by_token_budget
+from realrl.base.logging import getLogger
 from realrl.impl import ppo_functional as F
+
+logger = getLogger("ppo")
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -314,9 +317,46 @@ def forward_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
 def shared_prompt_mask_kind(model: nn.Module) -> str | None:
     """How a model takes shared-prompt rows: "bool" (SDPA) or "additive"
     (eager) masks; None for attention kernels without custom 4-D masks
-    (flash-attention, flex), which then train one sequence per row."""
+    (flash-attention, flex) and for sliding-window attention (a custom mask
+    replaces the window), which then train one sequence per row."""
     config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) or any(
+        "sliding" in str(t) for t in getattr(text, "layer_types", None) or ()
+    ):
+        return None
     return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
+
+
+@torch.no_grad()
+def shared_rows_match(model: nn.Module, fn, device: torch.device, additive_mask: bool) -> bool:
+    """Whether `model` gives a shared-prompt row the outputs of separate rows
+    (`fn(model, micro_batch)`: logprobs or values), on a tiny probe: models
+    whose positions do not come from position_ids alone (e.g. ALiBi biases
+    built from the 2-D mask) fail it and train one sequence per row."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ids = torch.randint(0, int(config.vocab_size), (9,), generator=torch.Generator().manual_seed(0))
+    seqs = [torch.cat([ids[:4], ids[4:7]]), torch.cat([ids[:4], ids[7:]])]
+    batch = SequenceBatch(seqs, [4, 4], [torch.zeros(3), torch.zeros(2)], torch.zeros(2), torch.zeros(2, dtype=torch.bool),
+                          [[0, 1]])  # fmt: skip
+    was_training = model.training
+    model.eval()
+    try:
+        shared = fn(model, make_micro_batch(batch, [[0, 1]], device, additive_mask=additive_mask)).float()
+        separate = fn(model, make_micro_batch(batch, [[0], [1]], device)).float()
+    except Exception as e:  # a model that cannot take the rows at all
+        logger.info("shared-prompt rows off: %s does not take them (%s: %s)", type(model).__name__, type(e).__name__, e)
+        return False
+    finally:
+        model.train(was_training)
+    tol = 1e-4 if shared.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
+    extra = shared.shape[1] - 3  # values carry the last token's too
+    diff = torch.cat([(shared - separate)[0, : 3 + extra], (shared - separate)[1, : 2 + extra]]).abs()
+    if diff.max() > tol * (1 + separate.abs().max()):
+        logger.info("shared-prompt rows off: %s gives them other outputs than separate rows (max difference %.3g)",
+                    type(model).__name__, float(diff.max()))  # fmt: skip
+        return False
+    return True
 
 
 # ---- the trainer --------------------------------------------------------------
@@ -401,9 +441,21 @@ class PPOTrainer:
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
         # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
-        kinds = {shared_prompt_mask_kind(m) for m in (actor.model, critic and critic.model, ref) if m is not None}
-        self._share_hidden = getattr(config, "hidden_size", None) if cfg.share_prompts and None not in kinds else None
+        # Checked on a probe as well (every rank runs it: under FSDP a forward is a collective).
+        models = [(m, fn) for m, fn in ((actor.model, self._probe_logprobs), (ref, self._probe_logprobs),
+                                        (critic and critic.model, forward_values)) if m is not None]  # fmt: skip
+        kinds = {shared_prompt_mask_kind(m) for m, _ in models}
         self._additive_mask = "additive" in kinds
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        hidden = getattr(text_config, "hidden_size", None)
+        share = cfg.share_prompts and hidden is not None and None not in kinds
+        if share:
+            share = all(shared_rows_match(m, fn, device, self._additive_mask) for m, fn in models)
+            share = self._max_over_ranks([0 if share else 1])[0] == 0  # every rank decides alike
+        self._share_hidden = hidden if share else None
+
+    def _probe_logprobs(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return forward_logprobs(model, mb, 1.0)
 
     # ---- agreement between data-parallel ranks ------------------------------------------
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:

@@ -414,7 +414,7 @@ class PartialRolloutManager:
         scheduled = await self._schedule(rounds[0].qid, key[0], key[1], n=sum(sizes), parts=sizes)
         if scheduled.get("url") is None:
             return [(scheduled, None)] * len(rounds)
-        picks = scheduled["parts"]
+        picks = scheduled.get("parts") or [scheduled] * len(rounds)  # (a manager without parts: all on one server)
         results: list[Any] = [None] * len(rounds)
 
         async def send(url: str, part: list[int]) -> None:

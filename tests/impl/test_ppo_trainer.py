@@ -193,3 +193,31 @@ def test_prompts_are_shared_where_the_flop_estimate_says_it_pays():
                          {"ids": [2, 3, 9, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
                          {"ids": [2, 3, 4, 6], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False}]])  # fmt: skip
     assert share_prompt_rows(mixed, [0, 1, 2], 64, 8192) == [[0, 2], [1]]  # only identical prompts share
+
+
+@pytest.mark.parametrize("arch,shares", [("gpt2", True), ("bloom", False), ("mistral-sliding", False)])
+def test_shared_prompt_rows_only_for_models_that_give_them_the_same_outputs(arch, shares):
+    # Learned absolute positions come from position_ids: shared rows are exact.
+    # ALiBi (Bloom) builds its position bias from the 2-D mask, and a custom
+    # mask would replace a sliding window: those train one sequence per row.
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+
+    from realrl.impl.ppo_interface import PPOTrainer, make_optimized
+
+    torch.manual_seed(0)
+    model = {
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)),
+        "bloom": lambda: BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=2)),
+        "mistral-sliding": lambda: MistralForCausalLM(MistralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, sliding_window=8)),
+    }[arch]()  # fmt: skip
+    trainer = PPOTrainer(make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10), PPOConfig(), 1.0,
+                         torch.device("cpu"))  # fmt: skip
+    assert (trainer._share_hidden is not None) == shares
+    # Either way a step trains: the logprobs it uses are those of separate rows.
+    batch = make_batch(make_groups(3, 2, 3, (4, 6), (2, 4), shared_prompt=True))
+    expected = PPOTrainer(make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10),
+                          PPOConfig(share_prompts=False), 1.0, torch.device("cpu")).compute_logprobs(model, batch)  # fmt: skip
+    for a, b in zip(trainer.compute_logprobs(model, batch), expected):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -143,6 +143,7 @@ def build_trainer(model_dir: str, ppo: PPOConfig, device: torch.device, mode: st
         process_group=process_group,
         loss_scale=float(world) if mode == "fsdp" else 1.0,
     )  # fmt: skip
+    forwards.clear()  # the constructor's shared-prompt probe is not a step's forward
     return trainer, forwards
 
 
