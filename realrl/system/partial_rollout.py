@@ -11,11 +11,12 @@ group costs one request per round instead of one per answer, and the server
 prefills the shared prompt once. Rounds of several groups that are ready in
 the same few event-loop iterations (the rollout worker starts a batch of
 admitted episodes at once) go out together (`_send_rounds`): one schedule,
-one `/generate` and one release per server share instead of per group. Unfinished answers (interrupted by a weight
-update, or a chunk ended by length) go on together in the next round, sticky
-to the server. When a round fails, generates nothing, or leaves answers on
-different weight versions, each unfinished answer goes on in its own loop,
-with what it has, all answers concurrently:
+and one `/generate` and one release per server, instead of one of each per
+group. Unfinished answers (interrupted by a weight update, or a chunk ended
+by length) go on together in the next round, sticky to the server. When a
+round fails, generates nothing, or leaves answers on different weight
+versions, each unfinished answer goes on in its own loop, with what it has,
+all answers concurrently:
 
 1. ask the GserverManager for a server (`/schedule_request`); after the first
    chunk the request is sticky: it names the server and the weight version that
@@ -616,8 +617,9 @@ class PartialRolloutManager:
             try:
                 scheduled = await call
                 if scheduled.get("url") is not None:
-                    picks = scheduled.get("parts") or [scheduled]
-                    for url, count in _per_server(picks, parts or [n]).items():
+                    counts = _per_server(scheduled["parts"], parts) if scheduled.get("parts") else {
+                        str(scheduled["url"]): [n]}  # fmt: skip
+                    for url, count in counts.items():
                         await self._release(url, n=sum(count))
             except Exception:  # the manager never answered: nothing was counted for us
                 pass

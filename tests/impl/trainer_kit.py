@@ -187,6 +187,9 @@ def main(spec_path: str, rank: int, out_path: str) -> None:
         if trainer.critic is not None:
             weights["critic"] = full_weights(trainer.critic.model)
         torch.save({"stats": stats, "forwards": dict(forwards), "weights": weights}, out_path)
+        # Both ranks done before either tears gloo down: one rank destroying the
+        # group while the other still talks to it can abort (std::terminate) in gloo.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -547,6 +547,7 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
             ("POST", "/schedule_request", {"qid": "q1", "n": 3, "parts": [1, 1]}, None),
             ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": [2, 0]}, None),
             ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": [True, 1]}, None),
+            ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": ["1", 1]}, None),
         ]
         for method, path, body, raw in bad:
             status, reply = await m.call(method, path, body, raw)
