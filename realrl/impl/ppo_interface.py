@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 
 from realrl.api.cli_args import PPOConfig
 from realrl.api.trajectory import Trajectory
@@ -122,7 +123,7 @@ class MicroBatch:
 
     indices: list[int]
     input_ids: torch.Tensor  # [R, W]
-    attention_mask: torch.Tensor  # [R, W] with one sequence per row; else [R, 1, W, W] additive
+    attention_mask: torch.Tensor  # [R, W] with one sequence per row; else [R, 1, W, W] (bool, or additive)
     position_ids: torch.Tensor | None  # [R, W] with shared rows
     src_rows: torch.Tensor  # [n, C+1]
     src_cols: torch.Tensor  # [n, C+1]
@@ -132,10 +133,10 @@ class MicroBatch:
 
     def scatter(self, per_seq: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
         """Per-sequence completion values as [n, C]."""
-        out = torch.full(self.loss_mask.shape, fill, dtype=torch.float32)
-        if self.indices:  # completions are left-aligned: the mask's row-major order is theirs concatenated
-            out[self.loss_mask.cpu() > 0] = torch.cat([per_seq[i].float().cpu() for i in self.indices])
-        return out.to(self.loss_mask.device)
+        if not self.indices:  # the padding micro-batch
+            return torch.full(self.loss_mask.shape, fill, dtype=torch.float32, device=self.loss_mask.device)
+        out = pad_sequence([per_seq[i].float().cpu() for i in self.indices], batch_first=True, padding_value=fill)
+        return out.to(self.loss_mask.device)  # [n, C]: C is the longest completion
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """The inverse of `scatter`: per-sequence slices of [n, C(+1)]; an
@@ -215,6 +216,11 @@ def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
 
 
+def _row_width(batch: SequenceBatch, row: list[int]) -> int:
+    """Tokens of a row: the shared prompt once, then every completion."""
+    return batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row))
+
+
 def share_prompt_rows(batch: SequenceBatch, indices: list[int], hidden_size: int | None,
                       max_tokens: int) -> list[list[int]]:  # fmt: skip
     """Rows for these sequences: those with the same prompt go into rows of k
@@ -235,11 +241,10 @@ def share_prompt_rows(batch: SequenceBatch, indices: list[int], hidden_size: int
         by_prompt.setdefault(key, []).append(i)
     rows: list[list[int]] = []
     for same in by_prompt.values():
-        P = batch.prompt_lens[same[0]]
         best: tuple[float, list[list[int]]] | None = None
         for k in range(1, len(same) + 1):
             chunks = [same[s : s + k] for s in range(0, len(same), k)]
-            widths = [P + sum(map(batch.completion_len, c)) for c in chunks]
+            widths = [_row_width(batch, c) for c in chunks]
             if k > 1 and max(widths) > max_tokens:
                 continue
             cost = sum(w * (6 * hidden_size + w) for w in widths)
@@ -254,7 +259,7 @@ def plan_micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int
     """The rows of each micro-batch (`share_prompt_rows`), packed by padded
     token budget (FFD)."""
     rows = share_prompt_rows(batch, indices, hidden_size, max_tokens)
-    widths = [batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row)) for row in rows]
+    widths = [_row_width(batch, row) for row in rows]
     return [[rows[j] for j in b] for b in split_by_token_budget(widths, max_tokens, padded=True)]
 
 
@@ -314,13 +319,18 @@ def forward_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
     return mb.at_sources(critic(mb.input_ids, mb.attention_mask, mb.position_ids))
 
 
+def _text_config(config):
+    """The language model's part of a (possibly multimodal) HF config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def shared_prompt_mask_kind(model: nn.Module) -> str | None:
     """How a model takes shared-prompt rows: "bool" (SDPA) or "additive"
     (eager) masks; None for attention kernels without custom 4-D masks
     (flash-attention, flex) and for sliding-window attention (a custom mask
     replaces the window), which then train one sequence per row."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) or any(
         "sliding" in str(t) for t in getattr(text, "layer_types", None) or ()
     ):
@@ -334,8 +344,7 @@ def shared_rows_match(model: nn.Module, fn, device: torch.device, additive_mask:
     (`fn(model, micro_batch)`: logprobs or values), on a tiny probe: models
     whose positions do not come from position_ids alone (e.g. ALiBi biases
     built from the 2-D mask) fail it and train one sequence per row."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    ids = torch.randint(0, int(config.vocab_size), (9,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, int(_text_config(model.config).vocab_size), (9,), generator=torch.Generator().manual_seed(0))
     seqs = [torch.cat([ids[:4], ids[4:7]]), torch.cat([ids[:4], ids[7:]])]
     batch = SequenceBatch(seqs, [4, 4], [torch.zeros(3), torch.zeros(2)], torch.zeros(2), torch.zeros(2, dtype=torch.bool),
                           [[0, 1]])  # fmt: skip
@@ -446,8 +455,7 @@ class PPOTrainer:
                                         (critic and critic.model, forward_values)) if m is not None]  # fmt: skip
         kinds = {shared_prompt_mask_kind(m) for m, _ in models}
         self._additive_mask = "additive" in kinds
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        hidden = getattr(text_config, "hidden_size", None)
+        hidden = getattr(_text_config(config), "hidden_size", None)
         share = cfg.share_prompts and hidden is not None and None not in kinds
         if share:
             share = all(shared_rows_match(m, fn, device, self._additive_mask) for m, fn in models)

@@ -1059,8 +1059,9 @@ class GserverManager(AsyncWorker):
         _qid(body)
         n = _count(body, "n")
         sizes = _field(body, "parts", list, required=False)
-        counts = sizes is None or all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in sizes)
-        if sizes is not None and (not sizes or not counts or sum(sizes) != n):  # (sum only over counts)
+        if sizes is not None and not (
+            sizes and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in sizes) and sum(sizes) == n
+        ):
             raise BadRequest("field 'parts' must be a non-empty list of counts >= 1 that sum to 'n'")
         previous_url = _field(body, "previous_server_url", str, required=False)
         previous_version = _field(body, "previous_version", int, required=False)

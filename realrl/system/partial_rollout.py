@@ -76,6 +76,7 @@ from typing import Any, Coroutine, Iterable, TypeVar
 import aiohttp
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
+from realrl.base.datapack import ffd_allocate
 from realrl.base.logging import getLogger
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import (
@@ -440,13 +441,8 @@ class PartialRolloutManager:
 
         requests = []
         for url, part in _per_server(picks, list(range(len(rounds)))).items():
-            chunk: list[int] = []
-            for k in part:
-                if chunk and sum(sizes[j] for j in chunk) + sizes[k] > MAX_ANSWERS_PER_REQUEST:
-                    requests.append(send(url, chunk))
-                    chunk = []
-                chunk.append(k)
-            requests.append(send(url, chunk))
+            for b in ffd_allocate([sizes[k] for k in part], MAX_ANSWERS_PER_REQUEST):
+                requests.append(send(url, [part[j] for j in b]))
         await asyncio.gather(*requests)
         return results
 
