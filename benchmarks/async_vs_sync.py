@@ -33,8 +33,15 @@ MODES = {
 
 
 def overrides_for(mode: str, steps: int, fileroot: str, extra: list[str]) -> list[str]:
-    return ["experiment_name=async-vs-sync", f"trial_name={mode}", f"fileroot={fileroot}",
-                 f"total_train_steps={steps}", "eval.every_n_steps=0", *MODES[mode], *extra]  # fmt: skip
+    return [
+        "experiment_name=async-vs-sync",
+        f"trial_name={mode}",
+        f"fileroot={fileroot}",
+        f"total_train_steps={steps}",
+        "eval.every_n_steps=0",
+        *MODES[mode],
+        *extra,
+    ]
 
 
 def run(mode: str, steps: int, fileroot: str, extra: list[str]) -> dict:
@@ -55,8 +62,11 @@ def run(mode: str, steps: int, fileroot: str, extra: list[str]) -> dict:
         "train_loop_s": step_seconds,
         "steps": len(steps_stats),
         "steps_per_min": 60.0 * len(steps_stats) / step_seconds,
-        "seconds_per_step": {"fetch (waiting for rollouts)": mean("time/fetch_s"), "inference": mean("time/inference_s"),
-                             "train + publish": mean("time/train_s")},  # fmt: skip
+        "seconds_per_step": {
+            "fetch (waiting for rollouts)": mean("time/fetch_s"),
+            "inference": mean("time/inference_s"),
+            "train + publish": mean("time/train_s"),
+        },
         "reward_per_step": [s.get("rollout/reward/mean") for s in steps_stats],
         "accuracy_per_step": [s.get("rollout/accuracy") for s in steps_stats],
         "max_staleness_trained": summary["max_staleness_trained"],
@@ -80,13 +90,18 @@ def main() -> None:
     ratio = results["async"]["steps_per_min"] / results["sync"]["steps_per_min"]
 
     print(f"\nasync (η=4, decoupled) vs sync (η=0) — {steps} steps each, same seed")
-    print(f"{'mode':<6} {'wall s':>8} {'steps/min':>10} {'fetch s':>8} {'inf s':>7} {'train s':>8} "
-          f"{'eval acc':>15} {'max stale':>9}")  # fmt: skip
+    print(
+        f"{'mode':<6} {'wall s':>8} {'steps/min':>10} {'fetch s':>8} {'inf s':>7} {'train s':>8} "
+        f"{'eval acc':>15} {'max stale':>9}"
+    )
     for mode, r in results.items():
         sp = r["seconds_per_step"]
-        print(f"{mode:<6} {r['wall_time_s']:>8.1f} {r['steps_per_min']:>10.1f} {sp['fetch (waiting for rollouts)']:>8.2f} "
-              f"{sp['inference']:>7.2f} {sp['train + publish']:>8.2f} "
-              f"{r['initial_eval_accuracy']:>6.3f}->{r['final_eval_accuracy']:<6.3f} {r['max_staleness_trained']:>9}")  # fmt: skip
+        print(
+            f"{mode:<6} {r['wall_time_s']:>8.1f} {r['steps_per_min']:>10.1f} "
+            f"{sp['fetch (waiting for rollouts)']:>8.2f} "
+            f"{sp['inference']:>7.2f} {sp['train + publish']:>8.2f} "
+            f"{r['initial_eval_accuracy']:>6.3f}->{r['final_eval_accuracy']:<6.3f} {r['max_staleness_trained']:>9}"
+        )
     print(f"speedup (async steps/min / sync steps/min): {ratio:.2f}x")
     for mode, r in results.items():
         acc = ", ".join(f"{a:.2f}" for a in r["accuracy_per_step"] if a is not None)

@@ -142,12 +142,24 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(
             [
-                sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir,
-                "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
-                "--max-running-requests", str(batch), "--log-level", "WARNING",
+                sys.executable,
+                "-m",
+                "realrl.impl.generation.torch_server",
+                "--model-path",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num-threads",
+                str(args.threads),
+                "--max-running-requests",
+                str(batch),
+                "--log-level",
+                "WARNING",
             ],
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             results = asyncio.run(_measure(model, url, batch, repeats, equal_len, mixed_range))
         finally:

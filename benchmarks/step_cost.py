@@ -74,14 +74,25 @@ from training.utils import resolve_model_and_data, trial_paths  # noqa: E402
 
 KINDS = ["master", "trainer", "generation server", "manager", "rollout worker", "etcd", "launcher"]
 MODEL_KINDS = ("trainer", "generation server")
-_SPEC_KIND = {"master_worker": "master", "model_worker": "trainer", "generation_server": "generation server",
-              "gserver_manager": "manager", "rollout_worker": "rollout worker"}  # fmt: skip
+_SPEC_KIND = {
+    "master_worker": "master",
+    "model_worker": "trainer",
+    "generation_server": "generation server",
+    "gserver_manager": "manager",
+    "rollout_worker": "rollout worker",
+}
 SAMPLE_S = 0.2
 EXPERIMENT = "step-cost"
-STAGE_KEYS = [("time/step_s", "step"), ("time/fetch_s", "fetch"), ("time/wait_data_s", "  of which waiting for data"),
-              ("time/inference_s", "inference (proximal logprobs)"), ("time/train_s", "train"),
-              ("time/publish_s", "  of which publishing weights"), ("perf/trainer_idle_ratio", "trainer idle ratio"),
-              ("perf/gen_idle_ratio", "generation idle ratio")]  # fmt: skip
+STAGE_KEYS = [
+    ("time/step_s", "step"),
+    ("time/fetch_s", "fetch"),
+    ("time/wait_data_s", "  of which waiting for data"),
+    ("time/inference_s", "inference (proximal logprobs)"),
+    ("time/train_s", "train"),
+    ("time/publish_s", "  of which publishing weights"),
+    ("perf/trainer_idle_ratio", "trainer idle ratio"),
+    ("perf/gen_idle_ratio", "generation idle ratio"),
+]
 
 
 # ---- the process tree ------------------------------------------------------------------
@@ -233,7 +244,9 @@ def weight_sync_lags(log_dir: str, versions: range) -> dict:
     publishing time before that is time/publish_s."""
     path = os.path.join(log_dir, "gserver_manager-0.log")
     noticed = _log_times(path, re.compile(r"trainer weight version \d+ -> (?P<v>\d+)"))
-    held = _log_times(path, re.compile(r"all servers hold weight version (?P<v>\d+) \((?P<s>[\d.]+)s, (?P<n>\d+) requests"))
+    held = _log_times(
+        path, re.compile(r"all servers hold weight version (?P<v>\d+) \((?P<s>[\d.]+)s, (?P<n>\d+) requests")
+    )
     lags, update_s, interrupted = [], [], []
     for v in versions:
         if v in noticed and v in held:
@@ -242,9 +255,13 @@ def weight_sync_lags(log_dir: str, versions: range) -> dict:
             interrupted.append(int(held[v][1].group("n")))
     if not lags:
         return {"versions": 0}
-    return {"versions": len(lags), "lag_s_mean": sum(lags) / len(lags), "lag_s_max": max(lags),
-            "update_call_s_mean": sum(update_s) / len(update_s),
-            "requests_interrupted_per_update": sum(interrupted) / len(interrupted)}  # fmt: skip
+    return {
+        "versions": len(lags),
+        "lag_s_mean": sum(lags) / len(lags),
+        "lag_s_max": max(lags),
+        "update_call_s_mean": sum(update_s) / len(update_s),
+        "requests_interrupted_per_update": sum(interrupted) / len(interrupted),
+    }
 
 
 # ---- py-spy ------------------------------------------------------------------------------
@@ -278,15 +295,44 @@ def start_profilers(py_spy: str, targets: dict[int, str], out_dir: str, rate: in
     profs = []
     for pid, label in sorted(targets.items(), key=lambda kv: kv[1]):
         path = os.path.join(out_dir, f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}-{pid}.txt")
-        cmd = [py_spy, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--output", path,
-               "--duration", "3600", "--full-filenames", "--nolineno", "--threads", "--nonblocking"]  # fmt: skip
+        cmd = [
+            py_spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+            "--output",
+            path,
+            "--duration",
+            "3600",
+            "--full-filenames",
+            "--nolineno",
+            "--threads",
+            "--nonblocking",
+        ]
         if native:
             cmd.append("--native")
         with open(path + ".log", "wb") as log:  # (SIGKILLed with us, should we die)
-            proc = subprocess.Popen(with_parent_death_signal(cmd, os.getpid()), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)  # fmt: skip
-        profs.append({"pid": pid, "label": label, "path": path, "proc": proc, "started": time.monotonic(),
-                      "threads_before": thread_cpu(pid)})  # fmt: skip
+            proc = subprocess.Popen(
+                with_parent_death_signal(cmd, os.getpid()),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        profs.append(
+            {
+                "pid": pid,
+                "label": label,
+                "path": path,
+                "proc": proc,
+                "started": time.monotonic(),
+                "threads_before": thread_cpu(pid),
+            }
+        )
     return profs
 
 
@@ -307,9 +353,11 @@ def stop_profilers(profs: list[dict]) -> None:
 # Frames every stack of a thread passes through (entry points, event loops,
 # the worker loop, torch's module-call wrappers): left out of the inclusive
 # ranking, where they would fill the top 10 with ~100% each.
-_PLUMBING = re.compile(r"^(_run_module_as_main|_run_code|<module>|Thread\._bootstrap(_inner)?|Thread\.run|run|Runner\.run|"
-                       r"BaseEventLoop\.(run_forever|run_until_complete|_run_once)|Handle\._run|main|run_worker|"
-                       r"Worker\.run|(Async)?Worker\._main_loop|Module\._(wrapped_)?call_impl) \(")
+_PLUMBING = re.compile(
+    r"^(_run_module_as_main|_run_code|<module>|Thread\._bootstrap(_inner)?|Thread\.run|run|Runner\.run|"
+    r"BaseEventLoop\.(run_forever|run_until_complete|_run_once)|Handle\._run|main|run_worker|"
+    r"Worker\.run|(Async)?Worker\._main_loop|Module\._(wrapped_)?call_impl) \("
+)
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*?)(?::(?P<line>\d+))?\)$")
 _THREAD = re.compile(r"^thread \((?P<tid>\d+)\)")
 
@@ -394,8 +442,13 @@ def summarize_profile(path: str, before: dict, after: dict, top: int = 10) -> di
     def rows(counter: collections.Counter, col: str) -> list[dict]:
         return [{col: k, "seconds": v, "share": v / max(total, 1e-9)} for k, v in counter.most_common(top)]
 
-    return {"cpu_s": total, "top_self": rows(self_s, "function"), "top_inclusive": rows(incl_s, "function"),
-            "packages": rows(pkg_s, "package"), "threads": threads[:top]}  # fmt: skip
+    return {
+        "cpu_s": total,
+        "top_self": rows(self_s, "function"),
+        "top_inclusive": rows(incl_s, "function"),
+        "packages": rows(pkg_s, "package"),
+        "threads": threads[:top],
+    }
 
 
 # ---- the run -----------------------------------------------------------------------------
@@ -409,8 +462,15 @@ def default_cache_dir(overrides: list[str]) -> list[str]:
 
 def run(args, overrides: list[str]) -> dict:
     steps = args.steps
-    run_overrides = [f"experiment_name={EXPERIMENT}", "trial_name=run0", f"fileroot={args.fileroot}",
-                     f"total_train_steps={steps}", "eval.every_n_steps=0", *default_cache_dir(overrides), *overrides]  # fmt: skip
+    run_overrides = [
+        f"experiment_name={EXPERIMENT}",
+        "trial_name=run0",
+        f"fileroot={args.fileroot}",
+        f"total_train_steps={steps}",
+        "eval.every_n_steps=0",
+        *default_cache_dir(overrides),
+        *overrides,
+    ]
     cfg = load_config(run_overrides)
     resolve_model_and_data(cfg, os.path.abspath(cfg.fileroot))  # build or find the kit before timing
     paths = trial_paths(cfg)
@@ -433,9 +493,14 @@ def run(args, overrides: list[str]) -> dict:
     # With a parent-death signal: if this script is SIGKILLed, the launcher is too, and its workers
     # (and etcd) stop on their own when its keep-alive key expires.
     command = [sys.executable, os.path.join(_REPO, "training", "main_async_ppo.py"), *run_overrides]
-    launcher = subprocess.Popen(with_parent_death_signal(command, os.getpid()),
-                                stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=_REPO,
-                                start_new_session=True)  # fmt: skip
+    launcher = subprocess.Popen(
+        with_parent_death_signal(command, os.getpid()),
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=_REPO,
+        start_new_session=True,
+    )
     console.close()
     sampler = TreeSampler(launcher.pid)
     tail = StatsTail(os.path.join(paths.log_dir, "stats.jsonl"))
@@ -518,10 +583,18 @@ def run(args, overrides: list[str]) -> dict:
     window_steps = s1 - s0
     result = {
         "steps": steps,
-        "window": {"first_step": s0, "last_step": s1, "steps": window_steps, "trajectories": trajectories,
-                   "wall_s": window_s, "steps_per_min": 60 * window_steps / max(window_s, 1e-9),
-                   "cpu_s_total": total_cpu, "cores_busy": total_cpu / max(window_s, 1e-9),
-                   "machine_cores": psutil.cpu_count(), "other_processes_cores": others_cores},  # fmt: skip
+        "window": {
+            "first_step": s0,
+            "last_step": s1,
+            "steps": window_steps,
+            "trajectories": trajectories,
+            "wall_s": window_s,
+            "steps_per_min": 60 * window_steps / max(window_s, 1e-9),
+            "cpu_s_total": total_cpu,
+            "cores_busy": total_cpu / max(window_s, 1e-9),
+            "machine_cores": psutil.cpu_count(),
+            "other_processes_cores": others_cores,
+        },
         "per_kind": per_kind,
         "per_process_cpu_s": per_process,
         "stages_s_per_step": stages,
@@ -544,8 +617,13 @@ def run(args, overrides: list[str]) -> dict:
                 with open(p["path"] + ".log", errors="replace") as f:
                     why = " ".join(f.read().split())[-300:]
                 profiles[name] = {"error": f"py-spy wrote no profile: {why}"}
-        result["profile"] = {"rate_hz": args.rate, "native": args.native, "from_step": s1, "to_step": profile_end_step,
-                             "processes": profiles}  # fmt: skip
+        result["profile"] = {
+            "rate_hz": args.rate,
+            "native": args.native,
+            "from_step": s1,
+            "to_step": profile_end_step,
+            "processes": profiles,
+        }
     return result
 
 
@@ -554,30 +632,38 @@ def run(args, overrides: list[str]) -> dict:
 
 def print_tables(r: dict) -> None:
     w = r["window"]
-    print(f"\nstep cost: steps {w['first_step']}->{w['last_step']} of {r['steps']} ({w['steps']} steps, "
-          f"{w['trajectories']} trajectories, {w['wall_s']:.1f}s, {w['steps_per_min']:.1f} steps/min); "
-          f"the trial kept {w['cores_busy']:.2f} of {w['machine_cores']} cores busy, "
-          f"other processes {w['other_processes_cores']:.2f}")  # fmt: skip
+    print(
+        f"\nstep cost: steps {w['first_step']}->{w['last_step']} of {r['steps']} ({w['steps']} steps, "
+        f"{w['trajectories']} trajectories, {w['wall_s']:.1f}s, {w['steps_per_min']:.1f} steps/min); "
+        f"the trial kept {w['cores_busy']:.2f} of {w['machine_cores']} cores busy, "
+        f"other processes {w['other_processes_cores']:.2f}"
+    )
     print(f"{'process':<20}{'procs':>6}{'CPU s':>9}{'ms/traj':>9}{'cores':>7}{'share':>7}")
     for kind, v in r["per_kind"].items():
-        print(f"{kind:<20}{v['processes']:>6}{v['cpu_s']:>9.2f}{v['cpu_ms_per_trajectory']:>9.1f}"
-              f"{v['cores']:>7.2f}{v['share']:>7.1%}")  # fmt: skip
+        print(
+            f"{kind:<20}{v['processes']:>6}{v['cpu_s']:>9.2f}{v['cpu_ms_per_trajectory']:>9.1f}"
+            f"{v['cores']:>7.2f}{v['share']:>7.1%}"
+        )
     total = w["cpu_s_total"]
     print(f"{'total':<20}{'':>6}{total:>9.2f}{1000 * total / max(w['trajectories'], 1):>9.1f}{w['cores_busy']:>7.2f}")
     print("per process: " + ", ".join(f"{name} {cpu:.2f}" for name, cpu in r["per_process_cpu_s"].items()))
     print(f"model processes (trainer + generation server) / all: {r['ratio']:.2f}")
     if r.get("launch_to_first_step_s") is not None:
-        print(f"whole command {r['run_wall_s']:.1f}s; launch -> first step done {r['launch_to_first_step_s']:.1f}s "
-              "(start-up, step-0 evaluation, first batch)")  # fmt: skip
+        print(
+            f"whole command {r['run_wall_s']:.1f}s; launch -> first step done {r['launch_to_first_step_s']:.1f}s "
+            "(start-up, step-0 evaluation, first batch)"
+        )
     print("\nseconds per step (window mean)")
     for key, label in STAGE_KEYS:
         if key in r["stages_s_per_step"]:
             print(f"  {label:<32}{r['stages_s_per_step'][key]:>8.3f}")
     ws = r["weight_sync"]
     if ws.get("versions"):
-        print(f"  {'new version noticed -> served':<32}{ws['lag_s_mean']:>8.3f}  (max {ws['lag_s_max']:.3f}; "
-              f"update call {ws['update_call_s_mean']:.3f}s; {ws['requests_interrupted_per_update']:.1f} "
-              f"requests interrupted per update)")  # fmt: skip
+        print(
+            f"  {'new version noticed -> served':<32}{ws['lag_s_mean']:>8.3f}  (max {ws['lag_s_max']:.3f}; "
+            f"update call {ws['update_call_s_mean']:.3f}s; {ws['requests_interrupted_per_update']:.1f} "
+            f"requests interrupted per update)"
+        )
     if "profile_note" in r:
         print(f"\nprofile: {r['profile_note']}")
 
@@ -586,19 +672,25 @@ def profile_text(r: dict) -> str:
     prof = r.get("profile")
     if not prof:
         return r.get("profile_note", "no profile") + "\n"
-    out = [f"py-spy record --threads --nonblocking at {prof['rate_hz']} Hz{' --native' if prof['native'] else ''}, "
-           f"steps {prof['from_step']}->{prof['to_step']}; seconds = CPU seconds of each thread (psutil) "
-           "spread over that thread's sampled stacks"]  # fmt: skip
+    out = [
+        f"py-spy record --threads --nonblocking at {prof['rate_hz']} Hz{' --native' if prof['native'] else ''}, "
+        f"steps {prof['from_step']}->{prof['to_step']}; seconds = CPU seconds of each thread (psutil) "
+        "spread over that thread's sampled stacks"
+    ]
     for name, p in prof["processes"].items():
         out.append(f"\n== {name}")
         if "error" in p:
             out.append(f"   {p['error']}")
             continue
-        out.append(f"   {p['cpu_s']:.2f} CPU s in {p['seconds_profiled']:.1f}s profiled; busiest threads: "
-                   + ", ".join(f"{t['name']} {t['cpu_s']:.2f}s" for t in p["threads"][:4]))
-        for title, key, col in (("self time", "top_self", "function"),
-                                ("inclusive time (entry points and event loops left out)", "top_inclusive", "function"),
-                                ("self time by package", "packages", "package")):  # fmt: skip
+        out.append(
+            f"   {p['cpu_s']:.2f} CPU s in {p['seconds_profiled']:.1f}s profiled; busiest threads: "
+            + ", ".join(f"{t['name']} {t['cpu_s']:.2f}s" for t in p["threads"][:4])
+        )
+        for title, key, col in (
+            ("self time", "top_self", "function"),
+            ("inclusive time (entry points and event loops left out)", "top_inclusive", "function"),
+            ("self time by package", "packages", "package"),
+        ):
             out.append(f"   -- top {title}")
             for row in p[key]:
                 out.append(f"   {row['seconds']:>8.2f}s {row['share']:>6.1%}  {row[col]}")

@@ -65,7 +65,6 @@ from realrl.api.generation_api import GenerationRequest, GenerationResult  # noq
 from training.main_async_ppo import load_config  # noqa: E402
 from training.utils import agent_settings, env_config, resolve_model_and_data, run_experiment  # noqa: E402
 
-
 # ---- generation in this process ---------------------------------------------------------
 
 
@@ -117,11 +116,20 @@ class SamplingGenerator:
         input_ids = torch.tensor([[self.pad] * (width - len(ids)) + list(ids) for ids in prompts])
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
         temperature = 1.0 if g.greedy else g.temperature
-        out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=g.max_new_tokens,
-                                  min_new_tokens=g.min_new_tokens or None, do_sample=not g.greedy,
-                                  temperature=temperature, top_k=g.top_k if g.top_k > 0 else 0, top_p=g.top_p,
-                                  pad_token_id=self.pad, eos_token_id=sorted(self.stop_ids | set(g.stop_token_ids)),
-                                  output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=g.max_new_tokens,
+            min_new_tokens=g.min_new_tokens or None,
+            do_sample=not g.greedy,
+            temperature=temperature,
+            top_k=g.top_k if g.top_k > 0 else 0,
+            top_p=g.top_p,
+            pad_token_id=self.pad,
+            eos_token_id=sorted(self.stop_ids | set(g.stop_token_ids)),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         new = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float()  # [rows, new tokens, vocab]
         logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, new[:, :, None]).squeeze(-1)
@@ -137,10 +145,16 @@ class SamplingGenerator:
         for pending in batch:
             got = answers[id(pending)]
             v = self.version
-            result = GenerationResult(qid=pending.request.qid, prompt_ids=list(pending.request.prompt_ids),
-                                      output_ids=[a[0] for a in got], output_logprobs=[a[1] for a in got],
-                                      output_versions=[[v] * len(a[0]) for a in got], no_eos=[a[2] for a in got],
-                                      version_start=[v] * len(got), version_end=[v] * len(got))  # fmt: skip
+            result = GenerationResult(
+                qid=pending.request.qid,
+                prompt_ids=list(pending.request.prompt_ids),
+                output_ids=[a[0] for a in got],
+                output_logprobs=[a[1] for a in got],
+                output_versions=[[v] * len(a[0]) for a in got],
+                no_eos=[a[2] for a in got],
+                version_start=[v] * len(got),
+                version_end=[v] * len(got),
+            )
             if not pending.future.done():
                 pending.future.set_result(result)
 
@@ -186,8 +200,16 @@ class PromptStream:
                 continue
             seen[r["query_id"]] += 1
             qid = r["query_id"] if seen[r["query_id"]] == 1 else f"{r['query_id']}#{seen[r['query_id']] - 1}"
-            self.prompts.append(PromptRecord(qid=qid, prompt=r["prompt"], prompt_ids=ids, solutions=list(r["solutions"]),
-                                             task=r.get("task", "math"), row=dataset_row_fields(r)))  # fmt: skip
+            self.prompts.append(
+                PromptRecord(
+                    qid=qid,
+                    prompt=r["prompt"],
+                    prompt_ids=ids,
+                    solutions=list(r["solutions"]),
+                    task=r.get("task", "math"),
+                    row=dataset_row_fields(r),
+                )
+            )
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.position = 0, 0
         self.order = self._order(0)
@@ -203,8 +225,9 @@ class PromptStream:
             self.order = self._order(self.epoch)
         base = self.prompts[int(self.order[self.position])]
         self.position += 1
-        return dataclasses.replace(base, qid=f"{base.qid}@{self.epoch}",
-                                   metadata={"query_id": base.qid, "epoch": self.epoch})  # fmt: skip
+        return dataclasses.replace(
+            base, qid=f"{base.qid}@{self.epoch}", metadata={"query_id": base.qid, "epoch": self.epoch}
+        )
 
 
 # ---- the in-process loop ------------------------------------------------------------------
@@ -228,8 +251,16 @@ def greedy_eval(model, tokenizer, cfg, model_path: str, test_records: list[Promp
     return sum(score >= 1.0 - 1e-6 for score, _ in results) / max(len(results), 1)
 
 
-def run_inprocess(cfg, model_path: str, train_path: str, test_path: str, steps: int, eval_every: int,
-                  prox_recompute: bool, threads: int | None = None) -> dict:  # fmt: skip
+def run_inprocess(
+    cfg,
+    model_path: str,
+    train_path: str,
+    test_path: str,
+    steps: int,
+    eval_every: int,
+    prox_recompute: bool,
+    threads: int | None = None,
+) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import realrl.impl.agents  # noqa: F401  (registers the built-in agents and environments)
@@ -242,29 +273,50 @@ def run_inprocess(cfg, model_path: str, train_path: str, test_path: str, steps: 
     torch.set_num_threads(threads)
     load = os.getloadavg()[0]
     if threads > 1 and load > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
-        print(f"vs_inprocess: warning: load average {load:.1f} on {os.cpu_count()} cores: OpenMP threads spin while "
-              "they wait, and with other processes on the cores a multi-threaded loop can run many times slower; "
-              "--omp-passive or --threads 1 avoid that", file=sys.stderr)  # fmt: skip
+        print(
+            f"vs_inprocess: warning: load average {load:.1f} on {os.cpu_count()} cores: OpenMP threads spin while "
+            "they wait, and with other processes on the cores a multi-threaded loop can run many times slower; "
+            "--omp-passive or --threads 1 avoid that",
+            file=sys.stderr,
+        )
     torch.manual_seed(cfg.seed)  # as ModelWorker (seed + worker index 0)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     o, ppo = cfg.optimizer, cfg.ppo
-    actor = make_optimized(model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, o.lr_scheduler, o.warmup_steps,
-                           steps * ppo.ppo_n_minibatches)  # fmt: skip
+    actor = make_optimized(
+        model,
+        o.lr,
+        o.weight_decay,
+        (o.beta1, o.beta2),
+        o.eps,
+        o.lr_scheduler,
+        o.warmup_steps,
+        steps * ppo.ppo_n_minibatches,
+    )
     temperature = 0.0 if cfg.rollout.gconfig.greedy else cfg.rollout.gconfig.temperature
     trainer = PPOTrainer(actor, ppo, temperature, torch.device("cpu"), o.gradient_clipping)
     if ppo.algorithm != "grpo" or ppo.kl_ctl > 0:
         raise SystemExit("the in-process loop runs GRPO without a reference model (the default)")
 
-    max_prompt_len = min(cfg.dataset.max_prompt_len, model.config.max_position_embeddings - cfg.rollout.gconfig.max_new_tokens)
+    max_prompt_len = min(
+        cfg.dataset.max_prompt_len, model.config.max_position_embeddings - cfg.rollout.gconfig.max_new_tokens
+    )
     stream = PromptStream(train_path, tokenizer, max_prompt_len, cfg.seed, cfg.dataset.shuffle)
     test = load_math_jsonl(test_path)
     if cfg.eval.max_prompts:
         test = test[: cfg.eval.max_prompts]
-    test_records = [PromptRecord(qid=f"eval-{r['query_id']}", prompt=r["prompt"], solutions=r["solutions"],
-                                 prompt_ids=list(tokenizer.encode(r["prompt"], add_special_tokens=False)),
-                                 task=r.get("task", "math"), row=dataset_row_fields(r)) for r in test]  # fmt: skip
+    test_records = [
+        PromptRecord(
+            qid=f"eval-{r['query_id']}",
+            prompt=r["prompt"],
+            solutions=r["solutions"],
+            prompt_ids=list(tokenizer.encode(r["prompt"], add_special_tokens=False)),
+            task=r.get("task", "math"),
+            row=dataset_row_fields(r),
+        )
+        for r in test
+    ]
     settings = dataclasses.replace(agent_settings(cfg, model_path), tokenizer=tokenizer)
     agent = make_agent(cfg.rollout.agent.type, settings, **cfg.rollout.agent.args)
     env = env_config(cfg)
@@ -291,15 +343,26 @@ def run_inprocess(cfg, model_path: str, train_path: str, test_path: str, steps: 
         t_train = time.monotonic()
         train_s += t_train - t0
         scores = [s for t in trajectories for s in t.scores]
-        per_step.append({"step": step, "step_s": t_train - t0, "generate_s": generator.seconds,
-                         "episodes_s": t_gen - t0, "inference_s": t_inf - t_gen, "train_s": t_train - t_inf,
-                         "accuracy": sum(s >= 1.0 - 1e-6 for s in scores) / max(len(scores), 1),
-                         "reward_mean": stats["reward_mean"], "actor_loss": stats["actor_loss"]})  # fmt: skip
+        per_step.append(
+            {
+                "step": step,
+                "step_s": t_train - t0,
+                "generate_s": generator.seconds,
+                "episodes_s": t_gen - t0,
+                "inference_s": t_inf - t_gen,
+                "train_s": t_train - t_inf,
+                "accuracy": sum(s >= 1.0 - 1e-6 for s in scores) / max(len(scores), 1),
+                "reward_mean": stats["reward_mean"],
+                "actor_loss": stats["actor_loss"],
+            }
+        )
         if (eval_every and step % eval_every == 0) or step == steps:
             acc = greedy_eval(model, tokenizer, cfg, model_path, test_records, step)
             evals.append({"step": step, "accuracy": acc, "train_s": train_s})
-            print(f"in-process: step {step}/{steps} {60 * step / train_s:.1f} steps/min, eval accuracy {acc:.3f}",
-                  flush=True)  # fmt: skip
+            print(
+                f"in-process: step {step}/{steps} {60 * step / train_s:.1f} steps/min, eval accuracy {acc:.3f}",
+                flush=True,
+            )
     mean = lambda key: sum(s[key] for s in per_step) / len(per_step)  # noqa: E731
     return {
         "threads": threads,
@@ -308,10 +371,13 @@ def run_inprocess(cfg, model_path: str, train_path: str, test_path: str, steps: 
         "steps": steps,
         "train_loop_s": train_s,
         "steps_per_min": 60 * steps / train_s,
-        "seconds_per_step": {"generate (model.generate)": mean("generate_s"),
-                             "episodes (generate + decode + reward)": mean("episodes_s"),
-                             "inference (proximal logprobs)": mean("inference_s"), "train": mean("train_s"),
-                             "step": mean("step_s")},  # fmt: skip
+        "seconds_per_step": {
+            "generate (model.generate)": mean("generate_s"),
+            "episodes (generate + decode + reward)": mean("episodes_s"),
+            "inference (proximal logprobs)": mean("inference_s"),
+            "train": mean("train_s"),
+            "step": mean("step_s"),
+        },
         "eval_history": evals,
         "accuracy_per_step": [s["accuracy"] for s in per_step],
         "actor_loss_per_step": [s["actor_loss"] for s in per_step],
@@ -335,15 +401,20 @@ def run_realrl(cfg) -> dict:
     step_s = {s["step"]: s["time/step_s"] for s in steps}
     total = sum(step_s.values())
     mean = lambda key: sum(s.get(key, 0.0) for s in steps) / max(len(steps), 1)  # noqa: E731
-    evals = [{"step": e["step"], "accuracy": e["accuracy"],
-              "train_s": sum(v for k, v in step_s.items() if k <= e["step"])} for e in summary["eval_history"]]  # fmt: skip
+    evals = [
+        {"step": e["step"], "accuracy": e["accuracy"], "train_s": sum(v for k, v in step_s.items() if k <= e["step"])}
+        for e in summary["eval_history"]
+    ]
     return {
         "steps": len(steps),
         "train_loop_s": total,
         "steps_per_min": 60 * len(steps) / total,
-        "seconds_per_step": {"fetch (waiting for rollouts)": mean("time/fetch_s"),
-                             "inference (proximal logprobs)": mean("time/inference_s"),
-                             "train (+ publish)": mean("time/train_s"), "step": mean("time/step_s")},  # fmt: skip
+        "seconds_per_step": {
+            "fetch (waiting for rollouts)": mean("time/fetch_s"),
+            "inference (proximal logprobs)": mean("time/inference_s"),
+            "train (+ publish)": mean("time/train_s"),
+            "step": mean("time/step_s"),
+        },
         "eval_history": evals,
         "accuracy_per_step": [s.get("rollout/accuracy") for s in steps],
         "max_staleness_trained": summary["max_staleness_trained"],
@@ -363,32 +434,51 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 20; quick 10)")
     parser.add_argument("--eval-prompts", type=int, default=128, help="greedy eval on the first N test prompts")
     parser.add_argument("--target", type=float, default=0.5, help="eval accuracy for 'time to target'")
-    parser.add_argument("--no-prox-recompute", action="store_true",
-                        help="in-process: take the behaviour logprobs as proximal ones (on-policy they are equal)")
+    parser.add_argument(
+        "--no-prox-recompute",
+        action="store_true",
+        help="in-process: take the behaviour logprobs as proximal ones (on-policy they are equal)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="in-process torch threads (default: all cores)")
-    parser.add_argument("--omp-passive", action="store_true",
-                        help="OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep instead of spinning while they wait "
-                             "(on a machine whose cores are busy with other work, spinning threads can make "
-                             "2-thread torch ~10x slower than 1 thread)")
+    parser.add_argument(
+        "--omp-passive",
+        action="store_true",
+        help="OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep instead of spinning while they wait "
+        "(on a machine whose cores are busy with other work, spinning threads can make "
+        "2-thread torch ~10x slower than 1 thread)",
+    )
     parser.add_argument("--only", choices=["inprocess"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
     args, overrides = parser.parse_known_args()
     steps = args.steps or (30 if args.quick else 200)
     eval_every = args.eval_every if args.eval_every is not None else (10 if args.quick else 20)
-    cache = [] if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit") \
-        else ["tiny_kit.cache_dir=/tmp/kit"]  # fmt: skip
-    cfg = load_config(["experiment_name=vs-inprocess", "trial_name=realrl", f"fileroot={args.fileroot}",
-                       f"total_train_steps={steps}", f"eval.every_n_steps={eval_every}",
-                       f"eval.max_prompts={args.eval_prompts}", *cache, *overrides])  # fmt: skip
+    cache = (
+        []
+        if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit")
+        else ["tiny_kit.cache_dir=/tmp/kit"]
+    )
+    cfg = load_config(
+        [
+            "experiment_name=vs-inprocess",
+            "trial_name=realrl",
+            f"fileroot={args.fileroot}",
+            f"total_train_steps={steps}",
+            f"eval.every_n_steps={eval_every}",
+            f"eval.max_prompts={args.eval_prompts}",
+            *cache,
+            *overrides,
+        ]
+    )
     model_path, train_path, test_path = resolve_model_and_data(cfg, os.path.abspath(cfg.fileroot))  # before timing
 
     if args.only == "inprocess":  # (a check of the loop alone; no ratio)
         realrl = None
     else:
         realrl = run_realrl(cfg)
-    inproc = run_inprocess(cfg, model_path, train_path, test_path, steps, eval_every, not args.no_prox_recompute,
-                           args.threads)
+    inproc = run_inprocess(
+        cfg, model_path, train_path, test_path, steps, eval_every, not args.no_prox_recompute, args.threads
+    )
     if realrl is None:
         print(json.dumps(inproc, indent=1))
         return
@@ -396,26 +486,45 @@ def main() -> None:
         r["time_to_target"] = time_to_target(r["eval_history"], args.target)
     ratio = realrl["steps_per_min"] / inproc["steps_per_min"]
 
-    print(f"\nrealrl vs an in-process synchronous loop of its trainer code: {steps} steps, seed {cfg.seed}, "
-          f"{cfg.ppo.train_batch_size} prompts x {cfg.ppo.group_size} answers, {cfg.rollout.gconfig.max_new_tokens} new "
-          f"tokens; in-process torch threads {inproc['threads']} of {os.cpu_count()} cores "
-          f"(OMP_WAIT_POLICY {inproc['omp_wait_policy']}), proximal logprobs "
-          f"{'as the trainer takes them (PPOTrainer.inference)' if inproc['prox_recompute'] else 'taken from behaviour'}")  # fmt: skip
-    print(f"{'side':<11}{'steps/min':>10}{'train s':>9}{'command s':>10}{'to ' + format(args.target, '.2f') + ' (s @ step)':>22}"
-          f"  eval accuracy")  # fmt: skip
+    print(
+        f"\nrealrl vs an in-process synchronous loop of its trainer code: {steps} steps, seed {cfg.seed}, "
+        f"{cfg.ppo.train_batch_size} prompts x {cfg.ppo.group_size} answers, {cfg.rollout.gconfig.max_new_tokens} new "
+        f"tokens; in-process torch threads {inproc['threads']} of {os.cpu_count()} cores "
+        f"(OMP_WAIT_POLICY {inproc['omp_wait_policy']}), proximal logprobs "
+        f"{'as the trainer takes them (PPOTrainer.inference)' if inproc['prox_recompute'] else 'taken from behaviour'}"
+    )
+    print(
+        f"{'side':<11}{'steps/min':>10}{'train s':>9}{'command s':>10}"
+        f"{'to ' + format(args.target, '.2f') + ' (s @ step)':>22}"
+        f"  eval accuracy"
+    )
     for name, r in (("realrl", realrl), ("in-process", inproc)):
         t = r["time_to_target"]
         reach = f"{t['train_s']:.1f} @ {t['step']}" if t else "not reached"
         curve = " ".join(f"{e['accuracy']:.2f}" for e in r["eval_history"])
-        print(f"{name:<11}{r['steps_per_min']:>10.1f}{r['train_loop_s']:>9.1f}{r['command_wall_s']:>10.1f}{reach:>22}  {curve}")
+        print(
+            f"{name:<11}{r['steps_per_min']:>10.1f}{r['train_loop_s']:>9.1f}{r['command_wall_s']:>10.1f}"
+            f"{reach:>22}  {curve}"
+        )
     print(f"eval steps: {' '.join(str(e['step']) for e in realrl['eval_history'])}")
     for name, r in (("realrl", realrl), ("in-process", inproc)):
         print(f"{name} seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in r["seconds_per_step"].items()))
     print(f"ratio (realrl steps/min / in-process steps/min): {ratio:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ratio": ratio, "steps": steps, "eval_every": eval_every, "eval_prompts": args.eval_prompts,
-                       "target": args.target, "realrl": realrl, "inprocess": inproc}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "ratio": ratio,
+                    "steps": steps,
+                    "eval_every": eval_every,
+                    "eval_prompts": args.eval_prompts,
+                    "target": args.target,
+                    "realrl": realrl,
+                    "inprocess": inproc,
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
 
 

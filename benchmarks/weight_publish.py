@@ -72,8 +72,11 @@ def tiny_model(dtype: torch.dtype, fileroot: str, overrides: list[str]):
     from training.main_async_ppo import load_config
     from training.utils import resolve_model_and_data
 
-    cache = [] if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit") \
-        else ["tiny_kit.cache_dir=/tmp/kit"]  # fmt: skip
+    cache = (
+        []
+        if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit")
+        else ["tiny_kit.cache_dir=/tmp/kit"]
+    )
     cfg = load_config([f"fileroot={fileroot}", *cache, *overrides])
     model_path, _, _ = resolve_model_and_data(cfg, os.path.abspath(cfg.fileroot))
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -83,9 +86,19 @@ def llama_100m(dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=640, intermediate_size=1728, num_hidden_layers=12,
-                         num_attention_heads=10, num_key_value_heads=10, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=640,
+        intermediate_size=1728,
+        num_hidden_layers=12,
+        num_attention_heads=10,
+        num_key_value_heads=10,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -103,13 +116,32 @@ def start_servers(model_dir: str, n: int, dtype: str, log_dir: str) -> list[tupl
     for i in range(n):
         port = free_port()
         with open(os.path.join(log_dir, f"server-{i}.log"), "wb") as log:
-            cmd = [sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir,
-                   "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--num-threads", "1",
-                   "--max-running-requests", "64", "--log-level", "WARNING"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "realrl.impl.generation.torch_server",
+                "--model-path",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                dtype,
+                "--num-threads",
+                "1",
+                "--max-running-requests",
+                "64",
+                "--log-level",
+                "WARNING",
+            ]
             proc = subprocess.Popen(
                 with_parent_death_signal(cmd, os.getpid()),  # SIGKILLed with us, should we die
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         servers.append((proc, f"http://127.0.0.1:{port}"))
     return servers
 
@@ -144,7 +176,9 @@ class InflightLoad:
 
     def start(self) -> None:
         self._stop.clear()
-        self._tasks = [asyncio.create_task(self._loop(url, random.Random(i))) for url in self.urls for i in range(self.k)]
+        self._tasks = [
+            asyncio.create_task(self._loop(url, random.Random(i))) for url in self.urls for i in range(self.k)
+        ]
 
     async def stop(self) -> None:
         self._stop.set()
@@ -160,15 +194,24 @@ class InflightLoad:
         params = {"temperature": 1.0, "ignore_eos": True}
         while not self._stop.is_set():
             prompt = [1] + [rng.randrange(3, self.vocab) for _ in range(16)]
-            res = await self.client.generate(url, prompt, {**params, "max_new_tokens": self.max_new}, return_logprob=False)
+            res = await self.client.generate(
+                url, prompt, {**params, "max_new_tokens": self.max_new}, return_logprob=False
+            )
             self.tokens += len(res.output_ids)
             if not res.aborted or self._stop.is_set():
                 continue
             t_abort = time.perf_counter()
-            resumed = await self.client.generate(url, prompt + res.output_ids, {**params, "max_new_tokens": 1},
-                                                 return_logprob=False)  # fmt: skip
-            self.pauses.append({"pause_s": time.perf_counter() - t_abort, "at": t_abort,
-                                "version_before": res.weight_version, "version_after": resumed.weight_version})  # fmt: skip
+            resumed = await self.client.generate(
+                url, prompt + res.output_ids, {**params, "max_new_tokens": 1}, return_logprob=False
+            )
+            self.pauses.append(
+                {
+                    "pause_s": time.perf_counter() - t_abort,
+                    "at": t_abort,
+                    "version_before": res.weight_version,
+                    "version_after": resumed.weight_version,
+                }
+            )
 
 
 # ---- one model ------------------------------------------------------------------------------
@@ -198,8 +241,9 @@ async def publish_and_update(client: GenerationClient, urls: list[str], model, w
     t0 = time.perf_counter()  # the trainer's step end
     path = await asyncio.to_thread(publish_weights, model, weights_dir, version)
     t1 = time.perf_counter()
-    results = await asyncio.gather(*(client.update_weights_from_disk(u, path, version, abort_all_requests=True)
-                                     for u in urls))  # fmt: skip
+    results = await asyncio.gather(
+        *(client.update_weights_from_disk(u, path, version, abort_all_requests=True) for u in urls)
+    )
     t2 = time.perf_counter()
     served = await asyncio.gather(*(client.weight_version(u) for u in urls))
     if any(v != str(version) for v in served):
@@ -207,12 +251,19 @@ async def publish_and_update(client: GenerationClient, urls: list[str], model, w
     for name in os.listdir(weights_dir):  # the manager deletes older versions once all servers hold v
         if name.isdigit() and int(name) < version:
             shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
-    return {"total_s": t2 - t0, "publish_s": t1 - t0, "update_s": t2 - t1, "t_update_start": t1, "t_end": t2,
-            "aborted": sum(int(r.get("num_paused_requests", 0) or 0) for r in results)}  # fmt: skip
+    return {
+        "total_s": t2 - t0,
+        "publish_s": t1 - t0,
+        "update_s": t2 - t1,
+        "t_update_start": t1,
+        "t_end": t2,
+        "aborted": sum(int(r.get("num_paused_requests", 0) or 0) for r in results),
+    }
 
 
-async def measure(model, urls: list[str], weights_dir: str, scratch: str, repeats: int, inflight: int,
-                  max_new: int) -> dict:  # fmt: skip
+async def measure(
+    model, urls: list[str], weights_dir: str, scratch: str, repeats: int, inflight: int, max_new: int
+) -> dict:
     vocab = model.config.vocab_size
     async with GenerationClient(timeout_s=600) as client:
         for u in urls:
@@ -254,9 +305,12 @@ async def measure(model, urls: list[str], weights_dir: str, scratch: str, repeat
     if loaded:
         pauses = [p for r in loaded for p in r["pauses_s"]]
         out["realrl_inflight"] = {k: med(loaded, k) for k in ("total_s", "publish_s", "update_s")}
-        out["realrl_inflight"].update(aborted_per_update=statistics.mean(r["aborted"] for r in loaded),
-                                      pause_s_median=statistics.median(pauses) if pauses else None,
-                                      pause_s_max=max(pauses) if pauses else None, pauses=len(pauses))  # fmt: skip
+        out["realrl_inflight"].update(
+            aborted_per_update=statistics.mean(r["aborted"] for r in loaded),
+            pause_s_median=statistics.median(pauses) if pauses else None,
+            pause_s_max=max(pauses) if pauses else None,
+            pauses=len(pauses),
+        )
         out["ratio_inflight"] = out["realrl_inflight"]["total_s"] / out["baseline"]["total_s"]
     for rows in out["runs"].values():
         for row in rows:
@@ -272,18 +326,35 @@ def run_model(name: str, model, dtype: str, servers: int, repeats: int, inflight
     try:
         model_dir = os.path.join(work, "model")
         model.save_pretrained(model_dir)
-        bytes_on_disk = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
-                            if f.endswith(".safetensors"))  # fmt: skip
+        bytes_on_disk = sum(
+            os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors")
+        )
         running = start_servers(model_dir, servers, dtype, work)
         os.makedirs(os.path.join(work, "scratch"))
         t0 = time.monotonic()
-        result = asyncio.run(measure(model, [u for _, u in running], os.path.join(work, "weights"),
-                                     os.path.join(work, "scratch"), repeats, inflight, max_new))  # fmt: skip
+        result = asyncio.run(
+            measure(
+                model,
+                [u for _, u in running],
+                os.path.join(work, "weights"),
+                os.path.join(work, "scratch"),
+                repeats,
+                inflight,
+                max_new,
+            )
+        )
         for proc, url in running:
             if proc.poll() is not None:
                 raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        result.update(params=n_params, bytes=bytes_on_disk, dtype=dtype, servers=servers, repeats=repeats,
-                      inflight_per_server=inflight, seconds=time.monotonic() - t0)  # fmt: skip
+        result.update(
+            params=n_params,
+            bytes=bytes_on_disk,
+            dtype=dtype,
+            servers=servers,
+            repeats=repeats,
+            inflight_per_server=inflight,
+            seconds=time.monotonic() - t0,
+        )
         return result
     finally:
         stop_servers(running)
@@ -326,21 +397,29 @@ def main() -> None:
         results[name] = run_model(name, model, args.dtype, args.servers, repeats, args.inflight, max_new)
         del model
 
-    print(f"\nweight publication: step end -> {args.servers} torch server(s) serve the new version, vs "
-          f"safetensors save_model + load_model in one process; {args.dtype}, median of {repeats}")  # fmt: skip
-    print(f"{'model':<7}{'params':>8}{'MB':>7}{'baseline s':>11}{'realrl s':>10}{'publish':>9}{'update':>8}"
-          f"{'ratio':>7}{'in-flight s':>12}{'ratio':>7}{'aborted':>8}{'pause med/max s':>17}")  # fmt: skip
+    print(
+        f"\nweight publication: step end -> {args.servers} torch server(s) serve the new version, vs "
+        f"safetensors save_model + load_model in one process; {args.dtype}, median of {repeats}"
+    )
+    print(
+        f"{'model':<7}{'params':>8}{'MB':>7}{'baseline s':>11}{'realrl s':>10}{'publish':>9}{'update':>8}"
+        f"{'ratio':>7}{'in-flight s':>12}{'ratio':>7}{'aborted':>8}{'pause med/max s':>17}"
+    )
     for name, r in results.items():
         b, i = r["baseline"], r["realrl_idle"]
-        line = (f"{name:<7}{r['params'] / 1e6:>7.1f}M{r['bytes'] / 1e6:>7.1f}{b['total_s']:>11.3f}{i['total_s']:>10.3f}"
-                f"{i['publish_s']:>9.3f}{i['update_s']:>8.3f}{r['ratio']:>7.2f}")  # fmt: skip
+        line = (
+            f"{name:<7}{r['params'] / 1e6:>7.1f}M{r['bytes'] / 1e6:>7.1f}{b['total_s']:>11.3f}{i['total_s']:>10.3f}"
+            f"{i['publish_s']:>9.3f}{i['update_s']:>8.3f}{r['ratio']:>7.2f}"
+        )
         f = r.get("realrl_inflight")
         if f:
             pause = f"{f['pause_s_median']:.3f}/{f['pause_s_max']:.3f}" if f["pauses"] else "-"
             line += f"{f['total_s']:>12.3f}{r['ratio_inflight']:>7.2f}{f['aborted_per_update']:>8.1f}{pause:>17}"
         print(line)
-    print("baseline = save_model + load_model; realrl = publish_weights + update_weights_from_disk on every server "
-          "(idle servers; 'in-flight': with requests generating); pause = abort -> first token after resuming")  # fmt: skip
+    print(
+        "baseline = save_model + load_model; realrl = publish_weights + update_weights_from_disk on every server "
+        "(idle servers; 'in-flight': with requests generating); pause = abort -> first token after resuming"
+    )
     if args.json:
         main_ratio = results["100m"]["ratio"] if "100m" in results else next(iter(results.values()))["ratio"]
         with open(args.json, "w") as f:

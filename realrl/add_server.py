@@ -79,8 +79,9 @@ def write_spec(log_dir: str, template: WorkerSpec, registered: list[str]) -> tup
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:  # another add-server took it
             continue
-        info = dataclasses.replace(template.info, worker_index=index, worker_count=max(template.info.worker_count,
-                                                                                         index + 1))  # fmt: skip
+        info = dataclasses.replace(
+            template.info, worker_index=index, worker_count=max(template.info.worker_count, index + 1)
+        )
         with os.fdopen(fd, "w") as f:
             f.write(WorkerSpec(template.worker_class, info, template.config).to_json())
         return index, path
@@ -114,16 +115,21 @@ def add_server_main(argv: list[str]) -> int:
     if isinstance(record, dict):
         log_dir = record.get("log_dir") or log_dir
         if record.get("mode", "local") != "local":
-            print(f"realrl add-server: trial {exp}/{trial} runs in {record['mode']} mode; add-server starts local "
-                  "workers only", file=sys.stderr)  # fmt: skip
+            print(
+                f"realrl add-server: trial {exp}/{trial} runs in {record['mode']} mode; add-server starts local "
+                "workers only",
+                file=sys.stderr,
+            )
             return 1
     template_path = os.path.join(log_dir, "specs", f"{WORKER_TYPE}-0.json")
     try:
         with open(template_path) as f:
             template = WorkerSpec.from_json(f.read())
     except OSError:
-        print(f"realrl add-server: no {template_path}: is {exp}/{trial} a trial under fileroot {fileroot}?",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"realrl add-server: no {template_path}: is {exp}/{trial} a trial under fileroot {fileroot}?",
+            file=sys.stderr,
+        )
         return 1
     nr = template.info.name_resolve
     repo, problem = connect(nr, run_dir)
@@ -138,8 +144,10 @@ def add_server_main(argv: list[str]) -> int:
         except name_resolve.NameEntryNotFoundError:
             status = None
         if status != "RUNNING":
-            print(f"realrl add-server: trial {exp}/{trial} is not running (no launcher keep-alive, or status "
-                  f"{status})", file=sys.stderr)  # fmt: skip
+            print(
+                f"realrl add-server: trial {exp}/{trial} is not running (no launcher keep-alive, or status {status})",
+                file=sys.stderr,
+            )
             return 1
         index, spec_path = write_spec(log_dir, template, repo.find_subtree(names.gen_servers(exp, trial)))
         log_path = os.path.join(log_dir, f"{WORKER_TYPE}-{index}.log")
@@ -153,8 +161,14 @@ def add_server_main(argv: list[str]) -> int:
         from realrl.launcher.local import worker_command
 
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(worker_command(spec_path), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                worker_command(spec_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         print(f"started {WORKER_TYPE} {index} (pid {proc.pid}) for trial {exp}/{trial}; log {log_path}", flush=True)
 
         startup = float((template.config or {}).get("startup_timeout") or 300.0)
@@ -163,9 +177,12 @@ def add_server_main(argv: list[str]) -> int:
         url = None
         while True:
             if proc.poll() is not None:
-                print(f"realrl add-server: {WORKER_TYPE} {index} exited with code {proc.returncode} before it "
-                      f"{'joined routing' if url else 'registered'}; last lines of {log_path}:\n"
-                      f"{log_tail(log_path, 30)}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"realrl add-server: {WORKER_TYPE} {index} exited with code {proc.returncode} before it "
+                    f"{'joined routing' if url else 'registered'}; last lines of {log_path}:\n"
+                    f"{log_tail(log_path, 30)}",
+                    file=sys.stderr,
+                )
                 return 1
             if url is None:
                 try:
@@ -181,14 +198,19 @@ def add_server_main(argv: list[str]) -> int:
                 info = _manager_servers(manager_url) if manager_url else None
                 server = next((s for s in (info or {}).get("servers", []) if s.get("url") == url), None)
                 if server is not None and server.get("state") == "up":
-                    print(f"{WORKER_TYPE} {index} at {url} is in routing at weight version {server.get('version')}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{WORKER_TYPE} {index} at {url} is in routing at weight version {server.get('version')}",
+                        flush=True,
+                    )
                     proc = None  # it runs on, with the trial
                     return 0
             if time.monotonic() > deadline:
                 if url is None:
-                    print(f"realrl add-server: {WORKER_TYPE} {index} did not register in time; stopping it. Last "
-                          f"lines of {log_path}:\n{log_tail(log_path, 30)}", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"realrl add-server: {WORKER_TYPE} {index} did not register in time; stopping it. Last "
+                        f"lines of {log_path}:\n{log_tail(log_path, 30)}",
+                        file=sys.stderr,
+                    )
                     signal_tree(proc.pid, signal.SIGTERM)
                     try:
                         proc.wait(timeout=30)
@@ -196,8 +218,11 @@ def add_server_main(argv: list[str]) -> int:
                         signal_tree(proc.pid, signal.SIGKILL)
                         proc.wait()
                 else:
-                    print(f"realrl add-server: {WORKER_TYPE} {index} registered at {url} but the manager has not "
-                          "put it into routing yet; it keeps trying (see the gserver_manager log)", file=sys.stderr)
+                    print(
+                        f"realrl add-server: {WORKER_TYPE} {index} registered at {url} but the manager has not "
+                        "put it into routing yet; it keeps trying (see the gserver_manager log)",
+                        file=sys.stderr,
+                    )
                 proc = None
                 return 1
             time.sleep(0.5)

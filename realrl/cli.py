@@ -80,18 +80,28 @@ def load_settings(overrides: list[str], config_name: str = "async-ppo") -> dict:
 
         cfg = load_config(overrides, config_name)
         nr = cfg.name_resolve
-        return {"experiment_name": cfg.experiment_name, "trial_name": cfg.trial_name, "fileroot": cfg.fileroot,
-                "name_resolve": name_resolve.NameResolveConfig(nr.type, nr.etcd3_addr, nr.file_root)}  # fmt: skip
+        return {
+            "experiment_name": cfg.experiment_name,
+            "trial_name": cfg.trial_name,
+            "fileroot": cfg.fileroot,
+            "name_resolve": name_resolve.NameResolveConfig(nr.type, nr.etcd3_addr, nr.file_root),
+        }
     values = dict(o.lstrip("+").split("=", 1) for o in overrides)
-    return {"experiment_name": values.get("experiment_name", "async-ppo-tiny"),
-            "trial_name": values.get("trial_name", "run0"), "fileroot": values.get("fileroot", "runs"),
-            "name_resolve": name_resolve.NameResolveConfig(values.get("name_resolve.type", "etcd3"),
-                                                           values.get("name_resolve.etcd3_addr", ""),
-                                                           values.get("name_resolve.file_root", ""))}  # fmt: skip
+    return {
+        "experiment_name": values.get("experiment_name", "async-ppo-tiny"),
+        "trial_name": values.get("trial_name", "run0"),
+        "fileroot": values.get("fileroot", "runs"),
+        "name_resolve": name_resolve.NameResolveConfig(
+            values.get("name_resolve.type", "etcd3"),
+            values.get("name_resolve.etcd3_addr", ""),
+            values.get("name_resolve.file_root", ""),
+        ),
+    }
 
 
-def parse_trial_args(argv: list[str], doc: str, flags: tuple[str, ...] = (),
-                     valued: tuple[str, ...] = ()) -> tuple[list[str], list[str], dict]:  # fmt: skip
+def parse_trial_args(
+    argv: list[str], doc: str, flags: tuple[str, ...] = (), valued: tuple[str, ...] = ()
+) -> tuple[list[str], list[str], dict]:
     """`[EXPERIMENT [TRIAL]] [KEY=VALUE ...]` plus `--config-name NAME`, the
     `flags` (True when given) and the `valued` options (their string):
     (positional names, overrides, {option: value}). UsageError on anything else."""
@@ -197,7 +207,9 @@ def rows_from_logs(log_dir: str) -> list[Row]:
 def resolve_trial(positional: list[str], overrides: list[str], config_name: str) -> tuple[dict, str, str, str, str]:
     """[experiment [trial]] + overrides -> (settings, experiment, trial, run dir,
     log dir); a UsageError/ValueError says what is wrong."""
-    overrides = list(overrides) + [f"{key}={value}" for key, value in zip(("experiment_name", "trial_name"), positional)]
+    overrides = list(overrides) + [
+        f"{key}={value}" for key, value in zip(("experiment_name", "trial_name"), positional)
+    ]
     settings = load_settings(overrides, config_name)
     exp, trial = settings["experiment_name"], settings["trial_name"]
     names.trial_root(exp, trial)  # checks the names
@@ -215,13 +227,17 @@ def status_main(argv: list[str]) -> int:
     fileroot = os.path.abspath(settings["fileroot"])
     record = _read_json(os.path.join(run_dir, "trial.json"))
     if record is None and not os.path.isdir(run_dir) and not os.path.isdir(log_dir):
-        print(f"realrl: no trial {exp}/{trial} under fileroot {fileroot} (no {run_dir}); give the names and "
-              "the fileroot=... the run used", file=sys.stderr)  # fmt: skip
+        print(
+            f"realrl: no trial {exp}/{trial} under fileroot {fileroot} (no {run_dir}); give the names and "
+            "the fileroot=... the run used",
+            file=sys.stderr,
+        )
         return 1
     nr = settings["name_resolve"]
     if record is not None and isinstance(record.get("name_resolve"), dict):
-        nr = name_resolve.NameResolveConfig(**{k: v for k, v in record["name_resolve"].items()
-                                               if k in ("type", "etcd3_addr", "file_root")})  # fmt: skip
+        nr = name_resolve.NameResolveConfig(
+            **{k: v for k, v in record["name_resolve"].items() if k in ("type", "etcd3_addr", "file_root")}
+        )
     for o in overrides:  # an explicit name_resolve.* override wins over the record
         key, _, value = o.lstrip("+").partition("=")
         if key in _NR_KEYS:
@@ -252,26 +268,32 @@ def _where(nr: name_resolve.NameResolveConfig) -> str:
 def _show_running(repo, exp, trial, log_dir, record, nr, want_stacks) -> int:
     launcher = ""
     if record is not None:
-        launcher = f"launcher pid {record.get('launcher_pid')} on {record.get('launcher_host')}, started {_when(record.get('started'))}; "
+        pid, host, started = record.get("launcher_pid"), record.get("launcher_host"), _when(record.get("started"))
+        launcher = f"launcher pid {pid} on {host}, started {started}; "
     rows = read_rows(repo, exp, trial, expected_workers(log_dir))
     try:
         experiment_status = repo.get(names.experiment_status(exp, trial))
     except name_resolve.NameEntryNotFoundError:
         experiment_status = None
     state = "RUNNING" if experiment_status in (None, "RUNNING") else f"STOPPING (experiment_status {experiment_status})"
-    print(f"trial {exp}/{trial}: {state} ({launcher}name service {_where(nr) if nr.etcd3_addr or nr.type != 'etcd3' else 'private etcd'})")
+    where = _where(nr) if nr.etcd3_addr or nr.type != "etcd3" else "private etcd"
+    print(f"trial {exp}/{trial}: {state} ({launcher}name service {where})")
     print(format_table(rows))
     dead = [r.tag for r in rows if r.state in (DEAD, "ERROR")]
     stale = [r.tag for r in rows if r.stale]
     if dead:
         print(f"dead: {', '.join(dead)} (the launcher stops the trial when it notices)")
     if stale:
-        print(f"stale: {', '.join(stale)} (alive, but the loop has not run lately: `realrl status --stacks` shows where it is)")
+        print(
+            f"stale: {', '.join(stale)} "
+            "(alive, but the loop has not run lately: `realrl status --stacks` shows where it is)"
+        )
     if want_stacks:
         from realrl.system.hang_report import build_report
 
-        path, findings, _ = build_report(repo, exp, trial, log_dir, [(r.worker_type, r.index) for r in rows],
-                                         "asked for by `realrl status --stacks`")  # fmt: skip
+        path, findings, _ = build_report(
+            repo, exp, trial, log_dir, [(r.worker_type, r.index) for r in rows], "asked for by `realrl status --stacks`"
+        )
         print("\n".join(findings))
         print(f"hang report (stacks of every worker): {path}")
     return 3 if dead else 0
@@ -291,7 +313,9 @@ def _show_ended(repo, problem, exp, trial, log_dir, record, want_stacks) -> int:
         import socket
 
         if host == socket.gethostname() and isinstance(pid, int) and pid_alive(pid):
-            how.append(f"its launcher (pid {pid}) runs but the trial's keep-alive key is gone ({problem or 'name service up'})")
+            how.append(
+                f"its launcher (pid {pid}) runs but the trial's keep-alive key is gone ({problem or 'name service up'})"
+            )
         else:
             how.append(f"its launcher (pid {pid} on {host}) is gone")
     summary = os.path.join(log_dir, "summary.json")

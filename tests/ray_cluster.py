@@ -39,7 +39,7 @@ class TwoNodeRayCluster:
         self._starters: list[subprocess.Popen] = []
 
     # ---- life cycle ------------------------------------------------------------
-    def __enter__(self) -> "TwoNodeRayCluster":
+    def __enter__(self) -> TwoNodeRayCluster:
         try:
             self._make_network()
             self._start_node(HEAD_IP, ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"])
@@ -68,16 +68,36 @@ class TwoNodeRayCluster:
     def _start_node(self, ip: str, args: list[str]) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"ray-{ip}.log"), "ab") as log:
-            self._starters.append(subprocess.Popen(
-                ["ip", "netns", "exec", self.namespaces[ip], RAY, "start", *args, f"--node-ip-address={ip}",
-                 f"--num-cpus={self.cpus[ip]}", "--num-gpus=0", "--object-store-memory=100000000",
-                 f"--temp-dir={self.temp_dirs[ip]}", "--disable-usage-stats", "--block"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            ))  # fmt: skip
+            self._starters.append(
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        self.namespaces[ip],
+                        RAY,
+                        "start",
+                        *args,
+                        f"--node-ip-address={ip}",
+                        f"--num-cpus={self.cpus[ip]}",
+                        "--num-gpus=0",
+                        "--object-store-memory=100000000",
+                        f"--temp-dir={self.temp_dirs[ip]}",
+                        "--disable-usage-stats",
+                        "--block",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
 
     def _wait_for_nodes(self, n: int, timeout: float = 120.0) -> None:
-        check = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
-                 "print(sum(1 for x in ray.nodes() if x['Alive']))")  # fmt: skip
+        check = (
+            f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
+            "print(sum(1 for x in ray.nodes() if x['Alive']))"
+        )
         deadline = time.monotonic() + timeout
         while True:
             out = self.run_on_head([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)

@@ -95,7 +95,7 @@ class SlurmCluster:
         self._daemons: list[tuple[str, subprocess.Popen]] = []
 
     # ---- life cycle ------------------------------------------------------------
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         try:
             self._write_config()
             self._start_munge()
@@ -158,9 +158,19 @@ class SlurmCluster:
 
     def _start_munge(self) -> None:
         d = self.munge_dir
-        self._start("munged", [_sbin("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
-                               f"--key-file={d}/munge.key", f"--log-file={d}/munged.log", f"--pid-file={d}/munged.pid",
-                               f"--seed-file={d}/munged.seed"])  # fmt: skip
+        self._start(
+            "munged",
+            [
+                _sbin("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={d}/munge.key",
+                f"--log-file={d}/munged.log",
+                f"--pid-file={d}/munged.pid",
+                f"--seed-file={d}/munged.seed",
+            ],
+        )
         deadline = time.monotonic() + 30
         while not os.path.exists(self.munge_socket):
             self._check_daemons()
@@ -171,8 +181,12 @@ class SlurmCluster:
     def _start(self, name: str, cmd: list[str]) -> None:
         log = open(os.path.join(self.log_dir, f"{name}.out"), "ab")
         with log:
-            self._daemons.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                         stdin=subprocess.DEVNULL, env=self.env)))  # fmt: skip
+            self._daemons.append(
+                (
+                    name,
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env),
+                )
+            )
 
     def _check_daemons(self) -> None:
         for name, proc in self._daemons:
@@ -194,8 +208,9 @@ class SlurmCluster:
     # ---- use -----------------------------------------------------------------
     def run(self, cmd: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
         """A Slurm client command against this cluster."""
-        return subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=timeout,
-                              stdin=subprocess.DEVNULL, **kwargs)  # fmt: skip
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env=self.env, timeout=timeout, stdin=subprocess.DEVNULL, **kwargs
+        )
 
     def jobs(self) -> list[str]:
         """Ids of the jobs this cluster still has queued, running or completing."""

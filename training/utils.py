@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from realrl.api.agent_api import AgentSettings
 from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, EnvConfig, validate
@@ -78,7 +78,10 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
         from realrl.impl.tiny_model import TinyKitRecipe, build_tiny_kit, dataset_recipe
 
         if model_path and not train_path:
-            raise ConfigError("dataset.train_path: required when model.path is set (the synthetic task needs the tiny model's tokenizer)")
+            raise ConfigError(
+                "dataset.train_path: required when model.path is set "
+                "(the synthetic task needs the tiny model's tokenizer)"
+            )
         cache = os.path.abspath(cfg.tiny_kit.cache_dir) if cfg.tiny_kit.cache_dir else os.path.join(fileroot, "cache")
         dataset = (train_path, test_path or train_path) if train_path else None
         # the tiny model, warm-started on the user's own task or on arithmetic
@@ -89,11 +92,17 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
             )
         kit = build_tiny_kit(cache, recipe, dataset)
         if dataset is None:
-            logger.info("tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)", kit.root,
-                        kit.warm_start_stats.accuracy, kit.warm_start_stats.k, kit.warm_start_stats.pass_at_k)  # fmt: skip
+            logger.info(
+                "tiny kit: %s (warm start: greedy accuracy %.3f, pass@%d %.3f)",
+                kit.root,
+                kit.warm_start_stats.accuracy,
+                kit.warm_start_stats.k,
+                kit.warm_start_stats.pass_at_k,
+            )
         else:  # its built-in check compares numbers; your task's score is the step-0 evaluation
-            logger.info("tiny kit: %s (warm-started on %s; the step-0 evaluation scores it on your task)",
-                        kit.root, train_path)  # fmt: skip
+            logger.info(
+                "tiny kit: %s (warm-started on %s; the step-0 evaluation scores it on your task)", kit.root, train_path
+            )
         model_path = model_path or kit.model_path
         if not train_path:
             train_path, test_path = kit.train_path, kit.test_path
@@ -124,8 +133,10 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
         if sep and path.endswith(".py"):
             spec = f"{os.path.abspath(path)}:{name}"
         plugins = [os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins]
-        return EnvConfig(type="reward-fn", args={"fn": spec, "timeout_s": cfg.rollout.reward_fn_timeout,
-                                                 "plugins": plugins, **env.args})  # fmt: skip
+        return EnvConfig(
+            type="reward-fn",
+            args={"fn": spec, "timeout_s": cfg.rollout.reward_fn_timeout, "plugins": plugins, **env.args},
+        )
     if not cfg.dataset.train_path and env.type == "math":
         # The synthetic arithmetic task's answers are bare numbers ("81");
         # a hedged or decorated answer ("~81") does not count.
@@ -158,8 +169,10 @@ def check_writable_dir(path: str, key: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".realrl-write-check-", dir=probe))
     except OSError as e:
-        raise ConfigError(f"{key}: {target} is not writable (cannot create a directory in {probe}: "
-                          f"{e.strerror or e}); give a writable directory") from None  # fmt: skip
+        raise ConfigError(
+            f"{key}: {target} is not writable (cannot create a directory in {probe}: "
+            f"{e.strerror or e}); give a writable directory"
+        ) from None
 
 
 def check_plugins(cfg: AsyncPPOConfig) -> None:
@@ -215,7 +228,7 @@ def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool
     try:
         signature.bind(*([None] if with_settings else []), **args)
     except TypeError as e:
-        accepted = [p for p in list(signature.parameters)[int(with_settings):] if p not in ("self", "args", "kwargs")]
+        accepted = [p for p in list(signature.parameters)[int(with_settings) :] if p not in ("self", "args", "kwargs")]
         raise ConfigError(f"{key}: {e}; {getattr(factory, '__name__', factory)} accepts {accepted}") from None
 
 
@@ -232,11 +245,15 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     from realrl.api.env_api import ENVIRONMENTS
 
     env = env_config(cfg)
-    for key, name, args, registry in (("rollout.agent.type", cfg.rollout.agent.type, cfg.rollout.agent.args, AGENTS),
-                                      ("rollout.env.type", env.type, env.args, ENVIRONMENTS)):  # fmt: skip
+    for key, name, args, registry in (
+        ("rollout.agent.type", cfg.rollout.agent.type, cfg.rollout.agent.args, AGENTS),
+        ("rollout.env.type", env.type, env.args, ENVIRONMENTS),
+    ):
         if name not in registry:
             hint = "" if cfg.plugins else " (a plugin can register more: plugins=[path/to/plugin.py])"
-            raise ConfigError(f"{key}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}{hint}")
+            raise ConfigError(
+                f"{key}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}{hint}"
+            )
         check_arguments(registry.get(name), args, key.replace(".type", ".args"), with_settings=registry is AGENTS)
     if cfg.rollout.reward_fn:
         from realrl.impl.reward_fn import load_reward_fn
@@ -266,13 +283,17 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     where = "server.sglang.context_length" if limit != positions else "the model's max_position_embeddings"
     new_tokens = cfg.rollout.gconfig.max_new_tokens
     if new_tokens >= limit:  # a prompt has at least one token
-        raise ConfigError(f"rollout.gconfig.max_new_tokens: must be < {limit} ({where}; a prompt takes at least "
-                          f"one position), got {new_tokens}")  # fmt: skip
+        raise ConfigError(
+            f"rollout.gconfig.max_new_tokens: must be < {limit} ({where}; a prompt takes at least "
+            f"one position), got {new_tokens}"
+        )
     eval_tokens = cfg.eval.max_new_tokens or new_tokens
     if eval_tokens >= positions:
         key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "rollout.gconfig.max_new_tokens"
-        raise ConfigError(f"{key}: must be < {positions} (the model's max_position_embeddings, used by evaluation; "
-                          f"a prompt takes at least one position), got {eval_tokens}")  # fmt: skip
+        raise ConfigError(
+            f"{key}: must be < {positions} (the model's max_position_embeddings, used by evaluation; "
+            f"a prompt takes at least one position), got {eval_tokens}"
+        )
     return limit
 
 
@@ -368,8 +389,12 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         # A longer prompt leaves no room for max_new_tokens (the server would
         # refuse it): skip it with the other over-long prompts instead.
         max_prompt_len = max_positions - rollout.gconfig.max_new_tokens
-        logger.info("prompts longer than %d tokens are skipped (%d positions - max_new_tokens %d)",
-                    max_prompt_len, max_positions, rollout.gconfig.max_new_tokens)  # fmt: skip
+        logger.info(
+            "prompts longer than %d tokens are skipped (%d positions - max_new_tokens %d)",
+            max_prompt_len,
+            max_positions,
+            rollout.gconfig.max_new_tokens,
+        )
     rollout_worker = RolloutWorkerConfig(
         dataset_path=train_path,
         tokenizer_path=model_path,
@@ -385,6 +410,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         request_timeout=rollout.request_timeout,
         request_retries=rollout.request_retries,
     )
+
     # One CPU thread pool per process: on a small machine, oversubscription
     # (every process using every core) is the main source of slowness.
     def threads(n: int) -> dict[str, str]:
@@ -393,14 +419,28 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
     groups = [
         WorkerGroup("master_worker", 1, master, env=threads(1), cpus_per_worker=0),
-        WorkerGroup("model_worker", n_train, model_worker, env=threads(train_threads), env_per_index=train_gpus,
-                    cpus_per_worker=train_threads, gpus_per_worker=int(cfg.train.device == "cuda")),
-        WorkerGroup("generation_server", alloc.gen.dp, gen_server, env=threads(cfg.server.torch.num_threads),
-                    env_per_index=gen_gpus, cpus_per_worker=cfg.server.torch.num_threads,
-                    gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0, restarts=cfg.server.max_restarts),
+        WorkerGroup(
+            "model_worker",
+            n_train,
+            model_worker,
+            env=threads(train_threads),
+            env_per_index=train_gpus,
+            cpus_per_worker=train_threads,
+            gpus_per_worker=int(cfg.train.device == "cuda"),
+        ),
+        WorkerGroup(
+            "generation_server",
+            alloc.gen.dp,
+            gen_server,
+            env=threads(cfg.server.torch.num_threads),
+            env_per_index=gen_gpus,
+            cpus_per_worker=cfg.server.torch.num_threads,
+            gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0,
+            restarts=cfg.server.max_restarts,
+        ),
         WorkerGroup("gserver_manager", 1, manager, env=threads(1), cpus_per_worker=0),
         WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1), restarts=rollout.max_restarts),
-    ]  # fmt: skip
+    ]
     return Experiment(groups, paths, model_path, train_path, test_path)
 
 
@@ -438,20 +478,30 @@ def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], 
         import torch
 
         gpus = [str(i) for i in range(torch.cuda.device_count())]
-    key = "train.device" if train_on_gpu else ("server.torch.device" if alloc.gen_backend == "torch" else "allocation_mode")
+    key = (
+        "train.device"
+        if train_on_gpu
+        else ("server.torch.device" if alloc.gen_backend == "torch" else "allocation_mode")
+    )
     if not gpus:
         raise ConfigError(f"{key}: asks for a GPU, but none is visible")
     n_gen = alloc.gen.dp * alloc.gen.tp if gen_on_gpu else 0
     n_train = alloc.train.dp if train_on_gpu else 0
     if alloc.gen.tp > len(gpus) or n_train > len(gpus):
-        raise ConfigError(f"allocation_mode: tensor parallelism {alloc.gen.tp} and {n_train} trainer ranks "
-                          f"(one GPU each for NCCL) need that many GPUs; {len(gpus)} visible")  # fmt: skip
+        raise ConfigError(
+            f"allocation_mode: tensor parallelism {alloc.gen.tp} and {n_train} trainer ranks "
+            f"(one GPU each for NCCL) need that many GPUs; {len(gpus)} visible"
+        )
     if n_gen + n_train <= len(gpus):
         first_train = n_gen
     else:
         first_train = 0
-        logger.warning("%d GPUs for %d generation GPUs + %d trainer GPUs: servers and trainers share GPUs",
-                       len(gpus), n_gen, n_train)  # fmt: skip
+        logger.warning(
+            "%d GPUs for %d generation GPUs + %d trainer GPUs: servers and trainers share GPUs",
+            len(gpus),
+            n_gen,
+            n_train,
+        )
 
     def env(indices) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i % len(gpus)] for i in indices)}
@@ -475,8 +525,12 @@ def run_experiment(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[i
             break
         why = f"worker {launcher.failed_worker} failed" if launcher and launcher.failed_worker else "the trial failed"
         restarts.append({"after_s": round(time.time() - started, 1), "why": why})
-        print(f"\nrealrl: {why}; restarting the trial from its newest checkpoint "
-              f"(restart {len(restarts)} of at most {cfg.recover_retries})", file=sys.stderr, flush=True)
+        print(
+            f"\nrealrl: {why}; restarting the trial from its newest checkpoint "
+            f"(restart {len(restarts)} of at most {cfg.recover_retries})",
+            file=sys.stderr,
+            flush=True,
+        )
     if restarts and summary_path and os.path.exists(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
@@ -507,9 +561,14 @@ def _run_trial_once(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[
     def claim_trial() -> None:  # once the config is known to be good (the launcher needs valid names)
         nonlocal launcher
         args = (cfg.experiment_name, cfg.trial_name, trial_paths(cfg).fileroot, cfg.name_resolve)
-        kwargs = dict(heartbeat_ttl=cfg.heartbeat_ttl, plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
-                      echo_worker="master_worker", console_every_n_steps=cfg.console.every_n_steps,
-                      watchdog_timeout=cfg.watchdog.timeout, watchdog_action=cfg.watchdog.action)  # fmt: skip
+        kwargs = dict(
+            heartbeat_ttl=cfg.heartbeat_ttl,
+            plugins=[os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins],
+            echo_worker="master_worker",
+            console_every_n_steps=cfg.console.every_n_steps,
+            watchdog_timeout=cfg.watchdog.timeout,
+            watchdog_action=cfg.watchdog.action,
+        )
         if cfg.mode == "ray":
             from realrl.launcher.ray import RayLauncher
 
@@ -517,8 +576,13 @@ def _run_trial_once(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[
         elif cfg.mode == "slurm":
             from realrl.launcher.slurm import SlurmLauncher
 
-            launcher = SlurmLauncher(*args, bind_address=cfg.bind_address, gpus_per_node=cfg.slurm.gpus_per_node,
-                                     srun_args=cfg.slurm.srun_args, **kwargs)  # fmt: skip
+            launcher = SlurmLauncher(
+                *args,
+                bind_address=cfg.bind_address,
+                gpus_per_node=cfg.slurm.gpus_per_node,
+                srun_args=cfg.slurm.srun_args,
+                **kwargs,
+            )
         else:
             launcher = LocalLauncher(*args, **kwargs)
         launcher.acquire_trial()

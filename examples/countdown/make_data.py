@@ -78,11 +78,20 @@ def make_rows(
             break
         seen.add(key)
         prompt = PROMPT_TEMPLATE.format(numbers=" ".join(map(str, numbers)), target=target)
-        rows.append({"query_id": f"{prefix}-{len(rows):06d}", "prompt": prompt, "answer": answer,
-                     "numbers": numbers, "target": target, "task": "countdown"})  # fmt: skip
+        rows.append(
+            {
+                "query_id": f"{prefix}-{len(rows):06d}",
+                "prompt": prompt,
+                "answer": answer,
+                "numbers": numbers,
+                "target": target,
+                "task": "countdown",
+            }
+        )
     if len(rows) < n:
-        raise ValueError(f"found only {len(rows)} distinct problems of {n}; "
-                         "lower n or four_fraction, or widen max_number")
+        raise ValueError(
+            f"found only {len(rows)} distinct problems of {n}; lower n or four_fraction, or widen max_number"
+        )
     return rows
 
 
@@ -114,8 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.n_train < 1 or args.n_test < 1:
         parser.error("--n-train and --n-test must be >= 1")
-    train, test = make_splits(args.n_train, args.n_test, args.seed, four_fraction=args.four_fraction,
-                              max_number=args.max_number, max_target=args.max_target)  # fmt: skip
+    train, test = make_splits(
+        args.n_train,
+        args.n_test,
+        args.seed,
+        four_fraction=args.four_fraction,
+        max_number=args.max_number,
+        max_target=args.max_target,
+    )
     os.makedirs(args.out_dir, exist_ok=True)
     for name, rows in (("train", train), ("test", test)):
         write_jsonl(os.path.join(args.out_dir, f"{name}.jsonl"), rows)

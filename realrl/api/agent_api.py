@@ -122,12 +122,14 @@ class AgentSettings:
         lies in [lb, ub]. Evaluation keeps everything."""
         return self.evaluating or self.success_rate_lb <= success_rate <= self.success_rate_ub
 
-    def for_evaluation(self, max_new_tokens: int | None = None) -> "AgentSettings":
+    def for_evaluation(self, max_new_tokens: int | None = None) -> AgentSettings:
         """Greedy, one answer per prompt, no filtering (the evaluation contract)."""
-        gconfig = dataclasses.replace(self.gconfig, greedy=True, max_new_tokens=max_new_tokens or self.gconfig.max_new_tokens,
-                                      min_new_tokens=0)  # fmt: skip
-        return dataclasses.replace(self, group_size=1, gconfig=gconfig, success_rate_lb=0.0, success_rate_ub=1.0,
-                                   evaluating=True)  # fmt: skip
+        gconfig = dataclasses.replace(
+            self.gconfig, greedy=True, max_new_tokens=max_new_tokens or self.gconfig.max_new_tokens, min_new_tokens=0
+        )
+        return dataclasses.replace(
+            self, group_size=1, gconfig=gconfig, success_rate_lb=0.0, success_rate_ub=1.0, evaluating=True
+        )
 
 
 class Generator(Protocol):
@@ -170,9 +172,12 @@ class Agent(abc.ABC):
             raise RuntimeError("Agent.generate() is only available inside an episode (Agent.run_episode)")
         if self.settings.evaluating:  # the evaluation contract: greedy, whatever the agent asked
             gconfig = dataclasses.replace(gconfig or self.settings.gconfig, greedy=True)
-        request = GenerationRequest(qid=episode.qid, prompt_ids=list(prompt_ids),
-                                    group_size=self.settings.group_size if n is None else n,
-                                    gconfig=gconfig or self.settings.gconfig)  # fmt: skip
+        request = GenerationRequest(
+            qid=episode.qid,
+            prompt_ids=list(prompt_ids),
+            group_size=self.settings.group_size if n is None else n,
+            gconfig=gconfig or self.settings.gconfig,
+        )
         episode.n_requests += 1
         episode._in_flight += 1
         episode.max_in_flight = max(episode.max_in_flight, episode._in_flight)
@@ -197,7 +202,9 @@ class Agent(abc.ABC):
         return {}
 
     # ---- for the runtime ------------------------------------------------------------
-    async def run_episode(self, prompt: PromptRecord, env: EnvironmentService, generator: Generator) -> list[Trajectory]:
+    async def run_episode(
+        self, prompt: PromptRecord, env: EnvironmentService, generator: Generator
+    ) -> list[Trajectory]:
         """Runs `collect_trajectory` with `generate` bound to `generator`, and
         checks what it returned. Run it as its own task (the episode lives in
         that task's context and in the tasks it starts)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any
 
 from realrl.api.generation_api import GenerationHyperparameters
 from realrl.base.name_resolve import NameResolveConfig
@@ -72,10 +72,10 @@ class PPOConfig:
     train_batch_size: int = 16  # trajectories (prompts) per train step
     ppo_n_minibatches: int = 1  # optimizer steps per train step
     eps_clip: float = 0.2
-    c_clip: Optional[float] = None  # dual clip for negative advantages
+    c_clip: float | None = None  # dual clip for negative advantages
     value_eps_clip: float = 0.2
     use_decoupled_loss: bool = True  # recompute proximal logprobs; docs/design.md §9
-    behav_imp_weight_cap: Optional[float] = 5.0
+    behav_imp_weight_cap: float | None = 5.0
     kl_ctl: float = 0.0  # > 0 loads a frozen reference model
     kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
     discount: float = 1.0
@@ -139,8 +139,8 @@ class TorchServerConfig:
 class SGLangConfig:
     dtype: str = "bfloat16"
     mem_fraction_static: float = 0.8
-    context_length: Optional[int] = None
-    max_running_requests: Optional[int] = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
     disable_radix_cache: bool = False
     log_level: str = "warning"
     extra_args: list[str] = dataclasses.field(default_factory=list)
@@ -253,7 +253,8 @@ class AsyncPPOConfig:
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
     total_train_steps: int = 40
     heartbeat_ttl: float = 5.0
-    # multi-node modes: the address every worker binds ("" = its node's address from Ray or Slurm); local mode binds 127.0.0.1
+    # multi-node modes: the address every worker binds ("" = its node's address from Ray or Slurm);
+    # local mode binds 127.0.0.1
     bind_address: str = ""
     recover: str = "disabled"  # disabled | auto (resume from the newest checkpoint, and restart after a failure)
     recover_retries: int = 3  # recover=auto: restarts after failures before giving up
@@ -315,7 +316,9 @@ def parse_allocation_mode(mode: str) -> AllocationMode:
     g = ParallelShape(*(int(x) for x in m.groups()[1:4]))
     t = ParallelShape(*(int(x) for x in m.groups()[4:7]))
     if backend not in GEN_BACKENDS:
-        raise ConfigError(f"allocation_mode: unknown generation backend {backend!r}; supported: {', '.join(GEN_BACKENDS)}")
+        raise ConfigError(
+            f"allocation_mode: unknown generation backend {backend!r}; supported: {', '.join(GEN_BACKENDS)}"
+        )
     if min(g.dp, g.pp, g.tp, t.dp, t.pp, t.tp) < 1:
         raise ConfigError(f"allocation_mode: in {mode!r}, every degree must be >= 1")
     if g.pp != 1:
@@ -359,14 +362,21 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(cfg.mode in ("local", "ray", "slurm"), "mode", f"must be local|ray|slurm, got {cfg.mode!r}")
     for key in ("experiment_name", "trial_name"):
         value = getattr(cfg, key)
-        _check(bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", value or "")), key,
-               f"must be non-empty letters, digits, '_', '-', '.', got {value!r}")  # fmt: skip
+        _check(
+            bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", value or "")),
+            key,
+            f"must be non-empty letters, digits, '_', '-', '.', got {value!r}",
+        )
     try:
         alloc = parse_allocation_mode(cfg.allocation_mode)
     except ConfigError as e:
         raise ConfigError(str(e)) from None
     _check(cfg.recover in ("disabled", "auto"), "recover", f"must be disabled|auto, got {cfg.recover!r}")
-    _check(cfg.recover_retries >= 0, "recover_retries", f"must be >= 0 (0 = resume by hand only), got {cfg.recover_retries}")
+    _check(
+        cfg.recover_retries >= 0,
+        "recover_retries",
+        f"must be >= 0 (0 = resume by hand only), got {cfg.recover_retries}",
+    )
     _check(cfg.saver.checkpoint_every_minutes >= 0, "saver.checkpoint_every_minutes", "must be >= 0 (0 = never)")
     _check(cfg.total_train_steps >= 1, "total_train_steps", "must be >= 1")
     _check(cfg.heartbeat_ttl >= 1, "heartbeat_ttl", "must be >= 1 second")
@@ -376,8 +386,11 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         raise ConfigError(_key_first(str(e))) from None
 
     _check(cfg.model.dtype in TORCH_DTYPES, "model.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {cfg.model.dtype!r}")
-    _check(bool(cfg.dataset.train_path) or not cfg.dataset.test_path,
-           "dataset.test_path", "set dataset.train_path too (or neither, for the synthetic arithmetic task)")  # fmt: skip
+    _check(
+        bool(cfg.dataset.train_path) or not cfg.dataset.test_path,
+        "dataset.test_path",
+        "set dataset.train_path too (or neither, for the synthetic arithmetic task)",
+    )
     _check(cfg.dataset.max_prompt_len >= 1, "dataset.max_prompt_len", "must be >= 1")
     _check(cfg.tiny_kit.warm_start_steps >= 0, "tiny_kit.warm_start_steps", "must be >= 0 (0 = default)")
 
@@ -385,17 +398,29 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(p.algorithm in ("grpo", "ppo"), "ppo.algorithm", f"must be grpo|ppo, got {p.algorithm!r}")
     _check(p.group_size >= 1, "ppo.group_size", "must be >= 1")
     _check(p.algorithm != "grpo" or p.group_size >= 2, "ppo.group_size", "GRPO needs >= 2 answers per prompt")
-    _check(p.train_batch_size >= alloc.train.dp, "ppo.train_batch_size",
-           f"must be >= the number of trainers ({alloc.train.dp})")  # fmt: skip
+    _check(
+        p.train_batch_size >= alloc.train.dp,
+        "ppo.train_batch_size",
+        f"must be >= the number of trainers ({alloc.train.dp})",
+    )
     _check(p.ppo_n_minibatches >= 1, "ppo.ppo_n_minibatches", "must be >= 1")
-    _check(p.train_batch_size // alloc.train.dp >= p.ppo_n_minibatches, "ppo.ppo_n_minibatches",
-           "must not exceed the trajectories per trainer per step")  # fmt: skip
+    _check(
+        p.train_batch_size // alloc.train.dp >= p.ppo_n_minibatches,
+        "ppo.ppo_n_minibatches",
+        "must not exceed the trajectories per trainer per step",
+    )
     _check(0 < p.eps_clip < 1, "ppo.eps_clip", "must be in (0, 1)")
     _check(p.value_eps_clip > 0, "ppo.value_eps_clip", f"must be > 0, got {p.value_eps_clip}")
     _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", "must be > 1 (or null)")
-    _check(p.behav_imp_weight_cap is None or p.behav_imp_weight_cap > 1, "ppo.behav_imp_weight_cap", "must be > 1 (or null)")
+    _check(
+        p.behav_imp_weight_cap is None or p.behav_imp_weight_cap > 1,
+        "ppo.behav_imp_weight_cap",
+        "must be > 1 (or null)",
+    )
     _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
-    _check(p.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator", f"must be k1|k2|k3|abs, got {p.kl_estimator!r}")
+    _check(
+        p.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator", f"must be k1|k2|k3|abs, got {p.kl_estimator!r}"
+    )
     _check(0 <= p.discount <= 1, "ppo.discount", "must be in [0, 1]")
     _check(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", "must be in [0, 1]")
     _check(p.loss_aggregation in ("token", "seq"), "ppo.loss_aggregation", "must be token|seq")
@@ -403,8 +428,11 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
 
     o = cfg.optimizer
     _check(o.lr > 0, "optimizer.lr", "must be > 0")
-    _check(o.lr_scheduler in ("constant", "linear", "cosine"), "optimizer.lr_scheduler",
-           f"must be constant|linear|cosine, got {o.lr_scheduler!r}")  # fmt: skip
+    _check(
+        o.lr_scheduler in ("constant", "linear", "cosine"),
+        "optimizer.lr_scheduler",
+        f"must be constant|linear|cosine, got {o.lr_scheduler!r}",
+    )
     _check(o.gradient_clipping >= 0, "optimizer.gradient_clipping", "must be >= 0 (0 = off)")
     _check(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _check(0 <= o.beta1 < 1, "optimizer.beta1", f"must be in [0, 1), got {o.beta1}")
@@ -417,16 +445,26 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(r.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness", "must be >= 0")
     _check(r.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts", "must be >= 1")
     _check(r.new_tokens_per_chunk >= 1, "rollout.new_tokens_per_chunk", "must be >= 1")
-    _check(0 <= r.success_rate_lb <= r.success_rate_ub <= 1, "rollout.success_rate_lb",
-           "need 0 <= success_rate_lb <= success_rate_ub <= 1")  # fmt: skip
+    _check(
+        0 <= r.success_rate_lb <= r.success_rate_ub <= 1,
+        "rollout.success_rate_lb",
+        "need 0 <= success_rate_lb <= success_rate_ub <= 1",
+    )
     try:
         r.gconfig.validate("rollout.gconfig")
     except ValueError as e:
         raise ConfigError(_key_first(str(e))) from None
-    _check(r.max_restarts >= 0, "rollout.max_restarts", f"must be >= 0 (0 = a dead rollout worker stops the trial), got {r.max_restarts}")
+    _check(
+        r.max_restarts >= 0,
+        "rollout.max_restarts",
+        f"must be >= 0 (0 = a dead rollout worker stops the trial), got {r.max_restarts}",
+    )
     _check(r.reward_fn_timeout > 0, "rollout.reward_fn_timeout", f"must be > 0 seconds, got {r.reward_fn_timeout}")
-    _check(not r.reward_fn or r.env.type in ("math", "reward-fn"), "rollout.reward_fn",
-           f"replaces the environment; it cannot be combined with rollout.env.type={r.env.type}")  # fmt: skip
+    _check(
+        not r.reward_fn or r.env.type in ("math", "reward-fn"),
+        "rollout.reward_fn",
+        f"replaces the environment; it cannot be combined with rollout.env.type={r.env.type}",
+    )
     _check(r.request_timeout > 0, "rollout.request_timeout", f"must be > 0 seconds, got {r.request_timeout}")
     _check(r.request_retries >= 0, "rollout.request_retries", f"must be >= 0 (0 = no retry), got {r.request_retries}")
 
@@ -436,48 +474,81 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     s, ts, sg = cfg.server, cfg.server.torch, cfg.server.sglang
     _check(ts.device in ("cpu", "cuda"), "server.torch.device", f"must be cpu|cuda, got {ts.device!r}")
     _check(ts.dtype in TORCH_DTYPES, "server.torch.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}")
-    _check(ts.max_running_requests >= 1, "server.torch.max_running_requests",
-           f"must be >= 1, got {ts.max_running_requests}")  # fmt: skip
+    _check(
+        ts.max_running_requests >= 1,
+        "server.torch.max_running_requests",
+        f"must be >= 1, got {ts.max_running_requests}",
+    )
     _check(ts.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
     _check(sg.dtype in SGLANG_DTYPES, "server.sglang.dtype", f"must be {'|'.join(SGLANG_DTYPES)}, got {sg.dtype!r}")
-    _check(0 < sg.mem_fraction_static <= 1, "server.sglang.mem_fraction_static",
-           f"must be in (0, 1], got {sg.mem_fraction_static}")  # fmt: skip
-    _check(sg.context_length is None or sg.context_length >= 1, "server.sglang.context_length",
-           f"must be >= 1 (or null = the model's), got {sg.context_length}")  # fmt: skip
-    _check(sg.max_running_requests is None or sg.max_running_requests >= 1, "server.sglang.max_running_requests",
-           f"must be >= 1 (or null = SGLang's default), got {sg.max_running_requests}")  # fmt: skip
-    _check(sg.log_level in SGLANG_LOG_LEVELS, "server.sglang.log_level",
-           f"must be {'|'.join(SGLANG_LOG_LEVELS)}, got {sg.log_level!r}")  # fmt: skip
+    _check(
+        0 < sg.mem_fraction_static <= 1,
+        "server.sglang.mem_fraction_static",
+        f"must be in (0, 1], got {sg.mem_fraction_static}",
+    )
+    _check(
+        sg.context_length is None or sg.context_length >= 1,
+        "server.sglang.context_length",
+        f"must be >= 1 (or null = the model's), got {sg.context_length}",
+    )
+    _check(
+        sg.max_running_requests is None or sg.max_running_requests >= 1,
+        "server.sglang.max_running_requests",
+        f"must be >= 1 (or null = SGLang's default), got {sg.max_running_requests}",
+    )
+    _check(
+        sg.log_level in SGLANG_LOG_LEVELS,
+        "server.sglang.log_level",
+        f"must be {'|'.join(SGLANG_LOG_LEVELS)}, got {sg.log_level!r}",
+    )
     _check(s.startup_timeout > 0, "server.startup_timeout", f"must be > 0 seconds, got {s.startup_timeout}")
-    _check(s.weight_update_timeout > 0, "server.weight_update_timeout",
-           f"must be > 0 seconds, got {s.weight_update_timeout}")  # fmt: skip
-    _check(s.weight_update_retries >= 0, "server.weight_update_retries",
-           f"must be >= 0 (0 = no retry), got {s.weight_update_retries}")  # fmt: skip
-    _check(s.health_check_interval > 0, "server.health_check_interval",
-           f"must be > 0 seconds, got {s.health_check_interval}")  # fmt: skip
-    _check(s.health_check_timeout > 0, "server.health_check_timeout",
-           f"must be > 0 seconds, got {s.health_check_timeout}")  # fmt: skip
+    _check(
+        s.weight_update_timeout > 0,
+        "server.weight_update_timeout",
+        f"must be > 0 seconds, got {s.weight_update_timeout}",
+    )
+    _check(
+        s.weight_update_retries >= 0,
+        "server.weight_update_retries",
+        f"must be >= 0 (0 = no retry), got {s.weight_update_retries}",
+    )
+    _check(
+        s.health_check_interval > 0,
+        "server.health_check_interval",
+        f"must be > 0 seconds, got {s.health_check_interval}",
+    )
+    _check(
+        s.health_check_timeout > 0, "server.health_check_timeout", f"must be > 0 seconds, got {s.health_check_timeout}"
+    )
     _check(s.health_check_failures >= 1, "server.health_check_failures", f"must be >= 1, got {s.health_check_failures}")
-    _check(s.max_restarts >= 0, "server.max_restarts",
-           f"must be >= 0 (0 = a dead server fails the trial), got {s.max_restarts}")  # fmt: skip
+    _check(
+        s.max_restarts >= 0,
+        "server.max_restarts",
+        f"must be >= 0 (0 = a dead server fails the trial), got {s.max_restarts}",
+    )
     _check(s.restart_window > 0, "server.restart_window", f"must be > 0 seconds, got {s.restart_window}")
     ev = cfg.eval
     _check(ev.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0")
     _check(ev.batch_size >= 1, "eval.batch_size", f"must be >= 1, got {ev.batch_size}")
-    _check(ev.max_new_tokens >= 0, "eval.max_new_tokens",
-           f"must be >= 0 (0 = rollout.gconfig.max_new_tokens), got {ev.max_new_tokens}")  # fmt: skip
+    _check(
+        ev.max_new_tokens >= 0,
+        "eval.max_new_tokens",
+        f"must be >= 0 (0 = rollout.gconfig.max_new_tokens), got {ev.max_new_tokens}",
+    )
     _check(ev.max_prompts >= 0, "eval.max_prompts", f"must be >= 0 (0 = the whole test split), got {ev.max_prompts}")
     _check(cfg.saver.checkpoint_every_n_steps >= 0, "saver.checkpoint_every_n_steps", "must be >= 0")
     validate_slurm(cfg.slurm)
     validate_watchdog(cfg.watchdog)
-    _check(cfg.console.every_n_steps >= 1, "console.every_n_steps",
-           f"must be >= 1 (a plain line every N steps when the output is not a terminal), got {cfg.console.every_n_steps}")  # fmt: skip
+    _check(
+        cfg.console.every_n_steps >= 1,
+        "console.every_n_steps",
+        f"must be >= 1 (a plain line every N steps when the output is not a terminal), got {cfg.console.every_n_steps}",
+    )
     return alloc
 
 
-def validate_watchdog(w: "WatchdogConfig") -> None:
-    _check(w.timeout == 0 or w.timeout >= 5, "watchdog.timeout",
-           f"must be 0 (off) or >= 5 seconds, got {w.timeout}")  # fmt: skip
+def validate_watchdog(w: WatchdogConfig) -> None:
+    _check(w.timeout == 0 or w.timeout >= 5, "watchdog.timeout", f"must be 0 (off) or >= 5 seconds, got {w.timeout}")
     _check(w.action in ("stop", "report"), "watchdog.action", f"must be stop|report, got {w.action!r}")
 
 
@@ -486,24 +557,41 @@ _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE", re.IGNOREC
 _SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
 
 
-def validate_slurm(s: "SlurmConfig") -> None:
+def validate_slurm(s: SlurmConfig) -> None:
     """The slurm.* keys (they are written into a batch script: no newline, no stray shell)."""
     _check(s.nodes >= 1, "slurm.nodes", f"must be >= 1, got {s.nodes}")
     _check(s.gpus_per_node >= 0, "slurm.gpus_per_node", f"must be >= 0 (0 = none), got {s.gpus_per_node}")
     _check(s.cpus_per_node >= 0, "slurm.cpus_per_node", f"must be >= 0 (0 = whole nodes), got {s.cpus_per_node}")
-    _check(not s.mem or bool(_SLURM_MEM.fullmatch(s.mem)), "slurm.mem", f"must be a size like 64G or 500M, got {s.mem!r}")
-    _check(not s.time or bool(_SLURM_TIME.fullmatch(s.time)), "slurm.time",
-           f"must be minutes, [D-]HH:MM:SS, D-HH or UNLIMITED, got {s.time!r}")  # fmt: skip
+    _check(
+        not s.mem or bool(_SLURM_MEM.fullmatch(s.mem)), "slurm.mem", f"must be a size like 64G or 500M, got {s.mem!r}"
+    )
+    _check(
+        not s.time or bool(_SLURM_TIME.fullmatch(s.time)),
+        "slurm.time",
+        f"must be minutes, [D-]HH:MM:SS, D-HH or UNLIMITED, got {s.time!r}",
+    )
     for key in ("partition", "account", "qos", "job_name"):
         value = getattr(s, key)
-        _check(not value or bool(_SLURM_NAME.fullmatch(value)), f"slurm.{key}",
-               f"must be letters, digits and _.,:+=@%-, got {value!r}")  # fmt: skip
-    _check(not s.constraint or bool(re.fullmatch(r"[A-Za-z0-9_.,:+=@%&|*!()\[\]\-]+", s.constraint)),
-           "slurm.constraint", f"must be a Slurm feature expression (e.g. a100&ib), got {s.constraint!r}")  # fmt: skip
+        _check(
+            not value or bool(_SLURM_NAME.fullmatch(value)),
+            f"slurm.{key}",
+            f"must be letters, digits and _.,:+=@%-, got {value!r}",
+        )
+    _check(
+        not s.constraint or bool(re.fullmatch(r"[A-Za-z0-9_.,:+=@%&|*!()\[\]\-]+", s.constraint)),
+        "slurm.constraint",
+        f"must be a Slurm feature expression (e.g. a100&ib), got {s.constraint!r}",
+    )
     for key in ("sbatch_args", "srun_args"):
         for arg in getattr(s, key):
-            _check(isinstance(arg, str) and arg.startswith("-") and "\n" not in arg and "\r" not in arg,
-                   f"slurm.{key}", f"entries must be options starting with '-' on one line, got {arg!r}")  # fmt: skip
+            _check(
+                isinstance(arg, str) and arg.startswith("-") and "\n" not in arg and "\r" not in arg,
+                f"slurm.{key}",
+                f"entries must be options starting with '-' on one line, got {arg!r}",
+            )
     for line in s.setup:
-        _check(isinstance(line, str) and "\n" not in line and "\r" not in line, "slurm.setup",
-               f"entries must be single shell lines, got {line!r}")  # fmt: skip
+        _check(
+            isinstance(line, str) and "\n" not in line and "\r" not in line,
+            "slurm.setup",
+            f"entries must be single shell lines, got {line!r}",
+        )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, NoReturn
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 # Bounds on SGLang-named sampling parameters (docs/design.md §6), shared by
 # `GenerationHyperparameters.validate` and the torch server's request check.
@@ -158,8 +159,15 @@ class GenerationResult:
     def group_size(self) -> int:
         return len(self.output_ids)
 
-    def answer(self, i: int) -> "GenerationResult":
+    def answer(self, i: int) -> GenerationResult:
         """Answer `i` alone, as a result of group size 1."""
-        return GenerationResult(self.qid, list(self.prompt_ids), [self.output_ids[i]], [self.output_logprobs[i]],
-                                [self.output_versions[i]], [self.no_eos[i]], [self.version_start[i]],
-                                [self.version_end[i]])  # fmt: skip
+        return GenerationResult(
+            self.qid,
+            list(self.prompt_ids),
+            [self.output_ids[i]],
+            [self.output_logprobs[i]],
+            [self.output_versions[i]],
+            [self.no_eos[i]],
+            [self.version_start[i]],
+            [self.version_end[i]],
+        )

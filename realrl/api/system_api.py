@@ -52,7 +52,7 @@ class WorkerSpec:
         )
 
     @staticmethod
-    def from_json(text: str) -> "WorkerSpec":
+    def from_json(text: str) -> WorkerSpec:
         raw = json.loads(text)
         info_raw = raw["info"]
         info_raw["name_resolve"] = NameResolveConfig(**info_raw["name_resolve"])

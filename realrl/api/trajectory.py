@@ -45,8 +45,14 @@ class Trajectory:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_results(cls, prompt: Any, results: list, scores: list[float], rewards: list[float],
-                     metadata: dict[str, Any] | None = None) -> "Trajectory":  # fmt: skip
+    def from_results(
+        cls,
+        prompt: Any,
+        results: list,
+        scores: list[float],
+        rewards: list[float],
+        metadata: dict[str, Any] | None = None,
+    ) -> Trajectory:
         """One sequence per answer of each `GenerationResult` in `results`, in
         order: the result's `prompt_ids` (the whole context the answer was
         generated from) + the answer, with its logprobs and weight versions.
@@ -63,12 +69,25 @@ class Trajectory:
                 end.append(int(result.version_end[i]))
                 no_eos.append(bool(result.no_eos[i]))
         if len(scores) != len(input_ids) or len(rewards) != len(input_ids):
-            raise TrajectoryError(f"trajectory {prompt.qid}: {len(input_ids)} sequences but {len(scores)} scores "
-                                  f"and {len(rewards)} rewards")  # fmt: skip
-        return cls(qid=prompt.qid, task=prompt.task, birth_time=time.time(), input_ids=input_ids, prompt_len=prompt_len,
-                   logprobs=logprobs, versions=versions, version_start=start, version_end=end,
-                   reward=[float(r) for r in rewards], no_eos=no_eos, scores=[float(s) for s in scores],
-                   metadata=dict(metadata or {})).validate()  # fmt: skip
+            raise TrajectoryError(
+                f"trajectory {prompt.qid}: {len(input_ids)} sequences but {len(scores)} scores "
+                f"and {len(rewards)} rewards"
+            )
+        return cls(
+            qid=prompt.qid,
+            task=prompt.task,
+            birth_time=time.time(),
+            input_ids=input_ids,
+            prompt_len=prompt_len,
+            logprobs=logprobs,
+            versions=versions,
+            version_start=start,
+            version_end=end,
+            reward=[float(r) for r in rewards],
+            no_eos=no_eos,
+            scores=[float(s) for s in scores],
+            metadata=dict(metadata or {}),
+        ).validate()
 
     @property
     def group_size(self) -> int:
@@ -90,7 +109,7 @@ class Trajectory:
     def completion_ids(self, i: int) -> np.ndarray:
         return self.input_ids[i][self.prompt_len[i] :]
 
-    def validate(self) -> "Trajectory":
+    def validate(self) -> Trajectory:
         n = len(self.input_ids)
         if not isinstance(self.qid, str) or not self.qid:
             raise TrajectoryError(f"qid must be a non-empty str, got {self.qid!r}")
@@ -100,20 +119,31 @@ class Trajectory:
             raise TrajectoryError(f"trajectory {self.qid}: scores has {len(self.scores)} entries for {n} sequences")
         if not all(math.isfinite(x) for x in self.scores):
             raise TrajectoryError(f"trajectory {self.qid}: non-finite score")
-        per_seq = dict(prompt_len=self.prompt_len, logprobs=self.logprobs, versions=self.versions,
-                       version_start=self.version_start, version_end=self.version_end,
-                       reward=self.reward, no_eos=self.no_eos)  # fmt: skip
+        per_seq = dict(
+            prompt_len=self.prompt_len,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            version_start=self.version_start,
+            version_end=self.version_end,
+            reward=self.reward,
+            no_eos=self.no_eos,
+        )
         for field, values in per_seq.items():
             if len(values) != n:
                 raise TrajectoryError(f"trajectory {self.qid}: {field} has {len(values)} entries for {n} sequences")
         for i in range(n):
             ids, plen = self.input_ids[i], self.prompt_len[i]
             if ids.ndim != 1 or ids.dtype != np.int32:
-                raise TrajectoryError(f"trajectory {self.qid} seq {i}: input_ids must be 1-D int32, got {ids.dtype}{ids.shape}")
+                raise TrajectoryError(
+                    f"trajectory {self.qid} seq {i}: input_ids must be 1-D int32, got {ids.dtype}{ids.shape}"
+                )
             if not 0 < plen <= len(ids):
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: prompt_len {plen} outside 1..{len(ids)}")
             n_gen = len(ids) - plen
-            for name, arr, dtype in (("logprobs", self.logprobs[i], np.float32), ("versions", self.versions[i], np.int32)):
+            for name, arr, dtype in (
+                ("logprobs", self.logprobs[i], np.float32),
+                ("versions", self.versions[i], np.int32),
+            ):
                 if arr.ndim != 1 or arr.dtype != dtype or len(arr) != n_gen:
                     raise TrajectoryError(
                         f"trajectory {self.qid} seq {i}: {name} must be 1-D {np.dtype(dtype).name} of length "
@@ -127,7 +157,7 @@ class Trajectory:
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite reward")
         return self
 
-    def check_token_ids(self, vocab_size: int | None) -> "Trajectory":
+    def check_token_ids(self, vocab_size: int | None) -> Trajectory:
         """Raises TrajectoryError if a token id lies outside `0..vocab_size-1`
         (it would index past the model's embedding table); `None` checks
         nothing. Vectorised: a min and a max per sequence."""
@@ -168,7 +198,7 @@ class Trajectory:
         }
 
     @staticmethod
-    def from_wire(msg: Any) -> "Trajectory":
+    def from_wire(msg: Any) -> Trajectory:
         if not isinstance(msg, dict):
             raise TrajectoryError(f"trajectory message must be a dict, got {type(msg).__name__}")
         try:
@@ -201,7 +231,9 @@ class Trajectory:
                 version_end=_array(msg, "version_end", np.int32, n).tolist(),
                 reward=_array(msg, "reward", np.float32, n).astype(float).tolist(),
                 no_eos=_array(msg, "no_eos", np.bool_, n).tolist(),
-                scores=_array(msg, "scores", np.float32, n).astype(float).tolist() if len(msg.get("scores", ())) else [],
+                scores=_array(msg, "scores", np.float32, n).astype(float).tolist()
+                if len(msg.get("scores", ()))
+                else [],
                 metadata=meta,
             )
         except KeyError as e:

@@ -79,8 +79,9 @@ class ConsoleRenderer:
     """Renders the master's log lines on `stream` (see the module doc).
     `tty=None` asks the stream. Not thread-safe (the launcher's loop owns it)."""
 
-    def __init__(self, stream: TextIO | None = None, every_n_steps: int = 10, tty: bool | None = None,
-                 clock=time.monotonic):  # fmt: skip
+    def __init__(
+        self, stream: TextIO | None = None, every_n_steps: int = 10, tty: bool | None = None, clock=time.monotonic
+    ):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.stream = stream if stream is not None else sys.stdout
@@ -181,8 +182,17 @@ class ConsoleRenderer:
             self.close()
             columns, lines = _size()
             # initial=this step: the rate (and ETA) counts from here, not from the trial's start-up
-            self._bar = tqdm(total=s.total, initial=s.step, desc="train", unit="step", file=self.stream,
-                             ncols=columns, nrows=lines, mininterval=0.2, leave=True)  # fmt: skip
+            self._bar = tqdm(
+                total=s.total,
+                initial=s.step,
+                desc="train",
+                unit="step",
+                file=self.stream,
+                ncols=columns,
+                nrows=lines,
+                mininterval=0.2,
+                leave=True,
+            )
         self._bar.ncols = _size()[0]  # follows a resized terminal
         self._bar.set_postfix(self._figures(s), refresh=False)
         self._bar.update(max(s.step - self._bar.n, 0))

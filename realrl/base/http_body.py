@@ -3,10 +3,22 @@
     body = await read_json(request, max_bytes=MAX, max_depth=32)   # aiohttp
     body = parse_json(raw_bytes, max_bytes=MAX)                      # any framework
 
+    req = from_json(ScheduleRequest, body)                           # typed, checked once
+
 Either returns the decoded value (a dict unless `require_object=False`) or
 raises `BodyError(message, status)`: 413 for a body over `max_bytes`, 400 for
 everything else (empty, not UTF-8, not JSON, `NaN`/`Infinity` literals, nested
 deeper than `max_depth`, not an object). Callers answer it as a client error.
+
+**Typed bodies.** Request and response bodies are dataclasses (in `realrl/api/`);
+`from_json(cls, value)` checks a decoded value against the class's annotations
+and builds it, raising `BodyError` (400) that names the field path
+(`rollouts[2].qid`). Types: `str`, `int` (never a JSON `true`; within int64),
+`float` (an int is accepted; finite), `bool`, `Any`, `list[T]`, `dict[str, T]`,
+`T | None`, `Literal[...]`, nested dataclasses. Bounds go in the field's
+metadata through `rule(min=, max=, nonempty=)`. A field without a default is
+required; `None` means absent. Unknown keys are refused unless the class sets
+`UNKNOWN_FIELDS = "ignore"`. `to_json(obj)` is the inverse (None fields left out).
 
 Why a depth limit: Python's `json` decoder recurses once per nesting level, so
 `[[[[...]]]]` 100000 deep raises RecursionError (an HTTP 500), and even a
@@ -19,8 +31,13 @@ their running +1/-1 sum (numpy).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
-from typing import Any
+import math
+import types
+import typing
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from aiohttp import web
@@ -134,3 +151,134 @@ def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return "number"
+
+
+# --------------------------------------------------------------------------- typed bodies
+
+T = TypeVar("T")
+_INT64 = 1 << 63
+
+
+def rule(*, min: float | None = None, max: float | None = None, nonempty: bool = False) -> dict:
+    """Field metadata for `from_json`: bounds of a number, or a non-empty str/list.
+    `field(default=1, metadata=rule(min=1))`."""
+    return {"http_body": {"min": min, "max": max, "nonempty": nonempty}}
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[str, Any, dict, bool], ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append((f.name, hints[f.name], f.metadata.get("http_body") or {}, required))
+    return tuple(out)
+
+
+def from_json(cls: type[T], value: Any, path: str = "") -> T:
+    """Builds dataclass `cls` from a decoded JSON value; see the module docstring."""
+    if not isinstance(value, dict):
+        raise BodyError(f"{_where(path, 'the request body')} must be a JSON object, got a JSON {_json_type(value)}")
+    known = _fields(cls)
+    if getattr(cls, "UNKNOWN_FIELDS", "reject") != "ignore":
+        names = {name for name, *_ in known}
+        unknown = sorted(str(k) for k in value if k not in names)
+        if unknown:
+            raise BodyError(f"{_where(path, 'the request body')} has unknown field(s) {', '.join(map(repr, unknown))}")
+    kwargs = {}
+    for name, kind, checks, required in known:
+        field_path = f"{path}.{name}" if path else name
+        if value.get(name) is None:
+            if required:
+                raise BodyError(f"missing field {field_path!r}")
+            continue
+        kwargs[name] = _convert(kind, value[name], field_path, checks)
+    return cls(**kwargs)
+
+
+def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if value is None:
+            return None
+        if len(options) == 1:
+            return _convert(options[0], value, path, checks)
+        for option in options:  # the first that fits
+            try:
+                return _convert(option, value, path, checks)
+            except BodyError:
+                continue
+        raise BodyError(f"field {path!r} must be {' or '.join(_type_name(o) for o in options)}")
+    if kind is Any:
+        return value
+    if origin is Literal:
+        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args):
+            raise BodyError(f"field {path!r} must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(kind):
+        return from_json(kind, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise BodyError(f"field {path!r} must be a list, got a JSON {_json_type(value)}")
+        if checks.get("nonempty") and not value:
+            raise BodyError(f"field {path!r} must be a non-empty list")
+        (item,) = args or (Any,)
+        return [_convert(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise BodyError(f"field {path!r} must be an object, got a JSON {_json_type(value)}")
+        item = args[1] if args else Any
+        return {k: _convert(item, v, f"{path}.{k}", {}) for k, v in value.items()}
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise BodyError(f"field {path!r} must be a boolean, got a JSON {_json_type(value)}")
+        return value
+    if kind is int:
+        # bool is an int in Python; a JSON true is never a count or a version.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BodyError(f"field {path!r} must be an integer, got a JSON {_json_type(value)}")
+        if not -_INT64 <= value < _INT64:
+            raise BodyError(f"field {path!r} is out of range")
+        return _bounded(value, path, checks)
+    if kind is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise BodyError(f"field {path!r} must be a finite number, got {_json_type(value)} {value!r}"[:200])
+        return _bounded(float(value), path, checks)
+    if kind is str:
+        if not isinstance(value, str):
+            raise BodyError(f"field {path!r} must be a string, got a JSON {_json_type(value)}")
+        if checks.get("nonempty") and not value:
+            raise BodyError(f"field {path!r} must be a non-empty string")
+        return value
+    raise TypeError(f"from_json: unsupported annotation {kind!r} at {path!r}")  # a bug in the contract class
+
+
+def _bounded(value: float, path: str, checks: dict) -> Any:
+    low, high = checks.get("min"), checks.get("max")
+    if low is not None and value < low:
+        raise BodyError(f"field {path!r} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise BodyError(f"field {path!r} must be <= {high}, got {value}")
+    return value
+
+
+def to_json(obj: Any) -> Any:
+    """A dataclass (nested, in lists/dicts) as JSON-ready values; None fields are left out."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_json(v) for f in dataclasses.fields(obj) if (v := getattr(obj, f.name)) is not None}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    return obj
+
+
+def _where(path: str, default: str) -> str:
+    return f"field {path!r}" if path else default
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", str(kind))

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from realrl.base.logging import getLogger
 
@@ -311,7 +311,7 @@ class FileNameRecordRepository(NameRecordRepository):
     def _read(self, path: str) -> tuple[str, float | None, os.stat_result] | None:
         """(value, ttl, stat) of a live entry, None if absent or expired."""
         try:
-            with open(path, "r") as f:
+            with open(path) as f:
                 st = os.fstat(f.fileno())
                 record = json.load(f)
         except (FileNotFoundError, NotADirectoryError):
@@ -567,7 +567,9 @@ def reconfigure(config: NameResolveConfig) -> NameRecordRepository:
     return new
 
 
-def add(name: str, value: str, keepalive_ttl: float | None = None, replace: bool = False, delete_on_exit: bool = True) -> None:
+def add(
+    name: str, value: str, keepalive_ttl: float | None = None, replace: bool = False, delete_on_exit: bool = True
+) -> None:
     default_repository().add(name, value, keepalive_ttl=keepalive_ttl, replace=replace, delete_on_exit=delete_on_exit)
 
 

@@ -30,7 +30,8 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PLOTS_DIR = "plots"
 
@@ -129,9 +130,12 @@ def _eval_records(records):
 
 def _plot_accuracy_reward(records):
     train, evals = _train_records(records), _eval_records(records)
-    curves = [("eval/accuracy", evals, "eval accuracy (greedy)", "o"), ("eval/score", evals, "eval score", "s"),
-              ("rollout/accuracy", train, "trained answers: accuracy", None),
-              ("rollout/reward/mean", train, "trained answers: reward (mean)", None)]  # fmt: skip
+    curves = [
+        ("eval/accuracy", evals, "eval accuracy (greedy)", "o"),
+        ("eval/score", evals, "eval score", "s"),
+        ("rollout/accuracy", train, "trained answers: accuracy", None),
+        ("rollout/reward/mean", train, "trained answers: reward (mean)", None),
+    ]
     if not any(_series(recs, key)[0] for key, recs, _, _ in curves):
         return None
     fig, (by_step, by_time) = _figure(2, "accuracy and reward")
@@ -197,8 +201,13 @@ def _plot_step_time(records):
     ]
     xs = [r["step"] for r in train]
     fig, (ax,) = _figure(1, "seconds per step by stage")
-    ax.stackplot(xs, *[[f(r) for r in train] for _, f in stages], labels=[name for name, _ in stages],
-                 colors=_COLORS[: len(stages)], alpha=0.85)  # fmt: skip
+    ax.stackplot(
+        xs,
+        *[[f(r) for r in train] for _, f in stages],
+        labels=[name for name, _ in stages],
+        colors=_COLORS[: len(stages)],
+        alpha=0.85,
+    )
     ax.set_xlabel("train step")
     ax.set_ylabel("seconds")
     ax.set_xlim(min(xs), max(xs) if len(xs) > 1 else min(xs) + 1)

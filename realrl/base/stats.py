@@ -53,8 +53,11 @@ class StatsLogger:
         record = {"step": step, **stats}
         self._file.write(json.dumps(record, default=_jsonable) + "\n")
         self._file.flush()
-        scalars = {key: value for key, value in stats.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}  # fmt: skip
+        scalars = {
+            key: value
+            for key, value in stats.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        }
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
@@ -84,14 +87,19 @@ def _open_wandb(log_dir: str, project: str = "realrl", name: str | None = None) 
     try:
         import wandb
     except ImportError:
-        logger.warning("stats.wandb=true, but wandb is not installed (pip install wandb): "
-                       "stats go to stats.jsonl and TensorBoard only")  # fmt: skip
+        logger.warning(
+            "stats.wandb=true, but wandb is not installed (pip install wandb): "
+            "stats go to stats.jsonl and TensorBoard only"
+        )
         return None
     try:
         run = wandb.init(project=project, name=name, dir=log_dir, mode="offline")
     except Exception as e:
-        logger.warning("stats.wandb=true, but wandb did not start (%s: %s): stats go to stats.jsonl and "
-                       "TensorBoard only", type(e).__name__, e)  # fmt: skip
+        logger.warning(
+            "stats.wandb=true, but wandb did not start (%s: %s): stats go to stats.jsonl and TensorBoard only",
+            type(e).__name__,
+            e,
+        )
         return None
     logger.info("wandb: logging offline under %s (upload with `wandb sync`)", os.path.join(log_dir, "wandb"))
     return run

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Awaitable, Callable, Generic, Hashable, TypeVar
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

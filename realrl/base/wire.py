@@ -38,7 +38,8 @@ from __future__ import annotations
 import struct
 import sys
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -63,10 +64,18 @@ _MARKERS = [struct.Struct(f"<IBB{n}q") for n in range(MAX_NDIM + 1)]
 # The dtype whitelist. Codes are part of the format: append, never renumber.
 _DTYPES = [
     np.dtype(np.bool_),
-    np.dtype("<i1"), np.dtype("<i2"), np.dtype("<i4"), np.dtype("<i8"),
-    np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"),
-    np.dtype("<f2"), np.dtype("<f4"), np.dtype("<f8"),
-]  # fmt: skip
+    np.dtype("<i1"),
+    np.dtype("<i2"),
+    np.dtype("<i4"),
+    np.dtype("<i8"),
+    np.dtype("<u1"),
+    np.dtype("<u2"),
+    np.dtype("<u4"),
+    np.dtype("<u8"),
+    np.dtype("<f2"),
+    np.dtype("<f4"),
+    np.dtype("<f8"),
+]
 _DTYPE_CODE = {dt: code for code, dt in enumerate(_DTYPES)}
 _ITEMSIZES = [dt.itemsize for dt in _DTYPES]
 assert _MARKERS[0].size == 6 and _ARRAY_EXT == 1 and len(_DTYPES) == 12  # literals in decode's hook
@@ -104,7 +113,9 @@ def _checked_array(array: np.ndarray) -> tuple[np.ndarray, int]:
         native = array.dtype.newbyteorder("<")
         code = _DTYPE_CODE.get(native)
         if code is None:
-            raise TypeError(f"wire.encode: unsupported array dtype {array.dtype}; supported: {[str(d) for d in _DTYPES]}")
+            raise TypeError(
+                f"wire.encode: unsupported array dtype {array.dtype}; supported: {[str(d) for d in _DTYPES]}"
+            )
         array = array.astype(native)
     if array.ndim > MAX_NDIM:
         raise TypeError(f"wire.encode: arrays have at most {MAX_NDIM} dims, got {array.ndim}")
@@ -251,12 +262,12 @@ def _decode_frames(bases: list, offsets: Sequence[int], lengths: Sequence[int], 
 
     try:
         obj = msgpack.unpackb(
-            head[len(_HEADER):],
+            head[len(_HEADER) :],
             ext_hook=ext_hook,
             raw=False,
             strict_map_key=False,  # int keys are allowed; key types are checked below
             use_list=True,
-        )  # fmt: skip
+        )
     except WireFormatError:
         raise
     except Exception as e:  # msgpack's many error types, bad UTF-8, unhashable keys, ...

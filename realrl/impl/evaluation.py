@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -47,8 +48,15 @@ class ModelGenerator:
     episodes in flight. `all_ranks_busy(mine) -> (anyone has a batch, anyone
     still running)` syncs data-parallel ranks (None: this rank alone)."""
 
-    def __init__(self, model: Any, tokenizer: Any, device: torch.device, version: int, batch_size: int = 256,
-                 all_ranks_busy: Callable[[bool, bool], tuple[bool, bool]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: torch.device,
+        version: int,
+        batch_size: int = 256,
+        all_ranks_busy: Callable[[bool, bool], tuple[bool, bool]] | None = None,
+    ):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.version = version
         self.batch_size = batch_size
@@ -87,9 +95,15 @@ class ModelGenerator:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=self.device)
-        out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                  pad_token_id=pad, eos_token_id=tok.eos_token_id,
-                                  synced_gpus=self.all_ranks_busy is not None)  # fmt: skip
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=tok.eos_token_id,
+            synced_gpus=self.all_ranks_busy is not None,
+        )
         for row, pending in zip(out[:, width:].tolist(), batch):
             request = pending.request
             stops = self.eos_ids | set(request.gconfig.stop_token_ids)
@@ -100,16 +114,23 @@ class ModelGenerator:
                     finished = True
                     break
             n = request.group_size  # greedy: every answer is the same one
-            result = GenerationResult(qid=request.qid, prompt_ids=list(request.prompt_ids), output_ids=[ids] * n,
-                                      output_logprobs=[[0.0] * len(ids)] * n, output_versions=[[self.version] * len(ids)] * n,
-                                      no_eos=[not finished] * n, version_start=[self.version] * n,
-                                      version_end=[self.version] * n)  # fmt: skip
+            result = GenerationResult(
+                qid=request.qid,
+                prompt_ids=list(request.prompt_ids),
+                output_ids=[ids] * n,
+                output_logprobs=[[0.0] * len(ids)] * n,
+                output_versions=[[self.version] * len(ids)] * n,
+                no_eos=[not finished] * n,
+                version_start=[self.version] * n,
+                version_end=[self.version] * n,
+            )
             if not pending.future.done():
                 pending.future.set_result(result)
 
 
-async def evaluate_prompts(agent: Agent, make_env: Callable[[], EnvironmentService], prompts: list[PromptRecord],
-                           generator: ModelGenerator) -> list[tuple[float, str]]:  # fmt: skip
+async def evaluate_prompts(
+    agent: Agent, make_env: Callable[[], EnvironmentService], prompts: list[PromptRecord], generator: ModelGenerator
+) -> list[tuple[float, str]]:
     """(score, first answer's text) per prompt, running every episode at once."""
     done = 0
 
@@ -142,4 +163,3 @@ async def evaluate_prompts(agent: Agent, make_env: Callable[[], EnvironmentServi
 
 def summarize_scores(scores: list[float]) -> dict[str, float]:
     return {"n": len(scores), "n_correct": sum(s >= FULL_CREDIT for s in scores), "score_sum": float(sum(scores))}
-

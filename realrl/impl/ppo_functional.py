@@ -116,9 +116,7 @@ class _GatherLogprobs(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def gather_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float | None = 1.0
-) -> torch.Tensor:
+def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | None = 1.0) -> torch.Tensor:
     """Log-probability of each label under softmax(logits / temperature).
 
         logp[b, t] = log_softmax(logits[b, t] / temperature)[labels[b, t]]
@@ -205,12 +203,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] 
     return numerator / count.clamp(min=1.0)
 
 
-def masked_var(
-    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False
-) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
     """Variance of the masked entries of x (over all dims).
 
-        var = sum(mask * (x - mean)^2) / (n - 1 if unbiased else n)
+    var = sum(mask * (x - mean)^2) / (n - 1 if unbiased else n)
     """
     mean = masked_mean(x, mask)
     count = mask.bool().sum().to(torch.float32)
@@ -224,7 +220,7 @@ def masked_whiten(
     mask: torch.Tensor,
     eps: float = 1e-5,
     shift_mean: bool = True,
-    process_group: "torch.distributed.ProcessGroup | None" = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Normalise the masked entries of x to zero mean and unit variance.
 
@@ -335,7 +331,7 @@ def group_normalized_advantages(
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.to(torch.float32).view(-1, group_size)
     centered = grouped - grouped.mean(dim=-1, keepdim=True)
-    all_equal = (grouped.max(dim=-1, keepdim=True).values == grouped.min(dim=-1, keepdim=True).values)
+    all_equal = grouped.max(dim=-1, keepdim=True).values == grouped.min(dim=-1, keepdim=True).values
     centered = torch.where(all_equal, torch.zeros_like(centered), centered)
     if std_normalize:
         if group_size > 1:
@@ -434,9 +430,7 @@ def gae_advantages(
     rewards = rewards.float()
     values = values.float()
     next_value = (
-        torch.zeros(batch_size, device=rewards.device)
-        if bootstrap_values is None
-        else bootstrap_values.float().clone()
+        torch.zeros(batch_size, device=rewards.device) if bootstrap_values is None else bootstrap_values.float().clone()
     )
     next_advantage = torch.zeros(batch_size, device=rewards.device)
     advantages = torch.zeros_like(rewards)

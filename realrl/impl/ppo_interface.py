@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ class SequenceBatch:
     values: list[torch.Tensor] | None = None  # [L_i - P_i + 1]: state values at tokens P_i-1 .. L_i-1
 
     @staticmethod
-    def from_trajectories(trajectories: list[Trajectory]) -> "SequenceBatch":
+    def from_trajectories(trajectories: list[Trajectory]) -> SequenceBatch:
         input_ids, prompt_lens, behav, rewards, no_eos, groups = [], [], [], [], [], []
         for traj in trajectories:
             group = []
@@ -85,8 +85,14 @@ class SequenceBatch:
                 rewards.append(float(traj.reward[i]))
                 no_eos.append(bool(traj.no_eos[i]))
             groups.append(group)
-        return SequenceBatch(input_ids, prompt_lens, behav, torch.tensor(rewards, dtype=torch.float32),
-                             torch.tensor(no_eos, dtype=torch.bool), groups)  # fmt: skip
+        return SequenceBatch(
+            input_ids,
+            prompt_lens,
+            behav,
+            torch.tensor(rewards, dtype=torch.float32),
+            torch.tensor(no_eos, dtype=torch.bool),
+            groups,
+        )
 
     @property
     def n_seqs(self) -> int:
@@ -150,8 +156,9 @@ class MicroBatch:
         return per_position[self.src_rows, self.src_cols]
 
 
-def make_micro_batch(batch: SequenceBatch, rows: list[list[int]], device: torch.device, pad_id: int = 0,
-                     additive_mask: bool = False) -> MicroBatch:  # fmt: skip
+def make_micro_batch(
+    batch: SequenceBatch, rows: list[list[int]], device: torch.device, pad_id: int = 0, additive_mask: bool = False
+) -> MicroBatch:
     """A micro-batch of these rows (each a list of sequences with the same
     prompt; see `plan_micro_batches`). No rows gives the padding micro-batch
     (one 2-token dummy with an all-zero loss mask) that a rank with fewer
@@ -197,9 +204,17 @@ def make_micro_batch(batch: SequenceBatch, rows: list[list[int]], device: torch.
         attention_mask, position_ids = (segment >= 0).long(), None
     else:
         attention_mask = _shared_prompt_mask(segment, additive_mask)
-    return MicroBatch(indices, input_ids.to(device), attention_mask.to(device),
-                      None if position_ids is None else position_ids.to(device), src_rows_t.to(device),
-                      src_cols_t.to(device), targets_t.to(device), loss_mask.to(device), batch)  # fmt: skip
+    return MicroBatch(
+        indices,
+        input_ids.to(device),
+        attention_mask.to(device),
+        None if position_ids is None else position_ids.to(device),
+        src_rows_t.to(device),
+        src_cols_t.to(device),
+        targets_t.to(device),
+        loss_mask.to(device),
+        batch,
+    )
 
 
 def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:
@@ -221,8 +236,9 @@ def _row_width(batch: SequenceBatch, row: list[int]) -> int:
     return batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row))
 
 
-def share_prompt_rows(batch: SequenceBatch, indices: list[int], hidden_size: int | None,
-                      max_tokens: int) -> list[list[int]]:  # fmt: skip
+def share_prompt_rows(
+    batch: SequenceBatch, indices: list[int], hidden_size: int | None, max_tokens: int
+) -> list[list[int]]:
     """Rows for these sequences: those with the same prompt go into rows of k
     completions after one copy of it, k chosen per prompt to minimise a FLOP
     estimate of the forward pass; `hidden_size` None: one sequence per row.
@@ -254,8 +270,9 @@ def share_prompt_rows(batch: SequenceBatch, indices: list[int], hidden_size: int
     return rows
 
 
-def plan_micro_batches(batch: SequenceBatch, indices: list[int], max_tokens: int,
-                       hidden_size: int | None = None) -> list[list[list[int]]]:  # fmt: skip
+def plan_micro_batches(
+    batch: SequenceBatch, indices: list[int], max_tokens: int, hidden_size: int | None = None
+) -> list[list[list[int]]]:
     """The rows of each micro-batch (`share_prompt_rows`), packed by padded
     token budget (FFD)."""
     rows = share_prompt_rows(batch, indices, hidden_size, max_tokens)
@@ -274,8 +291,12 @@ def _train_mode_noise(config: dict) -> bool:
         if isinstance(value, dict):
             if _train_mode_noise(value):
                 return True
-        elif (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-              and any(word in key for word in ("dropout", "pdrop", "jitter"))):  # fmt: skip
+        elif (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value > 0
+            and any(word in key for word in ("dropout", "pdrop", "jitter"))
+        ):
             return True
     return False
 
@@ -291,7 +312,7 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype, **kwargs) -> "CriticModel":
+    def from_pretrained(cls, path: str, dtype: torch.dtype, **kwargs) -> CriticModel:
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
@@ -301,16 +322,20 @@ class CriticModel(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()  # [B, T]
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """[n, C] logprobs of each completion token (grad flows when enabled)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   use_cache=False).logits  # fmt: skip
+    logits = model(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+    ).logits
     return F.gather_logprobs(mb.at_sources(logits)[:, :-1], mb.targets, temperature)
 
 
@@ -346,8 +371,9 @@ def shared_rows_match(model: nn.Module, fn, device: torch.device, additive_mask:
     built from the 2-D mask) fail it and train one sequence per row."""
     ids = torch.randint(0, int(_text_config(model.config).vocab_size), (9,), generator=torch.Generator().manual_seed(0))
     seqs = [torch.cat([ids[:4], ids[4:7]]), torch.cat([ids[:4], ids[7:]])]
-    batch = SequenceBatch(seqs, [4, 4], [torch.zeros(3), torch.zeros(2)], torch.zeros(2), torch.zeros(2, dtype=torch.bool),
-                          [[0, 1]])  # fmt: skip
+    batch = SequenceBatch(
+        seqs, [4, 4], [torch.zeros(3), torch.zeros(2)], torch.zeros(2), torch.zeros(2, dtype=torch.bool), [[0, 1]]
+    )
     was_training = model.training
     model.eval()
     try:
@@ -362,8 +388,11 @@ def shared_rows_match(model: nn.Module, fn, device: torch.device, additive_mask:
     extra = shared.shape[1] - 3  # values carry the last token's too
     diff = torch.cat([(shared - separate)[0, : 3 + extra], (shared - separate)[1, : 2 + extra]]).abs()
     if diff.max() > tol * (1 + separate.abs().max()):
-        logger.info("shared-prompt rows off: %s gives them other outputs than separate rows (max difference %.3g)",
-                    type(model).__name__, float(diff.max()))  # fmt: skip
+        logger.info(
+            "shared-prompt rows off: %s gives them other outputs than separate rows (max difference %.3g)",
+            type(model).__name__,
+            float(diff.max()),
+        )
         return False
     return True
 
@@ -380,8 +409,16 @@ class Optimized:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
-def make_optimized(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                   schedule: str, warmup_steps: int, total_steps: int) -> Optimized:  # fmt: skip
+def make_optimized(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    schedule: str,
+    warmup_steps: int,
+    total_steps: int,
+) -> Optimized:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     def factor(step: int) -> float:
@@ -402,8 +439,19 @@ def make_optimized(model: nn.Module, lr: float, weight_decay: float, betas: tupl
 # share of a loss normalised by the global count), counts, and token-weighted
 # sums (divided by their weight at the end).
 _ACTOR_MEANS = ("clip_frac", "dual_clip_frac", "behav_imp_weight_mean", "behav_capped_frac", "approx_kl")
-_SUM_KEYS = ("actor_loss", "actor_tokens", *_ACTOR_MEANS, "critic_loss", "critic_tokens", "critic_clip_frac",
-             "reward_sum", "adv_sum", "adv_count", "n_seqs", "n_completion_tokens")  # fmt: skip
+_SUM_KEYS = (
+    "actor_loss",
+    "actor_tokens",
+    *_ACTOR_MEANS,
+    "critic_loss",
+    "critic_tokens",
+    "critic_clip_frac",
+    "reward_sum",
+    "adv_sum",
+    "adv_count",
+    "n_seqs",
+    "n_completion_tokens",
+)
 # Maxed: extremes (the minimum as the max of its negation) and the grad norms,
 # which are of the summed gradients and so already the same on every rank.
 _MAX_KEYS = ("behav_imp_weight_max", "neg_behav_imp_weight_min", "actor_grad_norm", "critic_grad_norm")
@@ -451,8 +499,15 @@ class PPOTrainer:
             raise ValueError("ppo.algorithm=ppo needs a critic")
         # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
         # Checked on a probe as well (every rank runs it: under FSDP a forward is a collective).
-        models = [(m, fn) for m, fn in ((actor.model, self._probe_logprobs), (ref, self._probe_logprobs),
-                                        (critic and critic.model, forward_values)) if m is not None]  # fmt: skip
+        models = [
+            (m, fn)
+            for m, fn in (
+                (actor.model, self._probe_logprobs),
+                (ref, self._probe_logprobs),
+                (critic and critic.model, forward_values),
+            )
+            if m is not None
+        ]
         kinds = {shared_prompt_mask_kind(m) for m, _ in models}
         self._additive_mask = "additive" in kinds
         hidden = getattr(_text_config(config), "hidden_size", None)
@@ -482,7 +537,9 @@ class PPOTrainer:
     def _padded_plans(self, batch: SequenceBatch, parts: list[list[int]]) -> list[list[list[int]]]:
         """Micro-batch plans of each part, each padded with empty micro-batches
         to the largest count any rank has for that part (one all-reduce)."""
-        plans = [plan_micro_batches(batch, indices, self.cfg.max_tokens_per_mb, self._share_hidden) for indices in parts]
+        plans = [
+            plan_micro_batches(batch, indices, self.cfg.max_tokens_per_mb, self._share_hidden) for indices in parts
+        ]
         counts = self._max_over_ranks([len(plan) for plan in plans])
         return [plan + [[] for _ in range(n - len(plan))] for plan, n in zip(plans, counts)]
 
@@ -523,7 +580,6 @@ class PPOTrainer:
         if use_ref:
             batch.ref_logprobs = self.compute_logprobs(self.ref, batch, plan)
         if self.critic is not None:
-
             batch.values = self._per_seq(self.critic.model, batch, plan, lambda m, mb: mb.gather(forward_values(m, mb)))
 
     def _prox_in_train_forward(self, use_ref: bool) -> bool:
@@ -551,7 +607,9 @@ class PPOTrainer:
         advs: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         if cfg.algorithm == "grpo":
             for group in batch.groups:
-                seq_adv = F.group_normalized_advantages(batch.rewards[group], len(group), std_normalize=cfg.group_std_norm)
+                seq_adv = F.group_normalized_advantages(
+                    batch.rewards[group], len(group), std_normalize=cfg.group_std_norm
+                )
                 for a, i in zip(seq_adv.tolist(), group):
                     kl = self._kl_token_rewards(batch, i)
                     # advantage_t = A_seq + sum_{t' >= t} (-kl_ctl * KL_t')
@@ -567,8 +625,9 @@ class PPOTrainer:
             values = batch.values[i]  # at tokens P-1 .. L-1
             bootstrap = values[-1:] if batch.no_eos[i] else torch.zeros(1)
             mask = torch.ones(1, G)
-            adv, ret = F.gae_advantages(token_rewards[None], values[None, :-1], mask,
-                                        cfg.discount, cfg.gae_lambda, bootstrap)  # fmt: skip
+            adv, ret = F.gae_advantages(
+                token_rewards[None], values[None, :-1], mask, cfg.discount, cfg.gae_lambda, bootstrap
+            )
             advs[i], returns[i] = adv[0], ret[0]
         if cfg.adv_norm:
             # Every rank whitens (two all-reduces), also one without sequences.
@@ -607,10 +666,13 @@ class PPOTrainer:
             if self.critic is not None:
                 self._optimize_critic(batch, plan, normalizer, old_values, returns, acc)
 
-        acc.update(reward_sum=float(batch.rewards.sum()), n_seqs=float(batch.n_seqs),
-                   n_completion_tokens=float(batch.n_completion_tokens()),
-                   adv_sum=float(sum(float(a.sum()) for a in advs)),
-                   adv_count=float(sum(len(a) for a in advs)))  # fmt: skip
+        acc.update(
+            reward_sum=float(batch.rewards.sum()),
+            n_seqs=float(batch.n_seqs),
+            n_completion_tokens=float(batch.n_completion_tokens()),
+            adv_sum=float(sum(float(a.sum()) for a in advs)),
+            adv_count=float(sum(len(a) for a in advs)),
+        )
         return self._global_stats(acc, n_mbs)
 
     def _normalizers(self, batch: SequenceBatch, parts: list[list[int]]) -> list[torch.Tensor]:
@@ -638,9 +700,11 @@ class PPOTrainer:
             stats["behav_imp_weight_max"] = maxes["behav_imp_weight_max"]
             stats["behav_imp_weight_min"] = -maxes["neg_behav_imp_weight_min"]
         if self.critic is not None:
-            stats.update(critic_loss=sums["critic_loss"] / per_step,
-                         critic_clip_frac=sums["critic_clip_frac"] / max(sums["critic_tokens"], 1.0),
-                         critic_grad_norm=maxes["critic_grad_norm"] / per_step)  # fmt: skip
+            stats.update(
+                critic_loss=sums["critic_loss"] / per_step,
+                critic_clip_frac=sums["critic_clip_frac"] / max(sums["critic_tokens"], 1.0),
+                critic_grad_norm=maxes["critic_grad_norm"] / per_step,
+            )
         stats.update(
             reward_mean=sums["reward_sum"] / max(sums["n_seqs"], 1.0),
             adv_mean=sums["adv_sum"] / max(sums["adv_count"], 1.0),
@@ -694,8 +758,15 @@ class PPOTrainer:
         for rows in plan:
             mb = self._micro_batch(batch, rows)
             values = forward_values(critic.model, mb)[:, :-1]
-            loss, st = F.critic_loss(values, mb.scatter(old_values), mb.scatter(returns), mb.loss_mask,
-                                     cfg.value_eps_clip, cfg.loss_aggregation, normalizer)  # fmt: skip
+            loss, st = F.critic_loss(
+                values,
+                mb.scatter(old_values),
+                mb.scatter(returns),
+                mb.loss_mask,
+                cfg.value_eps_clip,
+                cfg.loss_aggregation,
+                normalizer,
+            )
             (loss * self.loss_scale).backward()
             acc["critic_loss"] += float(loss.detach())
             acc["critic_tokens"] += st["n_tokens"]

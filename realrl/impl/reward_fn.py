@@ -267,8 +267,9 @@ def _child_main(argv: list[str]) -> int:
         loaded.update(fn=fn, accepted=_row_keys_accepted(config["spec"], fn))
 
     def handle(request: dict) -> dict:
-        kwargs = _call_kwargs(loaded["accepted"], request["prompt"], request["completion"], request["answer"],
-                              request.get("row") or {})  # fmt: skip
+        kwargs = _call_kwargs(
+            loaded["accepted"], request["prompt"], request["completion"], request["answer"], request.get("row") or {}
+        )
         try:
             value = loaded["fn"](**kwargs)
         except (Exception, SystemExit) as e:  # sys.exit() in user code is an error too, not the child's end
@@ -336,8 +337,12 @@ class RewardFunctionRunner:
         self._accepted = _row_keys_accepted(spec, self.fn)
         self._pool: ChildPool | None = None
         if not self.is_async:
-            config = {"spec": _absolute_spec(spec), "plugins": self.plugins, "sys_path": list(sys.path),
-                      "defined_at": _defined_at(self.fn) if spec in REWARD_FNS else None}  # fmt: skip
+            config = {
+                "spec": _absolute_spec(spec),
+                "plugins": self.plugins,
+                "sys_path": list(sys.path),
+                "defined_at": _defined_at(self.fn) if spec in REWARD_FNS else None,
+            }
             cmd = [sys.executable, "-m", "realrl.impl.reward_fn", "--serve", json.dumps(config)]
             self._pool = ChildPool(cmd, n_procs, startup_timeout_s, name="reward function child")
         self._log = _FailureLog(spec)
@@ -351,8 +356,9 @@ class RewardFunctionRunner:
         returned no finite number."""
         return (await self.score_with_outcome(prompt, completion, answer, row))[0]
 
-    async def score_with_outcome(self, prompt: str, completion: str, answer: str,
-                                 row: dict | None = None) -> tuple[float, str | None]:  # fmt: skip
+    async def score_with_outcome(
+        self, prompt: str, completion: str, answer: str, row: dict | None = None
+    ) -> tuple[float, str | None]:
         """(score, None), or (0.0, "timeouts" | "errors") for a call that failed."""
         if self._closed:
             raise RuntimeError(f"reward function runner for {self.spec!r} is closed")

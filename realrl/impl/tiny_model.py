@@ -178,7 +178,7 @@ class TinyKitRecipe:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TinyKitRecipe":
+    def from_dict(cls, d: dict) -> TinyKitRecipe:
         """Inverse of `to_dict` (missing keys take their defaults)."""
         d = dict(d)
         if "model" in d:
@@ -286,8 +286,13 @@ def _build_into(build_dir: str, recipe: TinyKitRecipe, dataset: tuple[str, str] 
     )
     # (answers checked as numbers: for a dataset of another kind, the run's
     # step-0 evaluation is the figure that counts)
-    logger.info("warm start: greedy acc %.3f, pass@%d %.3f (numeric answers), %.1fs", accuracy, recipe.eval_k, pass_k,
-                stats.seconds)  # fmt: skip
+    logger.info(
+        "warm start: greedy acc %.3f, pass@%d %.3f (numeric answers), %.1fs",
+        accuracy,
+        recipe.eval_k,
+        pass_k,
+        stats.seconds,
+    )
 
     model_dir = os.path.join(build_dir, "model")
     model.save_pretrained(model_dir)

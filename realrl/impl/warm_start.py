@@ -262,7 +262,9 @@ def _has_large_operand(prompt: str) -> bool:
 
 
 def _encode_examples(
-    tokenizer: PreTrainedTokenizerBase, records: list[dict], config: WarmStartConfig | None = None,
+    tokenizer: PreTrainedTokenizerBase,
+    records: list[dict],
+    config: WarmStartConfig | None = None,
     rng: random.Random | None = None,
 ) -> list[tuple[list[int], int]]:
     """(prompt + answer + eos ids, prompt length) per record; some answers get
@@ -312,9 +314,7 @@ def warm_start(
     examples = _encode_examples(tokenizer, train_records, config, random.Random(seed))
     device = next(model.parameters()).device
 
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
 
     def lr_at(step: int) -> float:
         if step < config.warmup_steps:

@@ -68,7 +68,9 @@ class WorkerGroup:
     @property
     def name(self) -> str:
         """The worker type as workers and logs name it (a class path's class name)."""
-        return self.worker_type if ":" not in self.worker_type else worker_class_path(self.worker_type).rsplit(":", 1)[1]
+        return (
+            self.worker_type if ":" not in self.worker_type else worker_class_path(self.worker_type).rsplit(":", 1)[1]
+        )
 
     def config_for(self, index: int) -> Any:
         if isinstance(self.config, list):
@@ -249,8 +251,9 @@ class LocalLauncher:
             # Outlive this process long enough for workers to see our
             # keep-alive key expire if we are SIGKILLed, then stop.
             linger = 3 * self.heartbeat_ttl + 5
-            self._etcd_supervisor, addr = start_supervised(os.path.join(self.run_dir, "etcd"), os.getpid(), linger,
-                                                           host=self._etcd_host())  # fmt: skip
+            self._etcd_supervisor, addr = start_supervised(
+                os.path.join(self.run_dir, "etcd"), os.getpid(), linger, host=self._etcd_host()
+            )
             self.nr_config.etcd3_addr = addr
             logger.info("started private etcd at %s", addr)
         name_resolve.reconfigure(self.nr_config)
@@ -352,7 +355,11 @@ class LocalLauncher:
 
     @property
     def _name_service(self) -> str:
-        return f"etcd at {self.nr_config.etcd3_addr}" if self.nr_config.type == "etcd3" else f"{self.nr_config.type} backend"
+        return (
+            f"etcd at {self.nr_config.etcd3_addr}"
+            if self.nr_config.type == "etcd3"
+            else f"{self.nr_config.type} backend"
+        )
 
     def _name_service_problem(self) -> str | None:
         """Why the name service is unusable, or None while it answers."""
@@ -429,8 +436,10 @@ class LocalLauncher:
             # How many times it was started again: a worker that takes over from a dead one may act on it.
             env = {**env, RESTARTS_ENV: str(int(env.get(RESTARTS_ENV, "0")) + 1)}
             self._respawn[proc.tag] = (info, spec_path, env, log_path, left - 1)
-            self._say(f"realrl: worker {proc.tag} failed ({proc.describe_exit(proc.poll())}); starting it again "
-                      f"({left - 1} restarts left); log: {log_path}")  # fmt: skip
+            self._say(
+                f"realrl: worker {proc.tag} failed ({proc.describe_exit(proc.poll())}); starting it again "
+                f"({left - 1} restarts left); log: {log_path}"
+            )
             self._procs[self._procs.index(proc)] = self._spawn(info, spec_path, env, log_path)
         return rest
 
@@ -497,7 +506,9 @@ class LocalLauncher:
         code = proc.poll()
         how = proc.describe_exit(code)
         try:
-            tb = name_resolve.get(names.worker_error(self.experiment_name, self.trial_name, proc.worker_type, proc.index))
+            tb = name_resolve.get(
+                names.worker_error(self.experiment_name, self.trial_name, proc.worker_type, proc.index)
+            )
             source = "traceback"
         except Exception:  # none recorded (e.g. killed by a signal), or the name service is gone
             tb, source = log_tail(proc.log_path, _TRACEBACK_TAIL_LINES), "log tail"
@@ -534,8 +545,16 @@ class LocalLauncher:
             return None
         from realrl.launcher.watchdog import Watchdog
 
-        return Watchdog(self.experiment_name, self.trial_name, self.log_dir, workers, self.watchdog_timeout,
-                        self.watchdog_action, self._say, signal_worker=self._signal_for_stacks)  # fmt: skip
+        return Watchdog(
+            self.experiment_name,
+            self.trial_name,
+            self.log_dir,
+            workers,
+            self.watchdog_timeout,
+            self.watchdog_action,
+            self._say,
+            signal_worker=self._signal_for_stacks,
+        )
 
     def _signal_for_stacks(self, row) -> bool:
         """SIGUSR1 to a worker that did not answer a stack dump request: only a
@@ -561,21 +580,36 @@ class LocalLauncher:
         import json
         import socket
 
-        record = {"experiment_name": self.experiment_name, "trial_name": self.trial_name, "mode": self.mode,
-                  "launcher_pid": os.getpid(), "launcher_host": socket.gethostname(), "log_dir": self.log_dir,
-                  "name_resolve": dataclasses.asdict(self.nr_config), "started": getattr(self, "_started_at", None),
-                  "ended": None}  # fmt: skip
+        record = {
+            "experiment_name": self.experiment_name,
+            "trial_name": self.trial_name,
+            "mode": self.mode,
+            "launcher_pid": os.getpid(),
+            "launcher_host": socket.gethostname(),
+            "log_dir": self.log_dir,
+            "name_resolve": dataclasses.asdict(self.nr_config),
+            "started": getattr(self, "_started_at", None),
+            "ended": None,
+        }
         if record["started"] is None:
             record["started"] = self._started_at = time.time()
         if final or self._outcome is not None:
-            record.update(ended=time.time(), exit_code=self._outcome, failed_worker=self.failed_worker,
-                          hang_reports=list(self._watchdog.reports) if self._watchdog is not None else [])  # fmt: skip
+            record.update(
+                ended=time.time(),
+                exit_code=self._outcome,
+                failed_worker=self.failed_worker,
+                hang_reports=list(self._watchdog.reports) if self._watchdog is not None else [],
+            )
         if final:
             try:
                 from realrl.system.trial_status import read_rows, row_to_json
 
-                rows = read_rows(name_resolve.default_repository(), self.experiment_name, self.trial_name,
-                                 [(p.worker_type, p.index) for p in self._procs])  # fmt: skip
+                rows = read_rows(
+                    name_resolve.default_repository(),
+                    self.experiment_name,
+                    self.trial_name,
+                    [(p.worker_type, p.index) for p in self._procs],
+                )
                 exits = {(p.worker_type, p.index): p for p in self._procs}
                 for row in rows:
                     proc = exits.get((row.worker_type, row.index))

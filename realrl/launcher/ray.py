@@ -102,12 +102,17 @@ def plan_placement(nodes: list[Node], demands: list[Demand], home: str) -> dict[
         candidates = [n for n in nodes if fits(n, d)]
         if not candidates:
             free_text = ", ".join(f"{by_id[i].address}: {c:g} CPU {g:g} GPU" for i, (c, g) in free.items())
-            raise ConfigError(f"allocation_mode: the Ray cluster has no room for {d.worker_type} {d.index} "
-                              f"({d.cpus:g} CPU, {d.gpus} GPU); free: {free_text}")  # fmt: skip
+            raise ConfigError(
+                f"allocation_mode: the Ray cluster has no room for {d.worker_type} {d.index} "
+                f"({d.cpus:g} CPU, {d.gpus} GPU); free: {free_text}"
+            )
         if d.worker_type == "model_worker":
             # Pack ranks: the node with the fewest free GPUs that still fits, home first.
-            node = min(candidates, key=lambda n: (free[n.node_id][1], n.address != home)) if d.gpus else \
-                min(candidates, key=lambda n: n.address != home)  # fmt: skip
+            node = (
+                min(candidates, key=lambda n: (free[n.node_id][1], n.address != home))
+                if d.gpus
+                else min(candidates, key=lambda n: n.address != home)
+            )
             trainer_nodes.add(node.node_id)
         elif d.worker_type == "generation_server":
             # Away from the trainers while there is a node without them.
@@ -136,9 +141,12 @@ def _host_class():
                 # Dies with this actor (node lost, actor killed): it cannot outlive it.
                 self.popen = subprocess.Popen(
                     with_parent_death_signal(worker_command(spec_path), os.getpid()),
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
                     start_new_session=True,
-                )  # fmt: skip
+                )
             return self.popen.pid
 
         def poll(self):
@@ -216,11 +224,15 @@ def connect(address: str = "") -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS", "") or "auto"
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR", namespace=f"realrl-{uuid.uuid4().hex[:8]}")
+        ray.init(
+            address=address, log_to_driver=False, logging_level="ERROR", namespace=f"realrl-{uuid.uuid4().hex[:8]}"
+        )
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"ray.address: no Ray cluster at {address!r} ({first}); start one with `ray start --head` "
-                          "on this node, or set ray.address / RAY_ADDRESS") from None  # fmt: skip
+        raise ConfigError(
+            f"ray.address: no Ray cluster at {address!r} ({first}); start one with `ray start --head` "
+            "on this node, or set ray.address / RAY_ADDRESS"
+        ) from None
 
 
 class RayLauncher(LocalLauncher):
@@ -242,8 +254,13 @@ class RayLauncher(LocalLauncher):
         connect(self.ray_address)
         try:
             self._home = self.bind_address or ray.util.get_node_ip_address()
-            nodes = [Node(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
-                     for n in ray.nodes() if n["Alive"]]  # fmt: skip
+            nodes = [
+                Node(
+                    n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0)
+                )
+                for n in ray.nodes()
+                if n["Alive"]
+            ]
             demands = demands_of(groups)
             self._demands = {(d.worker_type, d.index): d for d in demands}
             self._plan = plan_placement(nodes, demands, self._home)
@@ -304,14 +321,20 @@ class RayLauncher(LocalLauncher):
                 return f"{type(e).__name__}: {e}"
             return ""
 
-        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-                .remote(probe_dir, token, n.address) for n in nodes]  # fmt: skip
+        refs = [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote(
+                probe_dir, token, n.address
+            )
+            for n in nodes
+        ]
         for node, problem in zip(nodes, ray.get(refs, timeout=120)):
             if not problem and not os.path.exists(os.path.join(probe_dir, node.address)):
                 problem = "its probe did not reach this node"
             if problem:
-                raise ConfigError(f"fileroot: node {node.address} cannot share {self.fileroot} ({problem}); "
-                                  "weights and logs need a fileroot that every node sees")  # fmt: skip
+                raise ConfigError(
+                    f"fileroot: node {node.address} cannot share {self.fileroot} ({problem}); "
+                    "weights and logs need a fileroot that every node sees"
+                )
 
     def _worker_info(self, info: WorkerInfo) -> WorkerInfo:
         node = self._plan[(info.worker_type, info.worker_index)]
@@ -322,10 +345,15 @@ class RayLauncher(LocalLauncher):
 
         node = self._plan[(info.worker_type, info.worker_index)]
         demand = self._demands[(info.worker_type, info.worker_index)]
-        actor = _host_class().options(
-            num_cpus=demand.cpus, num_gpus=demand.gpus,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-        ).remote()  # fmt: skip
+        actor = (
+            _host_class()
+            .options(
+                num_cpus=demand.cpus,
+                num_gpus=demand.gpus,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            )
+            .remote()
+        )
         self._actors.append(actor)
         proc = RayWorkerProcess(info.tag, info.worker_type, info.worker_index, log_path, node=node.address, actor=actor)
         proc.remote_pid = proc._call("start", spec_path, env, log_path, timeout=300)

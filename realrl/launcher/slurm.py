@@ -77,7 +77,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from realrl.api.cli_args import AsyncPPOConfig, ConfigError
 from realrl.api.system_api import WorkerInfo
@@ -89,8 +89,19 @@ from realrl.launcher.ray import Demand, demands_of
 logger = getLogger("launcher.slurm")
 
 INSIDE_ENV = "REALRL_SLURM_INSIDE"  # set (to the job id) by `inside`: run_experiment launches instead of submitting
-_TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-                    "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}  # fmt: skip
+_TERMINAL_STATES = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "REVOKED",
+    "SPECIAL_EXIT",
+}
 _REQUEUED_STATES = {"NODE_FAIL", "PREEMPTED"}  # with --requeue, Slurm starts these again
 _CMD_TIMEOUT_S = 60.0  # one squeue/scontrol/scancel call
 _EXIT_FILE_GRACE_S = 5.0  # how long a job's exit file may take to appear after it ends (shared file systems)
@@ -105,7 +116,9 @@ class Slot:
     gpus: tuple[int, ...] = ()  # positions among the node's GPUs in the job
 
 
-def plan_placement(nodes: list[str], gpus_per_node: int, demands: list[Demand]) -> tuple[dict[tuple[str, int], Slot], list[str]]:
+def plan_placement(
+    nodes: list[str], gpus_per_node: int, demands: list[Demand]
+) -> tuple[dict[tuple[str, int], Slot], list[str]]:
     """The node (and GPU positions) of every worker, keyed by (worker_type,
     index), and warnings to show. `nodes` in allocation order: the first one
     runs the batch script. Raises ConfigError when something cannot fit."""
@@ -117,15 +130,21 @@ def plan_placement(nodes: list[str], gpus_per_node: int, demands: list[Demand]) 
     for d in trainers + servers:
         if d.gpus and not per_node:
             key = "train.device" if d.worker_type == "model_worker" else "allocation_mode"
-            raise ConfigError(f"slurm.gpus_per_node: {d.worker_type} needs {d.gpus} GPU(s) ({key}) and the job "
-                              "requests none; set slurm.gpus_per_node")  # fmt: skip
+            raise ConfigError(
+                f"slurm.gpus_per_node: {d.worker_type} needs {d.gpus} GPU(s) ({key}) and the job "
+                "requests none; set slurm.gpus_per_node"
+            )
         if d.gpus > per_node:
-            raise ConfigError(f"allocation_mode: a generation server needs {d.gpus} GPUs on one node (tensor "
-                              f"parallelism), slurm.gpus_per_node={per_node}")  # fmt: skip
+            raise ConfigError(
+                f"allocation_mode: a generation server needs {d.gpus} GPUs on one node (tensor "
+                f"parallelism), slurm.gpus_per_node={per_node}"
+            )
     train_gpus = sum(d.gpus for d in trainers)
     if train_gpus > n_nodes * per_node:
-        raise ConfigError(f"allocation_mode: {len(trainers)} trainer ranks need {train_gpus} GPUs (one each for NCCL), "
-                          f"the job has {n_nodes * per_node} (slurm.nodes={n_nodes} x slurm.gpus_per_node={per_node})")  # fmt: skip
+        raise ConfigError(
+            f"allocation_mode: {len(trainers)} trainer ranks need {train_gpus} GPUs (one each for NCCL), "
+            f"the job has {n_nodes * per_node} (slurm.nodes={n_nodes} x slurm.gpus_per_node={per_node})"
+        )
 
     def nodes_needed(ds: list[Demand]) -> int:
         if not ds:
@@ -165,8 +184,10 @@ def plan_placement(nodes: list[str], gpus_per_node: int, demands: list[Demand]) 
             slot = take(d, gen_nodes, free)
         plan[(d.worker_type, d.index)] = slot
     if shared:
-        notes.append(f"{len(nodes) * per_node} GPUs for {sum(d.gpus for d in servers)} generation GPUs + {train_gpus} "
-                     "trainer GPUs: generation servers share GPUs")  # fmt: skip
+        notes.append(
+            f"{len(nodes) * per_node} GPUs for {sum(d.gpus for d in servers)} generation GPUs + {train_gpus} "
+            "trainer GPUs: generation servers share GPUs"
+        )
     rollout_index = 0
     for d in demands:
         key = (d.worker_type, d.index)
@@ -209,8 +230,14 @@ def sbatch_options(cfg: AsyncPPOConfig, log_dir: str, workdir: str) -> list[str]
     opts.append(f"--cpus-per-task={s.cpus_per_node}" if s.cpus_per_node else "--exclusive")
     if s.gpus_per_node:
         opts.append(f"--gpus-per-node={s.gpus_per_node}")
-    for flag, value in (("--mem", s.mem), ("--time", s.time), ("--partition", s.partition), ("--account", s.account),
-                        ("--qos", s.qos), ("--constraint", s.constraint)):  # fmt: skip
+    for flag, value in (
+        ("--mem", s.mem),
+        ("--time", s.time),
+        ("--partition", s.partition),
+        ("--account", s.account),
+        ("--qos", s.qos),
+        ("--constraint", s.constraint),
+    ):
         if value:
             opts.append(f"{flag}={value}")
     opts += [
@@ -222,8 +249,9 @@ def sbatch_options(cfg: AsyncPPOConfig, log_dir: str, workdir: str) -> list[str]
     return opts + list(s.sbatch_args)
 
 
-def batch_script(cfg: AsyncPPOConfig, log_dir: str, config_path: str, repo_root: str,
-                 workdir: str, python: str = sys.executable) -> str:  # fmt: skip
+def batch_script(
+    cfg: AsyncPPOConfig, log_dir: str, config_path: str, repo_root: str, workdir: str, python: str = sys.executable
+) -> str:
     """The one batch script of a trial: #SBATCH options, the user's
     `slurm.setup` lines, then the launcher on the first node of the job."""
     lines = [
@@ -260,8 +288,10 @@ class TrialJobQueued(TrialAlreadyRunning):
     """A job of this trial is already queued or running; nothing was submitted."""
 
     def __init__(self, experiment_name: str, trial_name: str, job_id: str) -> None:
-        RuntimeError.__init__(self, f"trial {experiment_name}/{trial_name} already queued or running as slurm job "
-                                    f"{job_id}; leaving it alone")  # fmt: skip
+        RuntimeError.__init__(
+            self,
+            f"trial {experiment_name}/{trial_name} already queued or running as slurm job {job_id}; leaving it alone",
+        )
         self.pid = job_id
 
 
@@ -286,21 +316,29 @@ def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str, run_dir: 
     s = cfg.slurm
     alloc = parse_allocation_mode(cfg.allocation_mode)
     gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
-    groups = [WorkerGroup("model_worker", alloc.train.dp, gpus_per_worker=int(cfg.train.device == "cuda")),
-              WorkerGroup("generation_server", alloc.gen.dp, gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0)]  # fmt: skip
-    plan_placement([f"node{i}" for i in range(s.nodes)], s.gpus_per_node, demands_of(groups))  # raises when it cannot fit
+    groups = [
+        WorkerGroup("model_worker", alloc.train.dp, gpus_per_worker=int(cfg.train.device == "cuda")),
+        WorkerGroup("generation_server", alloc.gen.dp, gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0),
+    ]
+    plan_placement(
+        [f"node{i}" for i in range(s.nodes)], s.gpus_per_node, demands_of(groups)
+    )  # raises when it cannot fit
     if not s.dry_run:
         for tool in ("sbatch", "squeue", "scontrol", "scancel"):
             if shutil.which(tool) is None:
-                raise ConfigError(f"mode: slurm submits the trial with Slurm's {tool}, which is not on PATH; run this on "
-                                  "a node of the Slurm cluster (slurm.dry_run=true prints the batch script)")  # fmt: skip
+                raise ConfigError(
+                    f"mode: slurm submits the trial with Slurm's {tool}, which is not on PATH; run this on "
+                    "a node of the Slurm cluster (slurm.dry_run=true prints the batch script)"
+                )
         _check_not_queued(cfg)
     directory = slurm_dir(log_dir)
     os.makedirs(directory, exist_ok=True)
     config_path = os.path.join(directory, "trial.yaml")
     script_path = os.path.join(directory, "trial.sbatch")
     script = batch_script(cfg, log_dir, config_path, repo_root, os.getcwd())
-    resolved = dataclasses.replace(cfg, fileroot=os.path.abspath(cfg.fileroot), slurm=dataclasses.replace(s, dry_run=False))
+    resolved = dataclasses.replace(
+        cfg, fileroot=os.path.abspath(cfg.fileroot), slurm=dataclasses.replace(s, dry_run=False)
+    )
     with open(config_path, "w") as f:
         f.write(dump_config(resolved))
     with open(script_path, "w") as f:
@@ -316,8 +354,9 @@ def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str, run_dir: 
     probe.release_trial()
     out = _run(["sbatch", "--parsable", script_path])
     if out.returncode != 0:
-        raise ConfigError(f"slurm: sbatch refused the job: {_first_line(out.stderr) or out.returncode} "
-                          f"(script: {script_path})")  # fmt: skip
+        raise ConfigError(
+            f"slurm: sbatch refused the job: {_first_line(out.stderr) or out.returncode} (script: {script_path})"
+        )
     job_id = out.stdout.strip().split(";")[0]
     output = os.path.join(directory, f"job-{job_id}.out")
     _say(f"realrl: submitted slurm job {job_id} ({job_name(cfg)}); output: {output}")
@@ -399,14 +438,17 @@ def follow_job(job_id: str, output: str, exit_file: str, requeue: bool = False, 
     code = int(exit_code.split(":")[0]) if re.fullmatch(r"\d+:\d+", exit_code) else 1
     if state != "COMPLETED" or code != 0:
         reason = (info or {}).get("Reason", "")
-        _say(f"realrl: slurm job {job_id} ended {state or 'without a state'} (exit code {exit_code or '?'}"
-             f"{', ' + reason if reason and reason != 'None' else ''}) before the launcher said how the trial ended")  # fmt: skip
+        _say(
+            f"realrl: slurm job {job_id} ended {state or 'without a state'} (exit code {exit_code or '?'}"
+            f"{', ' + reason if reason and reason != 'None' else ''}) before the launcher said how the trial ended"
+        )
         return code or 1
     return 0
 
 
-def _wait_for_end(job_id: str, follower: "_OutputFollower", requeue: bool, poll_interval: float,
-                  quiet: bool = False) -> dict[str, str] | None:  # fmt: skip
+def _wait_for_end(
+    job_id: str, follower: _OutputFollower, requeue: bool, poll_interval: float, quiet: bool = False
+) -> dict[str, str] | None:
     """Polls the job until it is over; its last known fields."""
     last: dict[str, str] | None = {}
     said = ""
@@ -560,7 +602,9 @@ class SlurmLauncher(LocalLauncher):
 
     mode = "slurm"
 
-    def __init__(self, *args, bind_address: str = "", gpus_per_node: int = 0, srun_args: list[str] | tuple = (), **kwargs):
+    def __init__(
+        self, *args, bind_address: str = "", gpus_per_node: int = 0, srun_args: list[str] | tuple = (), **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.job_id = os.environ.get("SLURM_JOB_ID", "")
         if not self.job_id:
@@ -598,8 +642,16 @@ class SlurmLauncher(LocalLauncher):
         return dataclasses.replace(info, bind_address=self.bind_address or node.address)
 
     def _srun(self, node_names: list[str], step_name: str) -> list[str]:
-        cmd = ["srun", f"--nodes={len(node_names)}", f"--ntasks={len(node_names)}", "--ntasks-per-node=1",
-               f"--nodelist={','.join(node_names)}", "--overlap", "--mem=0", f"--job-name={step_name}"]  # fmt: skip
+        cmd = [
+            "srun",
+            f"--nodes={len(node_names)}",
+            f"--ntasks={len(node_names)}",
+            "--ntasks-per-node=1",
+            f"--nodelist={','.join(node_names)}",
+            "--overlap",
+            "--mem=0",
+            f"--job-name={step_name}",
+        ]
         cpus = min((self.nodes[n].cpus for n in node_names), default=0)
         if cpus:
             cmd.append(f"--cpus-per-task={cpus}")  # every CPU of the node: steps overlap, as processes of one machine
@@ -609,17 +661,39 @@ class SlurmLauncher(LocalLauncher):
         slot = self._plan[(info.worker_type, info.worker_index)]
         step_name = f"{info.worker_type}-{info.worker_index}"
         if slot.gpus:
-            command = [sys.executable, "-m", "realrl.launcher.slurm", "exec-worker",
-                       "--gpus", ",".join(map(str, slot.gpus)), spec_path]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "realrl.launcher.slurm",
+                "exec-worker",
+                "--gpus",
+                ",".join(map(str, slot.gpus)),
+                spec_path,
+            ]
             env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
         else:
             command = worker_command(spec_path)
-        cmd = self._srun([slot.node], step_name) + [f"--output={log_path}", "--open-mode=append", "--input=none", *command]
+        cmd = self._srun([slot.node], step_name) + [
+            f"--output={log_path}",
+            "--open-mode=append",
+            "--input=none",
+            *command,
+        ]
         with open(log_path, "ab") as log:  # srun's own lines ("task 0: Killed") go there too
-            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)  # fmt: skip
-        return SlurmStep(info.tag, info.worker_type, info.worker_index, log_path, popen, node=slot.node,
-                         job_id=self.job_id, step_name=step_name, step_id=self._step_id)  # fmt: skip
+            popen = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+        return SlurmStep(
+            info.tag,
+            info.worker_type,
+            info.worker_index,
+            log_path,
+            popen,
+            node=slot.node,
+            job_id=self.job_id,
+            step_name=step_name,
+            step_id=self._step_id,
+        )
 
     def _step_id(self, step_name: str) -> str | None:
         """`<job>.<step>` of the worker's step, from squeue (cached)."""
@@ -644,19 +718,30 @@ class SlurmLauncher(LocalLauncher):
         with open(os.path.join(probe_dir, "launcher"), "w") as f:
             f.write(token)
         cmd = self._srun([n.name for n in nodes], "fileroot-probe") + [
-            "--input=none", sys.executable, "-m", "realrl.launcher.slurm", "probe", probe_dir, token]  # fmt: skip
+            "--input=none",
+            sys.executable,
+            "-m",
+            "realrl.launcher.slurm",
+            "probe",
+            probe_dir,
+            token,
+        ]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise ConfigError(f"fileroot: the probe of {self.fileroot} on the job's nodes did not finish in 300s") from None
+            raise ConfigError(
+                f"fileroot: the probe of {self.fileroot} on the job's nodes did not finish in 300s"
+            ) from None
         said = dict(re.findall(r"^probe (\S+): (.+)$", out.stdout, re.MULTILINE))
         for node in nodes:
             problem = said.get(node.name, "")
             if not problem and not os.path.exists(os.path.join(probe_dir, node.name)):
                 problem = f"its probe did not reach this node ({_first_line(out.stderr) or 'no file'})"
             if problem:
-                raise ConfigError(f"fileroot: node {node.name} cannot share {self.fileroot} ({problem}); "
-                                  "weights and logs need a fileroot that every node sees")  # fmt: skip
+                raise ConfigError(
+                    f"fileroot: node {node.name} cannot share {self.fileroot} ({problem}); "
+                    "weights and logs need a fileroot that every node sees"
+                )
 
 
 def inside_job() -> bool:
@@ -733,7 +818,9 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m realrl.launcher.slurm", description="realrl's steps inside a Slurm job")
+    parser = argparse.ArgumentParser(
+        prog="python -m realrl.launcher.slurm", description="realrl's steps inside a Slurm job"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inside", help="run the trial (the batch script's command)").add_argument("config")
     probe = sub.add_parser("probe", help="check that this node sees fileroot")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from realrl.base import name_resolve
 from realrl.base.logging import getLogger
@@ -33,9 +33,17 @@ MASTER = ("master_worker", 0)
 
 
 class Watchdog:
-    def __init__(self, experiment: str, trial: str, log_dir: str, workers: list[tuple[str, int]], timeout: float,
-                 action: str, say: Callable[[str], None],
-                 signal_worker: Callable[[Row], bool] | None = signal_local_worker):  # fmt: skip
+    def __init__(
+        self,
+        experiment: str,
+        trial: str,
+        log_dir: str,
+        workers: list[tuple[str, int]],
+        timeout: float,
+        action: str,
+        say: Callable[[str], None],
+        signal_worker: Callable[[Row], bool] | None = signal_local_worker,
+    ):
         if action not in ("stop", "report"):
             raise ValueError(f"watchdog.action must be stop|report, got {action!r}")
         self.experiment, self.trial, self.log_dir = experiment, trial, log_dir
@@ -64,7 +72,9 @@ class Watchdog:
             if rows and all(r.state == "RUNNING" for r in rows):
                 self.armed = True
                 self._restart(now, self._master_mark(repo))
-                logger.debug("watchdog armed: every worker is running (timeout %gs, action %s)", self.timeout, self.action)
+                logger.debug(
+                    "watchdog armed: every worker is running (timeout %gs, action %s)", self.timeout, self.action
+                )
             return None
         mark = self._master_mark(repo)
         if mark != self._mark:
@@ -87,20 +97,35 @@ class Watchdog:
         idle = now - self._since
         since = datetime.datetime.fromtimestamp(self._since_wall).isoformat(timespec="seconds")
         step, stage = self._mark if self._mark is not None else ("?", "?")
-        reason = (f"no training progress for {idle:.0f}s (watchdog.timeout={self.timeout:g}): the master has been at "
-                  f"step {step}, stage {stage} since {since} (epoch {self._since_wall:.3f})")  # fmt: skip
+        reason = (
+            f"no training progress for {idle:.0f}s (watchdog.timeout={self.timeout:g}): the master has been at "
+            f"step {step}, stage {stage} since {since} (epoch {self._since_wall:.3f})"
+        )
         try:
-            path, findings, culprit = build_report(name_resolve.default_repository(), self.experiment, self.trial,
-                                                   self.log_dir, self.workers, reason, self.signal_worker)  # fmt: skip
+            path, findings, culprit = build_report(
+                name_resolve.default_repository(),
+                self.experiment,
+                self.trial,
+                self.log_dir,
+                self.workers,
+                reason,
+                self.signal_worker,
+            )
         except Exception as e:  # the report must not take the launcher down; say what we know
             logger.warning("hang report failed: %s: %s", type(e).__name__, e)
             path, findings, culprit = f"(not written: {e})", [], None
         self.reports.append(path)
         self.culprit = culprit
-        what = "stopping the trial" if self.action == "stop" else f"still running (watchdog.action=report; next check in {self.timeout:g}s)"
+        what = (
+            "stopping the trial"
+            if self.action == "stop"
+            else f"still running (watchdog.action=report; next check in {self.timeout:g}s)"
+        )
         conclusion = findings[-1] if findings else "=> could not tell which worker the others wait on"
-        self.say(f"realrl: watchdog: no training progress for {idle:.0f}s (step {step}, stage {stage}); {what}.\n"
-                 f"  {conclusion.removeprefix('=> ')}\n"
-                 f"  hang report (stacks of every worker): {path}")  # fmt: skip
+        self.say(
+            f"realrl: watchdog: no training progress for {idle:.0f}s (step {step}, stage {stage}); {what}.\n"
+            f"  {conclusion.removeprefix('=> ')}\n"
+            f"  hang report (stacks of every worker): {path}"
+        )
         self._restart(time.monotonic(), self._mark)
         return "stop" if self.action == "stop" else "report"

@@ -50,6 +50,7 @@ _LOG_TAIL_LINES = 60
 _STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 _INFO_INTERVAL_S = 2.0  # the progress record's server figures are at most this old
 
+
 class GenerationServer(Worker):
     config_cls = GenerationServerConfig
 
@@ -91,8 +92,9 @@ class GenerationServer(Worker):
         # CUDA_VISIBLE_DEVICES; without that, server i takes GPUs [i*tp, (i+1)*tp).
         base_gpu_id = 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else self.info.worker_index * config.tp_size
         cmd = self._backend.command(config, host, port, base_gpu_id=base_gpu_id)
-        self.logger.info("starting %s server on %s:%d (log %s): %s", config.backend, host, port, self.log_path,
-                         " ".join(cmd))  # fmt: skip
+        self.logger.info(
+            "starting %s server on %s:%d (log %s): %s", config.backend, host, port, self.log_path, " ".join(cmd)
+        )
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             with_parent_death_signal(cmd, os.getpid()),
@@ -111,8 +113,9 @@ class GenerationServer(Worker):
         self.logger.info("server pid %d healthy at %s after %.1fs", self.process.pid, url, time.monotonic() - t0)
         asyncio.run(self._load_current_weights(url))
         self.url = url
-        name_resolve.add(names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index), url,
-                         replace=True)  # fmt: skip
+        name_resolve.add(
+            names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index), url, replace=True
+        )
 
     def _trainer_version(self) -> int | None:
         try:
@@ -141,8 +144,9 @@ class GenerationServer(Worker):
                     await client.update_weights_from_disk(url, path, version, abort_all_requests=True)
                 except (GenerationServerError, GenerationServerUnavailable) as e:
                     # e.g. a newer version was published and this one deleted meanwhile
-                    self.logger.warning("loading weight version %d from %s failed (attempt %d/3): %s", version, path,
-                                        attempt, e)  # fmt: skip
+                    self.logger.warning(
+                        "loading weight version %d from %s failed (attempt %d/3): %s", version, path, attempt, e
+                    )
                     await asyncio.sleep(0.5 * attempt)
                     continue
                 self.logger.info("loaded the current weight version %d in %.1fs", version, time.monotonic() - t0)
@@ -207,8 +211,13 @@ class GenerationServer(Worker):
                     f"{self.cfg.restart_window:.0f}s (server.max_restarts={self.cfg.max_restarts})"
                 )
             self._restarts.append(now)
-            self.logger.warning("%s\nrestarting it (restart %d, at most %d within %.0fs)", death, len(self._restarts),
-                                self.cfg.max_restarts, self.cfg.restart_window)  # fmt: skip
+            self.logger.warning(
+                "%s\nrestarting it (restart %d, at most %d within %.0fs)",
+                death,
+                len(self._restarts),
+                self.cfg.max_restarts,
+                self.cfg.restart_window,
+            )
             try:
                 self._start_server()
                 return
@@ -241,8 +250,11 @@ class GenerationServer(Worker):
         try:
             with urllib.request.urlopen(f"{url}/get_server_info", timeout=1.0) as r:
                 info = json.load(r)
-            self._info = {"version": info.get("weight_version"), "running": info.get("num_running_requests"),
-                          "waiting": info.get("num_waiting_requests")}  # fmt: skip
+            self._info = {
+                "version": info.get("weight_version"),
+                "running": info.get("num_running_requests"),
+                "waiting": info.get("num_waiting_requests"),
+            }
         except Exception as e:  # busy or restarting: say so, the next read may answer
             self._info = {"server_info": f"no answer ({type(e).__name__})"}
 
@@ -257,7 +269,8 @@ class GenerationServer(Worker):
             running = process.poll() is None
             stop_process_tree(process, _STOP_GRACE_S)
             if running:
-                self.logger.info("stopped the generation server (pid %d, exit code %s)", process.pid,
-                                 process.returncode)  # fmt: skip
+                self.logger.info(
+                    "stopped the generation server (pid %d, exit code %s)", process.pid, process.returncode
+                )
         if getattr(self, "_log_file", None) is not None:
             self._log_file.close()

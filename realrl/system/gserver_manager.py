@@ -12,8 +12,9 @@ servers. It serves this HTTP API (the contract with the rollout side; JSON,
                                                                order, admission took (waits for the first)
     POST /finish_rollout   {"rollout_id", "n_trajectories", "n_tokens"} -> {"success": true}
                            {"rollouts": [{"rollout_id", "n_trajectories", "n_tokens"}, ...]}
-    POST /reset_rollout_worker {"worker_index"}             -> {"qids", "furthest"}  (its earlier process's running
-                                                               rollouts, released; the furthest [epoch, position] it got admitted)
+    POST /reset_rollout_worker {"worker_index"}             -> {"qids", "furthest"}  (its earlier process's
+                                                               running rollouts, released; the furthest
+                                                               [epoch, position] it got admitted)
     POST /schedule_request {"qid", "n"=1, "previous_server_url", "previous_version", "avoid_urls"=[]}
                                                             -> {"url", "version"[, "down"]}
                            {..., "parts": [n, ...]} (requests of several callers at once, each part routed
@@ -53,8 +54,8 @@ The state lives in two plain classes that know nothing about HTTP:
 
 `_poll_async` reads `training_start` (once: the master writes it when it knows
 the step training starts from; admission opens with its counts),
-`model_version/actor` and `dropped_samples` every `poll_interval`. When the trainer's version v is newer than what the servers
-hold, every server loads `<weights_dir>/<v>` concurrently
+`model_version/actor` and `dropped_samples` every `poll_interval`. When the
+trainer's version v is newer than what the servers hold, every server loads `<weights_dir>/<v>` concurrently
 (`update_weights_from_disk`, in-flight requests aborted; 1 + weight_update_retries
 attempts per server, each within weight_update_timeout). A server that still
 fails stops the trial with a message naming it. Intermediate versions are
@@ -88,7 +89,8 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from aiohttp import web
 
@@ -188,8 +190,9 @@ class StalenessController:
             return False, "rollouts stopped"
         if self.running >= self.max_concurrent_rollouts:
             return False, f"max_concurrent_rollouts reached ({self.max_concurrent_rollouts})"
-        if not within_staleness_bound(self.accepted, self.dropped, self.running, self.train_batch_size,
-                                      self.max_head_offpolicyness, self.version):  # fmt: skip
+        if not within_staleness_bound(
+            self.accepted, self.dropped, self.running, self.train_batch_size, self.max_head_offpolicyness, self.version
+        ):
             return False, (
                 f"staleness bound: (accepted {self.accepted} - dropped {self.dropped} + running {self.running})"
                 f" // train_batch_size {self.train_batch_size} > max_head_offpolicyness"
@@ -281,8 +284,9 @@ class RequestRouter:
     had no request in flight (integrated at each schedule and release), and
     the tokens generated (reported with each release)."""
 
-    def __init__(self, urls: list[str], loaded_versions: list[int] | None = None,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self, urls: list[str], loaded_versions: list[int] | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         if not urls:
             raise ValueError("RequestRouter needs at least one server")
         if len(set(urls)) != len(urls):
@@ -322,7 +326,10 @@ class RequestRouter:
         return self._version_floor
 
     def schedule(
-        self, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None,
+        self,
+        n: int = 1,
+        previous_server_url: str | None = None,
+        previous_version: int | None = None,
         avoid: Iterable[str] = (),
     ) -> tuple[str, int]:
         """Pick a server for `n` requests: (url, version it holds). `avoid`:
@@ -332,8 +339,12 @@ class RequestRouter:
             raise NoServerUp("no generation server is up")
         avoid = set(avoid)
         url = previous_server_url
-        if (url not in self.up or url in avoid or previous_version is None
-                or self.loaded_version[url] != previous_version):  # fmt: skip
+        if (
+            url not in self.up
+            or url in avoid
+            or previous_version is None
+            or self.loaded_version[url] != previous_version
+        ):
             candidates = [u for u in self.up_urls if u not in avoid] or self.up_urls
             url = min(candidates, key=lambda u: (self.in_flight[u], self.total_scheduled[u]))
         since = self._idle_since[url]
@@ -377,8 +388,10 @@ class RequestRouter:
         would go back."""
         current = self.version
         if version < current:
-            raise ValueError(f"server {url} holds weight version {version}, older than the servers in routing "
-                             f"({current}): load version {current} first")  # fmt: skip
+            raise ValueError(
+                f"server {url} holds weight version {version}, older than the servers in routing "
+                f"({current}): load version {current} first"
+            )
         self.loaded_version[url] = version
         if url in self.up:
             return
@@ -404,8 +417,12 @@ class RequestRouter:
         now = self._clock()
         idle = sum(self._idle_s.values()) + sum(now - s for s in self._idle_since.values() if s is not None)
         server_s = sum(self._up_s.values()) + sum(now - s for s in self._up_since.values() if s is not None)
-        return {"gen_idle_s": idle, "gen_server_s": server_s,
-                "gen_tokens": self.generated_tokens, "gen_clock_s": now - self._started}  # fmt: skip
+        return {
+            "gen_idle_s": idle,
+            "gen_server_s": server_s,
+            "gen_tokens": self.generated_tokens,
+            "gen_clock_s": now - self._started,
+        }
 
     def set_loaded_version(self, url: str, version: int) -> None:
         self.loaded_version[url] = version
@@ -569,8 +586,9 @@ class GserverManager(AsyncWorker):
         await asyncio.gather(*(self._client.wait_healthy(u, SERVER_HEALTH_TIMEOUT_S) for u in self.server_urls))
         versions = await asyncio.gather(*(self._server_version(u) for u in self.server_urls))
         self.router = RequestRouter(self.server_urls, versions)
-        self.logger.info("%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions,
-                         self.server_urls)  # fmt: skip
+        self.logger.info(
+            "%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions, self.server_urls
+        )
         self._start_server_registry(self.server_urls)
 
         app = web.Application(client_max_size=_MAX_BODY_BYTES)
@@ -594,8 +612,11 @@ class GserverManager(AsyncWorker):
         name_resolve.add(names.gen_server_manager(self.experiment_name, self.trial_name), url, replace=True)
         self.logger.info(
             "serving at %s: train_batch_size %d, max_head_offpolicyness %d, max_concurrent_rollouts %d",
-            url, self.cfg.train_batch_size, self.cfg.max_head_offpolicyness, self.cfg.max_concurrent_rollouts,
-        )  # fmt: skip
+            url,
+            self.cfg.train_batch_size,
+            self.cfg.max_head_offpolicyness,
+            self.cfg.max_concurrent_rollouts,
+        )
 
     async def _teardown_async(self) -> None:
         if self._update_task is not None and not self._update_task.done():
@@ -639,11 +660,17 @@ class GserverManager(AsyncWorker):
                 self.controller.dropped = dropped
             if start is not None and not self.controller.started:
                 # Trajectories restored into the trainers' buffers from a checkpoint were accepted too.
-                self.controller.start(accepted=start["consumed"] + start["dropped"] + start.get("buffered", 0),
-                                      rejected=start["filtered"])  # fmt: skip
-                self.logger.info("training starts at step %d (version %d): admission opens with %d trajectories "
-                                 "consumed and %d dropped so far", start["step"], start["version"],
-                                 start["consumed"], start["dropped"])  # fmt: skip
+                self.controller.start(
+                    accepted=start["consumed"] + start["dropped"] + start.get("buffered", 0), rejected=start["filtered"]
+                )
+                self.logger.info(
+                    "training starts at step %d (version %d): admission opens with %d trajectories "
+                    "consumed and %d dropped so far",
+                    start["step"],
+                    start["version"],
+                    start["consumed"],
+                    start["dropped"],
+                )
             if self._update_task is None and self.controller.trainer_version > self.router.version:
                 self._update_task = asyncio.create_task(self._update_weights(self.controller.trainer_version))
         await self._poll_servers(now)
@@ -661,8 +688,10 @@ class GserverManager(AsyncWorker):
         """(trainer version, dropped samples, training start); a missing count
         is 0, a missing start or an unreadable value None."""
         values: list = []
-        for key in (names.model_version(self.experiment_name, self.trial_name, "actor"),
-                    names.dropped_samples(self.experiment_name, self.trial_name)):  # fmt: skip
+        for key in (
+            names.model_version(self.experiment_name, self.trial_name, "actor"),
+            names.dropped_samples(self.experiment_name, self.trial_name),
+        ):
             try:
                 values.append(int(name_resolve.get(key)))
             except name_resolve.NameEntryNotFoundError:
@@ -675,7 +704,9 @@ class GserverManager(AsyncWorker):
             key = names.training_start(self.experiment_name, self.trial_name)
             try:
                 start = json.loads(name_resolve.get(key))
-                start = {k: int(start.get(k, 0)) for k in ("step", "version", "consumed", "dropped", "filtered", "buffered")}
+                start = {
+                    k: int(start.get(k, 0)) for k in ("step", "version", "consumed", "dropped", "filtered", "buffered")
+                }
             except name_resolve.NameEntryNotFoundError:
                 start = None
             except Exception as e:
@@ -709,8 +740,12 @@ class GserverManager(AsyncWorker):
                 + "\n".join(str(f) for f in failures)
             )
         interrupted = sum(int(r.get("num_paused_requests", 0) or 0) for r in results if r is not None)
-        self.logger.info("all servers hold weight version %d (%.2fs, %d requests interrupted)", version,
-                         time.monotonic() - t0, interrupted)  # fmt: skip
+        self.logger.info(
+            "all servers hold weight version %d (%.2fs, %d requests interrupted)",
+            version,
+            time.monotonic() - t0,
+            interrupted,
+        )
         if self.router.version >= version:
             deleted = await asyncio.to_thread(delete_old_weight_dirs, self.cfg.weights_dir, version)
             if deleted:
@@ -730,11 +765,13 @@ class GserverManager(AsyncWorker):
                 if isinstance(e, GenerationServerUnavailable):
                     await self._check_server(url)  # a dead server leaves routing now
                 if not self.router.is_up(url):  # it rejoins with the current weights, if it comes back
-                    self.logger.warning("weight update of %s to version %d skipped: the server left routing (%s)",
-                                        url, version, e)  # fmt: skip
+                    self.logger.warning(
+                        "weight update of %s to version %d skipped: the server left routing (%s)", url, version, e
+                    )
                     return None
-                self.logger.warning("weight update of %s to version %d failed (attempt %d/%d): %s", url, version,
-                                    attempt, attempts, e)  # fmt: skip
+                self.logger.warning(
+                    "weight update of %s to version %d failed (attempt %d/%d): %s", url, version, attempt, attempts, e
+                )
                 if attempt < attempts:
                     await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
                 continue
@@ -772,17 +809,25 @@ class GserverManager(AsyncWorker):
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def _stop_server_registry(self) -> None:
-        tasks = [t for t in (self._health_task, *self._server_tasks.values(), *self._probe_tasks.values())
-                 if t is not None and not t.done()]  # fmt: skip
+        tasks = [
+            t
+            for t in (self._health_task, *self._server_tasks.values(), *self._probe_tasks.values())
+            if t is not None and not t.done()
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.router is not None:
             scheduled = self.router.total_scheduled
-            counts = ", ".join(f"{s.index}{'' if s.state == 'up' else f' ({s.state})'}: {scheduled.get(s.url, 0)}"
-                               for s in self._servers.values())  # fmt: skip
-            self.logger.info("requests routed per server (index: requests): %s; server events: %s", counts,
-                             dict(self.server_events) or "none")  # fmt: skip
+            counts = ", ".join(
+                f"{s.index}{'' if s.state == 'up' else f' ({s.state})'}: {scheduled.get(s.url, 0)}"
+                for s in self._servers.values()
+            )
+            self.logger.info(
+                "requests routed per server (index: requests): %s; server events: %s",
+                counts,
+                dict(self.server_events) or "none",
+            )
 
     def _trial_ending(self) -> bool:
         """Rollouts stopped and none running: the servers exit with the trial
@@ -821,7 +866,7 @@ class GserverManager(AsyncWorker):
         root = names.gen_servers(self.experiment_name, self.trial_name)
         found = {}
         for key in name_resolve.find_subtree(root):
-            suffix = key[len(root):].strip("/")
+            suffix = key[len(root) :].strip("/")
             if not suffix.isdigit():
                 continue
             try:
@@ -842,8 +887,15 @@ class GserverManager(AsyncWorker):
             task.cancel()
         self.server_events["retired"] += 1
         if was_up:
-            self.logger.warning("generation server %d at %s left routing (%s); %d requests it had in flight go to "
-                                "the other servers; %s", server.index, url, why, orphaned, self._up_count())  # fmt: skip
+            self.logger.warning(
+                "generation server %d at %s left routing (%s); %d requests it had in flight go to "
+                "the other servers; %s",
+                server.index,
+                url,
+                why,
+                orphaned,
+                self._up_count(),
+            )
         else:
             self.logger.info("generation server %d at %s (%s) is gone: %s", server.index, url, server.state, why)
 
@@ -854,9 +906,15 @@ class GserverManager(AsyncWorker):
         orphaned = self.router.mark_down(url)
         server.set_state("down", reason)
         self.server_events["down"] += 1
-        self.logger.warning("generation server %d at %s is down (%s): out of routing; %d requests it had in flight "
-                            "go to the other servers; %s", server.index, url, reason, orphaned,
-                            self._up_count())  # fmt: skip
+        self.logger.warning(
+            "generation server %d at %s is down (%s): out of routing; %d requests it had in flight "
+            "go to the other servers; %s",
+            server.index,
+            url,
+            reason,
+            orphaned,
+            self._up_count(),
+        )
 
     def _start_join(self, index: int, url: str) -> None:
         """Brings a new, restarted or recovered server to the current weights,
@@ -880,8 +938,13 @@ class GserverManager(AsyncWorker):
             if not probe.ok:
                 if not warned and time.monotonic() - t0 > SERVER_HEALTH_TIMEOUT_S:
                     warned = True
-                    self.logger.warning("generation server %d at %s registered but is not healthy after %.0fs (%s); "
-                                        "still waiting", server.index, url, time.monotonic() - t0, probe.reason)  # fmt: skip
+                    self.logger.warning(
+                        "generation server %d at %s registered but is not healthy after %.0fs (%s); still waiting",
+                        server.index,
+                        url,
+                        time.monotonic() - t0,
+                        probe.reason,
+                    )
                 await asyncio.sleep(0.5)
                 continue
             try:
@@ -892,16 +955,28 @@ class GserverManager(AsyncWorker):
                     if not self.cfg.weights_dir:
                         raise WeightUpdateError(f"server holds version {version} < {target} and weights_dir is empty")
                     path = os.path.join(self.cfg.weights_dir, str(target))
-                    self.logger.info("generation server %d at %s holds weight version %d: loading version %d before "
-                                     "it takes requests", server.index, url, version, target)  # fmt: skip
-                    await self._client.update_weights_from_disk(url, path, target, abort_all_requests=True,
-                                                                timeout_s=self.cfg.weight_update_timeout)  # fmt: skip
+                    self.logger.info(
+                        "generation server %d at %s holds weight version %d: loading version %d before "
+                        "it takes requests",
+                        server.index,
+                        url,
+                        version,
+                        target,
+                    )
+                    await self._client.update_weights_from_disk(
+                        url, path, target, abort_all_requests=True, timeout_s=self.cfg.weight_update_timeout
+                    )
                     continue  # check again: the trainer may have moved on meanwhile
             except (GenerationServerError, GenerationServerUnavailable, WeightUpdateError) as e:
                 load_failures += 1
-                self.logger.warning("generation server %d at %s could not be brought to the current weights "
-                                    "(attempt %d): %s", server.index, url, load_failures, e)  # fmt: skip
-                await asyncio.sleep(min(2.0 ** load_failures, 10.0))
+                self.logger.warning(
+                    "generation server %d at %s could not be brought to the current weights (attempt %d): %s",
+                    server.index,
+                    url,
+                    load_failures,
+                    e,
+                )
+                await asyncio.sleep(min(2.0**load_failures, 10.0))
                 continue
             if server.state != "joining" or version < self.router.version:
                 continue  # (no await from the check to add_server below)
@@ -911,9 +986,16 @@ class GserverManager(AsyncWorker):
             server.joined = version
             self._indices_up.add(server.index)
             self.server_events["rejoined" if rejoin else "joined"] += 1
-            self.logger.info("generation server %d at %s %s routing at weight version %d after %.1fs (trainer "
-                             "version %d); %s", server.index, url, "rejoined" if rejoin else "joined", version,
-                             time.monotonic() - t0, self.controller.trainer_version, self._up_count())  # fmt: skip
+            self.logger.info(
+                "generation server %d at %s %s routing at weight version %d after %.1fs (trainer version %d); %s",
+                server.index,
+                url,
+                "rejoined" if rejoin else "joined",
+                version,
+                time.monotonic() - t0,
+                self.controller.trainer_version,
+                self._up_count(),
+            )
             return
 
     async def _health_loop(self) -> None:
@@ -954,10 +1036,16 @@ class GserverManager(AsyncWorker):
         return {
             "version": self.router.version,
             "servers": [
-                {"index": s.index, "url": s.url, "state": s.state, "reason": s.reason,
-                 "version": self.router.loaded_version.get(s.url), "in_flight": self.router.in_flight.get(s.url, 0),
-                 "scheduled": self.router.total_scheduled.get(s.url, 0),
-                 "first_request_version": s.first_request_version}  # fmt: skip
+                {
+                    "index": s.index,
+                    "url": s.url,
+                    "state": s.state,
+                    "reason": s.reason,
+                    "version": self.router.loaded_version.get(s.url),
+                    "in_flight": self.router.in_flight.get(s.url, 0),
+                    "scheduled": self.router.total_scheduled.get(s.url, 0),
+                    "first_request_version": s.first_request_version,
+                }
                 for s in self._servers.values()
             ],
             "events": dict(self.server_events),
@@ -1037,13 +1125,20 @@ class GserverManager(AsyncWorker):
         qids, furthest = self.controller.release_worker(index)
         self._wake_allocations()
         if qids:
-            self.logger.warning("rollout worker %d restarted: %d running rollouts released, to be generated again",
-                                index, len(qids))  # fmt: skip
+            self.logger.warning(
+                "rollout worker %d restarted: %d running rollouts released, to be generated again", index, len(qids)
+            )
         return {"qids": qids, "furthest": list(furthest) if furthest else None}
 
     def _finish_rollout(self, body: dict) -> dict:
-        finished = [(_nonempty(r, "rollout_id"), _count(r, "n_trajectories", minimum=0, default=None),
-                     _count(r, "n_tokens", minimum=0, default=0)) for r in _list_of_objects(body, "rollouts")]  # fmt: skip
+        finished = [
+            (
+                _nonempty(r, "rollout_id"),
+                _count(r, "n_trajectories", minimum=0, default=None),
+                _count(r, "n_tokens", minimum=0, default=0),
+            )
+            for r in _list_of_objects(body, "rollouts")
+        ]
         unknown = [rid for rid, _, _ in finished if not self.controller.is_known(rid)]
         if unknown:  # before any is finished: a rejected call changes nothing
             raise BadRequest(f"no running rollout with id {unknown[0]!r}")
@@ -1077,17 +1172,29 @@ class GserverManager(AsyncWorker):
         try:
             picks = [self.router.schedule(k, previous_url, previous_version, avoid) for k in sizes or [n]]
         except NoServerUp as e:  # (none is up: the first part already finds that)
-            servers = "; ".join(f"{s.index} at {s.url} {s.state}" + (f": {s.reason}" if s.reason else "")
-                                for s in self._servers.values() if s.state != "retired")  # fmt: skip
-            return {"url": None, "version": self.router.version, "reason": f"{e} ({servers or 'none registered'})",
-                    "down": down}  # fmt: skip
+            servers = "; ".join(
+                f"{s.index} at {s.url} {s.state}" + (f": {s.reason}" if s.reason else "")
+                for s in self._servers.values()
+                if s.state != "retired"
+            )
+            return {
+                "url": None,
+                "version": self.router.version,
+                "reason": f"{e} ({servers or 'none registered'})",
+                "down": down,
+            }
         for url, version in dict(picks).items():
             server = self._servers.get(url)
             if server is not None and server.first_request_version is None:
                 server.first_request_version = version
                 if server.joined is not None:  # joined mid-run: say when it starts serving
-                    self.logger.info("generation server %d at %s got its first request (weight version %d, trainer "
-                                     "version %d)", server.index, url, version, self.controller.trainer_version)  # fmt: skip
+                    self.logger.info(
+                        "generation server %d at %s got its first request (weight version %d, trainer version %d)",
+                        server.index,
+                        url,
+                        version,
+                        self.controller.trainer_version,
+                    )
         url, version = picks[0]
         parts = {"parts": [{"url": u, "version": v} for u, v in picks]} if sizes is not None else {}
         return {"url": url, "version": version, **parts, **({"down": down} if avoid else {})}
@@ -1130,13 +1237,20 @@ class GserverManager(AsyncWorker):
             admission = "stopped"
         elif c.running >= c.max_concurrent_rollouts:
             admission = "full"
-        elif not within_staleness_bound(c.accepted, c.dropped, c.running, c.train_batch_size, c.max_head_offpolicyness,
-                                        c.version):  # fmt: skip
+        elif not within_staleness_bound(
+            c.accepted, c.dropped, c.running, c.train_batch_size, c.max_head_offpolicyness, c.version
+        ):
             admission = "staleness bound"
         else:
             admission = "open"
-        return {"running": c.running, "accepted": c.accepted, "rejected": c.rejected, "admission": admission,
-                "version": c.version, "trainer_version": c.trainer_version}  # fmt: skip
+        return {
+            "running": c.running,
+            "accepted": c.accepted,
+            "rejected": c.rejected,
+            "admission": admission,
+            "version": c.version,
+            "trainer_version": c.trainer_version,
+        }
 
     # ---- logging ------------------------------------------------------------------------------
     def _stats(self) -> dict[str, Any]:
@@ -1155,8 +1269,13 @@ class GserverManager(AsyncWorker):
         self._last_refusal_log = now
         if self._refusals:
             counts = ", ".join(f"{k}: {v}" for k, v in sorted(self._refusals.items()))
-            self.logger.info("refused %d rollouts in the last %.0fs (%s); latest: %s", sum(self._refusals.values()),
-                             STATS_LOG_INTERVAL_S, counts, self._last_refusal)  # fmt: skip
+            self.logger.info(
+                "refused %d rollouts in the last %.0fs (%s); latest: %s",
+                sum(self._refusals.values()),
+                STATS_LOG_INTERVAL_S,
+                counts,
+                self._last_refusal,
+            )
             self._refusals.clear()
 
     def _log_stats(self, force: bool = False) -> None:
@@ -1171,9 +1290,13 @@ class GserverManager(AsyncWorker):
         self.logger.info(
             "rollouts: running %d accepted %d rejected %d dropped %d%s%s | versions: trainer %d servers %s"
             " | in flight %s",
-            stats["running"], stats["accepted"], stats["rejected"], stats["dropped"],
-            " (stopped)" if stats["stopped"] else "", "" if stats["started"] else " (not started)",
+            stats["running"],
+            stats["accepted"],
+            stats["rejected"],
+            stats["dropped"],
+            " (stopped)" if stats["stopped"] else "",
+            "" if stats["started"] else " (not started)",
             stats["trainer_version"],
             sorted({self.router.loaded_version[u] for u in self.router.up}),
             [stats["server_in_flight"][u] for u in self.router.up_urls],
-        )  # fmt: skip
+        )

@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from realrl.base import names
 from realrl.base.name_resolve import NameRecordRepository
@@ -73,8 +73,14 @@ def signal_local_worker(row: Row) -> bool:
         return False
 
 
-def request_stacks(repo: NameRecordRepository, experiment: str, trial: str, log_dir: str, rows: list[Row],
-                   signal_worker: Callable[[Row], bool] | None = signal_local_worker) -> dict[str, str]:  # fmt: skip
+def request_stacks(
+    repo: NameRecordRepository,
+    experiment: str,
+    trial: str,
+    log_dir: str,
+    rows: list[Row],
+    signal_worker: Callable[[Row], bool] | None = signal_local_worker,
+) -> dict[str, str]:
     """Asks every live worker of `rows` for its stacks; returns tag -> the dump
     ("" when none came). Blocks for at most ANSWER_WAIT_S + SIGNAL_WAIT_S."""
     live = [r for r in rows if r.alive]
@@ -183,8 +189,10 @@ def diagnose(rows: list[Row], stacks: dict[str, str]) -> tuple[list[str], str | 
 
     if master is not None:
         d = master.doing
-        lines.append(f"master_worker/0: step {d.get('step', '?')}/{d.get('total_steps', '?')}, stage {d.get('stage', '?')}"
-                     + "".join(f"; waits on {t} for {name} ({s:.0f}s)" for t, name, s in waits))  # fmt: skip
+        lines.append(
+            f"master_worker/0: step {d.get('step', '?')}/{d.get('total_steps', '?')}, stage {d.get('stage', '?')}"
+            + "".join(f"; waits on {t} for {name} ({s:.0f}s)" for t, name, s in waits)
+        )
         if d.get("stage") == "fetch":
             trainers = [r for r in rows if r.worker_type == "model_worker"]
             buffered = sum(int(r.doing.get("buffered", 0) or 0) for r in trainers)
@@ -195,7 +203,9 @@ def diagnose(rows: list[Row], stacks: dict[str, str]) -> tuple[list[str], str | 
     for r in dead:
         lines.append(f"{r.tag}: {r.state}" + (f" ({r.note})" if r.note else ""))
     for r in stale:
-        lines.append(f"{r.tag}: alive, but its loop has not run for {format_age(r.age)} (its heartbeat thread still runs)")
+        lines.append(
+            f"{r.tag}: alive, but its loop has not run for {format_age(r.age)} (its heartbeat thread still runs)"
+        )
     for tag, (path, line, func) in busy.items():
         lines.append(f"{tag}: main thread in {func} ({path}:{line}), not an idle wait")
 
@@ -215,7 +225,10 @@ def diagnose(rows: list[Row], stacks: dict[str, str]) -> tuple[list[str], str | 
     if culprit is not None:
         lines.append(f"=> every other worker waits on {culprit} ({why})")
     else:
-        lines.append("=> could not tell which worker the others wait on" + (f" (candidates: {', '.join(strong)})" if strong else ""))
+        lines.append(
+            "=> could not tell which worker the others wait on"
+            + (f" (candidates: {', '.join(strong)})" if strong else "")
+        )
     return lines, culprit
 
 
@@ -231,8 +244,10 @@ def write_report(log_dir: str, title: list[str], rows: list[Row], stacks: dict[s
     parts = [*title, "", "findings:", *(f"  {line}" for line in findings), "", "workers:", format_table(rows), ""]
     for r in rows:
         parts.append(f"---- {r.tag} (pid {r.pid if r.pid is not None else '?'} on {r.host or '?'}) ----")
-        parts.append(f"state {r.state}, heartbeat {format_age(r.age)}, progress counter {r.progress}"
-                     + (f", {r.note}" if r.note else ""))  # fmt: skip
+        parts.append(
+            f"state {r.state}, heartbeat {format_age(r.age)}, progress counter {r.progress}"
+            + (f", {r.note}" if r.note else "")
+        )
         parts.append(f"doing (queue depths among them): {format_doing(r.doing) or '-'}")
         parts.append("stacks:" if r.tag in stacks else "stacks: (not alive: none asked for)")
         if r.tag in stacks:
@@ -245,13 +260,23 @@ def write_report(log_dir: str, title: list[str], rows: list[Row], stacks: dict[s
     return path
 
 
-def build_report(repo: NameRecordRepository, experiment: str, trial: str, log_dir: str, workers, reason: str,
-                 signal_worker: Callable[[Row], bool] | None = signal_local_worker) -> tuple[str, list[str], str | None]:  # fmt: skip
+def build_report(
+    repo: NameRecordRepository,
+    experiment: str,
+    trial: str,
+    log_dir: str,
+    workers,
+    reason: str,
+    signal_worker: Callable[[Row], bool] | None = signal_local_worker,
+) -> tuple[str, list[str], str | None]:
     """Reads every worker's row, asks for stacks, diagnoses, writes the
     report. Returns (path, findings, culprit tag or None)."""
     rows = read_rows(repo, experiment, trial, workers)
     stacks = request_stacks(repo, experiment, trial, log_dir, rows, signal_worker)
     findings, culprit = diagnose(rows, stacks)
-    title = [f"realrl hang report: trial {experiment}/{trial}, {datetime.datetime.now().isoformat(timespec='seconds')}",
-             f"why: {reason}", f"log directory: {log_dir}"]  # fmt: skip
+    title = [
+        f"realrl hang report: trial {experiment}/{trial}, {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"why: {reason}",
+        f"log directory: {log_dir}",
+    ]
     return write_report(log_dir, title, rows, stacks, findings), findings, culprit

@@ -56,8 +56,11 @@ def choose_batch(inventories: list[list], batch_size: int) -> list[tuple[int, in
     """The step's batch from what all ranks hold together: the `batch_size`
     oldest trajectories (by version_start, then birth time) as (rank, key,
     n_tokens), or None while the ranks hold fewer together."""
-    items = [(version, birth, rank, key, n_tokens)
-             for rank, inventory in enumerate(inventories) for key, version, birth, n_tokens in inventory]  # fmt: skip
+    items = [
+        (version, birth, rank, key, n_tokens)
+        for rank, inventory in enumerate(inventories)
+        for key, version, birth, n_tokens in inventory
+    ]
     if len(items) < batch_size:
         return None
     items.sort()
@@ -69,8 +72,14 @@ def plan_batch(chosen: list[tuple[int, int, int]], n_ranks: int) -> list[int]:
     (longest first into the lightest group), each group given to the rank
     that already holds most of its tokens, so as little as possible moves."""
     parts = partition_balanced([n_tokens for _, _, n_tokens in chosen], n_ranks)
-    overlap = sorted(((sum(chosen[i][2] for i in part if chosen[i][0] == rank), -p, rank)
-                      for p, part in enumerate(parts) for rank in range(n_ranks)), reverse=True)  # fmt: skip
+    overlap = sorted(
+        (
+            (sum(chosen[i][2] for i in part if chosen[i][0] == rank), -p, rank)
+            for p, part in enumerate(parts)
+            for rank in range(n_ranks)
+        ),
+        reverse=True,
+    )
     dest = [0] * len(chosen)
     used_parts, used_ranks = set(), set()
     for _, neg_p, rank in overlap:
@@ -92,10 +101,16 @@ class MasterWorker(AsyncWorker):
         n = config.n_model_workers
         routing: dict = {i: i for i in range(n)}
         routing.update({f"__data{i}__": i for i in range(n)})
-        self.stream = NameResolvingRequestClient(self.experiment_name, self.trial_name, n, routing, host=self.bind_host,
-                                                 warn_after=config.rpc_warn_after,
-                                                 receipt_timeout=config.rpc_receipt_timeout,
-                                                 interrupt=self.raise_if_exiting)  # fmt: skip
+        self.stream = NameResolvingRequestClient(
+            self.experiment_name,
+            self.trial_name,
+            n,
+            routing,
+            host=self.bind_host,
+            warn_after=config.rpc_warn_after,
+            receipt_timeout=config.rpc_receipt_timeout,
+            interrupt=self.raise_if_exiting,
+        )
         self.step = 0
         self.version = 0
         self.consumed = 0
@@ -122,14 +137,17 @@ class MasterWorker(AsyncWorker):
         self._finished = False
 
     async def _setup_async(self) -> None:
-        specs = await self.stream.call_async(list(range(self.cfg.n_model_workers)), "spec",
-                                             [None] * self.cfg.n_model_workers, timeout=600)  # fmt: skip
+        specs = await self.stream.call_async(
+            list(range(self.cfg.n_model_workers)), "spec", [None] * self.cfg.n_model_workers, timeout=600
+        )
         self.logger.info("model workers ready: %s", [(s["dp_rank"], s["version"]) for s in specs])
         if self.cfg.recover:
             await self._recover()
-        self.stats_logger = StatsLogger(self.info.log_dir, resume_step=self.step,
-                                        wandb={"project": self.experiment_name, "name": self.trial_name}
-                                        if self.cfg.wandb else None)  # fmt: skip
+        self.stats_logger = StatsLogger(
+            self.info.log_dir,
+            resume_step=self.step,
+            wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
+        )
         self._publish_counters()
         self._publish_training_start()
         if self.cfg.evaluate and not self.eval_history:
@@ -144,15 +162,28 @@ class MasterWorker(AsyncWorker):
         """Step and stage for `realrl status` and the hang watchdog (which
         counts a new step or stage as progress); the stage is read off the
         coroutines the loop waits in, the RPCs from the request stream."""
-        stages = {"_setup_async": "setup", "_recover": "recover", "_fetch": "fetch", "_evaluate": "evaluate",
-                  "_checkpoint": "checkpoint", "_finish": "finish", "_train_step": "step"}  # fmt: skip
+        stages = {
+            "_setup_async": "setup",
+            "_recover": "recover",
+            "_fetch": "fetch",
+            "_evaluate": "evaluate",
+            "_checkpoint": "checkpoint",
+            "_finish": "finish",
+            "_train_step": "step",
+        }
         stage = next((stages[n] for n in reversed(self.awaiting()) if n in stages), "running")
         rpcs = self.stream.in_flight()
         if stage == "step" and rpcs:
             stage = rpcs[0][0]  # inference, train_step
-        return {"step": self.step, "total_steps": self.cfg.total_train_steps, "stage": stage, "version": self.version,
-                "waiting_on": [f"model_worker/{w} {name} {age:.0f}s{'' if ok else ' (unconfirmed)'}"
-                               for name, w, age, ok in rpcs]}  # fmt: skip
+        return {
+            "step": self.step,
+            "total_steps": self.cfg.total_train_steps,
+            "stage": stage,
+            "version": self.version,
+            "waiting_on": [
+                f"model_worker/{w} {name} {age:.0f}s{'' if ok else ' (unconfirmed)'}" for name, w, age, ok in rpcs
+            ],
+        }
 
     # ---- the step ------------------------------------------------------------------
     async def _poll_async(self) -> PollResult:
@@ -171,8 +202,9 @@ class MasterWorker(AsyncWorker):
         started = waiting_since = last_warning = time.monotonic()
         have = -1
         while True:
-            replies = await self.stream.call_async(all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n,
-                                                   timeout=self.cfg.rpc_timeout)  # fmt: skip
+            replies = await self.stream.call_async(
+                all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n, timeout=self.cfg.rpc_timeout
+            )
             dropped_stale = sum(r["n_dropped"] for r in replies)
             if self._count_invalid(sum(r["invalid"] for r in replies)) or dropped_stale:
                 self.dropped_stale += dropped_stale
@@ -193,14 +225,33 @@ class MasterWorker(AsyncWorker):
         requests = []
         for rank in all_ranks:
             mine = [i for i, (owner, _, _) in enumerate(chosen) if owner == rank]
-            recv_from = {str(r): sum(1 for i, (owner, _, _) in enumerate(chosen) if owner == r and dest[i] == rank)
-                         for r in all_ranks if r != rank}  # fmt: skip
-            requests.append({"take": [chosen[i][1] for i in mine], "send_to": [dest[i] for i in mine],
-                             "recv_from": recv_from, "current_version": self.version})  # fmt: skip
+            recv_from = {
+                str(r): sum(1 for i, (owner, _, _) in enumerate(chosen) if owner == r and dest[i] == rank)
+                for r in all_ranks
+                if r != rank
+            }
+            requests.append(
+                {
+                    "take": [chosen[i][1] for i in mine],
+                    "send_to": [dest[i] for i in mine],
+                    "recv_from": recv_from,
+                    "current_version": self.version,
+                }
+            )
         parts = await self.stream.call_async(all_ranks, "assemble", requests, timeout=self.cfg.rpc_timeout)
-        batch: dict = {k: [x for p in parts for x in p[k]]
-                       for k in ("staleness", "version_start", "rewards", "scores", "seq_lens", "gen_lens",
-                                "generate_in_flight", "qids")}  # fmt: skip
+        batch: dict = {
+            k: [x for p in parts for x in p[k]]
+            for k in (
+                "staleness",
+                "version_start",
+                "rewards",
+                "scores",
+                "seq_lens",
+                "gen_lens",
+                "generate_in_flight",
+                "qids",
+            )
+        }
         batch["rank_tokens"] = [p["n_tokens"] for p in parts]
         token_staleness: dict[str, int] = {}
         for p in parts:
@@ -218,11 +269,16 @@ class MasterWorker(AsyncWorker):
         batch = await self._fetch()
         t_fetch = time.monotonic()
         if self.cfg.use_decoupled_loss or self.cfg.kl_ctl > 0 or self.cfg.algorithm == "ppo":
-            await self.stream.call_async(all_ranks, "inference", [{"decoupled": self.cfg.use_decoupled_loss}] * len(all_ranks),
-                                         timeout=self.cfg.rpc_timeout)  # fmt: skip
+            await self.stream.call_async(
+                all_ranks,
+                "inference",
+                [{"decoupled": self.cfg.use_decoupled_loss}] * len(all_ranks),
+                timeout=self.cfg.rpc_timeout,
+            )
         t_inf = time.monotonic()
-        results = await self.stream.call_async(all_ranks, "train_step", [{"version": self.version + 1}] * len(all_ranks),
-                                               timeout=self.cfg.rpc_timeout)  # fmt: skip
+        results = await self.stream.call_async(
+            all_ranks, "train_step", [{"version": self.version + 1}] * len(all_ranks), timeout=self.cfg.rpc_timeout
+        )
         t_train = time.monotonic()
         self.version += 1
         self.step += 1
@@ -232,13 +288,19 @@ class MasterWorker(AsyncWorker):
         self._publish_counters()
 
         n_tokens = sum(batch["seq_lens"])
-        stats: dict = {"version": self.version, "consumed": self.consumed, "dropped_stale": self.dropped_stale,
-                       "dropped_invalid": self.dropped_invalid}  # fmt: skip
+        stats: dict = {
+            "version": self.version,
+            "consumed": self.consumed,
+            "dropped_stale": self.dropped_stale,
+            "dropped_invalid": self.dropped_invalid,
+        }
         # The trainers reduce their stats over ranks: every rank reports the same.
         stats.update({f"train/{key}": value for key, value in results[0].items()})
         stats["batch/moved_between_ranks"] = batch["moved"]
         stats["batch/qids"] = batch["qids"]  # which prompts (`<query_id>@<epoch>`) this step trained on
-        stats["batch/rank_tokens_max_over_mean"] = max(batch["rank_tokens"]) / max(n_tokens / len(batch["rank_tokens"]), 1e-9)
+        stats["batch/rank_tokens_max_over_mean"] = max(batch["rank_tokens"]) / max(
+            n_tokens / len(batch["rank_tokens"]), 1e-9
+        )
         stats.update(summarize(batch["rewards"], "rollout/reward"))
         # Accuracy: the fraction of trained answers with full credit (score >= 1).
         stats.update(summarize(batch["scores"], "rollout/score"))
@@ -262,7 +324,11 @@ class MasterWorker(AsyncWorker):
         stats.update(self._perf_stats(stats, n_tokens, await self._manager_utilization()))
         stats["time/elapsed_s"] = time.monotonic() - self.started
 
-        if self.cfg.eval_every_n_steps and self.step % self.cfg.eval_every_n_steps == 0 and self.step < self.cfg.total_train_steps:
+        if (
+            self.cfg.eval_every_n_steps
+            and self.step % self.cfg.eval_every_n_steps == 0
+            and self.step < self.cfg.total_train_steps
+        ):
             stats["eval/accuracy"] = (await self._evaluate())["accuracy"]
         every_n, every_s = self.cfg.checkpoint_every_n_steps, self.cfg.checkpoint_every_minutes * 60
         if (every_n and self.step % every_n == 0) or (every_s and time.monotonic() - self._last_checkpoint >= every_s):
@@ -271,22 +337,36 @@ class MasterWorker(AsyncWorker):
         acc = stats.get("rollout/accuracy", 0.0)  # trained answers with full credit
         # The format is read back by realrl/base/console.py (step N/T, acc, reward, staleness max).
         self.step_logger.info(
-            "step %d/%d v%d | acc %.3f reward %.3f | loss %.4f clip %.3f | staleness max %d | %.2fs (fetch %.2f, inf %.2f, train %.2f)"
+            "step %d/%d v%d | acc %.3f reward %.3f | loss %.4f clip %.3f | staleness max %d"
+            " | %.2fs (fetch %.2f, inf %.2f, train %.2f)"
             " | idle trainer %s gen %s | tokens/s gen %s train %.0f",
-            self.step, self.cfg.total_train_steps, self.version, acc, stats.get("rollout/reward/mean", 0.0),
-            stats.get("train/actor_loss", 0.0), stats.get("train/clip_frac", 0.0), max(batch["staleness"], default=0),
-            stats["time/step_s"], stats["time/fetch_s"], stats["time/inference_s"], stats["time/train_s"],
-            _fmt(stats.get("perf/trainer_idle_ratio"), ".2f"), _fmt(stats.get("perf/gen_idle_ratio"), ".2f"),
-            _fmt(stats.get("perf/gen_tokens_per_s"), ".0f"), stats["perf/train_tokens_per_s"],
-        )  # fmt: skip
+            self.step,
+            self.cfg.total_train_steps,
+            self.version,
+            acc,
+            stats.get("rollout/reward/mean", 0.0),
+            stats.get("train/actor_loss", 0.0),
+            stats.get("train/clip_frac", 0.0),
+            max(batch["staleness"], default=0),
+            stats["time/step_s"],
+            stats["time/fetch_s"],
+            stats["time/inference_s"],
+            stats["time/train_s"],
+            _fmt(stats.get("perf/trainer_idle_ratio"), ".2f"),
+            _fmt(stats.get("perf/gen_idle_ratio"), ".2f"),
+            _fmt(stats.get("perf/gen_tokens_per_s"), ".0f"),
+            stats["perf/train_tokens_per_s"],
+        )
 
     def _perf_stats(self, stats: dict, n_tokens: int, utilization: dict | None) -> dict:
         """Idle ratios and throughput of this step (docs/observability.md):
         the trainers' from this step's timings, the generation servers' from
         the manager's cumulative figures since the previous step."""
         step_s = max(stats["time/step_s"], 1e-9)
-        perf = {"perf/trainer_idle_ratio": min(max(stats["time/wait_data_s"] / step_s, 0.0), 1.0),
-                "perf/train_tokens_per_s": n_tokens / step_s}  # fmt: skip
+        perf = {
+            "perf/trainer_idle_ratio": min(max(stats["time/wait_data_s"] / step_s, 0.0), 1.0),
+            "perf/train_tokens_per_s": n_tokens / step_s,
+        }
         before, self._gen_utilization = self._gen_utilization, utilization
         if before is not None and utilization is not None:
             server_s = utilization["gen_server_s"] - before["gen_server_s"]
@@ -319,10 +399,14 @@ class MasterWorker(AsyncWorker):
             self.logger.debug("no rollout stats: %s", e)
         msg = f"step {self.step + 1}: no new trajectories for {waited:.0f}s (have {have}/{want})"
         if rs is not None:
-            msg += f"; rollouts running {rs['running']}, accepted {rs['accepted']}, rejected by the agent {rs['rejected']}"
+            msg += (
+                f"; rollouts running {rs['running']}, accepted {rs['accepted']}, rejected by the agent {rs['rejected']}"
+            )
             if rs["rejected"] > 10 * max(rs["accepted"], 1):
-                msg += (" -- the agent rejects almost every group (e.g. its success-rate filter): does the policy"
-                        " solve none, or all, of the prompts?")  # fmt: skip
+                msg += (
+                    " -- the agent rejects almost every group (e.g. its success-rate filter): does the policy"
+                    " solve none, or all, of the prompts?"
+                )
         self.logger.warning(msg)
 
     def _count_invalid(self, pullers_total: int) -> int:
@@ -337,17 +421,35 @@ class MasterWorker(AsyncWorker):
         return self.dropped_stale + self.dropped_invalid
 
     def _publish_counters(self) -> None:
-        name_resolve.add(names.training_samples(self.experiment_name, self.trial_name), str(self.consumed),
-                         replace=True, delete_on_exit=False)  # fmt: skip
-        name_resolve.add(names.dropped_samples(self.experiment_name, self.trial_name), str(self.dropped),
-                         replace=True, delete_on_exit=False)  # fmt: skip
+        name_resolve.add(
+            names.training_samples(self.experiment_name, self.trial_name),
+            str(self.consumed),
+            replace=True,
+            delete_on_exit=False,
+        )
+        name_resolve.add(
+            names.dropped_samples(self.experiment_name, self.trial_name),
+            str(self.dropped),
+            replace=True,
+            delete_on_exit=False,
+        )
 
     def _publish_training_start(self) -> None:
         """Opens the manager's admission with the counts training starts from."""
-        start = {"step": self.step, "version": self.version, "consumed": self.consumed, "dropped": self.dropped,
-                 "filtered": self.filtered_at_checkpoint, **self.resume}  # fmt: skip
-        name_resolve.add(names.training_start(self.experiment_name, self.trial_name), json.dumps(start),
-                         replace=True, delete_on_exit=False)  # fmt: skip
+        start = {
+            "step": self.step,
+            "version": self.version,
+            "consumed": self.consumed,
+            "dropped": self.dropped,
+            "filtered": self.filtered_at_checkpoint,
+            **self.resume,
+        }
+        name_resolve.add(
+            names.training_start(self.experiment_name, self.trial_name),
+            json.dumps(start),
+            replace=True,
+            delete_on_exit=False,
+        )
 
     # ---- evaluation, saving, recovery --------------------------------------------------------
     async def _evaluate(self) -> dict:
@@ -364,10 +466,23 @@ class MasterWorker(AsyncWorker):
             "samples": [s for p in parts for s in p["samples"]],
         }
         self.eval_history.append({k: v for k, v in result.items() if k != "samples"})
-        self.logger.info("eval at step %d: greedy accuracy %.3f on %d prompts (%.1fs); e.g. %s",
-                         self.step, result["accuracy"], result["n"], result["seconds"], result["samples"][:2])  # fmt: skip
-        self.stats_logger.log(self.step, {"eval/accuracy": result["accuracy"], "eval/score": result["score_mean"],
-                                          "eval/n": result["n"], "time/elapsed_s": time.monotonic() - self.started})  # fmt: skip
+        self.logger.info(
+            "eval at step %d: greedy accuracy %.3f on %d prompts (%.1fs); e.g. %s",
+            self.step,
+            result["accuracy"],
+            result["n"],
+            result["seconds"],
+            result["samples"][:2],
+        )
+        self.stats_logger.log(
+            self.step,
+            {
+                "eval/accuracy": result["accuracy"],
+                "eval/score": result["score_mean"],
+                "eval/n": result["n"],
+                "time/elapsed_s": time.monotonic() - self.started,
+            },
+        )
         await self._write_plots()
         return result
 
@@ -392,8 +507,9 @@ class MasterWorker(AsyncWorker):
         is generated again by a resumed trial (exactly once)."""
         n = self.cfg.n_model_workers
         temp = checkpoints.new_temp_dir(self.cfg.checkpoint_dir, self.step)
-        parts = await self.stream.call_async(list(range(n)), "checkpoint", [{"step": self.step, "dir": temp}] * n,
-                                             timeout=self.cfg.rpc_timeout)  # fmt: skip
+        parts = await self.stream.call_async(
+            list(range(n)), "checkpoint", [{"step": self.step, "dir": temp}] * n, timeout=self.cfg.rpc_timeout
+        )
         self.dropped_qids += [q for p in parts for q in p["dropped_qids"]]
         cursors = await asyncio.to_thread(self._read_rollout_cursors)
         filtered, rejected_qids = self.filtered_at_checkpoint, list(self.resume.get("rejected_qids", []))
@@ -406,19 +522,30 @@ class MasterWorker(AsyncWorker):
             self.logger.warning("checkpoint without the manager's rejected episodes: %s", e)
         oldest_epoch = min((c["epoch"] for c in cursors.values()), default=0) - 1  # the ledger needs no older qids
         recent = [q for q in self.trained_qids if _epoch_of(q) >= oldest_epoch]
-        state = {"step": self.step, "version": self.version, "consumed": self.consumed,
-                 "dropped_stale": self.dropped_stale, "dropped_invalid": self.dropped_invalid, "filtered": filtered,
-                 "max_staleness_trained": self.max_staleness_trained, "eval_history": self.eval_history,
-                 "trained_qids": recent, "buffered_qids": [q for p in parts for q in p["buffered_qids"]],
-                 "rejected_qids": rejected_qids, "dropped_qids": self.dropped_qids, "rollout_cursors": cursors,
-                 "regenerated": self.regenerated_before + sum(c.get("regenerated", 0) for c in cursors.values()),
-                 "elapsed_s": time.monotonic() - self.started}  # fmt: skip
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "consumed": self.consumed,
+            "dropped_stale": self.dropped_stale,
+            "dropped_invalid": self.dropped_invalid,
+            "filtered": filtered,
+            "max_staleness_trained": self.max_staleness_trained,
+            "eval_history": self.eval_history,
+            "trained_qids": recent,
+            "buffered_qids": [q for p in parts for q in p["buffered_qids"]],
+            "rejected_qids": rejected_qids,
+            "dropped_qids": self.dropped_qids,
+            "rollout_cursors": cursors,
+            "regenerated": self.regenerated_before + sum(c.get("regenerated", 0) for c in cursors.values()),
+            "elapsed_s": time.monotonic() - self.started,
+        }
         with open(os.path.join(temp, "master_state.json"), "w") as f:
             json.dump(state, f)
         path = checkpoints.commit(temp, self.cfg.checkpoint_dir, self.step)
         self._last_checkpoint = time.monotonic()
-        self.logger.info("checkpoint at step %d: %s (%d trajectories buffered)", self.step, path,
-                         len(state["buffered_qids"]))  # fmt: skip
+        self.logger.info(
+            "checkpoint at step %d: %s (%d trajectories buffered)", self.step, path, len(state["buffered_qids"])
+        )
 
     def _read_rollout_cursors(self) -> dict[str, dict]:
         cursors = {}
@@ -438,7 +565,9 @@ class MasterWorker(AsyncWorker):
         with open(os.path.join(path, "master_state.json")) as f:
             state = json.load(f)
         n = self.cfg.n_model_workers
-        replies = await self.stream.call_async(list(range(n)), "load", [{"path": path}] * n, timeout=self.cfg.rpc_timeout)
+        replies = await self.stream.call_async(
+            list(range(n)), "load", [{"path": path}] * n, timeout=self.cfg.rpc_timeout
+        )
         self.step, self.version = state["step"], replies[0]["version"]
         self.consumed, self.dropped_stale = state["consumed"], state["dropped_stale"]
         self.dropped_invalid, self.filtered_at_checkpoint = state.get("dropped_invalid", 0), state.get("filtered", 0)
@@ -450,11 +579,19 @@ class MasterWorker(AsyncWorker):
         self.regenerated_before = int(state.get("regenerated", 0))
         restored = sum(r["restored"] for r in replies)
         done = set(self.trained_qids) | set(state.get("buffered_qids", [])) | set(state.get("rejected_qids", []))
-        self.resume = {"buffered": restored, "rollout_cursors": state.get("rollout_cursors", {}),
-                       "done_qids": sorted(done | set(self.dropped_qids)),
-                       "rejected_qids": state.get("rejected_qids", [])}  # fmt: skip
-        self.logger.info("recovered at step %d (weight version %d) from %s: %d buffered trajectories restored",
-                         self.step, self.version, path, restored)  # fmt: skip
+        self.resume = {
+            "buffered": restored,
+            "rollout_cursors": state.get("rollout_cursors", {}),
+            "done_qids": sorted(done | set(self.dropped_qids)),
+            "rejected_qids": state.get("rejected_qids", []),
+        }
+        self.logger.info(
+            "recovered at step %d (weight version %d) from %s: %d buffered trajectories restored",
+            self.step,
+            self.version,
+            path,
+            restored,
+        )
 
     async def _manager(self, method: str, path: str) -> dict | None:
         try:
@@ -523,8 +660,8 @@ class MasterWorker(AsyncWorker):
             "rollouts": ledger,  # the manager's counts (admitted: episodes admitted by this run's manager)
             "max_staleness_trained": self.max_staleness_trained,
             # a resumed trial: prompts in flight (or not yet offered) at the checkpoint, generated again once
-            "regenerated_after_resume": self.regenerated_before + sum(
-                c.get("regenerated", 0) for c in (await asyncio.to_thread(self._read_rollout_cursors)).values()),
+            "regenerated_after_resume": self.regenerated_before
+            + sum(c.get("regenerated", 0) for c in (await asyncio.to_thread(self._read_rollout_cursors)).values()),
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
             "dp_weights_identical": len(checksums) <= 1,
             "stats_path": self.stats_logger.path,
@@ -536,9 +673,15 @@ class MasterWorker(AsyncWorker):
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(tmp, self.summary_path)
-        self.logger.info("training complete: eval accuracy %s -> %s in %d steps, %.0fs; summary %s, plots in %s",
-                         summary["initial_eval_accuracy"], summary["final_eval_accuracy"], self.step,
-                         summary["wall_time_s"], self.summary_path, self.plots_dir)  # fmt: skip
+        self.logger.info(
+            "training complete: eval accuracy %s -> %s in %d steps, %.0fs; summary %s, plots in %s",
+            summary["initial_eval_accuracy"],
+            summary["final_eval_accuracy"],
+            self.step,
+            summary["wall_time_s"],
+            self.summary_path,
+            self.plots_dir,
+        )
         self._finished = True
         set_experiment_status(self.experiment_name, self.trial_name, ExperimentStatus.COMPLETE)
         self.request_exit("training complete")

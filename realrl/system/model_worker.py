@@ -60,8 +60,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 ACTOR = "actor"
 
 
-def publish_weights(model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB",
-                    state_dict: dict | None = None) -> str:  # fmt: skip
+def publish_weights(
+    model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB", state_dict: dict | None = None
+) -> str:
     """Writes `model` (or `state_dict` in its layout) as HF safetensors to
     `<weights_dir>/<version>/` atomically."""
     final = os.path.join(weights_dir, str(version))
@@ -145,8 +146,9 @@ class ModelWorker(Worker):
         n_opt_steps = config.total_train_steps * ppo.ppo_n_minibatches
 
         def optimized(model):
-            return make_optimized(model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, o.lr_scheduler,
-                                  o.warmup_steps, n_opt_steps)  # fmt: skip
+            return make_optimized(
+                model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, o.lr_scheduler, o.warmup_steps, n_opt_steps
+            )
 
         self.actor = optimized(actor)
         self.critic = None
@@ -157,16 +159,25 @@ class ModelWorker(Worker):
             self.critic = optimized(critic)
         self.ref = None
         if ppo.kl_ctl > 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path or config.model_path, dtype=dtype).to(self.device)
+            self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path or config.model_path, dtype=dtype).to(
+                self.device
+            )
             self.ref.requires_grad_(False).eval()
         self.trainer = PPOTrainer(
-            self.actor, ppo, config.temperature, self.device, o.gradient_clipping, critic=self.critic, ref=self.ref,
-            all_reduce_sum=self._all_reduce_sum, sync_grads=self._sync_grads,
+            self.actor,
+            ppo,
+            config.temperature,
+            self.device,
+            o.gradient_clipping,
+            critic=self.critic,
+            ref=self.ref,
+            all_reduce_sum=self._all_reduce_sum,
+            sync_grads=self._sync_grads,
             process_group=dist.group.WORLD if self.dp_size > 1 else None,
             # FSDP averages gradients over ranks; our losses are normalised by
             # the global token count and must be summed, so scale by the world size.
             loss_scale=float(self.dp_size) if config.fsdp else 1.0,
-        )  # fmt: skip
+        )
 
         self.version = 0
         self.step_trajectories: list = []
@@ -175,19 +186,30 @@ class ModelWorker(Worker):
         # trajectories as invalid. The bound is the embedding's size (config.vocab_size), not len(tokenizer).
         embedded = [actor, self.ref, self.critic.model.backbone if self.critic is not None else None]
         vocab_size = min(m.get_input_embeddings().num_embeddings for m in embedded if m is not None)
-        self.dataset = PullerStreamDataset(self.experiment_name, self.trial_name, self.dp_rank,
-                                           config.max_buffered_trajectories, vocab_size=vocab_size,
-                                           host=self.bind_host)  # fmt: skip
-        self.server = NameResolvingReplyServer(self.experiment_name, self.trial_name, self.info.worker_index,
-                                               interrupt=self.raise_if_exiting)  # fmt: skip
+        self.dataset = PullerStreamDataset(
+            self.experiment_name,
+            self.trial_name,
+            self.dp_rank,
+            config.max_buffered_trajectories,
+            vocab_size=vocab_size,
+            host=self.bind_host,
+        )
+        self.server = NameResolvingReplyServer(
+            self.experiment_name, self.trial_name, self.info.worker_index, interrupt=self.raise_if_exiting
+        )
         for name in ("spec", "inventory", "stats"):
             self.server.register(name, getattr(self, f"_handle_{name}"))
         for name in ("assemble", "inference", "train_step", "evaluate", "save", "checkpoint", "load"):
             self.server.register(name, getattr(self, f"_handle_{name}"), long_running=True)
         if self.dp_rank == 0:
             self._set_version(0)
-        self.logger.info("actor with %.2fM parameters on %s; dp %d/%d",
-                         sum(p.numel() for p in actor.parameters()) / 1e6, self.device, self.dp_rank, self.dp_size)  # fmt: skip
+        self.logger.info(
+            "actor with %.2fM parameters on %s; dp %d/%d",
+            sum(p.numel() for p in actor.parameters()) / 1e6,
+            self.device,
+            self.dp_rank,
+            self.dp_size,
+        )
 
     def _init_distributed(self) -> None:
         self.data_group = None  # gloo group that moves trajectories between ranks
@@ -231,8 +253,12 @@ class ModelWorker(Worker):
 
     def _set_version(self, version: int) -> None:
         self.version = version
-        name_resolve.add(names.model_version(self.experiment_name, self.trial_name, ACTOR), str(version),
-                         replace=True, delete_on_exit=False)  # fmt: skip
+        name_resolve.add(
+            names.model_version(self.experiment_name, self.trial_name, ACTOR),
+            str(version),
+            replace=True,
+            delete_on_exit=False,
+        )
 
     # ---- loop ----------------------------------------------------------------------------
     def _poll(self) -> PollResult:
@@ -241,8 +267,12 @@ class ModelWorker(Worker):
 
     def _progress_info(self) -> dict:
         stats = self.dataset.stats()
-        return {"buffered": stats["buffered"], "received": stats["received"], "version": self.version,
-                "requests": self.server.n_pending}  # fmt: skip
+        return {
+            "buffered": stats["buffered"],
+            "received": stats["received"],
+            "version": self.version,
+            "requests": self.server.n_pending,
+        }
 
     def _exit_hook(self) -> None:
         for closer in ("server", "dataset"):
@@ -254,8 +284,13 @@ class ModelWorker(Worker):
 
     # ---- cheap handles -------------------------------------------------------------------
     def _handle_spec(self, data=None) -> dict:
-        spec = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "version": self.version,
-                "n_params": sum(p.numel() for p in self.actor.model.parameters()), **self.dataset.stats()}  # fmt: skip
+        spec = {
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "version": self.version,
+            "n_params": sum(p.numel() for p in self.actor.model.parameters()),
+            **self.dataset.stats(),
+        }
         if data and data.get("checksum"):
             # Under FSDP each rank holds a different shard of the one copy: nothing to compare.
             spec["checksum"] = None if self.cfg.fsdp else weights_checksum(self.actor.model)
@@ -307,8 +342,10 @@ class ModelWorker(Worker):
         (wire format). Every rank posts all its sends and receives before it
         waits, so no order of ranks can deadlock."""
         group = self.data_group
-        payloads = {r: torch.frombuffer(bytearray(wire.dumps([t.to_wire() for t in trajs])), dtype=torch.uint8)
-                    for r, trajs in outgoing.items()}  # fmt: skip
+        payloads = {
+            r: torch.frombuffer(bytearray(wire.dumps([t.to_wire() for t in trajs])), dtype=torch.uint8)
+            for r, trajs in outgoing.items()
+        }
         sizes_out = {r: torch.tensor([len(p)], dtype=torch.int64) for r, p in payloads.items()}  # alive until sent
         sizes_in = {r: torch.zeros(1, dtype=torch.int64) for r in recv_from}
         works = [dist.isend(t, dst=r, group=group) for r, t in sizes_out.items()]
@@ -377,27 +414,50 @@ class ModelWorker(Worker):
         if self.cfg.eval_max_prompts:
             records = records[: self.cfg.eval_max_prompts]
         mine = records[self.dp_rank :: self.dp_size]
-        prompts = [PromptRecord(qid=f"eval-{r['query_id']}", prompt=r["prompt"], solutions=r["solutions"],
-                                prompt_ids=list(self.tokenizer.encode(r["prompt"], add_special_tokens=False)),
-                                task=r.get("task", "math"), row=dataset_row_fields(r)) for r in mine]  # fmt: skip
+        prompts = [
+            PromptRecord(
+                qid=f"eval-{r['query_id']}",
+                prompt=r["prompt"],
+                solutions=r["solutions"],
+                prompt_ids=list(self.tokenizer.encode(r["prompt"], add_special_tokens=False)),
+                task=r.get("task", "math"),
+                row=dataset_row_fields(r),
+            )
+            for r in mine
+        ]
         if self._eval_agent is None:
             settings = dataclasses.replace(self.cfg.agent_settings, tokenizer=self.tokenizer)
-            self._eval_agent = make_agent(self.cfg.agent.type, settings.for_evaluation(self.cfg.eval_max_new_tokens),
-                                          **self.cfg.agent.args)  # fmt: skip
-        generator = ModelGenerator(self.actor.model, self.tokenizer, self.device, self.version,
-                                   batch_size=self.cfg.eval_batch_size,
-                                   all_ranks_busy=self._all_ranks_busy if self.cfg.fsdp else None)  # fmt: skip
+            self._eval_agent = make_agent(
+                self.cfg.agent.type, settings.for_evaluation(self.cfg.eval_max_new_tokens), **self.cfg.agent.args
+            )
+        generator = ModelGenerator(
+            self.actor.model,
+            self.tokenizer,
+            self.device,
+            self.version,
+            batch_size=self.cfg.eval_batch_size,
+            all_ranks_busy=self._all_ranks_busy if self.cfg.fsdp else None,
+        )
         model = self.actor.model
         was_training = model.training
         model.eval()
         try:
-            results = asyncio.run(evaluate_prompts(self._eval_agent, lambda: make_env(self.cfg.env.type, **self.cfg.env.args),
-                                                   prompts, generator))  # fmt: skip
+            results = asyncio.run(
+                evaluate_prompts(
+                    self._eval_agent, lambda: make_env(self.cfg.env.type, **self.cfg.env.args), prompts, generator
+                )
+            )
         finally:
             model.train(was_training)
-        samples = [{"prompt": p.prompt, "completion": text, "score": score} for p, (score, text) in zip(prompts[:3], results)]
-        return {**summarize_scores([score for score, _ in results]), "seconds": time.monotonic() - t0,
-                "batches": generator.n_batches, "samples": samples}  # fmt: skip
+        samples = [
+            {"prompt": p.prompt, "completion": text, "score": score} for p, (score, text) in zip(prompts[:3], results)
+        ]
+        return {
+            **summarize_scores([score for score, _ in results]),
+            "seconds": time.monotonic() - t0,
+            "batches": generator.n_batches,
+            "samples": samples,
+        }
 
     def _all_ranks_busy(self, have_batch: bool, running: bool) -> tuple[bool, bool]:
         flags = torch.tensor([float(have_batch), float(running)], device=self.device)
@@ -419,8 +479,9 @@ class ModelWorker(Worker):
         if self.cfg.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-            model_sd, optim_sd = get_state_dict(opt.model, opt.optimizer,
-                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+            model_sd, optim_sd = get_state_dict(
+                opt.model, opt.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         else:
             model_sd, optim_sd = opt.model.state_dict(), opt.optimizer.state_dict()
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": opt.scheduler.state_dict()}
@@ -429,8 +490,13 @@ class ModelWorker(Worker):
         if self.cfg.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            set_state_dict(opt.model, opt.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=StateDictOptions(full_state_dict=True))  # fmt: skip
+            set_state_dict(
+                opt.model,
+                opt.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
         else:
             opt.model.load_state_dict(state["model"])
             opt.optimizer.load_state_dict(state["optimizer"])

@@ -71,7 +71,8 @@ import asyncio
 import collections
 import dataclasses
 import uuid
-from typing import Any, Coroutine, Iterable, TypeVar
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -149,7 +150,9 @@ class GserverManagerClient:
                     if resp.status < 400:
                         return await resp.json(content_type=None) if text.strip() else None
                     if not _retryable_status(resp.status):
-                        raise ManagerError(f"gserver manager {self.url}{path} answered HTTP {resp.status}: {text[:500]}")
+                        raise ManagerError(
+                            f"gserver manager {self.url}{path} answered HTTP {resp.status}: {text[:500]}"
+                        )
                     cause = f"HTTP {resp.status}: {text[:200]}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 cause = f"{type(e).__name__}: {e}"
@@ -176,8 +179,13 @@ class GserverManagerClient:
         return await self.call("POST", "/finish_rollout", payload)
 
     async def schedule_request(
-        self, qid: str, n: int = 1, previous_server_url: str | None = None, previous_version: int | None = None,
-        avoid_urls: list[str] | None = None, parts: list[int] | None = None,
+        self,
+        qid: str,
+        n: int = 1,
+        previous_server_url: str | None = None,
+        previous_version: int | None = None,
+        avoid_urls: list[str] | None = None,
+        parts: list[int] | None = None,
     ) -> dict:
         """`{"url", "version", "down"}`; `url` is None when no server is up.
         `avoid_urls`: servers that just failed for this caller. `parts`: the
@@ -307,10 +315,11 @@ class PartialRolloutManager:
         if request.group_size > 1:
             starts = await self._generate_group(request)
         tasks = [
-            asyncio.create_task(self._finished(start) if isinstance(start, _Answer)
-                                else self._generate_answer(request, i, start))
+            asyncio.create_task(
+                self._finished(start) if isinstance(start, _Answer) else self._generate_answer(request, i, start)
+            )
             for i, start in enumerate(starts)
-        ]  # fmt: skip
+        ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:  # on failure or cancellation: stop the other answers, release their servers
@@ -352,9 +361,12 @@ class PartialRolloutManager:
         previous_version: int | None = None
         while live:
             rid = uuid.uuid4().hex[:12]
-            round_ = _Round(request.qid, [list(request.prompt_ids) + answers[i].output_ids for i in live],
-                            [self._chunk_params(gconfig, answers[i]) for i in live],
-                            [f"{request.qid}/{i}/{rid}" for i in live])  # fmt: skip
+            round_ = _Round(
+                request.qid,
+                [list(request.prompt_ids) + answers[i].output_ids for i in live],
+                [self._chunk_params(gconfig, answers[i]) for i in live],
+                [f"{request.qid}/{i}/{rid}" for i in live],
+            )
             scheduled, outcome = await self._rounds.submit((previous_url, previous_version), round_)
             if scheduled.get("url") is None:  # no server is up: counted, as in an answer's loop, which retries
                 reason = scheduled.get("reason") or "no generation server is up"
@@ -370,13 +382,23 @@ class PartialRolloutManager:
             if isinstance(outcome, (GenerationServerUnavailable, GenerationServerError)):
                 e = outcome
                 if isinstance(e, GenerationServerError) and e.status == 200:  # a server that cannot batch
-                    logger.warning("qid %s: server %s answered a batched /generate with something else (%s); "
-                                   "its answers go one by one", request.qid, url, e)  # fmt: skip
+                    logger.warning(
+                        "qid %s: server %s answered a batched /generate with something else (%s); "
+                        "its answers go one by one",
+                        request.qid,
+                        url,
+                        e,
+                    )
                     break
                 self._raise_if_final(e, request.qid, f"answers {live}", url)
                 self.stats.retries += len(live)  # each answer retries
-                logger.warning("qid %s: batched request of %d answers on server %s failed (%s); each answer retries",
-                               request.qid, len(live), url, e)  # fmt: skip
+                logger.warning(
+                    "qid %s: batched request of %d answers on server %s failed (%s); each answer retries",
+                    request.qid,
+                    len(live),
+                    url,
+                    e,
+                )
                 await asyncio.sleep(_backoff(1, self.retry_backoff_s))
                 for i in live:
                     out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}", failures=1)
@@ -399,8 +421,7 @@ class PartialRolloutManager:
                 break
         for i in live:  # each goes on alone, sticky to the server that made its tokens
             last = answers[i].versions[-1] if answers[i].versions else None
-            out[i] = _Resume(answers[i], previous_url=previous_url if last is not None else None,
-                             previous_version=last)  # fmt: skip
+            out[i] = _Resume(answers[i], previous_url=previous_url if last is not None else None, previous_version=last)
         return out  # type: ignore[return-value]
 
     async def _send_rounds(self, key: tuple[str | None, int | None], rounds: list[_Round]) -> list[tuple[dict, Any]]:
@@ -425,9 +446,17 @@ class PartialRolloutManager:
             self.stats.server_requests += 1
             responses = outcome = None
             try:
-                responses = outcome = await self._generate_on(url, self.client.generate_batch(
-                    url, [p for r in chunk for p in r.prompts], [q for r in chunk for q in r.params],
-                    return_logprob=True, rids=[i for r in chunk for i in r.rids], timeout_s=self.request_timeout))  # fmt: skip
+                responses = outcome = await self._generate_on(
+                    url,
+                    self.client.generate_batch(
+                        url,
+                        [p for r in chunk for p in r.prompts],
+                        [q for r in chunk for q in r.params],
+                        return_logprob=True,
+                        rids=[i for r in chunk for i in r.rids],
+                        timeout_s=self.request_timeout,
+                    ),
+                )
             except (GenerationServerUnavailable, GenerationServerError) as e:
                 outcome = e
             finally:
@@ -500,8 +529,11 @@ class PartialRolloutManager:
             params = self._chunk_params(gconfig, answer)
             scheduled = await self._schedule(request.qid, previous_url, previous_version, avoid)
             if failed_url is not None:
-                if (scheduled.get("url") is not None and failed_url in (scheduled.get("down") or ())
-                        and uncounted < MAX_UNCOUNTED_FAILURES):  # fmt: skip
+                if (
+                    scheduled.get("url") is not None
+                    and failed_url in (scheduled.get("down") or ())
+                    and uncounted < MAX_UNCOUNTED_FAILURES
+                ):
                     # The server that failed is out of routing and another one took over: not counted.
                     failures -= 1
                     uncounted += 1
@@ -521,8 +553,9 @@ class PartialRolloutManager:
                 )
             if scheduled.get("url") is None:
                 self.stats.retries += 1
-                logger.warning("qid %s answer %d: %s; retry %d/%d", request.qid, index, last_error, failures,
-                               self.request_retries)  # fmt: skip
+                logger.warning(
+                    "qid %s answer %d: %s; retry %d/%d", request.qid, index, last_error, failures, self.request_retries
+                )
                 await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
                 continue
             url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
@@ -533,9 +566,17 @@ class PartialRolloutManager:
             response = None
             try:
                 try:
-                    response = await self._generate_on(url, self.client.generate(
-                        url, list(request.prompt_ids) + answer.output_ids, params, return_logprob=True, rid=rid,
-                        timeout_s=self.request_timeout))  # fmt: skip
+                    response = await self._generate_on(
+                        url,
+                        self.client.generate(
+                            url,
+                            list(request.prompt_ids) + answer.output_ids,
+                            params,
+                            return_logprob=True,
+                            rid=rid,
+                            timeout_s=self.request_timeout,
+                        ),
+                    )
                 finally:
                     await self._release(url, len(response.output_ids) if response is not None else 0)
             except (GenerationServerUnavailable, GenerationServerError) as e:
@@ -550,8 +591,14 @@ class PartialRolloutManager:
                 self.stats.retries += 1
                 logger.warning(
                     "qid %s answer %d: server %s failed (%s); retry %d/%d (%d tokens kept)",
-                    request.qid, index, url, e, failures, self.request_retries, len(answer.output_ids),
-                )  # fmt: skip
+                    request.qid,
+                    index,
+                    url,
+                    e,
+                    failures,
+                    self.request_retries,
+                    len(answer.output_ids),
+                )
                 previous_url = previous_version = None  # let the manager route elsewhere
                 await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
                 continue
@@ -597,8 +644,13 @@ class PartialRolloutManager:
         return n
 
     async def _schedule(
-        self, qid: str, previous_url: str | None, previous_version: int | None, avoid: list[str] | None = None,
-        n: int = 1, parts: list[int] | None = None,
+        self,
+        qid: str,
+        previous_url: str | None,
+        previous_version: int | None,
+        avoid: list[str] | None = None,
+        n: int = 1,
+        parts: list[int] | None = None,
     ) -> dict:
         """The manager's `schedule_request`, safe against cancellation: once the
         manager may have counted the request, the slot is released even if this
@@ -613,8 +665,11 @@ class PartialRolloutManager:
             try:
                 scheduled = await call
                 if scheduled.get("url") is not None:
-                    counts = _per_server(scheduled["parts"], parts) if scheduled.get("parts") else {
-                        str(scheduled["url"]): [n]}  # fmt: skip
+                    counts = (
+                        _per_server(scheduled["parts"], parts)
+                        if scheduled.get("parts")
+                        else {str(scheduled["url"]): [n]}
+                    )
                     for url, count in counts.items():
                         await self._release(url, n=sum(count))
             except Exception:  # the manager never answered: nothing was counted for us

@@ -88,8 +88,10 @@ class RateLimitedLog:
             msg, args = self._last_suppressed or ("", ())
             self._logger.warning(
                 "%d similar messages suppressed in the last %.1f s; the last one: " + msg,
-                self._suppressed, now - self._since, *args,
-            )  # fmt: skip
+                self._suppressed,
+                now - self._since,
+                *args,
+            )
             self._since, self._suppressed, self._last_suppressed = now, 0, None
 
 

@@ -60,7 +60,8 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -117,7 +118,7 @@ class Payload:
         }
 
     @staticmethod
-    def from_wire(msg: Any) -> "Payload":
+    def from_wire(msg: Any) -> Payload:
         """Validates a decoded message; raises ValueError if it is not a Payload."""
         if not isinstance(msg, dict):
             raise ValueError(f"payload must be a dict, got {type(msg).__name__}")
@@ -323,8 +324,10 @@ class NameResolvingRequestClient:
         """Requests sent and not yet collected, oldest first: (handle name,
         model worker, seconds since sent, confirmed by the worker)."""
         now = time.monotonic()
-        out = [(name, worker, now - self._sent_at.get(rid, now), rid in self._received)
-               for rid, (_, name, worker) in list(self._inflight.items())]  # fmt: skip
+        out = [
+            (name, worker, now - self._sent_at.get(rid, now), rid in self._received)
+            for rid, (_, name, worker) in list(self._inflight.items())
+        ]
         return sorted(out, key=lambda r: -r[2])
 
     def _wait_for_workers(self, barrier: str, timeout: float) -> None:
@@ -366,7 +369,9 @@ class NameResolvingRequestClient:
         self._inflight[payload.request_id] = (payload.handler, payload.handle_name, worker)
         self._sent_at[payload.request_id] = time.monotonic()
 
-    def _send_requests(self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool) -> list[str]:
+    def _send_requests(
+        self, handlers: Sequence[int | str], handle_name: str, datas: Sequence[Any] | None, no_syn: bool
+    ) -> list[str]:
         prepared = self._prepare_requests(handlers, handle_name, datas, no_syn)
         for payload, message, worker in prepared:
             self._track(payload, worker)
@@ -390,8 +395,9 @@ class NameResolvingRequestClient:
                     break
                 except zmq.Again:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"could not send {what} within {self.send_timeout}s "
-                                           "(peer not connected or not reading)") from None  # fmt: skip
+                        raise TimeoutError(
+                            f"could not send {what} within {self.send_timeout}s (peer not connected or not reading)"
+                        ) from None
                     await asyncio.sleep(0.02)
         return [p.request_id for p, _, _ in prepared]
 
@@ -399,7 +405,12 @@ class NameResolvingRequestClient:
         for rid in request_ids:
             handler, handle_name, worker = self._inflight[rid]
             message = wire.dumps(Payload(handler, handle_name, request_id=rid, kind=kind).to_wire())
-            _send(self._send_sockets[worker], message, self.send_timeout, f"{kind} of {handle_name!r} to model worker {worker}")
+            _send(
+                self._send_sockets[worker],
+                message,
+                self.send_timeout,
+                f"{kind} of {handle_name!r} to model worker {worker}",
+            )
 
     def request(
         self,
@@ -446,7 +457,9 @@ class NameResolvingRequestClient:
             rid = payload.request_id
             if rid not in self._inflight:
                 if payload.kind != RECEIVED:  # a late confirmation of a request we gave up on says nothing new
-                    logger.warning("dropped a %s for unknown or abandoned request %s (%r)", payload.kind, rid, payload.handle_name)
+                    logger.warning(
+                        "dropped a %s for unknown or abandoned request %s (%r)", payload.kind, rid, payload.handle_name
+                    )
                 continue
             if payload.kind in (REPLY, SYN, RECEIVED):
                 self._received.add(rid)
@@ -494,7 +507,9 @@ class NameResolvingRequestClient:
             if not received and age > self.receipt_timeout:
                 lost.append(rid)
             elif age > (self.warn_after if not received else RUNNING_WARN_INTERVAL):
-                if now - self._warned_at.get(rid, -float("inf")) >= (self.warn_after if not received else RUNNING_WARN_INTERVAL):
+                if now - self._warned_at.get(rid, -float("inf")) >= (
+                    self.warn_after if not received else RUNNING_WARN_INTERVAL
+                ):
                     self._warned_at[rid] = now
                     slow.append((rid, age, received))
         if lost:
@@ -596,7 +611,9 @@ class NameResolvingRequestClient:
                     waiter.set_exception(e)
             raise
 
-    async def _wait_async(self, kind: str, ids: list[str], arrived: Callable[[str], bool], deadline: float) -> list[str]:
+    async def _wait_async(
+        self, kind: str, ids: list[str], arrived: Callable[[str], bool], deadline: float
+    ) -> list[str]:
         """Waits until `arrived(rid)` for every id or the deadline; returns the missing ids."""
         self._drain()
         loop = asyncio.get_running_loop()
@@ -713,12 +730,16 @@ class NameResolvingReplyServer:
         for stream in (_master_send(worker_index), _MASTER_RECV):
             while True:
                 try:
-                    addresses.append(name_resolve.wait(key(stream), timeout=min(1.0, max(0.0, deadline - time.monotonic()))))
+                    addresses.append(
+                        name_resolve.wait(key(stream), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                    )
                     break
                 except TimeoutError:
                     if time.monotonic() >= deadline:
-                        raise TimeoutError(f"model worker {worker_index}: the master did not register its request "
-                                           f"stream within {connect_timeout}s") from None  # fmt: skip
+                        raise TimeoutError(
+                            f"model worker {worker_index}: the master did not register its request "
+                            f"stream within {connect_timeout}s"
+                        ) from None
                     if interrupt is not None:
                         interrupt()
         requests_address, replies_address = addresses
@@ -778,7 +799,13 @@ class NameResolvingReplyServer:
         except Exception as e:  # the handler failed, or its result cannot be sent
             reply.result = None
             tb = traceback.format_exc()
-            logger.warning("handler %r failed on model worker %d: %s: %s", payload.handle_name, self.worker_index, type(e).__name__, e)
+            logger.warning(
+                "handler %r failed on model worker %d: %s: %s",
+                payload.handle_name,
+                self.worker_index,
+                type(e).__name__,
+                e,
+            )
             reply.err = {"type": type(e).__name__, "message": str(e), "traceback": tb}
             return wire.dumps(reply.to_wire())
 

@@ -131,9 +131,13 @@ class RolloutWorker(AsyncWorker):
         self._last_stats_time = time.monotonic()
         self.logger.info(
             "rollout worker %d/%d: %d prompts in shard (%d skipped as longer than %d tokens), manager %s",
-            self.info.worker_index, self.info.worker_count, len(self.prompts), self.n_skipped_prompts,
-            config.max_prompt_len, self.manager_url,
-        )  # fmt: skip
+            self.info.worker_index,
+            self.info.worker_count,
+            len(self.prompts),
+            self.n_skipped_prompts,
+            config.max_prompt_len,
+            self.manager_url,
+        )
 
     def _load_prompts(self, cfg: RolloutWorkerConfig) -> tuple[list[PromptRecord], int]:
         """This worker's shard, tokenized the way warm start and evaluation do."""
@@ -161,8 +165,14 @@ class RolloutWorker(AsyncWorker):
             if seen[query_id] > 1:  # keep episode qids unique even if the data set repeats an id
                 query_id = f"{query_id}#{seen[query_id] - 1}"
             prompts.append(
-                PromptRecord(qid=query_id, prompt=r["prompt"], prompt_ids=ids, solutions=list(r["solutions"]),
-                             task=r.get("task", "math"), row=dataset_row_fields(r))  # fmt: skip
+                PromptRecord(
+                    qid=query_id,
+                    prompt=r["prompt"],
+                    prompt_ids=ids,
+                    solutions=list(r["solutions"]),
+                    task=r.get("task", "math"),
+                    row=dataset_row_fields(r),
+                )
             )
         if not prompts:
             raise ValueError(
@@ -220,9 +230,12 @@ class RolloutWorker(AsyncWorker):
             row=base.row,
             # The manager's calls are retried; this id makes them idempotent there
             # (and its prefix names this worker: a restarted one releases its predecessor's).
-            metadata=dict(query_id=base.qid, epoch=epoch,
-                          rollout_id=f"{self.info.worker_index}:{epoch}:{tag}:{uuid.uuid4().hex[:8]}"),
-        )  # fmt: skip
+            metadata=dict(
+                query_id=base.qid,
+                epoch=epoch,
+                rollout_id=f"{self.info.worker_index}:{epoch}:{tag}:{uuid.uuid4().hex[:8]}",
+            ),
+        )
 
     def _take_over(self) -> None:
         """This process replaces one of the trial that died (the launcher
@@ -239,14 +252,23 @@ class RolloutWorker(AsyncWorker):
             if base in by_qid:
                 self._redo.append(self._make_record(by_qid[base], int(epoch), "redo"))
         self.n_regenerated += len(self._redo)
-        self.logger.info("took over from a failed rollout worker %d: epoch %d position %d, %d running rollouts "
-                         "generated again", self.info.worker_index, self.epoch, self._position, len(self._redo))  # fmt: skip
+        self.logger.info(
+            "took over from a failed rollout worker %d: epoch %d position %d, %d running rollouts generated again",
+            self.info.worker_index,
+            self.epoch,
+            self._position,
+            len(self._redo),
+        )
 
     def _manager_call_blocking(self, path: str, payload: dict) -> dict:
         import urllib.request
 
-        request = urllib.request.Request(f"{self.manager_url}{path}", data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        request = urllib.request.Request(
+            f"{self.manager_url}{path}",
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(request, timeout=MANAGER_CALL_TIMEOUT_S) as resp:
             return json.loads(resp.read())
 
@@ -256,8 +278,12 @@ class RolloutWorker(AsyncWorker):
         those as issued and unfinished, and generates them, once."""
         self._cursor_published = min(len(self._order), self._position + ahead)
         cursor = {"epoch": self.epoch, "position": self._cursor_published, "regenerated": self.n_regenerated}
-        name_resolve.add(names.rollout_cursor(self.experiment_name, self.trial_name, self.info.worker_index),
-                         json.dumps(cursor), replace=True, delete_on_exit=False)  # fmt: skip
+        name_resolve.add(
+            names.rollout_cursor(self.experiment_name, self.trial_name, self.info.worker_index),
+            json.dumps(cursor),
+            replace=True,
+            delete_on_exit=False,
+        )
 
     def _read_training_start(self) -> bool:
         """Waits (non-blocking) for the master's training_start; a resumed
@@ -284,16 +310,22 @@ class RolloutWorker(AsyncWorker):
                     if record.qid not in done:
                         self._redo.append(record)
             self.n_regenerated = len(self._redo)
-            self.logger.info("resuming at epoch %d position %d: %d prompts issued before the checkpoint are "
-                             "generated again (in flight or not yet offered then)", epoch, position, len(self._redo))  # fmt: skip
+            self.logger.info(
+                "resuming at epoch %d position %d: %d prompts issued before the checkpoint are "
+                "generated again (in flight or not yet offered then)",
+                epoch,
+                position,
+                len(self._redo),
+            )
         self._publish_cursor()
         return True
 
     # ---- the event loop ---------------------------------------------------------
     async def _setup_async(self) -> None:
         cfg = self.cfg
-        self.manager = GserverManagerClient(self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S,
-                                            retries=cfg.request_retries)  # fmt: skip
+        self.manager = GserverManagerClient(
+            self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S, retries=cfg.request_retries
+        )
         self.client = GenerationClient(timeout_s=cfg.request_timeout)
         self.partial_rollout = PartialRolloutManager(
             self.manager,
@@ -312,8 +344,9 @@ class RolloutWorker(AsyncWorker):
             # schedule; errors from their going away are expected then. Any
             # other time the error fails the worker (and the trial).
             if self._check_exit_conditions():
-                self.logger.warning("ignoring an error while the trial ends (%s): %s: %s", self.exit_reason,
-                                    type(e).__name__, e)  # fmt: skip
+                self.logger.warning(
+                    "ignoring an error while the trial ends (%s): %s: %s", self.exit_reason, type(e).__name__, e
+                )
                 return PollResult()
             raise
 
@@ -331,11 +364,14 @@ class RolloutWorker(AsyncWorker):
                 self._pending.append(self._next_prompt())
             offered = self._pending[:room]
             asked = time.monotonic()
-            reply = await self.manager.allocate_rollouts([(r.metadata["rollout_id"], r.qid) for r in offered],
-                                                         wait_s=ALLOCATE_WAIT_S)  # fmt: skip
+            reply = await self.manager.allocate_rollouts(
+                [(r.metadata["rollout_id"], r.qid) for r in offered], wait_s=ALLOCATE_WAIT_S
+            )
             admitted = int(reply.get("admitted", 0))
             for record in offered[:admitted]:  # started in one go: their first rounds go out together
-                self._episodes[record.qid] = asyncio.create_task(self._run_episode(record), name=f"episode {record.qid}")
+                self._episodes[record.qid] = asyncio.create_task(
+                    self._run_episode(record), name=f"episode {record.qid}"
+                )
             del self._pending[:admitted]
             self.counters["episodes_started"] += admitted
             started += admitted
@@ -355,8 +391,13 @@ class RolloutWorker(AsyncWorker):
 
     def _progress_info(self) -> dict:
         c = self.counters
-        return {"episodes": len(self._episodes), "started": c["episodes_started"], "pushed": c["trajectories_pushed"],
-                "push_queue": self._push_thread._work_queue.qsize(), "epoch": self.epoch}  # fmt: skip
+        return {
+            "episodes": len(self._episodes),
+            "started": c["episodes_started"],
+            "pushed": c["trajectories_pushed"],
+            "push_queue": self._push_thread._work_queue.qsize(),
+            "epoch": self.epoch,
+        }
 
     def _reap_episodes(self) -> int:
         """Drop finished episodes; an episode's exception fails the worker."""
@@ -381,7 +422,10 @@ class RolloutWorker(AsyncWorker):
             n_tokens += traj.n_tokens
             self.counters["trajectories_pushed"] += 1
             self.counters["tokens_pushed"] += traj.n_tokens
-            if self._sample_file is not None and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0:
+            if (
+                self._sample_file is not None
+                and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0
+            ):
                 self._write_sample(record, traj)
         await self._finishes.submit(None, (record.metadata["rollout_id"], len(trajectories), n_tokens))
         self.counters["episodes_accepted" if trajectories else "episodes_rejected"] += 1
@@ -415,8 +459,10 @@ class RolloutWorker(AsyncWorker):
             "solutions": record.solutions,
             "version_start": traj.version_start,
             "version_end": traj.version_end,
-            "answers": [self.tokenizer.decode(traj.completion_ids(i).tolist(), skip_special_tokens=True)
-                        for i in range(traj.group_size)],  # fmt: skip
+            "answers": [
+                self.tokenizer.decode(traj.completion_ids(i).tolist(), skip_special_tokens=True)
+                for i in range(traj.group_size)
+            ],
             "scores": traj.scores,
             "reward": traj.reward,
             "no_eos": traj.no_eos,
@@ -434,10 +480,18 @@ class RolloutWorker(AsyncWorker):
         self.logger.info(
             "epoch %d | episodes running %d started %d accepted %d rejected %d | trajectories pushed %d "
             "(%.1f tokens/s) | agent %s | generation %s | refusals %s | skipped prompts %d",
-            self.epoch, len(self._episodes), c["episodes_started"], c["episodes_accepted"], c["episodes_rejected"],
-            c["trajectories_pushed"], generation["generated_tokens"] / max(elapsed, 1e-9),
-            {k: round(v, 3) for k, v in agent_stats.items()}, generation, dict(self.refusals), self.n_skipped_prompts,
-        )  # fmt: skip
+            self.epoch,
+            len(self._episodes),
+            c["episodes_started"],
+            c["episodes_accepted"],
+            c["episodes_rejected"],
+            c["trajectories_pushed"],
+            generation["generated_tokens"] / max(elapsed, 1e-9),
+            {k: round(v, 3) for k, v in agent_stats.items()},
+            generation,
+            dict(self.refusals),
+            self.n_skipped_prompts,
+        )
 
     # ---- exit -----------------------------------------------------------------------
     async def _teardown_async(self) -> None:

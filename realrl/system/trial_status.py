@@ -96,8 +96,15 @@ def _get(repo: NameRecordRepository, key: str) -> str | None:
         return None
 
 
-def read_row(repo: NameRecordRepository, experiment: str, trial: str, worker_type: str, index: int,
-             now: float | None = None, local_host: str | None = None) -> Row:  # fmt: skip
+def read_row(
+    repo: NameRecordRepository,
+    experiment: str,
+    trial: str,
+    worker_type: str,
+    index: int,
+    now: float | None = None,
+    local_host: str | None = None,
+) -> Row:
     """One worker's row. A live status whose process is gone on this host
     (`local_host`, default this machine's name) reads as DEAD at once,
     before its key's TTL runs out."""
@@ -134,7 +141,9 @@ def read_row(repo: NameRecordRepository, experiment: str, trial: str, worker_typ
     return row
 
 
-def read_rows(repo: NameRecordRepository, experiment: str, trial: str, workers=(), now: float | None = None) -> list[Row]:
+def read_rows(
+    repo: NameRecordRepository, experiment: str, trial: str, workers=(), now: float | None = None
+) -> list[Row]:
     """Rows of `workers` ((type, index) pairs) and of every worker that published anything."""
     everyone = sort_workers(list(workers) + published_workers(repo, experiment, trial))
     return [read_row(repo, experiment, trial, kind, index, now=now) for kind, index in everyone]

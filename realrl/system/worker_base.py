@@ -176,10 +176,18 @@ class Worker:
                     doing = self._progress_info() or {}
                 except Exception as e:  # e.g. a field not set up yet
                     self.logger.debug("progress info failed: %s: %s", type(e).__name__, e)
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "state": self._status, "time": time.time(),
-                      "progress": self._progress_count, "main_thread": f"0x{threading.main_thread().ident:016x}",
-                      "doing": doing}  # fmt: skip
-            key = names.worker_progress(self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index)
+            record = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "state": self._status,
+                "time": time.time(),
+                "progress": self._progress_count,
+                "main_thread": f"0x{threading.main_thread().ident:016x}",
+                "doing": doing,
+            }
+            key = names.worker_progress(
+                self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index
+            )
             name_resolve.add(key, json.dumps(record, default=str), replace=True, delete_on_exit=False)
         except Exception as e:  # the name service hiccuped: the next one will do
             self.logger.debug("progress record not published: %s: %s", type(e).__name__, e)
@@ -240,8 +248,10 @@ class Worker:
                 return
             try:
                 stamp = datetime.datetime.now().isoformat(timespec="seconds")
-                f.write(f"=== stack dump {request_id} | {self.info.tag} pid {os.getpid()} on {socket.gethostname()} | "
-                        f"main thread 0x{threading.main_thread().ident:016x} | {stamp} ===\n")  # fmt: skip
+                f.write(
+                    f"=== stack dump {request_id} | {self.info.tag} pid {os.getpid()} on {socket.gethostname()} | "
+                    f"main thread 0x{threading.main_thread().ident:016x} | {stamp} ===\n"
+                )
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
                 f.write(f"=== end {request_id} ===\n")
@@ -299,8 +309,11 @@ class Worker:
         except name_resolve.NameEntryNotFoundError:
             self.logger.warning("no launcher keep-alive key %s; not watching the launcher", key)
             return
-        name_resolve.watch_names(key, lambda: self.request_exit("launcher keep-alive key disappeared"),
-                                 poll_frequency=min(1.0, self.info.heartbeat_ttl / 4))  # fmt: skip
+        name_resolve.watch_names(
+            key,
+            lambda: self.request_exit("launcher keep-alive key disappeared"),
+            poll_frequency=min(1.0, self.info.heartbeat_ttl / 4),
+        )
 
     def _main_loop(self) -> None:
         idle_sleep = 0.001
@@ -335,8 +348,11 @@ class Worker:
                 code = 1
                 # (Worded apart from the launcher's "name service lost" line, which is the one that says it
                 # on the console; the master's log is echoed there too.)
-                self.logger.error("exiting: the name service does not answer (%s: %s)", type(e).__name__,
-                                  str(e).strip().split("\n")[0])  # fmt: skip
+                self.logger.error(
+                    "exiting: the name service does not answer (%s: %s)",
+                    type(e).__name__,
+                    str(e).strip().split("\n")[0],
+                )
                 self.logger.debug("while name service was lost:\n%s", traceback.format_exc())
             else:
                 code = 1
@@ -370,7 +386,9 @@ class Worker:
     def _report_error(self, tb: str) -> None:
         self.logger.error("worker failed:\n%s", tb)
         try:
-            key = names.worker_error(self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index)
+            key = names.worker_error(
+                self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index
+            )
             name_resolve.add(key, tb, replace=True, delete_on_exit=False)
         except Exception as e:
             self.logger.error("could not record the traceback in name_resolve: %s", e)

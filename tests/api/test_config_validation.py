@@ -94,7 +94,9 @@ def test_an_agent_registered_by_a_plugin_is_accepted(tmp_path):
 
 def test_unknown_types_list_what_is_registered(tmp_path):
     cfg = config(tmp_path, "rollout.agent.type=nosuch")
-    with pytest.raises(ConfigError, match=r"^rollout.agent.type: unknown agent 'nosuch'; registered: .*math-single-step"):
+    with pytest.raises(
+        ConfigError, match=r"^rollout.agent.type: unknown agent 'nosuch'; registered: .*math-single-step"
+    ):
         check_environment(cfg, validate(cfg))
     cfg = config(tmp_path, "rollout.env.type=nosuch")
     with pytest.raises(ConfigError, match=r"^rollout.env.type: unknown environment 'nosuch'; registered: math"):
@@ -121,8 +123,9 @@ def test_writable_dir_check_creates_nothing(tmp_path):
 def test_model_positions_come_from_config_json(tmp_path):
     cfg = config(tmp_path, f"model.path={write_model(tmp_path, max_position_embeddings=64)}")
     assert model_positions(cfg) == 64
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 32},
-                                                                 "max_position_embeddings": 4096}))  # fmt: skip
+    (tmp_path / "model" / "config.json").write_text(
+        json.dumps({"text_config": {"max_position_embeddings": 32}, "max_position_embeddings": 4096})
+    )
     assert model_positions(cfg) == 32  # the decoder's own config, as the torch server reads it
     (tmp_path / "model" / "config.json").write_text(json.dumps({"n_positions": 1024}))
     assert model_positions(cfg) == 1024

@@ -14,9 +14,20 @@ def make_traj(n=3) -> Trajectory:
         ids.append(rng.integers(0, 50, plen + glen).astype(np.int32))
         lps.append(-rng.random(glen).astype(np.float32))
         vers.append(np.array([1] * (glen - 1) + [2], dtype=np.int32))
-    return Trajectory(qid="q1", task="math", birth_time=12.5, input_ids=ids, prompt_len=[5] * n, logprobs=lps,
-                      versions=vers, version_start=[1] * n, version_end=[2] * n, reward=[1.0, -1.0, 1.0][:n],
-                      no_eos=[False, True, False][:n], metadata={"answer": "7"})  # fmt: skip
+    return Trajectory(
+        qid="q1",
+        task="math",
+        birth_time=12.5,
+        input_ids=ids,
+        prompt_len=[5] * n,
+        logprobs=lps,
+        versions=vers,
+        version_start=[1] * n,
+        version_end=[2] * n,
+        reward=[1.0, -1.0, 1.0][:n],
+        no_eos=[False, True, False][:n],
+        metadata={"answer": "7"},
+    )
 
 
 def test_wire_round_trip_is_exact():
@@ -55,7 +66,9 @@ def test_nan_logprob_rejected():
         t.validate()
 
 
-@pytest.mark.parametrize("seq, pos", [(0, 0), (1, 4), (1, 5), (2, -1)])  # prompt, last prompt, first and last completion
+@pytest.mark.parametrize(
+    "seq, pos", [(0, 0), (1, 4), (1, 5), (2, -1)]
+)  # prompt, last prompt, first and last completion
 @pytest.mark.parametrize("bad", [50, -1, 2**31 - 1, -(2**31)])
 def test_token_ids_outside_the_vocabulary_are_rejected(seq, pos, bad):
     w = make_traj().to_wire()  # token ids in 0..49

@@ -34,7 +34,7 @@ def main() -> None:
         print("ready", flush=True)
         time.sleep(3600)
     elif action == "add_then_exit":
-        key, = args
+        (key,) = args
         name_resolve.add(key, "bye")
         name_resolve.add(key + "_kept", "stay", delete_on_exit=False)
         print("ready", flush=True)

@@ -185,8 +185,12 @@ threading.Event().wait()
 
 
 def test_a_child_dies_with_its_parent_mid_call():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT_THAT_HANGS.format(repo=str(REPO))],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_THAT_HANGS.format(repo=str(REPO))],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     child_pid = None
     try:
         child_pid = int(parent.stdout.readline())

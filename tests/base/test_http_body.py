@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
+from typing import Literal
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from realrl.base.http_body import BodyError, nesting_depth_exceeds, parse_json, read_json
+from realrl.base.http_body import BodyError, from_json, nesting_depth_exceeds, parse_json, read_json, rule, to_json
 
 LIMIT = 1 << 20
 
@@ -58,7 +60,7 @@ def test_depth_limit_is_exact_and_ignores_strings():
     assert parse_json(nested(8).encode(), max_bytes=LIMIT, max_depth=8, require_object=False) is not None
     assert "nested deeper than 8 levels" in str(refused(nested(9).encode(), max_depth=8, require_object=False))
     # Brackets, quotes and backslashes inside strings are not structure.
-    tricky = {"a": "[[[[[[[[[[{{{{{{", "b": '\\"[[[[[[[[[[', "c": "\\\\", "d": ['"]]]]', "\\\\\\\""]}
+    tricky = {"a": "[[[[[[[[[[{{{{{{", "b": '\\"[[[[[[[[[[', "c": "\\\\", "d": ['"]]]]', '\\\\\\"']}
     assert parse_json(json.dumps(tricky).encode(), max_bytes=LIMIT, max_depth=2) == tricky
 
 
@@ -77,7 +79,7 @@ def test_deep_bodies_are_refused_without_recursion():
 
 def test_depth_check_agrees_with_a_lexer_on_random_and_broken_json():
     rng = random.Random(0)
-    leaves = [1, None, 2.5, "x{", "a\\\"[[", "]\\\\", '\\\\\\"', "[]{}"]
+    leaves = [1, None, 2.5, "x{", 'a\\"[[', "]\\\\", '\\\\\\"', "[]{}"]
 
     def value(depth: int):
         if depth == 0 or rng.random() < 0.3:
@@ -92,7 +94,7 @@ def test_depth_check_agrees_with_a_lexer_on_random_and_broken_json():
         if broken:  # splice in stray brackets, quotes and backslashes
             for _ in range(rng.randint(1, 3)):
                 i = rng.randrange(len(text) + 1)
-                text = text[:i] + rng.choice("[{\"\\]}") * rng.randint(1, 4) + text[i:]
+                text = text[:i] + rng.choice('[{"\\]}') * rng.randint(1, 4) + text[i:]
         depth = reference_depth(text)
         for limit in range(12):
             exceeds = nesting_depth_exceeds(text.encode(), limit)
@@ -155,3 +157,67 @@ def test_read_json_over_real_http():
     assert chunked[0] == 413 and "exceeds the limit of 1000 bytes" in chunked[1]["error"]
     assert deep[0] == 400 and "nested deeper than 4" in deep[1]["error"]
     assert good == (200, {"echo": {"a": [1]}})
+
+
+# --------------------------------------------------------------------------- typed bodies
+
+
+@dataclasses.dataclass
+class _Part:
+    qid: str = dataclasses.field(metadata=rule(nonempty=True))
+    n: int = dataclasses.field(default=1, metadata=rule(min=1, max=64))
+
+
+@dataclasses.dataclass
+class _Body:
+    name: str
+    parts: list[_Part] = dataclasses.field(default_factory=list)
+    weight: float = 1.0
+    flag: bool = False
+    mode: Literal["a", "b"] = "a"
+    version: int | None = None
+    extra: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Lenient:
+    UNKNOWN_FIELDS = "ignore"
+    x: int = 0
+
+
+def test_from_json_builds_nested_dataclasses_and_round_trips():
+    body = {"name": "a", "parts": [{"qid": "q", "n": 3}], "weight": 2, "version": 7, "extra": {"k": 1}}
+    parsed = from_json(_Body, body)
+    assert parsed == _Body(name="a", parts=[_Part("q", 3)], weight=2.0, version=7, extra={"k": 1})
+    assert isinstance(parsed.weight, float)
+    assert to_json(parsed) == {**body, "weight": 2.0, "flag": False, "mode": "a"}
+    assert from_json(_Body, {"name": "a", "version": None}).version is None  # null = absent
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({}, "missing field 'name'"),
+        ({"name": 1}, "field 'name' must be a string"),
+        ({"name": "a", "bogus": 1}, "unknown field(s) 'bogus'"),
+        ({"name": "a", "parts": [{"qid": ""}]}, "field 'parts[0].qid' must be a non-empty string"),
+        ({"name": "a", "parts": [{"qid": "q", "n": 0}]}, "field 'parts[0].n' must be >= 1"),
+        ({"name": "a", "parts": [{"qid": "q", "n": 2**70}]}, "field 'parts[0].n' is out of range"),
+        ({"name": "a", "parts": [{"qid": "q", "n": 65}]}, "field 'parts[0].n' must be <= 64"),
+        ({"name": "a", "parts": [{"qid": "q", "n": True}]}, "field 'parts[0].n' must be an integer"),
+        ({"name": "a", "parts": {"qid": "q"}}, "field 'parts' must be a list"),
+        ({"name": "a", "weight": "1"}, "field 'weight' must be a finite number"),
+        ({"name": "a", "flag": 1}, "field 'flag' must be a boolean"),
+        ({"name": "a", "mode": "c"}, "field 'mode' must be one of 'a', 'b'"),
+        ({"name": "a", "extra": {"k": "v"}}, "field 'extra.k' must be an integer"),
+        ([1], "the request body must be a JSON object"),
+    ],
+)
+def test_from_json_names_the_bad_field(body, message):
+    with pytest.raises(BodyError) as e:
+        from_json(_Body, body)
+    assert message in str(e.value) and e.value.status == 400
+
+
+def test_from_json_may_ignore_unknown_fields():
+    assert from_json(_Lenient, {"x": 2, "y": 3}) == _Lenient(x=2)

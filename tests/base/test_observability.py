@@ -21,25 +21,49 @@ from realrl.base.stats import StatsLogger
 from realrl.system.gserver_manager import RequestRouter
 from training.main_async_ppo import load_config
 
-STEP_LINE = ("12:00:00.000 I [master_worker/0] realrl.steps: step {step}/{total} v{step} | acc 0.625 reward 0.500 | "
-             "loss 0.0100 clip 0.000 | staleness max 2 | 0.50s (fetch 0.10, inf 0.10, train 0.30) | "
-             "idle trainer 0.20 gen 0.05 | tokens/s gen 900 train 700")  # fmt: skip
+STEP_LINE = (
+    "12:00:00.000 I [master_worker/0] realrl.steps: step {step}/{total} v{step} | acc 0.625 reward 0.500 | "
+    "loss 0.0100 clip 0.000 | staleness max 2 | 0.50s (fetch 0.10, inf 0.10, train 0.30) | "
+    "idle trainer 0.20 gen 0.05 | tokens/s gen 900 train 700"
+)
 
 
 def synthetic_stats(path, steps: int = 30, eval_every: int = 10) -> None:
     records = [{"step": 0, "eval/accuracy": 0.2, "eval/score": 0.25, "eval/n": 64, "time/elapsed_s": 2.0}]
     for s in range(1, steps + 1):
-        records.append({
-            "step": s, "train/actor_loss": 0.01, "rollout/accuracy": 0.2 + s / 100, "rollout/reward/mean": 0.1 + s / 50,
-            "staleness/mean": 1.0, "staleness/max": 2, "staleness/histogram": {"0": 4, "1": 8, "2": 4},
-            "staleness/token_histogram": {"0": 40, "1": 90, "2": 30},
-            "time/fetch_s": 0.3, "time/wait_data_s": 0.2, "time/inference_s": 0.1, "time/train_s": 0.5,
-            "time/publish_s": 0.1, "time/step_s": 0.9, "perf/trainer_idle_ratio": 0.22, "perf/gen_idle_ratio": 0.05,
-            "perf/gen_tokens_per_s": 1000.0 + s, "perf/train_tokens_per_s": 800.0, "time/elapsed_s": 2.0 + s,
-        })  # fmt: skip
+        records.append(
+            {
+                "step": s,
+                "train/actor_loss": 0.01,
+                "rollout/accuracy": 0.2 + s / 100,
+                "rollout/reward/mean": 0.1 + s / 50,
+                "staleness/mean": 1.0,
+                "staleness/max": 2,
+                "staleness/histogram": {"0": 4, "1": 8, "2": 4},
+                "staleness/token_histogram": {"0": 40, "1": 90, "2": 30},
+                "time/fetch_s": 0.3,
+                "time/wait_data_s": 0.2,
+                "time/inference_s": 0.1,
+                "time/train_s": 0.5,
+                "time/publish_s": 0.1,
+                "time/step_s": 0.9,
+                "perf/trainer_idle_ratio": 0.22,
+                "perf/gen_idle_ratio": 0.05,
+                "perf/gen_tokens_per_s": 1000.0 + s,
+                "perf/train_tokens_per_s": 800.0,
+                "time/elapsed_s": 2.0 + s,
+            }
+        )
         if s % eval_every == 0:
-            records.append({"step": s, "eval/accuracy": 0.2 + s / 100, "eval/score": 0.25 + s / 100, "eval/n": 64,
-                            "time/elapsed_s": 2.5 + s})  # fmt: skip
+            records.append(
+                {
+                    "step": s,
+                    "eval/accuracy": 0.2 + s / 100,
+                    "eval/score": 0.25 + s / 100,
+                    "eval/n": 64,
+                    "time/elapsed_s": 2.5 + s,
+                }
+            )
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 31, "torn')  # a torn last line
 
 
@@ -68,27 +92,45 @@ def test_write_plots_from_a_synthetic_stats_file(tmp_path):
 
 def test_write_plots_skips_figures_without_data(tmp_path):
     stats = tmp_path / "stats.jsonl"
-    stats.write_text(json.dumps({"step": 1, "train/actor_loss": 0.1, "time/step_s": 1.0, "time/fetch_s": 0.5,
-                                 "time/inference_s": 0.1, "time/train_s": 0.4}) + "\n")  # fmt: skip
+    stats.write_text(
+        json.dumps(
+            {
+                "step": 1,
+                "train/actor_loss": 0.1,
+                "time/step_s": 1.0,
+                "time/fetch_s": 0.5,
+                "time/inference_s": 0.1,
+                "time/train_s": 0.4,
+            }
+        )
+        + "\n"
+    )
     paths = write_plots(str(stats), str(tmp_path / "plots"))
     assert [p.rsplit("/", 1)[1] for p in paths] == ["step_time.png"]  # no eval, staleness or perf data
 
 
 def test_plots_command_line(tmp_path):
     synthetic_stats(tmp_path / "stats.jsonl")
-    proc = subprocess.run([sys.executable, "-m", "realrl.base.plots", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "realrl.base.plots", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split()) == sorted(str(tmp_path / "plots" / name) for name in FIGURES)
-    missing = subprocess.run([sys.executable, "-m", "realrl.base.plots", str(tmp_path / "nothing")],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    missing = subprocess.run(
+        [sys.executable, "-m", "realrl.base.plots", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "no stats file" in missing.stderr
 
 
 def test_step_lines_parse_and_other_lines_do_not():
     s = parse_step_line(STEP_LINE.format(step=7, total=40))
     assert (s.step, s.total, s.acc, s.reward, s.staleness) == (7, 40, 0.625, 0.5, 2)
-    assert parse_step_line("12:00:00.000 I [master_worker/0] realrl.master_worker: step 7/40 is not a step line") is None
+    assert (
+        parse_step_line("12:00:00.000 I [master_worker/0] realrl.master_worker: step 7/40 is not a step line") is None
+    )
     assert parse_step_line("eval at step 10: greedy accuracy 0.5") is None
 
 
@@ -148,8 +190,12 @@ def test_console_on_a_real_terminal_draws_the_bar(tmp_path):
         "console.close()\n"
     )
     main, sub = pty.openpty()
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=sub, stderr=subprocess.PIPE,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=sub,
+        stderr=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     os.close(sub)
     out = b""
     while True:
@@ -214,9 +260,14 @@ def test_wandb_offline_when_installed_and_one_warning_when_not(tmp_path, monkeyp
     assert calls[1:] == [("log", {"x": 2.0}, 3), ("finish",)]
 
 
-@pytest.mark.parametrize("override, key", [("console.every_n_steps=x", "console.every_n_steps"),
-                                           ("stats.wandb=maybe", "stats.wandb"),
-                                           ("stats.no_such_key=1", "stats.no_such_key")])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("console.every_n_steps=x", "console.every_n_steps"),
+        ("stats.wandb=maybe", "stats.wandb"),
+        ("stats.no_such_key=1", "stats.no_such_key"),
+    ],
+)
 def test_console_and_stats_keys_are_typed(override, key):
     with pytest.raises(ConfigError, match=key) as e:
         load_config([override])

@@ -14,8 +14,20 @@ import torch
 from realrl.base import wire
 from realrl.base.wire import WireFormatError
 
-ALL_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-              np.float16, np.float32, np.float64]  # fmt: skip
+ALL_DTYPES = [
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+]
 
 
 def sample_structure() -> dict:
@@ -99,8 +111,16 @@ def test_torch_tensors_come_back_as_numpy():
 
 
 def test_encode_rejects_unsupported_values():
-    bad_values = [{1, 2}, object(), np.array([1 + 2j]), np.array(["text"]), np.array([object()]), 2**64,
-                  np.ma.masked_array([1, 2], mask=[0, 1]), np.datetime64("2024-01-01")]  # fmt: skip
+    bad_values = [
+        {1, 2},
+        object(),
+        np.array([1 + 2j]),
+        np.array(["text"]),
+        np.array([object()]),
+        2**64,
+        np.ma.masked_array([1, 2], mask=[0, 1]),
+        np.datetime64("2024-01-01"),
+    ]
     for bad in bad_values:
         with pytest.raises((TypeError, OverflowError)):
             wire.encode({"x": bad})
@@ -228,8 +248,12 @@ def test_loads_rejects(case):
 
 def test_fuzzed_messages_decode_or_raise_wire_format_error_only():
     rng = random.Random(1234)
-    obj = {"ids": np.arange(40, dtype=np.int32), "lp": np.linspace(0, 1, 9, dtype=np.float32),
-           "meta": {"qid": "q", "r": 1.0, 3: [1, 2, (3, None)]}, "m": np.ones((2, 3), np.uint8)}  # fmt: skip
+    obj = {
+        "ids": np.arange(40, dtype=np.int32),
+        "lp": np.linspace(0, 1, 9, dtype=np.float32),
+        "meta": {"qid": "q", "r": 1.0, 3: [1, 2, (3, None)]},
+        "m": np.ones((2, 3), np.uint8),
+    }
     buffer = wire.dumps(obj)
     frames = [bytes(f) for f in wire.encode(obj)]
     outcomes = {"ok": 0, "rejected": 0}

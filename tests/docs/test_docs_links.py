@@ -262,8 +262,11 @@ def test_design_citations_name_existing_sections():
     sections = _design_sections()
     citations = _citations()
     assert citations, "found no docs/design.md §N citations at all: is the pattern still right?"
-    errors = [f"{where}: cites docs/design.md §{section}, which has no '## {section}. ...' heading"
-              for where, section, _ in citations if section not in sections]  # fmt: skip
+    errors = [
+        f"{where}: cites docs/design.md §{section}, which has no '## {section}. ...' heading"
+        for where, section, _ in citations
+        if section not in sections
+    ]
     errors += [f"{where}: backwards range ending at §{hi}" for where, section, hi in citations if hi < section]
     assert not errors, "\n".join(errors)
 
@@ -282,10 +285,13 @@ def test_checker_rejects_bad_targets(tmp_path):
     assert "absolute" in _check_target(doc, "/etc/passwd")
     assert "anchor" in _check_target(doc, "architecture.md#no-such-heading")
     assert "scheme" in _check_target(doc, "file:///etc/passwd")
-    text = "see [a](x.md) and ![b](img/y.png \"t\") but not `[c](z.md)`\n```\n[d](w.md)\n```\n[e]: ../f.md\n"
+    text = 'see [a](x.md) and ![b](img/y.png "t") but not `[c](z.md)`\n```\n[d](w.md)\n```\n[e]: ../f.md\n'
     assert [t for _, t in _links(text)] == ["x.md", "img/y.png", "../f.md"]
     spans = "`realrl/api/trajectory.py` `training/utils.py:place_gpus` `model_version/actor` `<fileroot>/x` `/tmp/a.py`"
     assert [t for _, t in _code_span_paths(spans)] == ["realrl/api/trajectory.py", "training/utils.py"]
-    cited = [int(x.group(1)) for m in _CITATION.finditer("(docs/design.md §2, §6-§8) docs/design.md §5–§6")
-             for x in _REF.finditer(m.group(1))]  # fmt: skip
+    cited = [
+        int(x.group(1))
+        for m in _CITATION.finditer("(docs/design.md §2, §6-§8) docs/design.md §5–§6")
+        for x in _REF.finditer(m.group(1))
+    ]
     assert cited == [2, 6, 5]

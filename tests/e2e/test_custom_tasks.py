@@ -12,14 +12,14 @@ from tests.e2e.test_async_ppo import run
 # Partial credit: a number of the right length earns 0.25, the right last digit
 # another 0.25; only the exact answer earns 1. `n_digits` is a field of the
 # dataset row (the test adds it), so it reaches the function as a keyword.
-REWARD_FILE = '''
+REWARD_FILE = """
 def reward(prompt, completion, answer, n_digits, **row):
     text = completion.strip()
     if text == answer:
         return 1.0
     right_length = len(text.lstrip("-")) == n_digits and text.lstrip("-").isdigit()
     return 0.25 * right_length + 0.25 * (text[-1:] == answer[-1:])
-'''
+"""
 
 
 def with_digit_counts(src: str, dst) -> None:
@@ -37,10 +37,17 @@ def test_a_reward_function_with_partial_credit_trains(tmp_path, kit_cache):
     with_digit_counts(kit.train_path, tmp_path / "task" / "train.jsonl")
     with_digit_counts(kit.test_path, tmp_path / "task" / "test.jsonl")
     steps = 30
-    _, summary, stats = run(tmp_path, kit_cache, "rewardfn", f"total_train_steps={steps}", "eval.every_n_steps=0",
-                            f"rollout.reward_fn={tmp_path / 'task' / 'digits.py'}:reward",
-                            f"model.path={kit.model_path}", f"dataset.train_path={tmp_path / 'task' / 'train.jsonl'}",
-                            f"dataset.test_path={tmp_path / 'task' / 'test.jsonl'}")  # fmt: skip
+    _, summary, stats = run(
+        tmp_path,
+        kit_cache,
+        "rewardfn",
+        f"total_train_steps={steps}",
+        "eval.every_n_steps=0",
+        f"rollout.reward_fn={tmp_path / 'task' / 'digits.py'}:reward",
+        f"model.path={kit.model_path}",
+        f"dataset.train_path={tmp_path / 'task' / 'train.jsonl'}",
+        f"dataset.test_path={tmp_path / 'task' / 'test.jsonl'}",
+    )
     assert summary["steps"] == steps
     # Evaluation runs the same function: accuracy is full credit, the score counts partial credit.
     assert summary["final_eval_accuracy"] > summary["initial_eval_accuracy"], summary["eval_history"]
@@ -50,15 +57,25 @@ def test_a_reward_function_with_partial_credit_trains(tmp_path, kit_cache):
     assert len(train_steps) == steps
     # Partial credit reached the trainer as it was: scores strictly between 0 and 1.
     assert any(0 < s["rollout/score/mean"] < 1 and s["rollout/accuracy"] < s["rollout/score/mean"] for s in train_steps)
-    samples = [json.loads(line) for line in open(tmp_path / "logs" / "async-ppo-tiny" / "rewardfn" / "samples" / "rollout-0.jsonl")]
+    samples = [
+        json.loads(line)
+        for line in open(tmp_path / "logs" / "async-ppo-tiny" / "rewardfn" / "samples" / "rollout-0.jsonl")
+    ]
     assert any(0 < x < 1 for s in samples for x in s["scores"]), samples[:3]
 
 
 def test_a_multi_turn_agent_retries_concurrently_and_trains(tmp_path, kit_cache):
     steps = 6
-    _, summary, stats = run(tmp_path, kit_cache, "multiturn", f"total_train_steps={steps}", "eval.every_n_steps=0",
-                            "eval.max_prompts=64", "rollout.agent.type=math-multi-turn",
-                            "rollout.agent.args.num_turns=2")  # a new key under agent args, no `+`  # fmt: skip
+    _, summary, stats = run(
+        tmp_path,
+        kit_cache,
+        "multiturn",
+        f"total_train_steps={steps}",
+        "eval.every_n_steps=0",
+        "eval.max_prompts=64",
+        "rollout.agent.type=math-multi-turn",
+        "rollout.agent.args.num_turns=2",
+    )  # a new key under agent args, no `+`
     assert summary["steps"] == steps and summary["trajectories"]["consumed"] == steps * 16
     t = summary["trajectories"]
     assert t["produced"] == t["consumed"] + t["dropped"] + t["buffered"], t

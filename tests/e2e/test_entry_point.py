@@ -14,8 +14,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-
-
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -29,7 +27,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         # agent / environment types, against the registries after loading the plugins
         ("rollout.agent.type=nosuch", "rollout.agent.type"),
         ("rollout.env.type=nosuch", "rollout.env.type"),
-        ("plugins=[{repo}/tests/e2e/shard_filter_plugin.py] rollout.agent.type=shard-filter-agnet", "rollout.agent.type"),
+        (
+            "plugins=[{repo}/tests/e2e/shard_filter_plugin.py] rollout.agent.type=shard-filter-agnet",
+            "rollout.agent.type",
+        ),
         # a reward function: missing file, missing function, broken file, unknown name, clash with an env
         ("rollout.reward_fn={tmp}/nonexistent.py:reward", "rollout.reward_fn"),
         ("rollout.reward_fn={tmp}/reward.py:no_such_fn", "rollout.reward_fn"),
@@ -52,8 +53,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         # generation lengths against the model's positions (the tiny model has 256)
         ("rollout.gconfig.max_new_tokens=256", "rollout.gconfig.max_new_tokens"),
         ("eval.max_new_tokens=1000", "eval.max_new_tokens"),
-        ("model.path={tmp}/model dataset.train_path={tmp}/train.jsonl rollout.gconfig.max_new_tokens=64",
-         "rollout.gconfig.max_new_tokens"),
+        (
+            "model.path={tmp}/model dataset.train_path={tmp}/train.jsonl rollout.gconfig.max_new_tokens=64",
+            "rollout.gconfig.max_new_tokens",
+        ),
         # servers and requests
         ("server.torch.max_running_requests=0", "server.torch.max_running_requests"),
         ("server.torch.dtype=int8", "server.torch.dtype"),
@@ -87,8 +90,13 @@ def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, over
     before = sorted(p.name for p in tmp_path.iterdir())
     fileroot = tmp_path / "runs"
     args = [o.format(tmp=tmp_path, repo=REPO) for o in overrides.split()]
-    proc = subprocess.run([sys.executable, "training/main_async_ppo.py", f"fileroot={fileroot}", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "training/main_async_ppo.py", f"fileroot={fileroot}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("realrl: config error: "), proc.stderr
@@ -105,10 +113,21 @@ def test_run_script_trains_and_ends_with_the_summary_path(tmp_path, kit_cache):
     carriage return; the idle-ratio and throughput stats; the plots."""
     steps = 4
     proc = subprocess.run(
-        ["bash", "examples/run_async_ppo.sh", f"fileroot={tmp_path}", f"tiny_kit.cache_dir={kit_cache}",
-         f"total_train_steps={steps}", "eval.every_n_steps=0", "heartbeat_ttl=3", "console.every_n_steps=3"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            "bash",
+            "examples/run_async_ppo.sh",
+            f"fileroot={tmp_path}",
+            f"tiny_kit.cache_dir={kit_cache}",
+            f"total_train_steps={steps}",
+            "eval.every_n_steps=0",
+            "heartbeat_ttl=3",
+            "console.every_n_steps=3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("summary: "), proc.stdout[-2000:]

@@ -28,13 +28,24 @@ class Trial:
 
     def __init__(self, tmp_path, kit_cache, trial: str, *overrides: str):
         self.log_dir = os.path.join(tmp_path, "logs", "async-ppo-tiny", trial)
-        self.args = [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), f"fileroot={tmp_path}",
-                     f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "heartbeat_ttl=3",
-                     "eval.every_n_steps=0", "eval.max_prompts=16", "saver.save_final_model=false",
-                     "total_train_steps=400", *overrides]  # fmt: skip
+        self.args = [
+            sys.executable,
+            os.path.join(REPO, "training", "main_async_ppo.py"),
+            f"fileroot={tmp_path}",
+            f"trial_name={trial}",
+            f"tiny_kit.cache_dir={kit_cache}",
+            "heartbeat_ttl=3",
+            "eval.every_n_steps=0",
+            "eval.max_prompts=16",
+            "saver.save_final_model=false",
+            "total_train_steps=400",
+            *overrides,
+        ]
         self.out_path = os.path.join(tmp_path, f"{trial}.console")
         with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            )
 
     def wait_for(self, what: str, predicate, timeout: float = 600):
         """The first true value of `predicate()`, polled while the trial runs."""
@@ -49,8 +60,11 @@ class Trial:
 
     def wait_for_step(self, step: int, timeout: float = 600) -> None:
         path = os.path.join(self.log_dir, "stats.jsonl")
-        self.wait_for(f"step {step}", lambda: os.path.exists(path) and any(
-            json.loads(line).get("step", 0) >= step for line in open(path)), timeout)  # fmt: skip
+        self.wait_for(
+            f"step {step}",
+            lambda: os.path.exists(path) and any(json.loads(line).get("step", 0) >= step for line in open(path)),
+            timeout,
+        )
 
     def log(self, tag: str) -> str:
         try:
@@ -91,7 +105,11 @@ class Trial:
 
     def exited_by_themselves(self, tags) -> list[str]:
         """The workers whose log ends with their own exit (not SIGKILLed)."""
-        return [t for t in tags if "exited with code" in open(os.path.join(self.log_dir, f"{t}.log"), errors="replace").read()]
+        return [
+            t
+            for t in tags
+            if "exited with code" in open(os.path.join(self.log_dir, f"{t}.log"), errors="replace").read()
+        ]
 
     def kill(self) -> None:
         try:
@@ -138,7 +156,9 @@ def test_second_launch_of_a_running_trial_exits_2_and_sigterm_stops_the_first(tm
         second = subprocess.run(first.args, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
-        assert lines == [f"realrl: trial async-ppo-tiny/twice already running (pid {first.proc.pid}); leaving it alone"], second.stderr
+        assert lines == [
+            f"realrl: trial async-ppo-tiny/twice already running (pid {first.proc.pid}); leaving it alone"
+        ], second.stderr
         assert second.stdout == ""
         # The running trial is untouched: same workers, still training.
         assert all(p.is_running() for p in workers.values())
@@ -170,6 +190,9 @@ def test_losing_etcd_is_one_line_and_stops_everything(tmp_path, kit_cache):
     assert code == 1, out[-3000:]
     lost = [line for line in out.splitlines() if "name service lost" in line]
     assert len(lost) == 1, out[-3000:]
-    assert re.fullmatch(r"realrl: name service lost \((the private etcd at 127\.0\.0\.1:\d+ exited|etcd at 127\.0\.0\.1:\d+ "
-                        r"does not answer)\); stopping trial async-ppo-tiny/noetcd", lost[0]), lost[0]
+    assert re.fullmatch(
+        r"realrl: name service lost \((the private etcd at 127\.0\.0\.1:\d+ exited|etcd at 127\.0\.0\.1:\d+ "
+        r"does not answer)\); stopping trial async-ppo-tiny/noetcd",
+        lost[0],
+    ), lost[0]
     assert "Traceback" not in out and "keep-alive" not in out, out[-3000:]

@@ -26,12 +26,24 @@ def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache):
     fileroot, steps, eta = tmp_path / "runs", 30, 2
     with TwoNodeRayCluster(str(tmp_path / "ray")) as cluster:
         proc = cluster.run_on_head(
-            [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray",
-             f"ray.address={cluster.address}", f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}",
-             f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={eta}", "eval.every_n_steps=0",
-             "heartbeat_ttl=3", "saver.save_final_model=false"],
-            cwd=REPO, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            [
+                sys.executable,
+                os.path.join(REPO, "training", "main_async_ppo.py"),
+                "mode=ray",
+                f"ray.address={cluster.address}",
+                f"fileroot={fileroot}",
+                f"tiny_kit.cache_dir={kit_cache}",
+                f"total_train_steps={steps}",
+                f"rollout.max_head_offpolicyness={eta}",
+                "eval.every_n_steps=0",
+                "heartbeat_ttl=3",
+                "saver.save_final_model=false",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         last = proc.stdout.strip().splitlines()[-1]
         assert last.startswith("summary: "), proc.stdout[-2000:]
@@ -50,14 +62,26 @@ def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache):
         assert f"'generation_server/0': '{WORKER_IP}'" in proc.stderr, proc.stderr[-3000:]
         # A cluster too small for allocation_mode: one line, before any worker starts.
         small = cluster.run_on_head(
-            [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray", f"ray.address={cluster.address}",
-             f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}", "trial_name=toosmall",
-             "allocation_mode=torch.d4p1m1+d1p1m1"],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                os.path.join(REPO, "training", "main_async_ppo.py"),
+                "mode=ray",
+                f"ray.address={cluster.address}",
+                f"fileroot={fileroot}",
+                f"tiny_kit.cache_dir={kit_cache}",
+                "trial_name=toosmall",
+                "allocation_mode=torch.d4p1m1+d1p1m1",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert small.returncode == 2, small.stderr[-3000:]
         errors = [line for line in small.stderr.splitlines() if line.startswith("realrl: ")]
-        assert errors == [errors[0]] and errors[0].startswith("realrl: config error: allocation_mode: the Ray cluster has no room for generation_server"), small.stderr[-3000:]
+        assert errors == [errors[0]] and errors[0].startswith(
+            "realrl: config error: allocation_mode: the Ray cluster has no room for generation_server"
+        ), small.stderr[-3000:]
         assert not (fileroot / "logs" / "async-ppo-tiny" / "toosmall").exists()
         # Nothing of the trial is left on either node (the Ray cluster itself stays up).
         for ip in (HEAD_IP, WORKER_IP):
@@ -68,13 +92,27 @@ def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache):
 def _start_trial(cluster: TwoNodeRayCluster, tmp_path, kit_cache, trial: str):
     out = open(tmp_path / f"{trial}.console", "wb")
     proc = cluster.popen_on_head(
-        [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray", f"ray.address={cluster.address}",
-         f"fileroot={tmp_path / 'runs'}", f"trial_name={trial}", f"tiny_kit.cache_dir={kit_cache}", "total_train_steps=400",
-         "eval.every_n_steps=0", "eval.max_prompts=16", "heartbeat_ttl=3", "saver.save_final_model=false",
-         # (by default a dead server or rollout worker is started again; here a failure must stop the trial)
-         "server.max_restarts=0", "rollout.max_restarts=0"],
-        cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(REPO, "training", "main_async_ppo.py"),
+            "mode=ray",
+            f"ray.address={cluster.address}",
+            f"fileroot={tmp_path / 'runs'}",
+            f"trial_name={trial}",
+            f"tiny_kit.cache_dir={kit_cache}",
+            "total_train_steps=400",
+            "eval.every_n_steps=0",
+            "eval.max_prompts=16",
+            "heartbeat_ttl=3",
+            "saver.save_final_model=false",
+            # (by default a dead server or rollout worker is started again; here a failure must stop the trial)
+            "server.max_restarts=0",
+            "rollout.max_restarts=0",
+        ],
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     stats = tmp_path / "runs" / "logs" / "async-ppo-tiny" / trial / "stats.jsonl"
     deadline = time.monotonic() + 600
     while not (stats.exists() and len(stats.read_text().splitlines()) >= 3):
@@ -88,11 +126,16 @@ def test_a_failed_worker_or_a_lost_node_stops_the_trial_and_names_the_node(tmp_p
     with TwoNodeRayCluster(str(tmp_path / "ray")) as cluster:
         # A worker on the other node dies: its traceback tail and its node are shown.
         proc = _start_trial(cluster, tmp_path, kit_cache, "workerdies")
-        (victim,) = [pid for pid, cmd in cluster.processes(WORKER_IP) if "worker_base" in cmd and "generation_server-0" in cmd]
+        (victim,) = [
+            pid for pid, cmd in cluster.processes(WORKER_IP) if "worker_base" in cmd and "generation_server-0" in cmd
+        ]
         os.kill(victim, signal.SIGKILL)
         assert proc.wait(timeout=120) == 1
         console = (tmp_path / "workerdies.console").read_text()
-        assert f"\nrealrl: worker generation_server/0 failed (signal SIGKILL on node {WORKER_IP}); stopping the trial." in console, console[-3000:]
+        assert (
+            f"\nrealrl: worker generation_server/0 failed (signal SIGKILL on node {WORKER_IP}); stopping the trial."
+            in console
+        ), console[-3000:]
         assert "---- generation_server/0 log tail ----" in console
         for ip in (HEAD_IP, WORKER_IP):
             left = [cmd for _, cmd in cluster.processes(ip) if "realrl" in cmd]
@@ -104,7 +147,9 @@ def test_a_failed_worker_or_a_lost_node_stops_the_trial_and_names_the_node(tmp_p
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 120
-        while any("realrl.system.worker_base" in cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip)):
+        while any(
+            "realrl.system.worker_base" in cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip)
+        ):
             assert time.monotonic() < deadline, "workers outlived their launcher"  # a hang guard
             time.sleep(0.5)
 
@@ -117,7 +162,9 @@ def test_a_failed_worker_or_a_lost_node_stops_the_trial_and_names_the_node(tmp_p
         assert said and WORKER_IP in said[0] and ("was lost" in said[0] or "is gone" in said[0]), console[-3000:]
         deadline = time.monotonic() + 60  # the lost node's own workers notice by themselves
         while any("realrl" in cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip)):
-            assert time.monotonic() < deadline, [cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip) if "realrl" in cmd]
+            assert time.monotonic() < deadline, [
+                cmd for ip in (HEAD_IP, WORKER_IP) for _, cmd in cluster.processes(ip) if "realrl" in cmd
+            ]
             time.sleep(0.5)
 
 
@@ -127,14 +174,29 @@ def test_data_parallel_trainers_on_two_nodes_train_in_lockstep(tmp_path, kit_cac
     fileroot = tmp_path / "runs"
     with TwoNodeRayCluster(str(tmp_path / "ray"), cpus=(1, 3)) as cluster:
         proc = cluster.run_on_head(
-            [sys.executable, os.path.join(REPO, "training", "main_async_ppo.py"), "mode=ray",
-             f"ray.address={cluster.address}", f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}",
-             "allocation_mode=torch.d1p1m1+d2p1m1", "total_train_steps=3", "eval.every_n_steps=0",
-             "eval.max_prompts=32", "heartbeat_ttl=3", "saver.save_final_model=false"],
-            cwd=REPO, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            [
+                sys.executable,
+                os.path.join(REPO, "training", "main_async_ppo.py"),
+                "mode=ray",
+                f"ray.address={cluster.address}",
+                f"fileroot={fileroot}",
+                f"tiny_kit.cache_dir={kit_cache}",
+                "allocation_mode=torch.d1p1m1+d2p1m1",
+                "total_train_steps=3",
+                "eval.every_n_steps=0",
+                "eval.max_prompts=32",
+                "heartbeat_ttl=3",
+                "saver.save_final_model=false",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert f"'model_worker/0': '{HEAD_IP}'" in proc.stderr and f"'model_worker/1': '{WORKER_IP}'" in proc.stderr, proc.stderr[-2000:]
+        assert f"'model_worker/0': '{HEAD_IP}'" in proc.stderr and f"'model_worker/1': '{WORKER_IP}'" in proc.stderr, (
+            proc.stderr[-2000:]
+        )
         with open(proc.stdout.strip().splitlines()[-1][len("summary: ") :]) as f:
             summary = json.load(f)
         assert summary["steps"] == 3 and summary["trajectories"]["consumed"] == 3 * 16

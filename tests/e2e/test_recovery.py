@@ -39,9 +39,19 @@ def trained_per_epoch(stats_path: str) -> tuple[dict[int, list[str]], list[dict]
 def test_a_killed_trainer_restarts_by_itself_and_trains_each_prompt_once(tmp_path, kit_cache):
     model, (train, test), query_ids = small_dataset(kit_cache, tmp_path)
     steps, eta = 30, 2
-    trial = Trial(tmp_path, kit_cache, "crash", f"model.path={model}", f"dataset.train_path={train}",
-                  f"dataset.test_path={test}", f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={eta}",
-                  "recover=auto", "recover_retries=2", "saver.checkpoint_every_n_steps=4")  # fmt: skip
+    trial = Trial(
+        tmp_path,
+        kit_cache,
+        "crash",
+        f"model.path={model}",
+        f"dataset.train_path={train}",
+        f"dataset.test_path={test}",
+        f"total_train_steps={steps}",
+        f"rollout.max_head_offpolicyness={eta}",
+        "recover=auto",
+        "recover_retries=2",
+        "saver.checkpoint_every_n_steps=4",
+    )
     try:
         trial.wait_for_step(10)
         trial.workers()["model_worker-0"].kill()
@@ -49,7 +59,10 @@ def test_a_killed_trainer_restarts_by_itself_and_trains_each_prompt_once(tmp_pat
     finally:
         trial.kill()
     console = trial.console()
-    assert "\nrealrl: worker model_worker/0 failed; restarting the trial from its newest checkpoint (restart 1 of at most 2)" in console, console[-3000:]
+    assert (
+        "\nrealrl: worker model_worker/0 failed; restarting the trial from its newest checkpoint "
+        "(restart 1 of at most 2)" in console
+    ), console[-3000:]
     summary = json.load(open(os.path.join(trial.log_dir, "summary.json")))
     assert summary["steps"] == steps and [r["why"] for r in summary["restarts"]] == ["worker model_worker/0 failed"]
     assert summary["max_staleness_trained"] <= eta
@@ -73,8 +86,13 @@ def test_a_killed_trainer_restarts_by_itself_and_trains_each_prompt_once(tmp_pat
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, kit_cache):
     model, (train, test), _ = small_dataset(kit_cache, tmp_path)
-    common = [f"model.path={model}", f"dataset.train_path={train}", f"dataset.test_path={test}",
-              "saver.checkpoint_every_n_steps=3", "eval.max_prompts=16"]  # fmt: skip
+    common = [
+        f"model.path={model}",
+        f"dataset.train_path={train}",
+        f"dataset.test_path={test}",
+        "saver.checkpoint_every_n_steps=3",
+        "eval.max_prompts=16",
+    ]
     first = Trial(tmp_path, kit_cache, "damaged", *common, "total_train_steps=6")
     try:
         assert first.wait(timeout=600) == 0, first.console()[-3000:]
@@ -95,7 +113,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ki
     finally:
         resumed.kill()
     log = open(os.path.join(resumed.log_dir, "master_worker-0.log")).read()
-    assert "step6 is damaged (model_worker.pt does not match its sha256 in the manifest); falling back" in log, log[-3000:]
+    assert "step6 is damaged (model_worker.pt does not match its sha256 in the manifest); falling back" in log, log[
+        -3000:
+    ]
     assert "recovered at step 3" in log
     summary = json.load(open(os.path.join(resumed.log_dir, "summary.json")))
     assert summary["steps"] == 8
@@ -104,8 +124,15 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ki
 def test_a_killed_rollout_worker_is_started_again_and_takes_over_its_shard(tmp_path, kit_cache):
     model, (train, test), query_ids = small_dataset(kit_cache, tmp_path)
     steps = 20
-    trial = Trial(tmp_path, kit_cache, "rwkill", f"model.path={model}", f"dataset.train_path={train}",
-                  f"dataset.test_path={test}", f"total_train_steps={steps}")  # fmt: skip
+    trial = Trial(
+        tmp_path,
+        kit_cache,
+        "rwkill",
+        f"model.path={model}",
+        f"dataset.train_path={train}",
+        f"dataset.test_path={test}",
+        f"total_train_steps={steps}",
+    )
     try:
         trial.wait_for_step(5)
         trial.workers()["rollout_worker-0"].kill()
@@ -113,7 +140,9 @@ def test_a_killed_rollout_worker_is_started_again_and_takes_over_its_shard(tmp_p
     finally:
         trial.kill()
     console = trial.console()
-    assert "\nrealrl: worker rollout_worker/0 failed (signal SIGKILL); starting it again (2 restarts left)" in console, console[-3000:]
+    assert (
+        "\nrealrl: worker rollout_worker/0 failed (signal SIGKILL); starting it again (2 restarts left)" in console
+    ), console[-3000:]
     log = open(os.path.join(trial.log_dir, "rollout_worker-0.log")).read()
     assert "took over from a failed rollout worker 0" in log
     summary = json.load(open(os.path.join(trial.log_dir, "summary.json")))

@@ -13,8 +13,13 @@ import pytest
 from tests.e2e.test_async_ppo import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TWO_TRAINERS = ["allocation_mode=torch.d1p1m1+d2p1m1", "rollout.n_workers=3", "eval.every_n_steps=0",
-                "saver.save_final_model=false", "train.num_threads=1"]  # fmt: skip
+TWO_TRAINERS = [
+    "allocation_mode=torch.d1p1m1+d2p1m1",
+    "rollout.n_workers=3",
+    "eval.every_n_steps=0",
+    "saver.save_final_model=false",
+    "train.num_threads=1",
+]
 
 
 def check(summary: dict, stats: list[dict], steps: int, eta: int) -> None:
@@ -32,18 +37,29 @@ def check(summary: dict, stats: list[dict], steps: int, eta: int) -> None:
 @pytest.mark.parametrize("eta", [0, 2])
 def test_two_trainers_three_rollout_workers(tmp_path, kit_cache, eta):
     steps = 6
-    _, summary, stats = run(tmp_path, kit_cache, f"dp2-eta{eta}", f"total_train_steps={steps}",
-                            f"rollout.max_head_offpolicyness={eta}", *TWO_TRAINERS)  # fmt: skip
+    _, summary, stats = run(
+        tmp_path,
+        kit_cache,
+        f"dp2-eta{eta}",
+        f"total_train_steps={steps}",
+        f"rollout.max_head_offpolicyness={eta}",
+        *TWO_TRAINERS,
+    )
     check(summary, stats, steps, eta)
 
 
 def test_filter_that_starves_one_rank(tmp_path, kit_cache):
     steps = 4
     _, summary, stats = run(
-        tmp_path, kit_cache, "dp2-filter", f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1",
-        f"plugins=[{os.path.join(HERE, 'shard_filter_plugin.py')}]", "rollout.agent.type=shard-filter-agent",
+        tmp_path,
+        kit_cache,
+        "dp2-filter",
+        f"total_train_steps={steps}",
+        "rollout.max_head_offpolicyness=1",
+        f"plugins=[{os.path.join(HERE, 'shard_filter_plugin.py')}]",
+        "rollout.agent.type=shard-filter-agent",
         *TWO_TRAINERS,
-    )  # fmt: skip
+    )
     check(summary, stats, steps, 1)
     assert summary["trajectories"]["filtered_by_agent"] > 0
     # Rank 1's only rollout worker was filtered hard: trajectories moved to it.

@@ -44,8 +44,15 @@ def check_trained_and_accounted(summary: dict, steps: int, eta: int) -> None:
 
 def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path, kit_cache):
     steps, eta = 300, 2  # long enough for the three kills and rejoins below, however fast the steps are
-    trial = Trial(tmp_path, kit_cache, "chaos", "eval.max_prompts=32", "allocation_mode=torch.d2p1m1+d1p1m1", f"total_train_steps={steps}",
-                  f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
+    trial = Trial(
+        tmp_path,
+        kit_cache,
+        "chaos",
+        "eval.max_prompts=32",
+        "allocation_mode=torch.d2p1m1+d1p1m1",
+        f"total_train_steps={steps}",
+        f"rollout.max_head_offpolicyness={eta}",
+    )
     timings = {}
     try:
         trial.wait_for_step(3)
@@ -57,8 +64,12 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
         # out of routing by a health check, or as its worker unregistered it, whichever came first
         trial.wait_for_log("gserver_manager-0", r"generation server 0 at \S+ (is down|left routing)", mark)
         timings["server child: kill -> out of routing"] = time.monotonic() - t0
-        rejoined = trial.wait_for_log("gserver_manager-0", r"generation server 0 at \S+ rejoined routing at weight "
-                                      r"version (\d+) after [\d.]+s \(trainer version (\d+)\)", mark)  # fmt: skip
+        rejoined = trial.wait_for_log(
+            "gserver_manager-0",
+            r"generation server 0 at \S+ rejoined routing at weight "
+            r"version (\d+) after [\d.]+s \(trainer version (\d+)\)",
+            mark,
+        )
         timings["server child: kill -> back in routing"] = time.monotonic() - t0
         assert int(rejoined.group(1)) >= int(rejoined.group(2))  # on the current weights
         assert gone(server.pid)
@@ -69,8 +80,12 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
         mark = len(trial.log("gserver_manager-0"))
         t0 = time.monotonic()
         worker.kill()
-        rejoined = trial.wait_for_log("gserver_manager-0", r"generation server 1 at \S+ rejoined routing at weight "
-                                      r"version (\d+) after [\d.]+s \(trainer version (\d+)\)", mark)  # fmt: skip
+        rejoined = trial.wait_for_log(
+            "gserver_manager-0",
+            r"generation server 1 at \S+ rejoined routing at weight "
+            r"version (\d+) after [\d.]+s \(trainer version (\d+)\)",
+            mark,
+        )
         timings["server worker: kill -> back in routing"] = time.monotonic() - t0
         assert int(rejoined.group(1)) >= int(rejoined.group(2))
         assert gone(worker.pid) and gone(server1.pid)
@@ -97,21 +112,39 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
     assert len(re.findall(r"generation server 0 at \S+ (is down|left routing)", manager)) == 1, manager[-3000:]  # once
     assert "restarting it (restart 1" in trial.log("generation_server-0")
     # Every worker ended by itself (the autouse fixture also checks nothing is left running).
-    for tag in ("master_worker-0", "model_worker-0", "generation_server-0", "generation_server-1", "gserver_manager-0",
-                "rollout_worker-0"):  # fmt: skip
+    for tag in (
+        "master_worker-0",
+        "model_worker-0",
+        "generation_server-0",
+        "generation_server-1",
+        "gserver_manager-0",
+        "rollout_worker-0",
+    ):
         assert "exited with code 0" in trial.log(tag), tag
 
 
 def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cache):
     steps, eta = 300, 2  # still running well after the new server joined, however fast the steps are
-    trial = Trial(tmp_path, kit_cache, "add", "eval.max_prompts=32", "allocation_mode=torch.d1p1m1+d1p1m1", f"total_train_steps={steps}",
-                  f"rollout.max_head_offpolicyness={eta}")  # fmt: skip
+    trial = Trial(
+        tmp_path,
+        kit_cache,
+        "add",
+        "eval.max_prompts=32",
+        "allocation_mode=torch.d1p1m1+d1p1m1",
+        f"total_train_steps={steps}",
+        f"rollout.max_head_offpolicyness={eta}",
+    )
     pid = None
     try:
         trial.wait_for_step(3)
         t0 = time.monotonic()
-        added = subprocess.run([sys.executable, "-m", "realrl", "add-server", EXP, "add", f"fileroot={tmp_path}"],
-                               cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+        added = subprocess.run(
+            [sys.executable, "-m", "realrl", "add-server", EXP, "add", f"fileroot={tmp_path}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         pid = int(m.group(1)) if (m := re.search(r"\(pid (\d+)\)", added.stdout)) else None
         assert added.returncode == 0, added.stdout + added.stderr
         print(f"\nadd-server: in routing {time.monotonic() - t0:.1f}s after the command started")
@@ -130,13 +163,19 @@ def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cac
     assert code == 0, out[-3000:]
     check_trained_and_accounted(trial.summary(), steps, eta)
     manager = trial.log("gserver_manager-0")
-    joined = re.search(r"generation server 1 at \S+ joined routing at weight version (\d+) after [\d.]+s "
-                       r"\(trainer version (\d+)\)", manager)  # fmt: skip
+    joined = re.search(
+        r"generation server 1 at \S+ joined routing at weight version (\d+) after [\d.]+s "
+        r"\(trainer version (\d+)\)",
+        manager,
+    )
     assert joined, manager[-3000:]
     version, trainer_version = int(joined.group(1)), int(joined.group(2))
     assert version == trainer_version  # the current weights
-    first = re.search(r"generation server 1 at \S+ got its first request \(weight version (\d+), trainer version "
-                      r"(\d+)\)", manager)  # fmt: skip
+    first = re.search(
+        r"generation server 1 at \S+ got its first request \(weight version (\d+), trainer version "
+        r"(\d+)\)",
+        manager,
+    )
     assert first, manager[-3000:]
     assert int(first.group(1)) >= version and int(first.group(2)) <= version + 1  # within one weight version
     routed = re.search(r"requests routed per server \(index: requests\): 0: (\d+), 1: (\d+)", manager)

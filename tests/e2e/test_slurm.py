@@ -24,7 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAIN = os.path.join(REPO, "training", "main_async_ppo.py")
 
 # slurmd runs the jobs as root here, and only root can install the packages (CI runs as root).
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a real Slurm cluster needs root (slurmd, apt-get install slurm-wlm munge)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="a real Slurm cluster needs root (slurmd, apt-get install slurm-wlm munge)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +39,18 @@ def slurm(tmp_path_factory):
 
 
 def _trial_args(fileroot, kit_cache, trial: str, *overrides: str) -> list[str]:
-    return [sys.executable, MAIN, "mode=slurm", f"fileroot={fileroot}", f"trial_name={trial}",
-            f"tiny_kit.cache_dir={kit_cache}", "heartbeat_ttl=3", "eval.every_n_steps=0", "saver.save_final_model=false",
-            *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        MAIN,
+        "mode=slurm",
+        f"fileroot={fileroot}",
+        f"trial_name={trial}",
+        f"tiny_kit.cache_dir={kit_cache}",
+        "heartbeat_ttl=3",
+        "eval.every_n_steps=0",
+        "saver.save_final_model=false",
+        *overrides,
+    ]
 
 
 def _left(cluster: SlurmCluster) -> list[str]:
@@ -61,7 +72,9 @@ def _start(cluster: SlurmCluster, tmp_path, args: list[str], trial: str, min_ste
     proc = subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT)
     stats = tmp_path / "runs" / "logs" / "async-ppo-tiny" / trial / "stats.jsonl"
     deadline = time.monotonic() + 600
-    while not (stats.exists() and sum('"train/actor_loss"' in ln for ln in stats.read_text().splitlines()) >= min_steps):
+    while not (
+        stats.exists() and sum('"train/actor_loss"' in ln for ln in stats.read_text().splitlines()) >= min_steps
+    ):
         assert proc.poll() is None, (tmp_path / f"{trial}.console").read_text()[-3000:]
         assert time.monotonic() < deadline, "no training step"  # a hang guard
         time.sleep(0.2)
@@ -76,9 +89,21 @@ def _job_id(console: str) -> str:
 def test_a_trial_runs_as_one_batch_job(slurm, tmp_path, kit_cache):
     fileroot, steps, eta = tmp_path / "runs", 30, 2
     start = time.monotonic()
-    proc = subprocess.run(_trial_args(fileroot, kit_cache, "e2e", f"total_train_steps={steps}", "eval.max_prompts=64",
-                                      f"rollout.max_head_offpolicyness={eta}"),
-                          cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        _trial_args(
+            fileroot,
+            kit_cache,
+            "e2e",
+            f"total_train_steps={steps}",
+            "eval.max_prompts=64",
+            f"rollout.max_head_offpolicyness={eta}",
+        ),
+        cwd=REPO,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -114,16 +139,32 @@ def test_a_trial_runs_as_one_batch_job(slurm, tmp_path, kit_cache):
 
 def test_a_killed_worker_stops_the_job_with_its_log_tail(slurm, tmp_path, kit_cache):
     # (by default a dead server is started again; here its death must stop the job)
-    proc = _start(slurm, tmp_path, _trial_args(tmp_path / "runs", kit_cache, "killed", "total_train_steps=400",
-                                               "eval.max_prompts=16", "server.max_restarts=0"), "killed")  # fmt: skip
-    (victim,) = [pid for pid, cmd in slurm.job_processes()
-                 if "realrl.system.worker_base" in cmd and "generation_server-0" in cmd and not cmd.startswith("srun")]  # fmt: skip
+    proc = _start(
+        slurm,
+        tmp_path,
+        _trial_args(
+            tmp_path / "runs",
+            kit_cache,
+            "killed",
+            "total_train_steps=400",
+            "eval.max_prompts=16",
+            "server.max_restarts=0",
+        ),
+        "killed",
+    )
+    (victim,) = [
+        pid
+        for pid, cmd in slurm.job_processes()
+        if "realrl.system.worker_base" in cmd and "generation_server-0" in cmd and not cmd.startswith("srun")
+    ]
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=120) == 1
     ended = time.monotonic() - killed_at
     console = (tmp_path / "killed.console").read_text()
-    assert "\nrealrl: worker generation_server/0 failed (signal SIGKILL on node localhost); stopping the trial." in console, console[-3000:]
+    assert (
+        "\nrealrl: worker generation_server/0 failed (signal SIGKILL on node localhost); stopping the trial." in console
+    ), console[-3000:]
     assert "---- generation_server/0 log tail ----" in console and "srun: error: localhost: task 0: Killed" in console
     assert ended < 60, ended  # a hang guard; the issue asks for the whole job within 30 s
     cleanup = _wait_nothing_left(slurm)
@@ -131,8 +172,15 @@ def test_a_killed_worker_stops_the_job_with_its_log_tail(slurm, tmp_path, kit_ca
 
 
 def test_scancel_leaves_nothing_and_recover_resumes(slurm, tmp_path, kit_cache):
-    args = _trial_args(tmp_path / "runs", kit_cache, "cancelled", "total_train_steps=400", "eval.max_prompts=16",
-                       "saver.checkpoint_every_n_steps=2", "recover=auto")  # fmt: skip
+    args = _trial_args(
+        tmp_path / "runs",
+        kit_cache,
+        "cancelled",
+        "total_train_steps=400",
+        "eval.max_prompts=16",
+        "saver.checkpoint_every_n_steps=2",
+        "recover=auto",
+    )
     proc = _start(slurm, tmp_path, args, "cancelled")
     job = _job_id((tmp_path / "cancelled.console").read_text())
     cancelled_at = time.monotonic()
@@ -164,10 +212,26 @@ def test_scancel_leaves_nothing_and_recover_resumes(slurm, tmp_path, kit_cache):
 
 def test_the_dry_run_prints_a_script_sbatch_accepts(slurm, tmp_path, kit_cache):
     fileroot = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, MAIN, "mode=slurm", "slurm.dry_run=true", f"fileroot={fileroot}",
-                           f"tiny_kit.cache_dir={kit_cache}", "slurm.nodes=1", "slurm.time=10", "slurm.mem=1000M",
-                           "slurm.partition=debug", "slurm.setup=['echo setting up']"],
-                          cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            MAIN,
+            "mode=slurm",
+            "slurm.dry_run=true",
+            f"fileroot={fileroot}",
+            f"tiny_kit.cache_dir={kit_cache}",
+            "slurm.nodes=1",
+            "slurm.time=10",
+            "slurm.mem=1000M",
+            "slurm.partition=debug",
+            "slurm.setup=['echo setting up']",
+        ],
+        cwd=REPO,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("#!/bin/bash\n") and "summary:" not in proc.stdout
     assert "#SBATCH --time=10\n" in proc.stdout and "\necho setting up\n" in proc.stdout
@@ -179,14 +243,22 @@ def test_the_dry_run_prints_a_script_sbatch_accepts(slurm, tmp_path, kit_cache):
     assert not slurm.jobs()  # nothing was submitted
 
     # A job of the trial already queued: the same command is refused before it submits another.
-    held = slurm.run(["sbatch", "--parsable", "--hold", "--job-name=realrl-async-ppo-tiny-run0", "--output=/dev/null",
-                      "--wrap=true"]).stdout.strip()  # fmt: skip
+    held = slurm.run(
+        ["sbatch", "--parsable", "--hold", "--job-name=realrl-async-ppo-tiny-run0", "--output=/dev/null", "--wrap=true"]
+    ).stdout.strip()
     try:
-        again = subprocess.run([sys.executable, MAIN, "mode=slurm", f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}"],
-                               cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        again = subprocess.run(
+            [sys.executable, MAIN, "mode=slurm", f"fileroot={fileroot}", f"tiny_kit.cache_dir={kit_cache}"],
+            cwd=REPO,
+            env=slurm.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert again.returncode == 2, again.stderr[-2000:]
-        assert again.stderr.strip().splitlines() == [f"realrl: trial async-ppo-tiny/run0 already queued or running as "
-                                                     f"slurm job {held}; leaving it alone"]  # fmt: skip
+        assert again.stderr.strip().splitlines() == [
+            f"realrl: trial async-ppo-tiny/run0 already queued or running as slurm job {held}; leaving it alone"
+        ]
         assert slurm.jobs() == [held]
     finally:
         slurm.run(["scancel", held])

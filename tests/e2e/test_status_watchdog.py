@@ -22,8 +22,13 @@ HANG_PLUGIN = os.path.join(REPO, "tests", "e2e", "hang_plugin.py")
 
 def status(tmp_path, trial: str, *extra: str) -> subprocess.CompletedProcess:
     """`python -m realrl status` as a user types it."""
-    return subprocess.run([sys.executable, "-m", "realrl", "status", "async-ppo-tiny", trial, f"fileroot={tmp_path}", *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "realrl", "status", "async-ppo-tiny", trial, f"fileroot={tmp_path}", *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def status_here(tmp_path, trial: str) -> tuple[int, str]:
@@ -97,7 +102,9 @@ def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache
     shown = status(tmp_path, "status")
     assert shown.returncode == 1, shown.stdout + shown.stderr
     first = shown.stdout.splitlines()[0]
-    assert first.startswith("trial async-ppo-tiny/status has ended") and "failed worker rollout_worker/0" in first, shown.stdout
+    assert first.startswith("trial async-ppo-tiny/status has ended") and "failed worker rollout_worker/0" in first, (
+        shown.stdout
+    )
     rows = table(shown.stdout)
     assert sorted(rows) == sorted(tags)
     assert rows["rollout_worker/0"][2] == "DEAD" and "SIGKILL" in rows["rollout_worker/0"][4], shown.stdout
@@ -105,8 +112,14 @@ def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache
 
 def test_a_worker_that_blocks_forever_trips_the_watchdog(tmp_path, kit_cache):
     timeout = 20
-    trial = Trial(tmp_path, kit_cache, "hang", f"plugins=[{HANG_PLUGIN}]", "rollout.agent.type=block-forever-agent",
-                  f"watchdog.timeout={timeout}")  # fmt: skip
+    trial = Trial(
+        tmp_path,
+        kit_cache,
+        "hang",
+        f"plugins=[{HANG_PLUGIN}]",
+        "rollout.agent.type=block-forever-agent",
+        f"watchdog.timeout={timeout}",
+    )
     try:
         code = trial.wait(timeout=600)  # a hang guard
         ended = time.time()
@@ -115,9 +128,12 @@ def test_a_worker_that_blocks_forever_trips_the_watchdog(tmp_path, kit_cache):
     out = trial.console()
     assert code == 1, out[-3000:]
     # One block on the console, on lines of its own.
-    m = re.search(r"\nrealrl: watchdog: no training progress for \d+s \(step 0, stage fetch\); stopping the trial\.\n"
-                  r"  every other worker waits on rollout_worker/0 \(.*\)\n"
-                  r"  hang report \(stacks of every worker\): (\S+)\n", out)  # fmt: skip
+    m = re.search(
+        r"\nrealrl: watchdog: no training progress for \d+s \(step 0, stage fetch\); stopping the trial\.\n"
+        r"  every other worker waits on rollout_worker/0 \(.*\)\n"
+        r"  hang report \(stacks of every worker\): (\S+)\n",
+        out,
+    )
     assert m, out[-3000:]
     with open(m.group(1)) as f:
         report = f.read()

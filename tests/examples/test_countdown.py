@@ -42,8 +42,15 @@ make_data = load_by_path(EXAMPLE / "make_data.py", "countdown_make_data_under_te
 
 
 def score(completion: str, numbers=(3, 5, 7), target=22) -> float:
-    return reward(prompt="Use ...", completion=completion, answer="3*5+7", numbers=list(numbers), target=target,
-                  query_id="q", task="countdown")  # fmt: skip
+    return reward(
+        prompt="Use ...",
+        completion=completion,
+        answer="3*5+7",
+        numbers=list(numbers),
+        target=target,
+        query_id="q",
+        task="countdown",
+    )
 
 
 # ---------------------------------------------------------------- parser
@@ -71,9 +78,30 @@ def test_parser_values(text, value, numbers):
 
 @pytest.mark.parametrize(
     "text",
-    ["", " ", "-3+5", "3+-5", "+3", "3+", "3**2", "(3+5", "3+5)", "()", "3 5", "3.5", "3x5", "2^3",
-     "1e3", "__import__('os')", "3/0", "3/(5-5)", "²", "٣+1", "3+4=7"],
-)  # fmt: skip
+    [
+        "",
+        " ",
+        "-3+5",
+        "3+-5",
+        "+3",
+        "3+",
+        "3**2",
+        "(3+5",
+        "3+5)",
+        "()",
+        "3 5",
+        "3.5",
+        "3x5",
+        "2^3",
+        "1e3",
+        "__import__('os')",
+        "3/0",
+        "3/(5-5)",
+        "²",
+        "٣+1",
+        "3+4=7",
+    ],
+)
 def test_parser_rejects(text):
     with pytest.raises(ExpressionError):
         evaluate(text)

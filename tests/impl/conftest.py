@@ -87,10 +87,19 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         cmd = [
-            sys.executable, "-m", "realrl.impl.generation.torch_server",
-            "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-            "--num-threads", "1", *extra_args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "realrl.impl.generation.torch_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--num-threads",
+            "1",
+            *extra_args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:

@@ -6,7 +6,7 @@ tokenizer (loaded from disk with AutoTokenizer), and the real math env."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -40,16 +40,19 @@ def tokenizer(tokenizer_path):
 
 
 def record(tokenizer, prompt: str = PROMPT, answer: str = "81", qid: str = "q-1") -> PromptRecord:
-    return PromptRecord(qid=qid, prompt=prompt, prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
-                        solutions=[answer])  # fmt: skip
+    return PromptRecord(
+        qid=qid, prompt=prompt, prompt_ids=tokenizer.encode(prompt, add_special_tokens=False), solutions=[answer]
+    )
 
 
 def generation_result(tokenizer, request: GenerationRequest, texts: list[str], truncated=()) -> GenerationResult:
     """What the rollout worker would send back: answer i = texts[i] + eos (none if
     i is in `truncated`), logprobs -0.1*(j+1), versions 3..3,4 (changed mid-answer)."""
     assert len(texts) == request.group_size
-    outputs = [tokenizer.encode(t, add_special_tokens=False) + ([] if i in truncated else [tokenizer.eos_token_id])
-               for i, t in enumerate(texts)]  # fmt: skip
+    outputs = [
+        tokenizer.encode(t, add_special_tokens=False) + ([] if i in truncated else [tokenizer.eos_token_id])
+        for i, t in enumerate(texts)
+    ]
     return GenerationResult(
         qid=request.qid,
         prompt_ids=list(request.prompt_ids),
@@ -133,12 +136,19 @@ def test_math_env_latex_answers_and_time_limited_checks():
 
 
 def test_single_step_trajectory_schema_and_reward_shaping(tokenizer, tokenizer_path):
-    agent_ = agent("single-step", tokenizer_path, group_size=4, gconfig={"max_new_tokens": 8, "temperature": 0.7},
-                   reward_bias=0.2, reward_scaling=2.0)  # fmt: skip
+    agent_ = agent(
+        "single-step",
+        tokenizer_path,
+        group_size=4,
+        gconfig={"max_new_tokens": 8, "temperature": 0.7},
+        reward_bias=0.2,
+        reward_scaling=2.0,
+    )
     prompt = record(tokenizer)
     texts = ["81", "81.0", "7", "hello"]
-    trajs, requests = run_episode(agent_, make_env("math"), prompt,
-                                  lambda req: generation_result(tokenizer, req, texts, truncated={3}))  # fmt: skip
+    trajs, requests = run_episode(
+        agent_, make_env("math"), prompt, lambda req: generation_result(tokenizer, req, texts, truncated={3})
+    )
 
     assert len(requests) == 1
     assert requests[0].prompt_ids == prompt.prompt_ids and requests[0].group_size == 4
@@ -165,8 +175,15 @@ def test_single_step_trajectory_schema_and_reward_shaping(tokenizer, tokenizer_p
     assert traj.scores == [1.0, 1.0, 0.0, 0.0]
     assert traj.metadata["answers"] == texts
     assert traj.metadata["accuracy"] == 0.5
-    assert agent_.pop_stats() == {"n_episodes": 1.0, "n_rejected": 0.0, "n_answers": 4.0, "accuracy": 0.5,
-                                  "mean_score": 0.5, "env/n_correct": 2.0, "env/n_answers": 4.0}  # fmt: skip
+    assert agent_.pop_stats() == {
+        "n_episodes": 1.0,
+        "n_rejected": 0.0,
+        "n_answers": 4.0,
+        "accuracy": 0.5,
+        "mean_score": 0.5,
+        "env/n_correct": 2.0,
+        "env/n_answers": 4.0,
+    }
 
     # The trajectory survives the stream's wire format (metadata included).
     wire = pytest.importorskip("realrl.base.wire")
@@ -189,8 +206,9 @@ def test_single_step_trajectory_schema_and_reward_shaping(tokenizer, tokenizer_p
 )
 def test_success_rate_filter(tokenizer, tokenizer_path, lb, ub, texts, kept):
     agent_ = agent("single-step", tokenizer_path, group_size=4, success_rate_lb=lb, success_rate_ub=ub)
-    trajs, _ = run_episode(agent_, make_env("math"), record(tokenizer),
-                           lambda req: generation_result(tokenizer, req, texts))  # fmt: skip
+    trajs, _ = run_episode(
+        agent_, make_env("math"), record(tokenizer), lambda req: generation_result(tokenizer, req, texts)
+    )
     assert (len(trajs) == 1) == kept
     stats = agent_.pop_stats()
     assert stats["n_rejected"] == (0.0 if kept else 1.0)
@@ -218,14 +236,19 @@ def test_partial_credit_passes_through_and_evaluation_keeps_everything(tokenizer
             return None, [0.5 if a == "8" else float(a == "81") for a in answers], True, False, {}
 
     agent_ = agent("single-step", tokenizer_path, group_size=3, success_rate_lb=0.5)
-    trajs, _ = run_episode(agent_, HalfCredit(), record(tokenizer),
-                           lambda req: generation_result(tokenizer, req, ["8", "81", "81"]))  # fmt: skip
+    trajs, _ = run_episode(
+        agent_, HalfCredit(), record(tokenizer), lambda req: generation_result(tokenizer, req, ["8", "81", "81"])
+    )
     (traj,) = trajs
     assert traj.scores == [0.5, 1.0, 1.0] and traj.reward == pytest.approx([0.0, 1.0, 1.0])
     # Evaluation: greedy, one answer, no filter (this group would fail lb=0.5).
     evaluating = make_agent("single-step", agent_.settings.for_evaluation(max_new_tokens=5))
-    trajs, requests = run_episode(evaluating, HalfCredit(), record(tokenizer),
-                                  lambda req: generation_result(tokenizer, req, ["8"] * req.group_size))  # fmt: skip
+    trajs, requests = run_episode(
+        evaluating,
+        HalfCredit(),
+        record(tokenizer),
+        lambda req: generation_result(tokenizer, req, ["8"] * req.group_size),
+    )
     assert trajs[0].scores == [0.5]
     assert requests[0].group_size == 1 and requests[0].gconfig.greedy and requests[0].gconfig.max_new_tokens == 5
 
@@ -274,10 +297,16 @@ def test_multi_turn_feedback_context_and_discounted_rewards(tokenizer, tokenizer
 
 
 def test_multi_turn_unsolved_chain_stops_after_num_turns(tokenizer, tokenizer_path):
-    agent_ = agent("math-multi-turn", tokenizer_path, {"num_turns": 3, "turn_level_discount": 0.9, "feedback": "\nNo.\nA:"},
-                   group_size=1, reward_scaling=0.5)  # fmt: skip
-    trajs, requests = run_episode(agent_, make_env("math"), record(tokenizer),
-                                  lambda req: generation_result(tokenizer, req, ["5"]))  # fmt: skip
+    agent_ = agent(
+        "math-multi-turn",
+        tokenizer_path,
+        {"num_turns": 3, "turn_level_discount": 0.9, "feedback": "\nNo.\nA:"},
+        group_size=1,
+        reward_scaling=0.5,
+    )
+    trajs, requests = run_episode(
+        agent_, make_env("math"), record(tokenizer), lambda req: generation_result(tokenizer, req, ["5"])
+    )
     assert len(requests) == 3
     assert tokenizer.decode(requests[2].prompt_ids) == PROMPT + "5\nNo.\nA:5\nNo.\nA:"
     (traj,) = trajs
@@ -289,19 +318,27 @@ def test_multi_turn_context_limit_and_success_filter(tokenizer, tokenizer_path):
     prompt = record(tokenizer)
     # Room for the prompt + one answer, not for a second turn's context.
     limit = len(prompt.prompt_ids) + 16 + 5
-    agent_ = agent("math-multi-turn", tokenizer_path, {"num_turns": 4, "max_context_tokens": limit}, group_size=2,
-                   gconfig={"max_new_tokens": 16})  # fmt: skip
-    trajs, requests = run_episode(agent_, make_env("math"), prompt,
-                                  lambda req: generation_result(tokenizer, req, ["1"] * req.group_size))  # fmt: skip
+    agent_ = agent(
+        "math-multi-turn",
+        tokenizer_path,
+        {"num_turns": 4, "max_context_tokens": limit},
+        group_size=2,
+        gconfig={"max_new_tokens": 16},
+    )
+    trajs, requests = run_episode(
+        agent_, make_env("math"), prompt, lambda req: generation_result(tokenizer, req, ["1"] * req.group_size)
+    )
     assert len(requests) == 1 and trajs[0].group_size == 2
 
     picky = agent("math-multi-turn", tokenizer_path, {"num_turns": 2}, group_size=2, success_rate_ub=0.9)
-    trajs, requests = run_episode(picky, make_env("math"), prompt,
-                                  lambda req: generation_result(tokenizer, req, ["1", "81"][: req.group_size]))  # fmt: skip
+    trajs, requests = run_episode(
+        picky, make_env("math"), prompt, lambda req: generation_result(tokenizer, req, ["1", "81"][: req.group_size])
+    )
     # chain 0 answers "1" twice (wrong), chain 1 "81" at once: solve_rate 0.5, kept
     assert len(requests) == 2 and len(trajs) == 1
-    all_right, _ = run_episode(picky, make_env("math"), prompt,
-                               lambda req: generation_result(tokenizer, req, ["81"] * req.group_size))  # fmt: skip
+    all_right, _ = run_episode(
+        picky, make_env("math"), prompt, lambda req: generation_result(tokenizer, req, ["81"] * req.group_size)
+    )
     assert all_right == []  # every chain solved: solve_rate 1 > ub
     assert picky.pop_stats()["n_rejected"] == 1.0
 

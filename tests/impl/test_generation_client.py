@@ -124,7 +124,9 @@ def test_client_timeout_aborts_server_side(shared_server):
                 await task
 
     asyncio.run(go())
-    wait_until(lambda: get_json(url, "/get_server_info")["stats"]["finish_abort"] == before + 1, 60, "server-side abort")
+    wait_until(
+        lambda: get_json(url, "/get_server_info")["stats"]["finish_abort"] == before + 1, 60, "server-side abort"
+    )
     assert get_json(url, "/get_server_info")["num_running_requests"] == 0
 
 

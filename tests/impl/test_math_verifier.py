@@ -187,8 +187,9 @@ def test_child_exits_when_its_parent_is_killed_mid_check():
     import sys
     import time
 
-    parent = subprocess.Popen([sys.executable, "-c", PARENT_THAT_HANGS], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_THAT_HANGS], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child_pid = None
     try:
         child_pid = int(parent.stdout.readline())

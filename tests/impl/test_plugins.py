@@ -48,8 +48,9 @@ print(json.dumps({"before": before, "after": after, "unknown_env": unknown_env})
 def run_child(specs: list[str], cwd: Path, pythonpath: list[str] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO)])
-    return subprocess.run([sys.executable, "-c", CHILD, json.dumps(specs)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(specs)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def child_registries(specs: list[str], cwd: Path, pythonpath: list[str] = ()) -> dict:
@@ -87,7 +88,12 @@ def write_distribution(site: Path, dist: str, entry_name: str, module: str, sour
 
 
 def test_entry_point_plugin_is_loaded_without_configuration(tmp_path):
-    write_distribution(tmp_path, "realrl_fixture_plugin", "fixture", "realrl_fixture_plugin_mod", """
+    write_distribution(
+        tmp_path,
+        "realrl_fixture_plugin",
+        "fixture",
+        "realrl_fixture_plugin_mod",
+        """
         from realrl.api.agent_api import Agent, register_agent
         from realrl.api.env_api import EnvironmentService, register_environment
 
@@ -101,7 +107,8 @@ def test_entry_point_plugin_is_loaded_without_configuration(tmp_path):
 
         register_environment("fixture-env", FixtureEnv)
         register_agent("fixture-agent", FixtureAgent)
-    """)
+    """,
+    )
     out = child_registries([], REPO, pythonpath=[tmp_path])
     assert "fixture-agent" not in out["before"]["agents"]
     assert "fixture-agent" in out["after"]["agents"] and "fixture-env" in out["after"]["envs"]
@@ -111,8 +118,13 @@ def test_entry_point_plugin_is_loaded_without_configuration(tmp_path):
 
 
 def test_broken_entry_point_plugin_names_itself(tmp_path):
-    write_distribution(tmp_path, "realrl_broken_plugin", "broken", "realrl_broken_plugin_mod",
-                       "raise RuntimeError('broken at import')\n")  # fmt: skip
+    write_distribution(
+        tmp_path,
+        "realrl_broken_plugin",
+        "broken",
+        "realrl_broken_plugin_mod",
+        "raise RuntimeError('broken at import')\n",
+    )
     proc = run_child([], REPO, pythonpath=[tmp_path])
     assert proc.returncode != 0
     assert "PluginError" in proc.stderr and "'broken'" in proc.stderr and "broken at import" in proc.stderr
@@ -145,8 +157,21 @@ def test_plugin_that_raises_on_import_gives_a_plugin_error(tmp_path):
 
 def test_make_data_writes_the_prompt_format(tmp_path):
     def make(out: Path) -> None:
-        subprocess.run([sys.executable, str(PLUGIN_DIR / "make_data.py"), "--out-dir", str(out),
-                        "--n-train", "60", "--n-test", "15"], check=True, capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(PLUGIN_DIR / "make_data.py"),
+                "--out-dir",
+                str(out),
+                "--n-train",
+                "60",
+                "--n-test",
+                "15",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
     make(tmp_path / "a")
     make(tmp_path / "b")
@@ -171,8 +196,13 @@ def test_example_agent_and_env_collect_a_trajectory(tmp_path):
     load_plugin(str(PLUGIN_FILE))  # registers in this process (idempotent per spec)
     tokenizer = build_char_tokenizer()
     prompt_text = "Reverse: abc\nA:"
-    prompt = PromptRecord(qid="r-1", prompt=prompt_text, task="reverse_string", solutions=["cba"],
-                          prompt_ids=tokenizer.encode(prompt_text, add_special_tokens=False))  # fmt: skip
+    prompt = PromptRecord(
+        qid="r-1",
+        prompt=prompt_text,
+        task="reverse_string",
+        solutions=["cba"],
+        prompt_ids=tokenizer.encode(prompt_text, add_special_tokens=False),
+    )
     settings = AgentSettings(tokenizer=tokenizer, group_size=4, gconfig={"max_new_tokens": 8})
     agent = make_agent("reverse-string-agent", settings)
     first = ["cba", "cbx", "xyz", "cba\nReverse: q"]
@@ -184,7 +214,9 @@ def test_example_agent_and_env_collect_a_trajectory(tmp_path):
     assert [r.group_size for r in requests] == [4, 1, 1] and requests[0].gconfig.max_new_tokens == 8
     # The two inexact answers were told how much they got right and retried.
     assert [tokenizer.decode(r.prompt_ids) for r in requests[1:]] == [
-        prompt_text + "cbx\n2 right. Again:", prompt_text + "xyz\n0 right. Again:"]
+        prompt_text + "cbx\n2 right. Again:",
+        prompt_text + "xyz\n0 right. Again:",
+    ]
     (traj,) = trajs
     assert traj.task == "reverse_string" and traj.group_size == 6
     # scores: exact 1, prefix 2/3 of the target -> 0.5 * 2/3, nothing 0, exact after cutting at newline 1; retries exact
@@ -192,6 +224,10 @@ def test_example_agent_and_env_collect_a_trajectory(tmp_path):
     assert traj.reward == pytest.approx([1.0, -1 / 3, -1.0, 1.0, 1.0, 1.0])
     assert traj.metadata["max_generate_in_flight"] == 2  # the retries ran together
 
-    uniform, _ = run_episode(agent, make_env("reverse-string"), prompt,
-                             lambda req: generation_result(tokenizer, req, ["zzz"] * req.group_size))  # fmt: skip
+    uniform, _ = run_episode(
+        agent,
+        make_env("reverse-string"),
+        prompt,
+        lambda req: generation_result(tokenizer, req, ["zzz"] * req.group_size),
+    )
     assert uniform == []  # all first answers scored the same: no GRPO signal, dropped

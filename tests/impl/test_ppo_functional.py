@@ -21,7 +21,9 @@ LN2 = math.log(2.0)
 
 
 def close(a, b, tol=1e-5):
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=0)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=0
+    )
 
 
 # --------------------------------------------------------------------------- logprobs

@@ -23,8 +23,14 @@ def test_empty_completion_trains_no_token_and_crashes_nothing(tiny_llama_dir, al
     for s in [groups[0][1], *groups[2]]:
         s["ids"], s["behav"] = s["ids"][: s["prompt_len"]], []
     groups[0][1]["reward"] = 1.0
-    ppo = PPOConfig(algorithm=algorithm, group_size=3, ppo_n_minibatches=3, max_tokens_per_mb=32, kl_ctl=0.1,
-                    loss_aggregation=aggregation)  # fmt: skip
+    ppo = PPOConfig(
+        algorithm=algorithm,
+        group_size=3,
+        ppo_n_minibatches=3,
+        max_tokens_per_mb=32,
+        kl_ctl=0.1,
+        loss_aggregation=aggregation,
+    )
     trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
     batch = make_batch(groups)
     trainer.inference(batch, decoupled=True)
@@ -102,8 +108,10 @@ def test_proximal_logprobs_from_the_train_forward_equal_a_separate_pass(tiny_lla
 def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tiny_llama_dir):
     torch.set_num_threads(1)
     groups = make_groups(6, 4, 2, (3, 5), (2, 5))
-    for ppo in (PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2),
-                PPOConfig(algorithm="grpo", group_size=2, kl_ctl=0.1)):  # fmt: skip
+    for ppo in (
+        PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2),
+        PPOConfig(algorithm="grpo", group_size=2, kl_ctl=0.1),
+    ):
         trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
         batch = make_batch(groups)
         trainer.inference(batch, decoupled=True)
@@ -146,12 +154,19 @@ def test_shared_prompt_rows_train_exactly_like_separate_rows(tiny_llama_dir, att
     groups = _shared_prompt_groups()
     results = []
     for share in (True, False):
-        ppo = PPOConfig(algorithm=algorithm, group_size=4, kl_ctl=kl_ctl, ppo_n_minibatches=n_minibatches,
-                        max_tokens_per_mb=40, share_prompts=share)  # fmt: skip
+        ppo = PPOConfig(
+            algorithm=algorithm,
+            group_size=4,
+            kl_ctl=kl_ctl,
+            ppo_n_minibatches=n_minibatches,
+            max_tokens_per_mb=40,
+            share_prompts=share,
+        )
         trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"), attn_implementation=attn)
         batch = make_batch(groups)
-        rows = [row for mb in plan_micro_batches(batch, list(range(batch.n_seqs)), 40, trainer._share_hidden)
-                for row in mb]  # fmt: skip
+        rows = [
+            row for mb in plan_micro_batches(batch, list(range(batch.n_seqs)), 40, trainer._share_hidden) for row in mb
+        ]
         assert max(map(len, rows)) == (8 if share else 1)  # groups 1 and 3 in one row
         batch = make_batch(groups)
         trainer.inference(batch, decoupled=True)
@@ -180,8 +195,20 @@ def test_prompts_are_shared_where_the_flop_estimate_says_it_pays():
 
     def batch_of(prompt_len: int, answer_lens: list[int]):
         prompt = list(range(2, 2 + prompt_len))
-        return make_batch([[{"ids": prompt + [5] * n, "prompt_len": prompt_len, "behav": [-1.0] * n, "reward": 0.0,
-                             "no_eos": False} for n in answer_lens]])  # fmt: skip
+        return make_batch(
+            [
+                [
+                    {
+                        "ids": prompt + [5] * n,
+                        "prompt_len": prompt_len,
+                        "behav": [-1.0] * n,
+                        "reward": 0.0,
+                        "no_eos": False,
+                    }
+                    for n in answer_lens
+                ]
+            ]
+        )
 
     short = batch_of(200, [8] * 8)  # long prompt, short answers: one row
     assert share_prompt_rows(short, list(range(8)), 1024, 8192) == [list(range(8))]
@@ -189,9 +216,15 @@ def test_prompts_are_shared_where_the_flop_estimate_says_it_pays():
     assert share_prompt_rows(long, list(range(8)), 1024, 8192 * 4) == [[i] for i in range(8)]
     assert share_prompt_rows(short, list(range(8)), 1024, 240) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # row budget
     assert share_prompt_rows(short, list(range(8)), None, 8192) == [[i] for i in range(8)]  # sharing off
-    mixed = make_batch([[{"ids": [2, 3, 4, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
-                         {"ids": [2, 3, 9, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
-                         {"ids": [2, 3, 4, 6], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False}]])  # fmt: skip
+    mixed = make_batch(
+        [
+            [
+                {"ids": [2, 3, 4, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
+                {"ids": [2, 3, 9, 5], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
+                {"ids": [2, 3, 4, 6], "prompt_len": 3, "behav": [-1.0], "reward": 0.0, "no_eos": False},
+            ]
+        ]
+    )
     assert share_prompt_rows(mixed, [0, 1, 2], 64, 8192) == [[0, 2], [1]]  # only identical prompts share
 
 
@@ -200,7 +233,14 @@ def test_shared_prompt_rows_only_for_models_that_give_them_the_same_outputs(arch
     # Learned absolute positions come from position_ids: shared rows are exact.
     # ALiBi (Bloom) builds its position bias from the 2-D mask, and a custom
     # mask would replace a sliding window: those train one sequence per row.
-    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+    from transformers import (
+        BloomConfig,
+        BloomForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     from realrl.impl.ppo_interface import PPOTrainer, make_optimized
 
@@ -208,16 +248,29 @@ def test_shared_prompt_rows_only_for_models_that_give_them_the_same_outputs(arch
     model = {
         "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)),
         "bloom": lambda: BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=2)),
-        "mistral-sliding": lambda: MistralForCausalLM(MistralConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, sliding_window=8)),
-    }[arch]()  # fmt: skip
-    trainer = PPOTrainer(make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10), PPOConfig(), 1.0,
-                         torch.device("cpu"))  # fmt: skip
+        "mistral-sliding": lambda: MistralForCausalLM(
+            MistralConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                sliding_window=8,
+            )
+        ),
+    }[arch]()
+    trainer = PPOTrainer(
+        make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10), PPOConfig(), 1.0, torch.device("cpu")
+    )
     assert (trainer._share_hidden is not None) == shares
     # Either way a step trains: the logprobs it uses are those of separate rows.
     batch = make_batch(make_groups(3, 2, 3, (4, 6), (2, 4), shared_prompt=True))
-    expected = PPOTrainer(make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10),
-                          PPOConfig(share_prompts=False), 1.0, torch.device("cpu")).compute_logprobs(model, batch)  # fmt: skip
+    expected = PPOTrainer(
+        make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10),
+        PPOConfig(share_prompts=False),
+        1.0,
+        torch.device("cpu"),
+    ).compute_logprobs(model, batch)
     for a, b in zip(trainer.compute_logprobs(model, batch), expected):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -219,8 +219,9 @@ def test_every_load_error_is_a_one_line_value_error_naming_the_spec(task, monkey
     assert str(info.value) == text
 
 
-@pytest.mark.parametrize("kwargs, name", [({"timeout_s": 0}, "timeout_s"), ({"timeout_s": -1.0}, "timeout_s"),
-                                          ({"n_procs": 0}, "n_procs")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, name", [({"timeout_s": 0}, "timeout_s"), ({"timeout_s": -1.0}, "timeout_s"), ({"n_procs": 0}, "n_procs")]
+)
 def test_runner_arguments_are_validated(task, kwargs, name):
     with pytest.raises(ValueError, match=name):
         RewardFunctionRunner(f"{task}:exact", **kwargs)

@@ -19,8 +19,11 @@ from realrl.impl.tiny_model import TinyModelConfig, build_char_tokenizer, build_
 @pytest.fixture(scope="module")
 def char_model_dir(tmp_path_factory) -> str:
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                                                        max_position_embeddings=512), seed=5)  # fmt: skip
+    model = build_tiny_model(
+        tokenizer,
+        TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=512),
+        seed=5,
+    )
     path = str(tmp_path_factory.mktemp("char_model"))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -32,14 +35,22 @@ def test_a_multi_turn_agent_against_a_local_server(char_model_dir, start_server)
     settings = AgentSettings(tokenizer_path=char_model_dir, group_size=3, gconfig={"max_new_tokens": 4})
     agent = make_agent("math-multi-turn", settings, num_turns=2)
     tok = agent.tokenizer
-    prompts = [PromptRecord(qid=f"q{i}", prompt=f"Q: {i}+1=?\nA:", solutions=[str(i + 1)],
-                            prompt_ids=tok.encode(f"Q: {i}+1=?\nA:", add_special_tokens=False)) for i in range(4)]  # fmt: skip
+    prompts = [
+        PromptRecord(
+            qid=f"q{i}",
+            prompt=f"Q: {i}+1=?\nA:",
+            solutions=[str(i + 1)],
+            prompt_ids=tok.encode(f"Q: {i}+1=?\nA:", add_special_tokens=False),
+        )
+        for i in range(4)
+    ]
 
     async def main():
         generator = ServerGenerator(server.url)
         try:
-            return await asyncio.gather(*(agent.run_episode(p, make_env("math", answer_format="exact"), generator)
-                                          for p in prompts))  # fmt: skip
+            return await asyncio.gather(
+                *(agent.run_episode(p, make_env("math", answer_format="exact"), generator) for p in prompts)
+            )
         finally:
             await generator.close()
 

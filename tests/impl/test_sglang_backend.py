@@ -93,16 +93,24 @@ def test_sglang_command_leaves_unset_options_to_sglang():
 
 def test_torch_command():
     config = GenerationServerConfig(
-        model_path="/m", seed=5, weight_version=2,
+        model_path="/m",
+        seed=5,
+        weight_version=2,
         torch=TorchServerConfig(device="cpu", dtype="bfloat16", max_running_requests=32, num_threads=3),
-    )  # fmt: skip
+    )
     argv = TorchBackend().command(config, "127.0.0.1", 20001)
     assert argv[:3] == [sys.executable, "-m", "realrl.impl.generation.torch_server"]
     assert flags(argv[3:]) == {
-        "--model-path": "/m", "--host": "127.0.0.1", "--port": "20001", "--device": "cpu",
-        "--dtype": "bfloat16", "--max-running-requests": "32", "--seed": "5", "--weight-version": "2",
+        "--model-path": "/m",
+        "--host": "127.0.0.1",
+        "--port": "20001",
+        "--device": "cpu",
+        "--dtype": "bfloat16",
+        "--max-running-requests": "32",
+        "--seed": "5",
+        "--weight-version": "2",
         "--num-threads": "3",
-    }  # fmt: skip
+    }
     # On CUDA, server i gets its own device.
     config.torch.device = "cuda"
     assert flags(TorchBackend().command(config, "127.0.0.1", 20001, base_gpu_id=1)[3:])["--device"] == "cuda:1"

@@ -111,7 +111,9 @@ def test_greedy_equals_hf_generate(shared_server, reference_model):
     max_new = 40
 
     async def go(client):
-        return [await client.generate(shared_server.url, p, {"max_new_tokens": max_new, "temperature": 0}) for p in PROMPTS]
+        return [
+            await client.generate(shared_server.url, p, {"max_new_tokens": max_new, "temperature": 0}) for p in PROMPTS
+        ]
 
     results = run(_with_client(go))
     for prompt, res in zip(PROMPTS, results):
@@ -136,7 +138,9 @@ def test_concurrent_requests_equal_one_at_a_time(shared_server):
         return [await client.generate(shared_server.url, p, params(n)) for p, n in zip(prompts, lengths)]
 
     async def concurrent(client):
-        return await asyncio.gather(*[client.generate(shared_server.url, p, params(n)) for p, n in zip(prompts, lengths)])
+        return await asyncio.gather(
+            *[client.generate(shared_server.url, p, params(n)) for p, n in zip(prompts, lengths)]
+        )
 
     sequential = run(_with_client(one_at_a_time))
     before = get_json(shared_server.url, "/get_server_info")["stats"]
@@ -145,7 +149,9 @@ def test_concurrent_requests_equal_one_at_a_time(shared_server):
     for seq, con, n in zip(sequential, together, lengths):
         assert len(seq.output_ids) == n
         assert con.output_ids == seq.output_ids
-        torch.testing.assert_close(torch.tensor(con.output_logprobs), torch.tensor(seq.output_logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(con.output_logprobs), torch.tensor(seq.output_logprobs), atol=1e-4, rtol=0
+        )
     # The concurrent run really was batched: far fewer decode steps than tokens.
     steps = after["decode_steps"] - before["decode_steps"]
     assert steps < sum(lengths) / 2
@@ -179,8 +185,11 @@ def test_a_group_shares_one_prefill_and_samples_independently(shared_server, ref
     n, prompt, temperature = 6, PROMPTS[3], 1.0
     params = {"max_new_tokens": 12, "temperature": temperature, "ignore_eos": True}
     before = get_json(shared_server.url, "/get_server_info")["stats"]
-    results = run(_with_client(lambda c: c.generate_batch(shared_server.url, [prompt] * n, params,
-                                                            rids=[f"group/{i}" for i in range(n)])))  # fmt: skip
+    results = run(
+        _with_client(
+            lambda c: c.generate_batch(shared_server.url, [prompt] * n, params, rids=[f"group/{i}" for i in range(n)])
+        )
+    )
     after = get_json(shared_server.url, "/get_server_info")["stats"]
     assert after["prompt_tokens_shared"] - before["prompt_tokens_shared"] == (n - 1) * len(prompt)
     assert len({tuple(r.output_ids) for r in results}) > 1  # not n copies of one sample
@@ -188,8 +197,13 @@ def test_a_group_shares_one_prefill_and_samples_independently(shared_server, ref
         assert len(res.output_ids) == 12 and res.rid is not None
         expected = forward_logprobs(reference_model, prompt, res.output_ids, temperature)
         torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-4, rtol=0)
-    greedy = run(_with_client(lambda c: c.generate_batch(
-        shared_server.url, [PROMPTS[1], PROMPTS[2], PROMPTS[1]], {"max_new_tokens": 10, "temperature": 0})))
+    greedy = run(
+        _with_client(
+            lambda c: c.generate_batch(
+                shared_server.url, [PROMPTS[1], PROMPTS[2], PROMPTS[1]], {"max_new_tokens": 10, "temperature": 0}
+            )
+        )
+    )
     assert greedy[0].output_ids == greedy[2].output_ids == hf_greedy(reference_model, PROMPTS[1], 10)
     assert greedy[1].output_ids == hf_greedy(reference_model, PROMPTS[2], 10)
 
@@ -202,12 +216,20 @@ def test_stop_token_ids_and_min_new_tokens(shared_server, reference_model):
 
     async def go(client):
         stopped = await client.generate(
-            shared_server.url, prompt, {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}
+            shared_server.url,
+            prompt,
+            {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]},
         )
         delayed = await client.generate(
             shared_server.url,
             prompt,
-            {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop], "min_new_tokens": first + 2},
+            {
+                "max_new_tokens": 30,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop_token_ids": [stop],
+                "min_new_tokens": first + 2,
+            },
         )
         return stopped, delayed
 
@@ -327,9 +349,12 @@ def test_impossible_sampling_params_get_400_while_a_batch_runs(shared_server, re
         await asyncio.to_thread(wait_until, lambda: info()["num_running_requests"] == len(PROMPTS), 60, "running")
         refused = await asyncio.gather(
             *[client.generate(url, PROMPTS[0], dict(valid, **params)) for params, _ in impossible],
-            *[asyncio.to_thread(post_raw, url, "/generate",
-                                b'{"input_ids": [0, 5], "sampling_params": {' + field + b"}}")
-              for field in non_finite],  # fmt: skip
+            *[
+                asyncio.to_thread(
+                    post_raw, url, "/generate", b'{"input_ids": [0, 5], "sampling_params": {' + field + b"}}"
+                )
+                for field in non_finite
+            ],
             return_exceptions=True,
         )
         return refused, await asyncio.gather(*running)
@@ -367,8 +392,9 @@ def test_deeply_nested_json_gets_400_and_server_keeps_serving(shared_server):
     after = get_json(shared_server.url, "/get_server_info")["stats"]["requests_rejected"]
     assert after - before == 3 * len(bodies)
     # Brackets inside strings are not nesting; the server still answers.
-    status, answer = post_raw(shared_server.url, "/generate",
-                              json.dumps({"input_ids": [0, 5], "rid": "[" * 1000}).encode())  # fmt: skip
+    status, answer = post_raw(
+        shared_server.url, "/generate", json.dumps({"input_ids": [0, 5], "rid": "[" * 1000}).encode()
+    )
     assert status == 200 and answer["meta_info"]["id"] == "[" * 1000
     assert urllib.request.urlopen(f"{shared_server.url}/health", timeout=30).status == 200
 
@@ -547,9 +573,16 @@ def poisoned_token(model, pool: list[list[int]], n: int) -> tuple[int, list[int]
 def hf_greedy_without(model, prompt: list[int], max_new_tokens: int, banned: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             bad_words_ids=[[banned]])  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            bad_words_ids=[[banned]],
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -616,7 +649,6 @@ def test_engine_fault_fails_only_its_request(start_server, tiny_llama_dir, refer
 # --------------------------------------------------------------------------- engine, in process
 
 
-
 class DirectSubmitter:
     """Submits requests straight to a GenerationEngine (no HTTP) and keeps
     each reply under the name it was submitted with."""
@@ -630,7 +662,9 @@ class DirectSubmitter:
         """`bypass` sets request fields after validation (values a client could not send)."""
         from realrl.impl.generation import torch_server
 
-        (req,), _ = torch_server.parse_generate_body({"input_ids": prompt, "sampling_params": sampling_params}, self.engine.limits)
+        (req,), _ = torch_server.parse_generate_body(
+            {"input_ids": prompt, "sampling_params": sampling_params}, self.engine.limits
+        )
         for key, value in bypass.items():
             setattr(req, key, value)
         done = self.events[name] = threading.Event()
@@ -814,10 +848,15 @@ def test_cuda_server_matches_the_cpu_reference(start_server, tiny_llama_dir, ref
     server = start_server(tiny_llama_dir, "--device", "cuda")
 
     async def go(client):
-        sampled = await asyncio.gather(*[client.generate(server.url, p, {"max_new_tokens": 16, "temperature": 1.0,
-                                                                           "ignore_eos": True}) for p in PROMPTS])  # fmt: skip
-        greedy = await asyncio.gather(*[client.generate(server.url, p, {"max_new_tokens": 24, "temperature": 0})
-                                        for p in PROMPTS])  # fmt: skip
+        sampled = await asyncio.gather(
+            *[
+                client.generate(server.url, p, {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True})
+                for p in PROMPTS
+            ]
+        )
+        greedy = await asyncio.gather(
+            *[client.generate(server.url, p, {"max_new_tokens": 24, "temperature": 0}) for p in PROMPTS]
+        )
         return sampled, greedy
 
     sampled, greedy = run(_with_client(go))

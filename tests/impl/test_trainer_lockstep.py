@@ -36,13 +36,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps: int = 2,
-              device: str = "cpu") -> list[dict]:  # fmt: skip
+def run_ranks(
+    tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps: int = 2, device: str = "cpu"
+) -> list[dict]:
     """Runs one child per entry of `data`; returns what each saved. Fails (after
     killing both) if either exits non-zero or they are not done by the deadline."""
     world = len(data)
-    spec = {"world_size": world, "port": _free_port(), "model_dir": model_dir, "ppo": ppo, "data": data,
-            "mode": mode, "steps": steps, "device": device}  # fmt: skip
+    spec = {
+        "world_size": world,
+        "port": _free_port(),
+        "model_dir": model_dir,
+        "ppo": ppo,
+        "data": data,
+        "mode": mode,
+        "steps": steps,
+        "device": device,
+    }
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
@@ -52,8 +61,9 @@ def run_ranks(tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps:
         logs.append(log)
         out = tmp_path / f"rank{rank}.pt"
         cmd = [sys.executable, "-m", "tests.impl.trainer_kit", str(spec_path), str(rank), str(out)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
     problem = None
     try:
         deadline = time.monotonic() + DEADLINE_S
@@ -81,8 +91,9 @@ def run_ranks(tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps:
         for log in logs:
             log.close()
     if problem:
-        tails = "\n".join(f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text(errors='replace')[-3000:]}"
-                          for r in range(world))  # fmt: skip
+        tails = "\n".join(
+            f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text(errors='replace')[-3000:]}" for r in range(world)
+        )
         pytest.fail(f"{problem}\n{tails}")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

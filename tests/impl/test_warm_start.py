@@ -25,6 +25,7 @@ from realrl.impl.tiny_model import (
     load_tiny_kit_model,
 )
 from realrl.impl.warm_start import (
+    WarmStartConfig,
     _collate,
     _encode_examples,
     generate_batch,
@@ -32,7 +33,6 @@ from realrl.impl.warm_start import (
     is_correct,
     parse_number,
     pass_at_k,
-    WarmStartConfig,
     reference_number,
 )
 
@@ -150,7 +150,9 @@ def test_sampling_is_seeded(warm_model):
 
 def test_fresh_model_solves_nothing():
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128))
+    model = build_tiny_model(
+        tokenizer, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128)
+    )
     records = [{"prompt": f"Q: {a}+1=?\nA:", "answer": str(a + 1)} for a in range(20)]
     assert greedy_accuracy(model, tokenizer, records, max_new_tokens=4) == 0.0
 

@@ -29,8 +29,15 @@ from realrl.api.cli_args import PPOConfig
 from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, make_optimized
 
 
-def make_groups(seed: int, n_groups: int, group_size: int, prompt_len: tuple[int, int],
-                gen_len: tuple[int, int], vocab: int = 64, shared_prompt: bool = False) -> list[list[dict]]:  # fmt: skip
+def make_groups(
+    seed: int,
+    n_groups: int,
+    group_size: int,
+    prompt_len: tuple[int, int],
+    gen_len: tuple[int, int],
+    vocab: int = 64,
+    shared_prompt: bool = False,
+) -> list[list[dict]]:
     """Random trajectories as JSON-able dicts: one list of sequences per group.
     Rewards are 0/1 with both values in every group (a GRPO learning signal).
     `shared_prompt`: a group's answers follow one prompt (as sampled groups do)."""
@@ -43,14 +50,16 @@ def make_groups(seed: int, n_groups: int, group_size: int, prompt_len: tuple[int
             if not shared_prompt:
                 prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_len))]
             P, G = len(prompt), rng.randint(*gen_len)
-            group.append({
-                "ids": prompt + [rng.randrange(2, vocab) for _ in range(G)],
-                "prompt_len": P,
-                # near the random model's own logprobs, so importance weights stay near 1
-                "behav": [-4.2 + 0.1 * rng.gauss(0, 1) for _ in range(G)],
-                "reward": float(k % 2),
-                "no_eos": rng.random() < 0.3,
-            })  # fmt: skip
+            group.append(
+                {
+                    "ids": prompt + [rng.randrange(2, vocab) for _ in range(G)],
+                    "prompt_len": P,
+                    # near the random model's own logprobs, so importance weights stay near 1
+                    "behav": [-4.2 + 0.1 * rng.gauss(0, 1) for _ in range(G)],
+                    "reward": float(k % 2),
+                    "no_eos": rng.random() < 0.3,
+                }
+            )
         groups.append(group)
     return groups
 
@@ -65,8 +74,14 @@ def make_batch(groups: list[list[dict]]) -> SequenceBatch:
             behav.append(torch.tensor(s["behav"], dtype=torch.float32))
             rewards.append(s["reward"])
             no_eos.append(s["no_eos"])
-    return SequenceBatch(input_ids, prompt_lens, behav, torch.tensor(rewards, dtype=torch.float32),
-                         torch.tensor(no_eos, dtype=torch.bool), index)  # fmt: skip
+    return SequenceBatch(
+        input_ids,
+        prompt_lens,
+        behav,
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(no_eos, dtype=torch.bool),
+        index,
+    )
 
 
 def shard(model: torch.nn.Module) -> None:
@@ -100,8 +115,14 @@ def sync_grads(model: torch.nn.Module) -> None:
         offset += p.numel()
 
 
-def build_trainer(model_dir: str, ppo: PPOConfig, device: torch.device, mode: str = "plain",
-                  process_group=None, attn_implementation: str = "sdpa") -> tuple[PPOTrainer, collections.Counter]:  # fmt: skip
+def build_trainer(
+    model_dir: str,
+    ppo: PPOConfig,
+    device: torch.device,
+    mode: str = "plain",
+    process_group=None,
+    attn_implementation: str = "sdpa",
+) -> tuple[PPOTrainer, collections.Counter]:
     """A trainer over the tiny model in `model_dir`, and a Counter of the
     forward passes of each of its models ('actor', 'critic', 'ref')."""
     from transformers import AutoModelForCausalLM
@@ -136,13 +157,18 @@ def build_trainer(model_dir: str, ppo: PPOConfig, device: torch.device, mode: st
         model.register_forward_pre_hook(count)
 
     trainer = PPOTrainer(
-        optimized(actor), ppo, temperature=1.0, device=device, gradient_clipping=1.0,
-        critic=optimized(critic) if critic is not None else None, ref=ref,
+        optimized(actor),
+        ppo,
+        temperature=1.0,
+        device=device,
+        gradient_clipping=1.0,
+        critic=optimized(critic) if critic is not None else None,
+        ref=ref,
         all_reduce_sum=all_reduce_sum if world > 1 else (lambda x: x),
         sync_grads=sync_grads if mode != "fsdp" and world > 1 else (lambda m: None),
         process_group=process_group,
         loss_scale=float(world) if mode == "fsdp" else 1.0,
-    )  # fmt: skip
+    )
     forwards.clear()  # the constructor's shared-prompt probe is not a step's forward
     return trainer, forwards
 
@@ -176,12 +202,17 @@ def main(spec_path: str, rank: int, out_path: str) -> None:
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if spec["device"] == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec.get("pg_timeout", 60)))  # fmt: skip
+    dist.init_process_group(
+        "nccl" if spec["device"] == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=spec.get("pg_timeout", 60)),
+    )
     try:
-        trainer, forwards = build_trainer(spec["model_dir"], PPOConfig(**spec["ppo"]), device, spec["mode"],
-                                          dist.group.WORLD)  # fmt: skip
+        trainer, forwards = build_trainer(
+            spec["model_dir"], PPOConfig(**spec["ppo"]), device, spec["mode"], dist.group.WORLD
+        )
         stats = run_steps(trainer, spec["data"][rank], spec["steps"])
         weights = {"actor": full_weights(trainer.actor.model)}
         if trainer.critic is not None:

@@ -25,14 +25,21 @@ def test_cpu_trial_sets_no_devices(monkeypatch):
 
 
 def test_servers_take_the_first_gpus_and_trainers_the_next(monkeypatch):
-    gen, train = placement(monkeypatch, "4,5,6,7,8,9,10,11", "allocation_mode=sglang.d2p1m2+d3p1m1", "train.device=cuda",
-                            "rollout.n_workers=3")
+    gen, train = placement(
+        monkeypatch,
+        "4,5,6,7,8,9,10,11",
+        "allocation_mode=sglang.d2p1m2+d3p1m1",
+        "train.device=cuda",
+        "rollout.n_workers=3",
+    )
     assert devices(gen) == ["4,5", "6,7"]
     assert devices(train) == ["8", "9", "10"]
 
 
 def test_cpu_servers_leave_all_gpus_to_the_trainers(monkeypatch):
-    gen, train = placement(monkeypatch, "2,3", "allocation_mode=torch.d2p1m1+d2p1m1", "train.device=cuda", "rollout.n_workers=2")
+    gen, train = placement(
+        monkeypatch, "2,3", "allocation_mode=torch.d2p1m1+d2p1m1", "train.device=cuda", "rollout.n_workers=2"
+    )
     assert gen == [] and devices(train) == ["2", "3"]
 
 
@@ -46,7 +53,11 @@ def test_too_few_gpus_are_shared_round_robin(monkeypatch):
     [
         ("", ["train.device=cuda"], "train.device"),
         ("", ["server.torch.device=cuda"], "server.torch.device"),
-        ("0", ["allocation_mode=torch.d1p1m1+d2p1m1", "train.device=cuda", "rollout.n_workers=2"], "allocation_mode"),  # NCCL: a GPU per rank
+        (
+            "0",
+            ["allocation_mode=torch.d1p1m1+d2p1m1", "train.device=cuda", "rollout.n_workers=2"],
+            "allocation_mode",
+        ),  # NCCL: a GPU per rank
         ("0", ["allocation_mode=sglang.d1p1m2+d1p1m1"], "allocation_mode"),  # tp 2 on one GPU
     ],
 )

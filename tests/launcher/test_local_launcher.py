@@ -72,8 +72,12 @@ def test_failing_worker_stops_trial_and_shows_its_traceback(tmp_path, capfd):
 
 
 def test_worker_that_cannot_be_built_is_reported(tmp_path, capfd):
-    launcher = LocalLauncher("launchtest", "badbuild", str(tmp_path), NameResolveConfig(type="file", file_root=str(tmp_path / "nr")))
-    code = launcher.run([WorkerGroup(f"{W}:BadConfigWorker", 1), WorkerGroup(f"{W}:CountingWorker", 1, {})], timeout=120)
+    launcher = LocalLauncher(
+        "launchtest", "badbuild", str(tmp_path), NameResolveConfig(type="file", file_root=str(tmp_path / "nr"))
+    )
+    code = launcher.run(
+        [WorkerGroup(f"{W}:BadConfigWorker", 1), WorkerGroup(f"{W}:CountingWorker", 1, {})], timeout=120
+    )
     err = capfd.readouterr().err
     assert code == 1
     assert "worker BadConfigWorker/0 failed" in err and "model_path" in err
@@ -92,8 +96,11 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     launcher = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "launch_child.py"), str(tmp_path), str(ttl)],
-        stdout=subprocess.PIPE, text=True, cwd=repo_root, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo_root,
+        start_new_session=True,
+    )
     pids: dict = {}
     try:
         pids = json.loads(launcher.stdout.readline())
@@ -120,7 +127,9 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
             time.sleep(0.2)
         assert not alive(pids["etcd"])
     finally:
-        for pid in [launcher.pid] + pids.get("workers", []) + pids.get("spawned", []) + [pids.get("etcd", launcher.pid)]:
+        for pid in (
+            [launcher.pid] + pids.get("workers", []) + pids.get("spawned", []) + [pids.get("etcd", launcher.pid)]
+        ):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -148,7 +157,8 @@ import sys
 from realrl.base.name_resolve import NameResolveConfig
 from realrl.launcher.local import LocalLauncher, TrialAlreadyRunning, WorkerGroup
 fileroot, addr, trial = sys.argv[1:]
-launcher = LocalLauncher("launchtest", trial, fileroot, NameResolveConfig(type="etcd3", etcd3_addr=addr), heartbeat_ttl=1)
+nr = NameResolveConfig(type="etcd3", etcd3_addr=addr)
+launcher = LocalLauncher("launchtest", trial, fileroot, nr, heartbeat_ttl=1)
 try:
     launcher.run([WorkerGroup("tests.launcher.workers_for_tests:CountingWorker", 1, {})], timeout=60)
 except TrialAlreadyRunning as e:
@@ -163,8 +173,11 @@ def test_a_trial_running_elsewhere_on_a_shared_etcd_is_left_alone(tmp_path, etcd
     trial = f"shared{uuid.uuid4().hex[:6]}"
     first = LocalLauncher("launchtest", trial, str(tmp_path / "a"), shared, heartbeat_ttl=1)
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(code=first.run(
-        [WorkerGroup(f"{W}:CountingWorker", 1, {"polls": 10**9})], timeout=120)))  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: result.update(
+            code=first.run([WorkerGroup(f"{W}:CountingWorker", 1, {"polls": 10**9})], timeout=120)
+        )
+    )
     thread.start()
     repo = name_resolve.make_repository(shared)
     try:
@@ -173,9 +186,17 @@ def test_a_trial_running_elsewhere_on_a_shared_etcd_is_left_alone(tmp_path, etcd
         while time.monotonic() < deadline and not (first.worker_pids and repo.find_subtree(status)):
             time.sleep(0.05)
         # The second launcher in its own process, as on another machine.
-        second = subprocess.run([sys.executable, "-c", SECOND_LAUNCHER, str(tmp_path / "b"), etcd_server.addr, trial],
-                                capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)  # fmt: skip
-        assert second.stdout.strip() == f"refused: trial launchtest/{trial} already running (pid {os.getpid()}); leaving it alone", second.stderr
+        second = subprocess.run(
+            [sys.executable, "-c", SECOND_LAUNCHER, str(tmp_path / "b"), etcd_server.addr, trial],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
+        assert (
+            second.stdout.strip()
+            == f"refused: trial launchtest/{trial} already running (pid {os.getpid()}); leaving it alone"
+        ), second.stderr
         assert not os.path.exists(tmp_path / "b" / "logs")  # no worker started
         assert repo.get(status) == "RUNNING" and all(alive(p) for p in first.worker_pids)  # untouched
         repo.add(status, "COMPLETE", replace=True, delete_on_exit=False)

@@ -34,7 +34,9 @@ def test_servers_share_the_trainers_node_only_when_there_is_no_other():
 
 def test_a_cluster_too_small_is_one_config_error_naming_what_does_not_fit():
     nodes = [Node("a", "10.0.0.1", 16, 4), Node("b", "10.0.0.2", 16, 2)]
-    with pytest.raises(ConfigError, match=r"^allocation_mode: the Ray cluster has no room for generation_server 1 \(1 CPU, 4 GPU\)"):
+    with pytest.raises(
+        ConfigError, match=r"^allocation_mode: the Ray cluster has no room for generation_server 1 \(1 CPU, 4 GPU\)"
+    ):
         plan_placement(nodes, demands(n_train=0, train_gpus=0, n_gen=2, gen_gpus=4), home="10.0.0.1")
     # tensor-parallel GPUs of one server are never split over nodes
     with pytest.raises(ConfigError, match="generation_server 0"):

@@ -13,8 +13,8 @@ import pytest
 from realrl.api.cli_args import ConfigError, SlurmConfig, validate
 from realrl.launcher.ray import Demand
 from realrl.launcher.slurm import (
-    SlurmStep,
     Slot,
+    SlurmStep,
     batch_script,
     dump_config,
     expand_cpus_per_node,
@@ -33,13 +33,21 @@ def _cfg(*overrides: str):
 def test_the_default_script_runs_the_launcher_on_whole_nodes():
     cfg = _cfg("fileroot=/shared/runs", "trial_name=t1")
     log_dir = "/shared/runs/logs/async-ppo-tiny/t1"
-    script = batch_script(cfg, log_dir, f"{log_dir}/slurm/trial.yaml", "/repo", "/home/me/work", python="/venv/bin/python")
+    script = batch_script(
+        cfg, log_dir, f"{log_dir}/slurm/trial.yaml", "/repo", "/home/me/work", python="/venv/bin/python"
+    )
     assert script.splitlines()[0] == "#!/bin/bash"
-    directives = [ln[len("#SBATCH "):] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
+    directives = [ln[len("#SBATCH ") :] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
     assert directives == [
-        "--job-name=realrl-async-ppo-tiny-t1", "--nodes=1", "--ntasks-per-node=1", "--exclusive",
-        f"--output={log_dir}/slurm/job-%j.out", "--open-mode=append", "--chdir=/home/me/work", "--no-requeue",
-    ]  # fmt: skip
+        "--job-name=realrl-async-ppo-tiny-t1",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--exclusive",
+        f"--output={log_dir}/slurm/job-%j.out",
+        "--open-mode=append",
+        "--chdir=/home/me/work",
+        "--no-requeue",
+    ]
     body = [ln for ln in script.splitlines() if ln and not ln.startswith("#")]
     assert body == [
         "export PYTHONUNBUFFERED=1",
@@ -49,24 +57,50 @@ def test_the_default_script_runs_the_launcher_on_whole_nodes():
 
 
 def test_every_slurm_key_maps_to_its_sbatch_option():
-    cfg = _cfg("slurm.partition=gpu", "slurm.nodes=4", "slurm.gpus_per_node=8", "slurm.cpus_per_node=64",
-               "slurm.mem=480G", "slurm.time=2-00:00:00", "slurm.account=proj", "slurm.qos=high",
-               "slurm.constraint='a100&ib'", "slurm.job_name=rl", "slurm.sbatch_args=['--exclude=n7','--reservation=rl']",
-               "recover=auto")  # fmt: skip
+    cfg = _cfg(
+        "slurm.partition=gpu",
+        "slurm.nodes=4",
+        "slurm.gpus_per_node=8",
+        "slurm.cpus_per_node=64",
+        "slurm.mem=480G",
+        "slurm.time=2-00:00:00",
+        "slurm.account=proj",
+        "slurm.qos=high",
+        "slurm.constraint='a100&ib'",
+        "slurm.job_name=rl",
+        "slurm.sbatch_args=['--exclude=n7','--reservation=rl']",
+        "recover=auto",
+    )
     opts = sbatch_options(cfg, "/runs/logs/e/t", "/work dir")
     assert opts == [
-        "--job-name=rl", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=64", "--gpus-per-node=8", "--mem=480G",
-        "--time=2-00:00:00", "--partition=gpu", "--account=proj", "--qos=high", "--constraint=a100&ib",
-        "--output=/runs/logs/e/t/slurm/job-%j.out", "--open-mode=append", '--chdir="/work dir"', "--requeue",
-        "--exclude=n7", "--reservation=rl",
-    ]  # fmt: skip
+        "--job-name=rl",
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=64",
+        "--gpus-per-node=8",
+        "--mem=480G",
+        "--time=2-00:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--qos=high",
+        "--constraint=a100&ib",
+        "--output=/runs/logs/e/t/slurm/job-%j.out",
+        "--open-mode=append",
+        '--chdir="/work dir"',
+        "--requeue",
+        "--exclude=n7",
+        "--reservation=rl",
+    ]
     cfg = _cfg("slurm.setup=[module load cuda/12.4,source /opt/env.sh]")
     script = batch_script(cfg, "/r/logs/e/t", "/r/logs/e/t/slurm/trial.yaml", "/my repo", "/w", python="/py")
     lines = script.splitlines()
     assert "export PYTHONPATH='/my repo'${PYTHONPATH:+:$PYTHONPATH}" in lines
     # setup lines run after the environment is set and before the launcher
-    assert lines[-3:] == ["module load cuda/12.4", "source /opt/env.sh",
-                          "exec /py -m realrl.launcher.slurm inside /r/logs/e/t/slurm/trial.yaml"]  # fmt: skip
+    assert lines[-3:] == [
+        "module load cuda/12.4",
+        "source /opt/env.sh",
+        "exec /py -m realrl.launcher.slurm inside /r/logs/e/t/slurm/trial.yaml",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -104,9 +138,11 @@ def test_what_does_not_fit_the_job_is_refused_before_anything_is_submitted(tmp_p
     cases = [
         (["train.device=cuda"], "slurm.gpus_per_node: model_worker needs 1 GPU(s) (train.device)"),
         (["server.torch.device=cuda"], "slurm.gpus_per_node: generation_server needs 1 GPU(s) (allocation_mode)"),
-        (["allocation_mode=torch.d1p1m1+d9p1m1", "train.device=cuda", "slurm.nodes=2", "slurm.gpus_per_node=4"],
-         "allocation_mode: 9 trainer ranks need 9 GPUs (one each for NCCL), the job has 8"),
-    ]  # fmt: skip
+        (
+            ["allocation_mode=torch.d1p1m1+d9p1m1", "train.device=cuda", "slurm.nodes=2", "slurm.gpus_per_node=4"],
+            "allocation_mode: 9 trainer ranks need 9 GPUs (one each for NCCL), the job has 8",
+        ),
+    ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
             run_experiment(load_cli_config(base + overrides))
@@ -125,9 +161,13 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 def _demands(n_train: int, train_gpus: int, n_gen: int, gen_gpus: int, n_rollout: int = 1) -> list[Demand]:
-    return ([Demand("master_worker", 0, 0, 0)] + [Demand("model_worker", i, 1, train_gpus) for i in range(n_train)]
-            + [Demand("generation_server", i, 1, gen_gpus) for i in range(n_gen)] + [Demand("gserver_manager", 0, 0, 0)]
-            + [Demand("rollout_worker", i, 1, 0) for i in range(n_rollout)])  # fmt: skip
+    return (
+        [Demand("master_worker", 0, 0, 0)]
+        + [Demand("model_worker", i, 1, train_gpus) for i in range(n_train)]
+        + [Demand("generation_server", i, 1, gen_gpus) for i in range(n_gen)]
+        + [Demand("gserver_manager", 0, 0, 0)]
+        + [Demand("rollout_worker", i, 1, 0) for i in range(n_rollout)]
+    )
 
 
 def test_cpu_workers_share_one_node_and_split_across_two():
@@ -147,12 +187,20 @@ def test_gpu_trainers_and_servers_get_separate_nodes_when_there_are_enough():
     nodes = ["n0", "n1", "n2"]
     plan, notes = plan_placement(nodes, 8, _demands(8, 1, 4, 2))  # sglang.d4p1m2+d8p1m1
     assert [plan[("model_worker", i)] for i in range(8)] == [Slot("n0", (i,)) for i in range(8)]
-    assert [plan[("generation_server", i)] for i in range(4)] == [Slot("n1", (0, 1)), Slot("n1", (2, 3)),
-                                                                   Slot("n1", (4, 5)), Slot("n1", (6, 7))]  # fmt: skip
+    assert [plan[("generation_server", i)] for i in range(4)] == [
+        Slot("n1", (0, 1)),
+        Slot("n1", (2, 3)),
+        Slot("n1", (4, 5)),
+        Slot("n1", (6, 7)),
+    ]
     assert not notes
     plan, _ = plan_placement(nodes, 4, _demands(4, 1, 4, 2))  # two server nodes
-    assert [plan[("generation_server", i)] for i in range(4)] == [Slot("n1", (0, 1)), Slot("n1", (2, 3)),
-                                                                   Slot("n2", (0, 1)), Slot("n2", (2, 3))]  # fmt: skip
+    assert [plan[("generation_server", i)] for i in range(4)] == [
+        Slot("n1", (0, 1)),
+        Slot("n1", (2, 3)),
+        Slot("n2", (0, 1)),
+        Slot("n2", (2, 3)),
+    ]
 
 
 def test_too_few_nodes_share_them_as_local_mode_does():
@@ -210,7 +258,9 @@ def test_a_gpu_worker_keeps_its_own_positions_among_the_visible_gpus(monkeypatch
     from realrl.launcher import slurm
 
     calls = []
-    monkeypatch.setattr(slurm.os, "execv", lambda path, argv: calls.append((path, argv, os.environ["CUDA_VISIBLE_DEVICES"])))
+    monkeypatch.setattr(
+        slurm.os, "execv", lambda path, argv: calls.append((path, argv, os.environ["CUDA_VISIBLE_DEVICES"]))
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     slurm._exec_worker("1,2", "/specs/generation_server-0.json")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -223,8 +273,14 @@ def test_following_a_job_streams_its_output_and_returns_the_trials_code(tmp_path
     from realrl.launcher import slurm
 
     out, exit_file = tmp_path / "job-7.out", tmp_path / "job-7.exit"
-    states = iter([{"JobState": "PENDING", "Reason": "Resources"}, {"JobState": "RUNNING", "NodeList": "n[1-2]"},
-                   {"JobState": "RUNNING"}, {"JobState": "FAILED", "ExitCode": "1:0"}])  # fmt: skip
+    states = iter(
+        [
+            {"JobState": "PENDING", "Reason": "Resources"},
+            {"JobState": "RUNNING", "NodeList": "n[1-2]"},
+            {"JobState": "RUNNING"},
+            {"JobState": "FAILED", "ExitCode": "1:0"},
+        ]
+    )
 
     def job_state(job_id):
         state = next(states)
@@ -242,7 +298,9 @@ def test_following_a_job_streams_its_output_and_returns_the_trials_code(tmp_path
     assert "slurm job 7 is pending (Resources)" in captured.err and "slurm job 7 is running on n[1-2]" in captured.err
     # Without the launcher's exit file: the job's state and ExitCode say it.
     exit_file.unlink()
-    monkeypatch.setattr(slurm, "job_state", lambda job_id: {"JobState": "TIMEOUT", "ExitCode": "0:15", "Reason": "TimeLimit"})
+    monkeypatch.setattr(
+        slurm, "job_state", lambda job_id: {"JobState": "TIMEOUT", "ExitCode": "0:15", "Reason": "TimeLimit"}
+    )
     monkeypatch.setattr(slurm, "_EXIT_FILE_GRACE_S", 0.0)
     assert slurm.follow_job("8", str(out), str(tmp_path / "none.exit"), poll_interval=0) == 1
     assert "slurm job 8 ended TIMEOUT (exit code 0:15, TimeLimit)" in capsys.readouterr().err

@@ -12,7 +12,7 @@ def write(root: str, step: int, payload: bytes = b"weights") -> str:
     with open(os.path.join(temp, "model_worker.pt"), "wb") as f:
         f.write(payload)
     with open(os.path.join(temp, "master_state.json"), "w") as f:
-        f.write('{"step": %d}' % step)
+        f.write(f'{{"step": {step}}}')
     return checkpoints.commit(temp, root, step)
 
 
@@ -29,7 +29,9 @@ def test_commit_verify_fall_back_and_prune(tmp_path):
     with open(os.path.join(root, "step9", "model_worker.pt"), "r+b") as f:  # one byte changed
         f.seek(10)
         f.write(b"\x00")
-    assert checkpoints.problem(os.path.join(root, "step9")) == "model_worker.pt does not match its sha256 in the manifest"
+    assert (
+        checkpoints.problem(os.path.join(root, "step9")) == "model_worker.pt does not match its sha256 in the manifest"
+    )
     assert checkpoints.newest_valid(root) == os.path.join(root, "step6")
 
     os.truncate(os.path.join(root, "step6", "master_state.json"), 3)

@@ -128,7 +128,7 @@ def test_killed_server_fails_the_worker_and_the_trial_without_restarts(tmp_path,
         assert trial.launcher.failed_worker == "generation_server/0"
         err = capfd.readouterr().err
         assert "worker generation_server/0 failed" in err
-        assert "generation server (pid %d) was killed by signal SIGKILL while serving" % server.pid in err
+        assert f"generation server (pid {server.pid}) was killed by signal SIGKILL while serving" in err
         assert "server.max_restarts=0" in err
         assert "listening on" in err  # the tail of the server's log is in the report
         assert not alive(worker_pid) and not alive(server.pid)
@@ -136,8 +136,7 @@ def test_killed_server_fails_the_worker_and_the_trial_without_restarts(tmp_path,
         trial.close()
 
 
-def test_killed_server_restarts_on_the_current_weights_until_max_restarts(tmp_path, etcd_server, tiny_model_dir,
-                                                                          capfd):  # fmt: skip
+def test_killed_server_restarts_on_the_current_weights_until_max_restarts(tmp_path, etcd_server, tiny_model_dir, capfd):
     """The worker restarts a dead server, which loads the trainer's current
     version before it registers again (same index, new URL); one death more
     than max_restarts within restart_window fails the worker and the trial."""
@@ -177,15 +176,29 @@ def test_server_dies_with_its_worker_even_on_sigkill(tmp_path, etcd_server, tiny
     server down. The worker runs bare here, without a launcher to clean up."""
     trial_name = f"t{uuid.uuid4().hex[:8]}"
     nr_config = NameResolveConfig(type="etcd3", etcd3_addr=etcd_server.addr)
-    info = WorkerInfo(EXP, trial_name, "generation_server", name_resolve=nr_config, log_dir=str(tmp_path),
-                      heartbeat_ttl=2, watch_launcher=False)  # fmt: skip
+    info = WorkerInfo(
+        EXP,
+        trial_name,
+        "generation_server",
+        name_resolve=nr_config,
+        log_dir=str(tmp_path),
+        heartbeat_ttl=2,
+        watch_launcher=False,
+    )
     spec_path = tmp_path / "spec.json"
-    spec_path.write_text(WorkerSpec("realrl.system.generation_server:GenerationServer", info,
-                                    to_plain(server_config(tiny_model_dir))).to_json())  # fmt: skip
+    spec_path.write_text(
+        WorkerSpec(
+            "realrl.system.generation_server:GenerationServer", info, to_plain(server_config(tiny_model_dir))
+        ).to_json()
+    )
     repo = name_resolve.make_repository(nr_config)
     with open(tmp_path / "worker.log", "wb") as log:
-        worker = subprocess.Popen([sys.executable, "-m", "realrl.system.worker_base", "--spec", str(spec_path)],
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "realrl.system.worker_base", "--spec", str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server_pid = None
     try:
         wait_until(lambda: _get(repo, names.gen_server(EXP, trial_name, 0)) or worker.poll() is not None, 120, "server")

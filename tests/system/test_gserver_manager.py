@@ -248,10 +248,23 @@ def shared_server(tmp_path_factory, tiny_model):
     port = network.find_free_port()
     log = open(root / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir,
-         "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "realrl.impl.generation.torch_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(_wait_healthy(url, proc))
@@ -276,11 +289,13 @@ async def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 FRESH = {"step": 0, "version": 0, "consumed": 0, "dropped": 0, "filtered": 0}  # training_start of a new trial
 
 
-def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, start: dict | None = FRESH,
-                        **manager_kw) -> tuple[TrialThread, str]:  # fmt: skip
+def start_manager_trial(
+    tmp_path, etcd_addr: str, server_url: str, start: dict | None = FRESH, **manager_kw
+) -> tuple[TrialThread, str]:
     """A trial with only a manager; the shared server is registered as its server 0."""
-    cfg = GserverManagerConfig(n_servers=1, train_batch_size=B, weights_dir=str(tmp_path / "weights"),
-                               poll_interval=0.05, **manager_kw)  # fmt: skip
+    cfg = GserverManagerConfig(
+        n_servers=1, train_batch_size=B, weights_dir=str(tmp_path / "weights"), poll_interval=0.05, **manager_kw
+    )
     trial = TrialThread(tmp_path, etcd_addr, [WorkerGroup("gserver_manager", 1, cfg)], EXP).start()
     wait_until(lambda: trial.launcher.worker_pids or not trial.thread.is_alive(), 60, "the manager process")
     # After the launcher cleared the trial's keys, before the manager looks.
@@ -295,7 +310,6 @@ def start_manager_trial(tmp_path, etcd_addr: str, server_url: str, start: dict |
 
         wait_until(started, 60, "the manager to open admission")
     return trial, manager_url
-
 
 
 class Manager:
@@ -452,8 +466,9 @@ def test_a_refused_allocation_waits_for_admission_to_open(tmp_path, etcd_server,
         trial.close()
 
 
-def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(tmp_path, etcd_server, shared_server,
-                                                                               tiny_model):  # fmt: skip
+def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(
+    tmp_path, etcd_server, shared_server, tiny_model
+):
     """A recovered trial (training starts at version 4 after 4 batches consumed
     and 1 dropped): nothing is admitted before the master says where training
     starts, nothing for version 4 before the server holds it, and then exactly
@@ -461,8 +476,9 @@ def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(
     under duplicated requests."""
     from realrl.system.model_worker import publish_weights
 
-    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, start=None, max_head_offpolicyness=0,
-                                     weight_update_retries=6)  # fmt: skip
+    trial, url = start_manager_trial(
+        tmp_path, etcd_server.addr, shared_server, start=None, max_head_offpolicyness=0, weight_update_retries=6
+    )
 
     async def scenario(m: Manager):
         reply = await m.allocate("early")
@@ -470,8 +486,10 @@ def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(
         # What the master publishes after recovering (version 4's weights are not on disk yet).
         trial.set(names.model_version(EXP, trial.trial, "actor"), "4")
         trial.set(names.dropped_samples(EXP, trial.trial), "1")
-        trial.set(names.training_start(EXP, trial.trial),
-                  json.dumps({"step": 4, "version": 4, "consumed": 4 * B, "dropped": 1, "filtered": 0}))
+        trial.set(
+            names.training_start(EXP, trial.trial),
+            json.dumps({"step": 4, "version": 4, "consumed": 4 * B, "dropped": 1, "filtered": 0}),
+        )
         await m.wait_stats("started", True)
         await m.wait_stats("trainer_version", 4)
         for i in range(3):  # the server cannot load version 4 yet: no budget for it
@@ -504,8 +522,14 @@ def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(
 
 
 def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, shared_server, capfd):
-    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=4,
-                                     max_concurrent_rollouts=3, weight_update_retries=1)  # fmt: skip
+    trial, url = start_manager_trial(
+        tmp_path,
+        etcd_server.addr,
+        shared_server,
+        max_head_offpolicyness=4,
+        max_concurrent_rollouts=3,
+        weight_update_retries=1,
+    )
 
     async def scenario(m: Manager):
         replies = [await m.allocate(f"q{i}") for i in range(5)]
@@ -515,8 +539,9 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
         assert (await m.allocate("q5"))["success"]
 
         # Routing with one server, and the version it holds.
-        reply = await m.post("/schedule_request", {"qid": "q1", "n": 2, "previous_server_url": None,
-                                                   "previous_version": None})  # fmt: skip
+        reply = await m.post(
+            "/schedule_request", {"qid": "q1", "n": 2, "previous_server_url": None, "previous_version": None}
+        )
         assert reply["url"] == shared_server and isinstance(reply["version"], int)
         assert (await m.get("/rollout_stats"))["server_in_flight"] == {shared_server: 2}
         assert await m.post("/release_request", {"url": shared_server, "n": 2}) == {"success": True}
@@ -542,8 +567,17 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
             ("POST", "/allocate_rollout", {"rollouts": "q9"}, None),
             ("POST", "/allocate_rollout", {"rollouts": [{"rollout_id": "q9", "qid": "q9"}, 5]}, None),
             ("POST", "/allocate_rollout", {"rollouts": [{"rollout_id": "q9", "qid": "q9"}, {"qid": "q"}]}, None),
-            ("POST", "/finish_rollout", {"rollouts": [{"rollout_id": "q1", "n_trajectories": 1},
-                                                      {"rollout_id": "unknown", "n_trajectories": 1}]}, None),
+            (
+                "POST",
+                "/finish_rollout",
+                {
+                    "rollouts": [
+                        {"rollout_id": "q1", "n_trajectories": 1},
+                        {"rollout_id": "unknown", "n_trajectories": 1},
+                    ]
+                },
+                None,
+            ),
             ("POST", "/schedule_request", {"qid": "q1", "n": 3, "parts": [1, 1]}, None),
             ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": [2, 0]}, None),
             ("POST", "/schedule_request", {"qid": "q1", "n": 2, "parts": [True, 1]}, None),
@@ -590,8 +624,9 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
 def test_batched_allocate_and_finish(tmp_path, etcd_server, shared_server):
     # A rollout worker offers a batch of prompts in one call and reports
     # episodes that ended together in one call.
-    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=4,
-                                     max_concurrent_rollouts=5)  # fmt: skip
+    trial, url = start_manager_trial(
+        tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=4, max_concurrent_rollouts=5
+    )
 
     def batch(*qids: str) -> dict:
         return {"rollouts": [{"rollout_id": q, "qid": q} for q in qids]}
@@ -602,8 +637,12 @@ def test_batched_allocate_and_finish(tmp_path, etcd_server, shared_server):
         assert reply["reason"] == "max_concurrent_rollouts reached (5)"
         assert (await m.post("/allocate_rollout", batch("q0", "q1")))["admitted"] == 2  # repeated: a no-op
         assert (await m.get("/rollout_stats"))["running"] == 5
-        done = {"rollouts": [{"rollout_id": "q0", "n_trajectories": 1, "n_tokens": 3},
-                             {"rollout_id": "q1", "n_trajectories": 0}]}  # fmt: skip
+        done = {
+            "rollouts": [
+                {"rollout_id": "q0", "n_trajectories": 1, "n_tokens": 3},
+                {"rollout_id": "q1", "n_trajectories": 0},
+            ]
+        }
         assert await m.post("/finish_rollout", done) == {"success": True}
         assert await m.post("/finish_rollout", done) == {"success": True}  # repeated: a no-op
         stats = await m.get("/rollout_stats")
@@ -633,8 +672,9 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
     model_dir = publish_weights(tiny_model, str(tmp_path / "model"), 0)  # the initial model (kept: restarts use it)
     (weights_dir / "notes.txt").write_text("not a version")
     (weights_dir / ".tmp-2-abcd").mkdir()  # a publish in progress
-    manager_cfg = GserverManagerConfig(n_servers=2, train_batch_size=B, max_head_offpolicyness=1,
-                                       weights_dir=str(weights_dir), poll_interval=0.05)  # fmt: skip
+    manager_cfg = GserverManagerConfig(
+        n_servers=2, train_batch_size=B, max_head_offpolicyness=1, weights_dir=str(weights_dir), poll_interval=0.05
+    )
     groups = [
         WorkerGroup("generation_server", 2, server_config(model_dir)),
         WorkerGroup("gserver_manager", 1, manager_cfg),

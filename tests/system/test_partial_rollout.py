@@ -28,8 +28,7 @@ from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in
 from realrl.impl import environments as _environments  # noqa: F401
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
-from realrl.impl.math_data import MathDataRecipe, load_math_jsonl, write_math_dataset
-from realrl.impl.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from realrl.impl.math_data import load_math_jsonl
 from realrl.impl.verifiers.math_verifier import MathVerifier
 from realrl.launcher.local import WorkerGroup
 from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutError, PartialRolloutManager
@@ -37,25 +36,6 @@ from tests.impl.conftest import save_perturbed
 from tests.system.trial_thread import TrialThread
 
 EXP = "rollouttest"
-
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=2048)
-
-
-# --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def tiny_kit(tmp_path_factory) -> dict:
-    """A random-init tiny Llama + char tokenizer (one HF directory) and a small
-    arithmetic data set. Accuracy is irrelevant here; mechanics are not."""
-    root = tmp_path_factory.mktemp("rollout_kit")
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, TINY, seed=3)
-    model_dir = str(root / "model")
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    train_path, _ = write_math_dataset(str(root / "data"), MathDataRecipe(seed=2, n_train=40, n_test=4))
-    return {"model_dir": model_dir, "train_path": train_path, "eos": tokenizer.eos_token_id, "root": str(root)}
 
 
 @pytest.fixture(scope="session")
@@ -157,8 +137,12 @@ def prompt_records(tiny_kit, n: int) -> list[PromptRecord]:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_kit["model_dir"])
     return [
-        PromptRecord(qid=r["query_id"], prompt=r["prompt"], prompt_ids=tokenizer.encode(r["prompt"], add_special_tokens=False),
-                     solutions=r["solutions"])  # fmt: skip
+        PromptRecord(
+            qid=r["query_id"],
+            prompt=r["prompt"],
+            prompt_ids=tokenizer.encode(r["prompt"], add_special_tokens=False),
+            solutions=r["solutions"],
+        )
         for r in load_math_jsonl(tiny_kit["train_path"])[:n]
     ]
 
@@ -183,14 +167,24 @@ class ObservedManagerClient(GserverManagerClient):
         super().__init__(*args, **kwargs)
         self.scheduled: list[dict] = []
 
-    async def schedule_request(self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None,
-                               parts=None):  # fmt: skip
+    async def schedule_request(
+        self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None, parts=None
+    ):
         """Logs one entry per part (a group's round), numbered by the call ("call")."""
         reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls, parts)
         call = len({s["call"] for s in self.scheduled})
         for size, pick in zip(parts or [n], reply.get("parts") or [reply]):
-            self.scheduled.append({"qid": qid, "n": size, "previous_server_url": previous_server_url,
-                                   "previous_version": previous_version, "call": call, **reply, **pick})  # fmt: skip
+            self.scheduled.append(
+                {
+                    "qid": qid,
+                    "n": size,
+                    "previous_server_url": previous_server_url,
+                    "previous_version": previous_version,
+                    "call": call,
+                    **reply,
+                    **pick,
+                }
+            )
         return reply
 
 
@@ -209,8 +203,14 @@ async def with_prm(manager_url: str, fn, **prm_kwargs):
 @pytest.mark.parametrize("chunk", [1 << 30, 2])
 def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, trial, verifier, chunk):
     group_size, max_new = 3, 9
-    agent = make_agent("single-step", AgentSettings(tokenizer_path=tiny_kit["model_dir"], group_size=group_size,
-                                                    gconfig={"max_new_tokens": max_new, "temperature": 1.0}))  # fmt: skip
+    agent = make_agent(
+        "single-step",
+        AgentSettings(
+            tokenizer_path=tiny_kit["model_dir"],
+            group_size=group_size,
+            gconfig={"max_new_tokens": max_new, "temperature": 1.0},
+        ),
+    )
     records = prompt_records(tiny_kit, 4)
 
     async def go(prm, manager):
@@ -257,8 +257,9 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
         continued = [s for s in scheduled if s["previous_server_url"] is not None]
         assert sum(s["n"] for s in continued) == stats["chunk_continuations"]
         assert len({s["call"] for s in continued}) <= 4  # at most 4 more rounds, the groups' together
-        assert all(s["url"] == s["previous_server_url"] == trial.server_url and s["previous_version"] == 0
-                   for s in continued)  # fmt: skip
+        assert all(
+            s["url"] == s["previous_server_url"] == trial.server_url and s["previous_version"] == 0 for s in continued
+        )
     else:
         assert stats["chunk_continuations"] == 0 and stats["server_requests"] == 1
     assert set(manager_stats(trial.manager_url)["server_in_flight"].values()) == {0}  # every request released
@@ -420,4 +421,3 @@ def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
     finally:
         fake.stop()
         t.close()
-

@@ -231,7 +231,9 @@ def test_rate_limited_log_maybe_flush_reports_once_the_interval_passed(realrl_ca
     log.interval = 0.0  # as if the interval had passed
     log.maybe_flush()
     assert [r.getMessage().split(" in the last")[0] for r in realrl_caplog.records] == [
-        "first", "1 similar messages suppressed"]  # fmt: skip
+        "first",
+        "1 similar messages suppressed",
+    ]
     log.maybe_flush()
     assert len(realrl_caplog.records) == 2
 

@@ -51,7 +51,9 @@ def start_cluster(config, n_workers: int, go_file: str | None = None, **client_k
     extra = [go_file] if go_file else []
     workers = [spawn(config, "reply_server", exp, trial, str(i), *extra) for i in range(n_workers)]
     try:
-        client = NameResolvingRequestClient(exp, trial, n_workers, routing_table(n_workers), connect_timeout=60, **client_kwargs)
+        client = NameResolvingRequestClient(
+            exp, trial, n_workers, routing_table(n_workers), connect_timeout=60, **client_kwargs
+        )
     except BaseException:
         for w in workers:
             kill(w)
@@ -333,6 +335,12 @@ def test_master_names_workers_that_never_connect(tmp_path, etcd_server):
 def test_payload_validation():
     good = Payload(0, "spec", {"a": 1}).to_wire()
     assert Payload.from_wire(wire.loads(wire.dumps(good))) == Payload.from_wire(good)
-    for bad in [[1], {**good, "kind": "exec"}, {**good, "id": 5}, {**good, "handler": [1]}, {**good, "err": {"type": 1}}]:
+    for bad in [
+        [1],
+        {**good, "kind": "exec"},
+        {**good, "id": 5},
+        {**good, "handler": [1]},
+        {**good, "err": {"type": 1}},
+    ]:
         with pytest.raises(ValueError):
             Payload.from_wire(bad)

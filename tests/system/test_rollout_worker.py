@@ -27,7 +27,6 @@ from tests.system.test_partial_rollout import (  # noqa: F401  (fixtures)
     manager_group,
     manager_stats,
     server_group,
-    tiny_kit,
 )
 from tests.system.trial_thread import TrialThread, wait_until
 
@@ -80,10 +79,15 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
     weights_dir = tmp_path / "weights"
     groups = [
         server_group(tiny_kit["model_dir"]),
-        manager_group(n_servers=1, train_batch_size=batch, max_head_offpolicyness=0, max_concurrent_rollouts=16,
-                      weights_dir=str(weights_dir)),
+        manager_group(
+            n_servers=1,
+            train_batch_size=batch,
+            max_head_offpolicyness=0,
+            max_concurrent_rollouts=16,
+            weights_dir=str(weights_dir),
+        ),
         rollout_group(tiny_kit, dataset, 2, max_concurrent_rollouts=3, sample_log_every=2),
-    ]  # fmt: skip
+    ]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     puller = None
     try:
@@ -95,8 +99,13 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
         def quiet_at(accepted: int) -> dict:
             """Waits until `accepted` rollouts finished and none runs: every
             trajectory of them has been pushed (push comes before finish)."""
-            return wait_until(lambda: (lambda s: s if s["accepted"] == accepted and s["running"] == 0 else None)(
-                manager_stats(manager_url)), 180, f"{accepted} accepted rollouts and none running")  # fmt: skip
+            return wait_until(
+                lambda: (lambda s: s if s["accepted"] == accepted and s["running"] == 0 else None)(
+                    manager_stats(manager_url)
+                ),
+                180,
+                f"{accepted} accepted rollouts and none running",
+            )
 
         first = pull_all(puller, batch)
         stats = quiet_at(batch)

@@ -24,7 +24,6 @@ from tests.system.test_partial_rollout import (  # noqa: F401  (tiny_kit: a fixt
     manager_group,
     manager_stats,
     server_group,
-    tiny_kit,
     with_prm,
 )
 from tests.system.trial_thread import TrialThread
@@ -95,8 +94,9 @@ def two_groups(t: TrialThread, prefix: str) -> tuple[dict, list[dict]]:
     """Two groups of 4 answers at once with no retry allowed (the manager
     routes the second to the server the first left idle); every answer must
     come back complete. Returns (generation stats, the manager's scheduling replies)."""
-    requests = [GenerationRequest(f"{prefix}-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
-                for i in range(2)]  # fmt: skip
+    requests = [
+        GenerationRequest(f"{prefix}-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4)) for i in range(2)
+    ]
 
     async def go(prm, manager):
         results = await asyncio.gather(*(prm.generate(r) for r in requests))
@@ -138,13 +138,21 @@ def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etc
     checks: the manager takes it out of routing and the requests waiting on it
     are resubmitted at once, long before request_timeout."""
     fake = HangingServer()
-    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=0.5,
-                         health_check_timeout=0.5, health_check_failures=2)  # fmt: skip
+    t = two_server_trial(
+        tmp_path,
+        etcd_server,
+        tiny_kit,
+        fake.url,
+        health_check_interval=0.5,
+        health_check_timeout=0.5,
+        health_check_failures=2,
+    )
     try:
         fake.hanging.set()
         # Two groups: the manager routes the second to the hanging server.
-        requests = [GenerationRequest(f"hang-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4))
-                    for i in range(2)]  # fmt: skip
+        requests = [
+            GenerationRequest(f"hang-{i}", [5, 6, 7], 4, GenerationHyperparameters(max_new_tokens=4)) for i in range(2)
+        ]
 
         async def go(prm, manager):
             t0 = asyncio.get_running_loop().time()
@@ -152,8 +160,14 @@ def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etc
             return results, prm.stats.pop(), manager.scheduled, asyncio.get_running_loop().time() - t0
 
         results, stats, scheduled, elapsed = asyncio.run(
-            with_prm(t.manager_url, go, request_retries=1, retry_backoff_s=0.01, request_timeout=600,
-                     server_watch_interval=0.2)  # fmt: skip
+            with_prm(
+                t.manager_url,
+                go,
+                request_retries=1,
+                retry_backoff_s=0.01,
+                request_timeout=600,
+                server_watch_interval=0.2,
+            )
         )
         assert [[len(o) for o in result.output_ids] for result in results] == [[4] * 4] * 2
         assert elapsed < 120  # abandoned when the manager took the server out, not at the 600 s timeout

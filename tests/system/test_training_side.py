@@ -36,16 +36,29 @@ def tiny_model_dir(tmp_path_factory):
     test = os.path.join(path, "test.jsonl")
     with open(test, "w") as f:
         for i in range(6):
-            f.write(json.dumps({"query_id": str(i), "prompt": f"Q: {i}+1=?\nA:", "answer": str(i + 1), "task": "math"}) + "\n")
+            f.write(
+                json.dumps({"query_id": str(i), "prompt": f"Q: {i}+1=?\nA:", "answer": str(i + 1), "task": "math"})
+                + "\n"
+            )
     return path, len(tok), test
 
 
 def _trajectory(qid: str, prompt: list[int], completion: list[int]) -> Trajectory:
     ids = np.array(prompt + completion, dtype=np.int32)
     n_gen = len(completion)
-    return Trajectory(qid=qid, task="math", birth_time=time.time(), input_ids=[ids], prompt_len=[len(prompt)],
-                      logprobs=[np.full(n_gen, -1.0, np.float32)], versions=[np.zeros(n_gen, np.int32)],
-                      version_start=[0], version_end=[0], reward=[1.0], no_eos=[False])  # fmt: skip
+    return Trajectory(
+        qid=qid,
+        task="math",
+        birth_time=time.time(),
+        input_ids=[ids],
+        prompt_len=[len(prompt)],
+        logprobs=[np.full(n_gen, -1.0, np.float32)],
+        versions=[np.zeros(n_gen, np.int32)],
+        version_start=[0],
+        version_end=[0],
+        reward=[1.0],
+        no_eos=[False],
+    )
 
 
 def test_puller_drops_out_of_vocabulary_trajectories_as_invalid(tmp_path, etcd_server, caplog):
@@ -60,8 +73,13 @@ def test_puller_drops_out_of_vocabulary_trajectories_as_invalid(tmp_path, etcd_s
     dataset = PullerStreamDataset("oov", trial, 0, vocab_size=10)
     pusher = NameResolvingZmqPusher("oov", trial, 0, 1, 1, timeout=30)
     try:
-        sent = [("ok-bounds", [0, 5], [9]), ("bad-high", [1, 2], [10]), ("bad-negative", [-1, 2], [3]),
-                ("bad-prompt-high", [10, 2], [3]), ("ok", [3, 4], [5, 6])]  # fmt: skip
+        sent = [
+            ("ok-bounds", [0, 5], [9]),
+            ("bad-high", [1, 2], [10]),
+            ("bad-negative", [-1, 2], [3]),
+            ("bad-prompt-high", [10, 2], [3]),
+            ("ok", [3, 4], [5, 6]),
+        ]
         for qid, prompt, completion in sent:
             pusher.push(_trajectory(qid, prompt, completion).to_wire(), timeout=10)
         give_up = time.monotonic() + 30
@@ -83,8 +101,18 @@ def test_puller_drops_out_of_vocabulary_trajectories_as_invalid(tmp_path, etcd_s
     assert "(3 so far)" in summary[0] and "token id 10" in summary[0]
 
 
-def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str = "cpu", fsdp: bool = False,
-              pushers: int | None = None, stale_every: int = 5, invalid_every: int = 7, oov_every: int = 0):  # fmt: skip
+def run_trial(
+    tmp_path,
+    tiny_model_dir,
+    algorithm: str,
+    dp: int = 2,
+    device: str = "cpu",
+    fsdp: bool = False,
+    pushers: int | None = None,
+    stale_every: int = 5,
+    invalid_every: int = 7,
+    oov_every: int = 0,
+):
     """Master + `dp` model workers + synthetic rollout pushers (one per rank
     unless `pushers` says otherwise), every `stale_every`-th trajectory stale,
     every `invalid_every`-th one breaking the schema and every `oov_every`-th
@@ -95,24 +123,53 @@ def run_trial(tmp_path, tiny_model_dir, algorithm: str, dp: int = 2, device: str
     steps, B, eta = 3, 4, 1
     weights_dir = str(tmp_path / "weights")
     ppo = PPOConfig(algorithm=algorithm, group_size=2, train_batch_size=B, ppo_n_minibatches=2, max_tokens_per_mb=64)
-    mw = ModelWorkerConfig(model_path=model_path, dp_size=dp, ppo=ppo, optimizer=OptimizerConfig(lr=1e-3),
-                           total_train_steps=steps, weights_dir=weights_dir, checkpoint_dir=str(tmp_path / "ckpt"),
-                           eval_dataset_path=test_path, eval_max_new_tokens=4, device=device, fsdp=fsdp)  # fmt: skip
-    master = MasterWorkerConfig(n_model_workers=dp, total_train_steps=steps, train_batch_size=B,
-                                max_head_offpolicyness=eta, algorithm=algorithm, checkpoint_every_n_steps=2,
-                                checkpoint_dir=str(tmp_path / "ckpt"), final_model_dir=str(tmp_path / "final"))  # fmt: skip
-    pusher_cfg = {"seed": 0, "n_pullers": dp, "batch_per_worker": B // pushers, "stale_every": stale_every,
-                  "invalid_every": invalid_every, "oov_every": oov_every,
-                  "group_size": 2,
-                  "prompt_len": 5, "gen_len": 4, "vocab": vocab}  # fmt: skip
+    mw = ModelWorkerConfig(
+        model_path=model_path,
+        dp_size=dp,
+        ppo=ppo,
+        optimizer=OptimizerConfig(lr=1e-3),
+        total_train_steps=steps,
+        weights_dir=weights_dir,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        eval_dataset_path=test_path,
+        eval_max_new_tokens=4,
+        device=device,
+        fsdp=fsdp,
+    )
+    master = MasterWorkerConfig(
+        n_model_workers=dp,
+        total_train_steps=steps,
+        train_batch_size=B,
+        max_head_offpolicyness=eta,
+        algorithm=algorithm,
+        checkpoint_every_n_steps=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        final_model_dir=str(tmp_path / "final"),
+    )
+    pusher_cfg = {
+        "seed": 0,
+        "n_pullers": dp,
+        "batch_per_worker": B // pushers,
+        "stale_every": stale_every,
+        "invalid_every": invalid_every,
+        "oov_every": oov_every,
+        "group_size": 2,
+        "prompt_len": 5,
+        "gen_len": 4,
+        "vocab": vocab,
+    }
     gpus = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(dp)] if device == "cuda" else []
-    launcher = LocalLauncher("trainside", f"{algorithm}-{device}", str(tmp_path), NameResolveConfig(type="etcd3"),
-                             heartbeat_ttl=3)  # fmt: skip
-    code = launcher.run([
-        WorkerGroup("master_worker", 1, master),
-        WorkerGroup("model_worker", dp, mw, env={"OMP_NUM_THREADS": "1"}, env_per_index=gpus),
-        WorkerGroup("tests.system.trainer_test_workers:SyntheticRolloutWorker", pushers, pusher_cfg),
-    ], timeout=300)  # fmt: skip
+    launcher = LocalLauncher(
+        "trainside", f"{algorithm}-{device}", str(tmp_path), NameResolveConfig(type="etcd3"), heartbeat_ttl=3
+    )
+    code = launcher.run(
+        [
+            WorkerGroup("master_worker", 1, master),
+            WorkerGroup("model_worker", dp, mw, env={"OMP_NUM_THREADS": "1"}, env_per_index=gpus),
+            WorkerGroup("tests.system.trainer_test_workers:SyntheticRolloutWorker", pushers, pusher_cfg),
+        ],
+        timeout=300,
+    )
     assert code == 0, open(launcher.log_path("master_worker", 0)).read()[-3000:]
     summary = json.load(open(os.path.join(launcher.log_dir, "summary.json")))
     assert summary["steps"] == steps and summary["final_version"] == steps

@@ -30,8 +30,17 @@ EXP, TRIAL = "status-unit", "t0"
 
 def rows_for_table() -> list[Row]:
     return [
-        Row("master_worker", 0, "RUNNING", "node-a", 101, 0.4, 7,
-            {"step": 3, "total_steps": 40, "stage": "fetch", "waiting_on": []}, "0x1"),
+        Row(
+            "master_worker",
+            0,
+            "RUNNING",
+            "node-a",
+            101,
+            0.4,
+            7,
+            {"step": 3, "total_steps": 40, "stage": "fetch", "waiting_on": []},
+            "0x1",
+        ),
         Row("model_worker", 0, "RUNNING", "node-a", 102, 0.25, 12, {"buffered": 5, "version": 3}),
         Row("rollout_worker", 0, "RUNNING", "node-b", 103, 42.0, 0, {"episodes": 8}),
         Row("rollout_worker", 1, DEAD, "node-b", 104, 75.0, 3, {"episodes": 2}, note="no heartbeat"),
@@ -56,14 +65,24 @@ def test_the_status_table_has_one_aligned_row_per_worker():
 
 
 def test_doing_values_are_compact():
-    assert format_doing({"a": 0.123456, "b": ["x 1s", "y 2s"], "c": None, "d": {"k": 1}}) == "a=0.123 b=[x 1s; y 2s] d={k=1}"
+    assert (
+        format_doing({"a": 0.123456, "b": ["x 1s", "y 2s"], "c": None, "d": {"k": 1}})
+        == "a=0.123 b=[x 1s; y 2s] d={k=1}"
+    )
 
 
 def put(repo, worker_type, index, status=None, **record):
     if status is not None:
         repo.add(names.worker_status(EXP, TRIAL, worker_type, index), status, replace=True)
     if record:
-        base = {"host": "elsewhere", "pid": 1, "state": status or "RUNNING", "time": time.time(), "progress": 0, "doing": {}}
+        base = {
+            "host": "elsewhere",
+            "pid": 1,
+            "state": status or "RUNNING",
+            "time": time.time(),
+            "progress": 0,
+            "doing": {},
+        }
         repo.add(names.worker_progress(EXP, TRIAL, worker_type, index), json.dumps({**base, **record}), replace=True)
 
 
@@ -78,8 +97,14 @@ def test_rows_from_keys_tell_live_dead_and_finished_workers():
     put(repo, "rollout_worker", 1, None, state="ERROR")
     repo.add(names.worker_error(EXP, TRIAL, "rollout_worker", 1), "Traceback ...")
     rows = {r.tag: r for r in read_rows(repo, EXP, TRIAL, [("generation_server", 0)])}
-    assert list(rows) == ["master_worker/0", "model_worker/0", "model_worker/1", "generation_server/0",
-                          "rollout_worker/0", "rollout_worker/1"]  # fmt: skip
+    assert list(rows) == [
+        "master_worker/0",
+        "model_worker/0",
+        "model_worker/1",
+        "generation_server/0",
+        "rollout_worker/0",
+        "rollout_worker/1",
+    ]
     assert rows["master_worker/0"].state == "RUNNING" and 1.4 < rows["master_worker/0"].age < 30
     assert rows["master_worker/0"].doing == {"step": 2}
     assert (rows["model_worker/0"].state, rows["model_worker/0"].note) == (DEAD, "no heartbeat")
@@ -99,7 +124,12 @@ def test_rows_from_logs_after_the_trial(tmp_path):
 
 
 def test_status_arguments():
-    assert parse_status_args(["exp", "t1", "fileroot=/x", "--stacks"]) == (["exp", "t1"], ["fileroot=/x"], True, "async-ppo")
+    assert parse_status_args(["exp", "t1", "fileroot=/x", "--stacks"]) == (
+        ["exp", "t1"],
+        ["fileroot=/x"],
+        True,
+        "async-ppo",
+    )
     for bad in (["a", "b", "c"], ["--json"], ["--config-name"]):
         with pytest.raises(UsageError):
             parse_status_args(bad)
@@ -158,7 +188,11 @@ def test_diagnosis_names_the_worker_the_others_wait_on():
     assert "  it waits for trajectories: the trainers hold 3" in findings
 
     # The master waits on one trainer's train_step for a long time.
-    master.doing = {"step": 5, "stage": "train_step", "waiting_on": ["model_worker/1 train_step 95s", "model_worker/0 x 1s"]}
+    master.doing = {
+        "step": 5,
+        "stage": "train_step",
+        "waiting_on": ["model_worker/1 train_step 95s", "model_worker/0 x 1s"],
+    }
     rollout.age = 0.5
     _, culprit = diagnose([master, trainer, rollout], {})
     assert culprit == "model_worker/1"
@@ -220,11 +254,14 @@ def test_a_worker_publishes_progress_and_dumps_its_stacks_on_request(tmp_path):
 # ---- config ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("override, message", [
-    ("watchdog.timeout=3", "watchdog.timeout: must be 0 (off) or >= 5 seconds, got 3.0"),
-    ("watchdog.timeout=-1", "watchdog.timeout: must be 0 (off) or >= 5 seconds, got -1.0"),
-    ("watchdog.action=kill", "watchdog.action: must be stop|report, got 'kill'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("watchdog.timeout=3", "watchdog.timeout: must be 0 (off) or >= 5 seconds, got 3.0"),
+        ("watchdog.timeout=-1", "watchdog.timeout: must be 0 (off) or >= 5 seconds, got -1.0"),
+        ("watchdog.action=kill", "watchdog.action: must be stop|report, got 'kill'"),
+    ],
+)
 def test_watchdog_config_errors_name_the_key(tmp_path, override, message):
     from training.main_async_ppo import load_config
 

@@ -23,8 +23,9 @@ class SyntheticRolloutWorker(Worker):
     def _configure(self, config):
         self.cfg = config
         self.rng = np.random.default_rng(config["seed"] + self.info.worker_index)
-        self.pusher = NameResolvingZmqPusher(self.experiment_name, self.trial_name, self.info.worker_index,
-                                             self.info.worker_count, config["n_pullers"])  # fmt: skip
+        self.pusher = NameResolvingZmqPusher(
+            self.experiment_name, self.trial_name, self.info.worker_index, self.info.worker_count, config["n_pullers"]
+        )
         self.produced = 0
         self.n_oov = 0
 
@@ -46,15 +47,21 @@ class SyntheticRolloutWorker(Worker):
         g, P, G = self.cfg["group_size"], self.cfg["prompt_len"], self.cfg["gen_len"]
         prompt = self.rng.integers(3, self.cfg["vocab"], P).astype(np.int32)
         traj = Trajectory(
-            qid=f"w{self.info.worker_index}-{self.produced}", task="math", birth_time=time.time(),
-            input_ids=[np.concatenate([prompt, self.rng.integers(3, self.cfg["vocab"], G).astype(np.int32)]) for _ in range(g)],
+            qid=f"w{self.info.worker_index}-{self.produced}",
+            task="math",
+            birth_time=time.time(),
+            input_ids=[
+                np.concatenate([prompt, self.rng.integers(3, self.cfg["vocab"], G).astype(np.int32)]) for _ in range(g)
+            ],
             prompt_len=[P] * g,
             logprobs=[(-self.rng.random(G) * 3).astype(np.float32) for _ in range(g)],
             versions=[np.full(G, v, dtype=np.int32) for _ in range(g)],
-            version_start=[v] * g, version_end=[v] * g,
-            reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)], no_eos=[False] * g,
+            version_start=[v] * g,
+            version_end=[v] * g,
+            reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)],
+            no_eos=[False] * g,
             scores=[0.0] * g,
-        )  # fmt: skip
+        )
         message = traj.validate().to_wire()
         invalid_every = self.cfg.get("invalid_every", 0)
         if invalid_every and self.produced % invalid_every == 0:

@@ -48,7 +48,7 @@ class TrialThread:
         except BaseException as e:  # surfaced by the test
             self.error = e
 
-    def start(self) -> "TrialThread":
+    def start(self) -> TrialThread:
         self.thread.start()
         # The launcher clears the trial's keys before it sets its keep-alive key:
         # from then on, keys the test adds stay.

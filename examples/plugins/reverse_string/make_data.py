@@ -36,8 +36,12 @@ def make_records(n_train: int, n_test: int, min_len: int, max_len: int, alphabet
 
     def records(split: str, items: list[str]) -> list[dict]:
         return [
-            {"query_id": f"{split}-{i:06d}", "prompt": PROMPT_TEMPLATE.format(s=s), "answer": s[::-1],
-             "task": "reverse_string"}  # fmt: skip
+            {
+                "query_id": f"{split}-{i:06d}",
+                "prompt": PROMPT_TEMPLATE.format(s=s),
+                "answer": s[::-1],
+                "task": "reverse_string",
+            }
             for i, s in enumerate(items)
         ]
 

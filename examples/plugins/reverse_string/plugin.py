@@ -67,8 +67,10 @@ class ReverseStringAgent(Agent):
             if not retry or turn + 1 == self.max_turns:
                 break
             # Retries of one turn run concurrently: one request each, all in flight together.
-            contexts = [list(a.prompt_ids) + self.tokenizer.encode(f"{t}\n{p} right. Again:", add_special_tokens=False)
-                        for a, t, p in retry]  # fmt: skip
+            contexts = [
+                list(a.prompt_ids) + self.tokenizer.encode(f"{t}\n{p} right. Again:", add_special_tokens=False)
+                for a, t, p in retry
+            ]
             attempts = await asyncio.gather(*(self.generate(c, n=1) for c in contexts))
         return [Trajectory.from_results(prompt, results, scores, self.settings.rewards(scores))]
 

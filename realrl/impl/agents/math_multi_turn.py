@@ -150,8 +150,11 @@ class MathMultiTurnAgent(Agent):
                     meta[key].append(value)
         first_turn_accuracy = sum(chain[0].solved for chain in chains) / len(chains)
         meta.update(solve_rate=solve_rate, first_turn_accuracy=first_turn_accuracy, solutions=list(prompt.solutions))
-        return [Trajectory.from_results(prompt, [t.result for t in turns], [t.score for t in turns],
-                                        self.settings.rewards(credits), meta)]  # fmt: skip
+        return [
+            Trajectory.from_results(
+                prompt, [t.result for t in turns], [t.score for t in turns], self.settings.rewards(credits), meta
+            )
+        ]
 
 
 register_agent("math-multi-turn", MathMultiTurnAgent)

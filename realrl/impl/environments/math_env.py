@@ -34,8 +34,9 @@ ANSWER_FORMATS = ("extract", "exact")
 
 
 class MathEnv(EnvironmentService):
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, verifier: MathVerifier | None = None,
-                 answer_format: str = "extract"):  # fmt: skip
+    def __init__(
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, verifier: MathVerifier | None = None, answer_format: str = "extract"
+    ):
         if timeout_s <= 0:
             raise ValueError(f"math env timeout_s must be positive, got {timeout_s}")
         if answer_format not in ANSWER_FORMATS:

@@ -69,17 +69,28 @@ class TorchBackend(GenerationBackend):
         if device == "cuda":  # one device per server: server i gets the i-th GPU
             device = f"cuda:{base_gpu_id}"
         cmd = [
-            sys.executable, "-m", "realrl.impl.generation.torch_server",
-            "--model-path", config.model_path,
-            "--host", host,
-            "--port", str(port),
-            "--device", device,
-            "--dtype", torch_cfg.dtype,
-            "--max-running-requests", str(torch_cfg.max_running_requests),
-            "--seed", str(config.seed),
-            "--weight-version", str(config.weight_version),
-            "--num-threads", str(torch_cfg.num_threads),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "realrl.impl.generation.torch_server",
+            "--model-path",
+            config.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--dtype",
+            torch_cfg.dtype,
+            "--max-running-requests",
+            str(torch_cfg.max_running_requests),
+            "--seed",
+            str(config.seed),
+            "--weight-version",
+            str(config.weight_version),
+            "--num-threads",
+            str(torch_cfg.num_threads),
+        ]
         if torch_cfg.length_before_eos:
             cmd.append("--length-before-eos")
         return cmd
@@ -106,19 +117,31 @@ class SGLangBackend(GenerationBackend):
     def command(self, config: GenerationServerConfig, host: str, port: int, base_gpu_id: int = 0) -> list[str]:
         sg = config.sglang
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", config.model_path,
-            "--host", host,
-            "--port", str(port),
-            "--tp-size", str(config.tp_size),
-            "--base-gpu-id", str(base_gpu_id),
-            "--mem-fraction-static", str(sg.mem_fraction_static),
-            "--dtype", sg.dtype,
-            "--random-seed", str(config.seed),
-            "--weight-version", str(config.weight_version),
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            config.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(config.tp_size),
+            "--base-gpu-id",
+            str(base_gpu_id),
+            "--mem-fraction-static",
+            str(sg.mem_fraction_static),
+            "--dtype",
+            sg.dtype,
+            "--random-seed",
+            str(config.seed),
+            "--weight-version",
+            str(config.weight_version),
             "--skip-tokenizer-init",
-            "--log-level", sg.log_level,
-        ]  # fmt: skip
+            "--log-level",
+            sg.log_level,
+        ]
         if sg.context_length is not None:
             cmd += ["--context-length", str(sg.context_length)]
         if sg.max_running_requests is not None:

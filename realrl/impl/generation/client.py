@@ -73,7 +73,7 @@ class GenerateResult:
         return self.finish_reason == "abort"
 
     @classmethod
-    def from_response(cls, response: dict[str, Any]) -> "GenerateResult":
+    def from_response(cls, response: dict[str, Any]) -> GenerateResult:
         meta = response.get("meta_info") or {}
         pairs = meta.get("output_token_logprobs") or []
         output_ids = response.get("output_ids")
@@ -124,7 +124,7 @@ class GenerationClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def __aenter__(self) -> "GenerationClient":
+    async def __aenter__(self) -> GenerationClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -220,8 +220,9 @@ class GenerationClient:
         `sampling_params`: one dict for all, or one per prompt."""
         payload: dict[str, Any] = {
             "input_ids": [list(p) for p in input_ids],
-            "sampling_params": ([dict(p) for p in sampling_params] if isinstance(sampling_params, list)
-                                else dict(sampling_params)),  # fmt: skip
+            "sampling_params": (
+                [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params)
+            ),
             "return_logprob": return_logprob,
         }
         if rids is not None:
@@ -246,9 +247,7 @@ class GenerationClient:
         payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        body = await self._request(
-            "POST", url, "/update_weights_from_disk", payload, timeout_s, ok_statuses=(400,)
-        )
+        body = await self._request("POST", url, "/update_weights_from_disk", payload, timeout_s, ok_statuses=(400,))
         if not isinstance(body, dict) or not body.get("success"):
             message = body.get("message") if isinstance(body, dict) else body
             raise GenerationServerError(400, f"weight update failed: {message}", url)
@@ -281,7 +280,7 @@ class GenerationClient:
         except (GenerationServerError, GenerationServerUnavailable):
             return False
 
-    async def probe(self, url: str, timeout_s: float = 5.0) -> "HealthProbe":
+    async def probe(self, url: str, timeout_s: float = 5.0) -> HealthProbe:
         """One /health check that says why it failed, and whether the server
         is gone (connection refused or dropped: nothing listens there) rather
         than slow or unhealthy."""

@@ -30,10 +30,14 @@ class ServerGenerator:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         params = request.gconfig.sampling_params()
-        responses = await asyncio.gather(*(
-            self.client.generate(self.url, list(request.prompt_ids), params, rid=f"{request.qid}/{i}/{uuid.uuid4().hex[:8]}")
-            for i in range(request.group_size)
-        ))  # fmt: skip
+        responses = await asyncio.gather(
+            *(
+                self.client.generate(
+                    self.url, list(request.prompt_ids), params, rid=f"{request.qid}/{i}/{uuid.uuid4().hex[:8]}"
+                )
+                for i in range(request.group_size)
+            )
+        )
         versions = []
         for r in responses:
             try:

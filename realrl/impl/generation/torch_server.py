@@ -88,7 +88,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import queue
 import signal
@@ -96,12 +95,13 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from aiohttp import web
 import transformers
+from aiohttp import web
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -225,7 +225,9 @@ def _parse_sampling_params(params: Any, limits: GenerateLimits) -> dict[str, Any
                 out[key] = value
         elif key in _NEUTRAL_SAMPLING:
             if value is not None and value != _NEUTRAL_SAMPLING[key]:
-                raise BadRequest(f"sampling parameter {key}={value!r} is not supported by the torch backend", "unsupported")
+                raise BadRequest(
+                    f"sampling parameter {key}={value!r} is not supported by the torch backend", "unsupported"
+                )
         elif key in _TEXT_ONLY_SAMPLING:
             if value is not None and not isinstance(value, bool):
                 raise BadRequest(f"{key} must be a boolean", "type")
@@ -410,8 +412,10 @@ class _RunningBatch:
 
     def live(self) -> _Rows:
         w = self.window
-        kv = [(layer.keys_buf[: w.rows, :, w.start : w.end], layer.values_buf[: w.rows, :, w.start : w.end])
-              for layer in self.cache.layers]  # fmt: skip
+        kv = [
+            (layer.keys_buf[: w.rows, :, w.start : w.end], layer.values_buf[: w.rows, :, w.start : w.end])
+            for layer in self.cache.layers
+        ]
         return kv, self.mask[: w.rows, w.start : w.end]
 
     def decode_mask(self) -> torch.Tensor:
@@ -550,7 +554,7 @@ class _RowParams:
     any_filter: bool
 
     @classmethod
-    def from_requests(cls, requests: list[_Request], device: torch.device) -> "_RowParams":
+    def from_requests(cls, requests: list[_Request], device: torch.device) -> _RowParams:
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
             temperature=torch.tensor([r.temperature for r in requests], **f32),
@@ -945,7 +949,10 @@ class GenerationEngine:
         self.stats["weight_updates"] += 1
         logger.info(
             "weights updated from %s: version %s -> %s (%d requests aborted)",
-            update["model_path"], old, self.weight_version, num_aborted,
+            update["model_path"],
+            old,
+            self.weight_version,
+            num_aborted,
         )
         update["reply"](
             {
@@ -1065,8 +1072,9 @@ class GenerationEngine:
                 logger.warning("prefill of request %s failed: %s: %s", group[0].rid, type(e).__name__, e)
                 self._fail_request(group[0], e)
                 return []
-            logger.warning("prefill of %d requests failed (%s: %s); retrying them one by one",
-                           len(group), type(e).__name__, e)  # fmt: skip
+            logger.warning(
+                "prefill of %d requests failed (%s: %s); retrying them one by one", len(group), type(e).__name__, e
+            )
         out = []
         for req, n in zip(group, produced):
             if self._live.get(req.rid) is not req:
@@ -1195,8 +1203,12 @@ class GenerationEngine:
         batch = self._batch
         culprits: list[int] = []
         if batch.size > 1:
-            logger.warning("decode step of %d requests failed (%s: %s); stepping them one by one",
-                           batch.size, type(error).__name__, error)  # fmt: skip
+            logger.warning(
+                "decode step of %d requests failed (%s: %s); stepping them one by one",
+                batch.size,
+                type(error).__name__,
+                error,
+            )
             kv, mask = batch.live()
             for i, req in enumerate(batch.requests):
                 row = ([(k[i : i + 1], v[i : i + 1]) for k, v in kv], mask[i : i + 1])
