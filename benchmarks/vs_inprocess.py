@@ -266,7 +266,8 @@ def run_inprocess(
     import realrl.impl.agents  # noqa: F401  (registers the built-in agents and environments)
     import realrl.impl.environments  # noqa: F401
     from realrl.impl.math_data import dataset_row_fields, load_math_jsonl
-    from realrl.impl.ppo_interface import PPOTrainer, SequenceBatch, make_optimized
+    from realrl.impl.ppo.batch import SequenceBatch
+    from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
 
     t_start = time.monotonic()
     threads = threads or os.cpu_count() or 1

@@ -51,7 +51,9 @@ from realrl.api.env_api import make_env
 from realrl.api.system_api import ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names, network, wire
-from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, make_optimized
+from realrl.impl.ppo.batch import SequenceBatch
+from realrl.impl.ppo.models import CriticModel
+from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
 from realrl.system.request_reply_stream import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
 from realrl.system.worker_base import PollResult, Worker

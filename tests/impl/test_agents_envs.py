@@ -18,7 +18,7 @@ from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationRequest, GenerationResult
 from realrl.api.trajectory import Trajectory
 from realrl.impl.agents.math_multi_turn import DEFAULT_FEEDBACK
-from realrl.impl.ppo_functional import shape_reward
+from realrl.impl.ppo.functional import shape_reward
 from realrl.impl.tiny_model import build_char_tokenizer
 from realrl.impl.verifiers.math_verifier import TEST_HOOK_SLEEP, MathVerifier
 

@@ -1,4 +1,4 @@
-"""Tests for realrl.impl.ppo_functional on hand-computed numbers.
+"""Tests for realrl.impl.ppo.functional and realrl.impl.ppo.logprobs on hand-computed numbers.
 
 Every expected value below is derived in a comment, not by calling the same
 formula again; the few comparisons against another implementation use an
@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from realrl.impl import ppo_functional as F
+from realrl.impl.ppo import functional as F
+from realrl.impl.ppo import logprobs
 
 torch.set_num_threads(1)
 
@@ -32,13 +33,13 @@ def close(a, b, tol=1e-5):
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_gather_logprobs_matches_torch_distributions(temperature, monkeypatch):
     # small chunks so the chunked forward and backward loops run several times
-    monkeypatch.setattr(F, "_CHUNK_ELEMENTS", 3 * 11)
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 3 * 11)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=g, requires_grad=True)
     labels = torch.randint(0, 11, (2, 5), generator=g)
     upstream = torch.randn(2, 5, generator=g)
 
-    got = F.gather_logprobs(logits, labels, temperature)
+    got = logprobs.gather_logprobs(logits, labels, temperature)
     (got * upstream).sum().backward()
     grad_got = logits.grad.clone()
 
@@ -55,7 +56,7 @@ def test_gather_logprobs_matches_torch_distributions(temperature, monkeypatch):
 def test_gather_logprobs_bf16_and_ignored_labels():
     logits = torch.tensor([[[0.0, LN2, 0.0], [1.0, 1.0, 1.0]]]).to(torch.bfloat16).requires_grad_()
     labels = torch.tensor([[1, -100]])
-    logp = F.gather_logprobs(logits, labels)
+    logp = logprobs.gather_logprobs(logits, labels)
     # softmax([0, ln2, 0]) = [1/4, 1/2, 1/4]; bf16 ln2 = 0.69140625
     assert logp.dtype == torch.float32
     assert close(logp[0, 0], math.log(0.5), tol=3e-3)
@@ -69,12 +70,14 @@ def test_gather_logprobs_bf16_and_ignored_labels():
 
 def test_entropy_from_logits():
     logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, LN2, 0.0, -1e4]]])
-    ent = F.entropy_from_logits(logits)
+    ent = logprobs.entropy_from_logits(logits)
     # uniform over 4: ln 4 ; [1/4, 1/2, 1/4, 0]: 1.5 ln 2
     assert close(ent, [[math.log(4.0), 1.5 * LN2]])
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 4, 7, generator=g)
-    assert close(F.entropy_from_logits(logits, 0.5), torch.distributions.Categorical(logits=logits / 0.5).entropy())
+    assert close(
+        logprobs.entropy_from_logits(logits, 0.5), torch.distributions.Categorical(logits=logits / 0.5).entropy()
+    )
 
 
 # --------------------------------------------------------------------------- masked stats
@@ -104,7 +107,7 @@ def test_masked_whiten():
 _WHITEN_WORKER = """
 import json, sys
 import torch
-from realrl.impl.ppo_functional import masked_whiten
+from realrl.impl.ppo.functional import masked_whiten
 torch.set_num_threads(1)
 rank, init_file = int(sys.argv[1]), sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)

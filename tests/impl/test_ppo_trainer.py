@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from realrl.api.cli_args import PPOConfig
-from realrl.impl import ppo_functional as F
-from realrl.impl.ppo_interface import make_micro_batch
+from realrl.impl.ppo import functional as F
+from realrl.impl.ppo.batch import make_micro_batch
 from tests.impl.trainer_kit import build_trainer, full_weights, make_batch, make_groups
 
 
@@ -121,13 +121,13 @@ def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tin
 def test_configs_with_train_mode_noise_keep_their_proximal_pass():
     from transformers import LlamaConfig, MixtralConfig
 
-    from realrl.impl.ppo_interface import _train_mode_noise
+    from realrl.impl.ppo.models import train_mode_noise
 
-    assert not _train_mode_noise(LlamaConfig().to_dict())  # attention_dropout 0.0
-    assert _train_mode_noise(LlamaConfig(attention_dropout=0.1).to_dict())
-    assert _train_mode_noise(MixtralConfig(router_jitter_noise=0.01).to_dict())
-    assert _train_mode_noise({"text_config": {"hidden_dropout": 0.1}, "use_cache": True})
-    assert not _train_mode_noise({"text_config": {"hidden_dropout": 0.0}, "dropout_on": False})
+    assert not train_mode_noise(LlamaConfig().to_dict())  # attention_dropout 0.0
+    assert train_mode_noise(LlamaConfig(attention_dropout=0.1).to_dict())
+    assert train_mode_noise(MixtralConfig(router_jitter_noise=0.01).to_dict())
+    assert train_mode_noise({"text_config": {"hidden_dropout": 0.1}, "use_cache": True})
+    assert not train_mode_noise({"text_config": {"hidden_dropout": 0.0}, "dropout_on": False})
 
 
 def _shared_prompt_groups() -> list[list[dict]]:
@@ -148,7 +148,7 @@ def test_shared_prompt_rows_train_exactly_like_separate_rows(tiny_llama_dir, att
     # A prompt computed once for all of its answers (4-D mask, own positions)
     # must give the logprobs, values, stats and updated weights that one row
     # per sequence gives.
-    from realrl.impl.ppo_interface import plan_micro_batches
+    from realrl.impl.ppo.packing import plan_micro_batches
 
     torch.set_num_threads(1)
     groups = _shared_prompt_groups()
@@ -191,7 +191,7 @@ def test_shared_prompt_rows_train_exactly_like_separate_rows(tiny_llama_dir, att
 
 
 def test_prompts_are_shared_where_the_flop_estimate_says_it_pays():
-    from realrl.impl.ppo_interface import share_prompt_rows
+    from realrl.impl.ppo.packing import share_prompt_rows
 
     def batch_of(prompt_len: int, answer_lens: list[int]):
         prompt = list(range(2, 2 + prompt_len))
@@ -242,7 +242,7 @@ def test_shared_prompt_rows_only_for_models_that_give_them_the_same_outputs(arch
         MistralForCausalLM,
     )
 
-    from realrl.impl.ppo_interface import PPOTrainer, make_optimized
+    from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
 
     torch.manual_seed(0)
     model = {

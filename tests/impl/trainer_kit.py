@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from realrl.api.cli_args import PPOConfig
-from realrl.impl.ppo_interface import CriticModel, PPOTrainer, SequenceBatch, make_optimized
+from realrl.impl.ppo.batch import SequenceBatch
+from realrl.impl.ppo.models import CriticModel
+from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
 
 
 def make_groups(

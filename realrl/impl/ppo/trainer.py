@@ -7,15 +7,11 @@ maths of one train step on one data-parallel rank's share of the batch:
     trainer.inference(batch)        # proximal / reference logprobs, values
     stats = trainer.train_step(batch)
 
-Sequences are trained in padded micro-batches packed by token budget with
-first-fit-decreasing. A micro-batch's rows hold a prompt once, followed by
-the completions of the sequences that share it (a 4-D mask keeps each
-completion to the prompt and itself), or one sequence each where sharing
-does not pay (`share_prompt_rows`). Per-token tensors are in completion
-layout: [n, C], row k a sequence, column j its completion token j (loss
-mask 1 up to its length). Logprobs are log_softmax(logits / temperature),
-the same scaling the generation servers use, so behaviour, proximal and
-current logprobs are comparable.
+Sequences are trained in padded micro-batches (`realrl.impl.ppo.batch`):
+rows that share a prompt where a FLOP estimate says it pays, packed by
+token budget (`realrl.impl.ppo.packing`), through the models of
+`realrl.impl.ppo.models`; the losses and advantages are the functions of
+`realrl.impl.ppo.functional`.
 
 Data parallelism: every forward/backward pass is a collective under FSDP
 (per-layer all-gather / reduce-scatter), and every optimizer step all-reduces
@@ -35,369 +31,26 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.utils.rnn import pad_sequence
 
 from realrl.api.cli_args import PPOConfig
-from realrl.api.trajectory import Trajectory
-from realrl.base.datapack import partition_balanced, split_by_token_budget
-from realrl.base.logging import getLogger
-from realrl.impl import ppo_functional as F
-
-logger = getLogger("ppo")
+from realrl.base.datapack import partition_balanced
+from realrl.impl.ppo import functional as F
+from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
+from realrl.impl.ppo.models import (
+    forward_logprobs,
+    forward_values,
+    shared_prompt_mask_kind,
+    shared_rows_match,
+    text_config,
+    train_mode_noise,
+)
+from realrl.impl.ppo.packing import plan_micro_batches
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-# ---- data --------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class SequenceBatch:
-    """The sequences one rank trains on in one step (flattened trajectories)."""
-
-    input_ids: list[torch.Tensor]  # int64 [L_i]: prompt + completion
-    prompt_lens: list[int]
-    behav_logprobs: list[torch.Tensor]  # float32 [L_i - P_i], from the generation servers
-    rewards: torch.Tensor  # float32 [N], already shaped by the agent
-    no_eos: torch.Tensor  # bool [N]
-    groups: list[list[int]]  # the sequence indices of each trajectory
-    prox_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
-    # Decoupled loss with one minibatch: the proximal logprobs are the train
-    # forward's own (detached) logprobs, taken at the same weights (no pass of their own).
-    prox_from_train_forward: bool = False
-    ref_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
-    values: list[torch.Tensor] | None = None  # [L_i - P_i + 1]: state values at tokens P_i-1 .. L_i-1
-
-    @staticmethod
-    def from_trajectories(trajectories: list[Trajectory]) -> SequenceBatch:
-        input_ids, prompt_lens, behav, rewards, no_eos, groups = [], [], [], [], [], []
-        for traj in trajectories:
-            group = []
-            for i in range(traj.group_size):
-                group.append(len(input_ids))
-                input_ids.append(torch.from_numpy(traj.input_ids[i].astype("int64")))
-                prompt_lens.append(int(traj.prompt_len[i]))
-                behav.append(torch.from_numpy(traj.logprobs[i].copy()))
-                rewards.append(float(traj.reward[i]))
-                no_eos.append(bool(traj.no_eos[i]))
-            groups.append(group)
-        return SequenceBatch(
-            input_ids,
-            prompt_lens,
-            behav,
-            torch.tensor(rewards, dtype=torch.float32),
-            torch.tensor(no_eos, dtype=torch.bool),
-            groups,
-        )
-
-    @property
-    def n_seqs(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [len(x) for x in self.input_ids]
-
-    def completion_len(self, i: int) -> int:
-        return len(self.input_ids[i]) - self.prompt_lens[i]
-
-    def n_completion_tokens(self, indices: list[int] | None = None) -> int:
-        indices = range(self.n_seqs) if indices is None else indices
-        return sum(map(self.completion_len, indices))
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """Sequences laid out for one forward pass.
-
-    The model sees `rows`: each holds a prompt once, then the completions of
-    the sequences that share it (one sequence per row when sharing is off or
-    does not pay), right-padded to [R, W]. With shared rows a completion's
-    tokens attend to the prompt and to themselves only (a 4-D mask) and
-    carry their own positions (P, P+1, ...), so each gets exactly the
-    logits it would get alone; gradients through the shared prompt are the
-    sum of its completions' (as with separate rows).
-
-    Per-token tensors are in completion layout [n, C]: row k is sequence
-    `indices[k]`, column j its completion token j, predicted from the token
-    at (src_rows[k, j], src_cols[k, j]); column C_k of src_* is its last token.
-    """
-
-    indices: list[int]
-    input_ids: torch.Tensor  # [R, W]
-    attention_mask: torch.Tensor  # [R, W] with one sequence per row; else [R, 1, W, W] (bool, or additive)
-    position_ids: torch.Tensor | None  # [R, W] with shared rows
-    src_rows: torch.Tensor  # [n, C+1]
-    src_cols: torch.Tensor  # [n, C+1]
-    targets: torch.Tensor  # [n, C]: the completion tokens
-    loss_mask: torch.Tensor  # [n, C], 1.0 on completion tokens
-    batch: SequenceBatch
-
-    def scatter(self, per_seq: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
-        """Per-sequence completion values as [n, C]."""
-        if not self.indices:  # the padding micro-batch
-            return torch.full(self.loss_mask.shape, fill, dtype=torch.float32, device=self.loss_mask.device)
-        out = pad_sequence([per_seq[i].float().cpu() for i in self.indices], batch_first=True, padding_value=fill)
-        return out.to(self.loss_mask.device)  # [n, C]: C is the longest completion
-
-    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The inverse of `scatter`: per-sequence slices of [n, C(+1)]; an
-        [n, C+1] tensor (values at src positions) keeps the last token's."""
-        extra = tensor.shape[1] - self.loss_mask.shape[1]
-        tensor = tensor.float().cpu()
-        return [tensor[k, : self.batch.completion_len(i) + extra] for k, i in enumerate(self.indices)]
-
-    def at_sources(self, per_position: torch.Tensor) -> torch.Tensor:
-        """[R, W, ...] model outputs at each completion token's source: [n, C+1, ...]."""
-        return per_position[self.src_rows, self.src_cols]
-
-
-def make_micro_batch(
-    batch: SequenceBatch, rows: list[list[int]], device: torch.device, pad_id: int = 0, additive_mask: bool = False
-) -> MicroBatch:
-    """A micro-batch of these rows (each a list of sequences with the same
-    prompt; see `plan_micro_batches`). No rows gives the padding micro-batch
-    (one 2-token dummy with an all-zero loss mask) that a rank with fewer
-    micro-batches than the others runs to join their collectives. Shared
-    rows get a boolean mask (SDPA), or an additive one (`additive_mask`:
-    eager attention adds it to the scores)."""
-    indices = [i for row in rows for i in row]
-    # Built as Python lists, one tensor each at the end (a few small tensor
-    # writes per sequence cost more than the forward of a tiny model).
-    ids_rows, seg_rows, pos_rows = [], [], []  # segment: 0 prompt, s + 1 completion s, -1 padding
-    src_rows, src_cols, targets = [], [], []
-    for r, row in enumerate(rows):
-        P = batch.prompt_lens[row[0]]
-        ids, seg, pos = batch.input_ids[row[0]][:P].tolist(), [0] * P, list(range(P))
-        for s, i in enumerate(row, start=1):
-            completion = batch.input_ids[i][P:].tolist()
-            G, col = len(completion), len(ids)
-            # token j is predicted from the one before it: the prompt's last, then this completion's own
-            src_cols.append([P - 1, *range(col, col + G)])
-            src_rows.append(r)
-            targets.append(completion)
-            ids += completion
-            seg += [s] * G
-            pos += range(P, P + G)
-        ids_rows.append(ids)
-        seg_rows.append(seg)
-        pos_rows.append(pos)
-    if not rows:  # the padding micro-batch
-        ids_rows, seg_rows, pos_rows, src_rows, src_cols, targets = [[pad_id] * 2], [[0, 0]], [[0, 1]], [0], [[0]], [[]]
-    W = max(map(len, ids_rows))
-    C = max(max(map(len, targets)), 0 if rows else 1)
-
-    def padded(lists: list[list[int]], width: int, fill: int) -> torch.Tensor:
-        return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long)
-
-    input_ids, segment, position_ids = padded(ids_rows, W, pad_id), padded(seg_rows, W, -1), padded(pos_rows, W, 0)
-    # Past a completion's end its source repeats its last token (any valid index: masked out).
-    src_cols_t = torch.tensor([c + [c[-1]] * (C + 1 - len(c)) for c in src_cols], dtype=torch.long)
-    src_rows_t = torch.tensor(src_rows, dtype=torch.long)[:, None].expand(-1, C + 1).contiguous()
-    loss_mask = padded([[1] * len(t) for t in targets], C, 0).float()
-    targets_t = padded(targets, C, 0)
-    if all(len(row) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
-        attention_mask, position_ids = (segment >= 0).long(), None
-    else:
-        attention_mask = _shared_prompt_mask(segment, additive_mask)
-    return MicroBatch(
-        indices,
-        input_ids.to(device),
-        attention_mask.to(device),
-        None if position_ids is None else position_ids.to(device),
-        src_rows_t.to(device),
-        src_cols_t.to(device),
-        targets_t.to(device),
-        loss_mask.to(device),
-        batch,
-    )
-
-
-def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:
-    """[R, 1, W, W]: causal, and a completion sees the prompt and itself
-    only; a padding position sees itself (no empty softmax). True = attend,
-    or additive: 0 / the float32 minimum."""
-    W = segment.shape[1]
-    q, kv = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
-    allowed = causal & (q >= 0) & ((kv == 0) | (kv == q))
-    allowed |= torch.eye(W, dtype=torch.bool)
-    if not additive:
-        return allowed[:, None]
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
-
-
-def _row_width(batch: SequenceBatch, row: list[int]) -> int:
-    """Tokens of a row: the shared prompt once, then every completion."""
-    return batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row))
-
-
-def share_prompt_rows(
-    batch: SequenceBatch, indices: list[int], hidden_size: int | None, max_tokens: int
-) -> list[list[int]]:
-    """Rows for these sequences: those with the same prompt go into rows of k
-    completions after one copy of it, k chosen per prompt to minimise a FLOP
-    estimate of the forward pass; `hidden_size` None: one sequence per row.
-
-    A row of width W costs about W * (6h + W): the linear layers scale with
-    its tokens (~24h^2 each per layer), the masked attention with W^2 (4h each
-    per layer, computed densely). A shared prompt saves (k-1) * P tokens, and
-    costs attention across the row: it pays for short answers after long
-    prompts (small k or none for long answers)."""
-    if hidden_size is None:
-        return [[i] for i in indices]
-    by_prompt: dict[bytes, list[int]] = {}
-    for i in indices:
-        P = batch.prompt_lens[i]
-        key = P.to_bytes(4, "little") + batch.input_ids[i][:P].numpy().tobytes()
-        by_prompt.setdefault(key, []).append(i)
-    rows: list[list[int]] = []
-    for same in by_prompt.values():
-        best: tuple[float, list[list[int]]] | None = None
-        for k in range(1, len(same) + 1):
-            chunks = [same[s : s + k] for s in range(0, len(same), k)]
-            widths = [_row_width(batch, c) for c in chunks]
-            if k > 1 and max(widths) > max_tokens:
-                continue
-            cost = sum(w * (6 * hidden_size + w) for w in widths)
-            if best is None or cost < best[0]:
-                best = (cost, chunks)
-        rows += best[1]
-    return rows
-
-
-def plan_micro_batches(
-    batch: SequenceBatch, indices: list[int], max_tokens: int, hidden_size: int | None = None
-) -> list[list[list[int]]]:
-    """The rows of each micro-batch (`share_prompt_rows`), packed by padded
-    token budget (FFD)."""
-    rows = share_prompt_rows(batch, indices, hidden_size, max_tokens)
-    widths = [_row_width(batch, row) for row in rows]
-    return [[rows[j] for j in b] for b in split_by_token_budget(widths, max_tokens, padded=True)]
-
-
-# ---- models ------------------------------------------------------------------
-
-
-def _train_mode_noise(config: dict) -> bool:
-    """Whether a model config turns on randomness in train mode: any positive
-    dropout / pdrop / jitter setting (e.g. `attention_dropout`, `resid_pdrop`,
-    MoE `router_jitter_noise`), nested configs included."""
-    for key, value in config.items():
-        if isinstance(value, dict):
-            if _train_mode_noise(value):
-                return True
-        elif (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value > 0
-            and any(word in key for word in ("dropout", "pdrop", "jitter"))
-        ):
-            return True
-    return False
-
-
-class CriticModel(nn.Module):
-    """A value model: the policy's transformer body plus a scalar head."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int):
-        super().__init__()
-        self.backbone = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype, **kwargs) -> CriticModel:
-        from transformers import AutoModel
-
-        backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
-        return cls(backbone, backbone.config.hidden_size).to(dtype)
-
-    @property
-    def config(self):
-        return self.backbone.config
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()  # [B, T]
-
-
-def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """[n, C] logprobs of each completion token (grad flows when enabled)."""
-    logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
-    ).logits
-    return F.gather_logprobs(mb.at_sources(logits)[:, :-1], mb.targets, temperature)
-
-
-def forward_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """[n, C+1] values at each completion token's source and at the last token."""
-    return mb.at_sources(critic(mb.input_ids, mb.attention_mask, mb.position_ids))
-
-
-def _text_config(config):
-    """The language model's part of a (possibly multimodal) HF config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def shared_prompt_mask_kind(model: nn.Module) -> str | None:
-    """How a model takes shared-prompt rows: "bool" (SDPA) or "additive"
-    (eager) masks; None for attention kernels without custom 4-D masks
-    (flash-attention, flex) and for sliding-window attention (a custom mask
-    replaces the window), which then train one sequence per row."""
-    config = getattr(model, "config", None)
-    text = _text_config(config)
-    if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) or any(
-        "sliding" in str(t) for t in getattr(text, "layer_types", None) or ()
-    ):
-        return None
-    return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
-
-
-@torch.no_grad()
-def shared_rows_match(model: nn.Module, fn, device: torch.device, additive_mask: bool) -> bool:
-    """Whether `model` gives a shared-prompt row the outputs of separate rows
-    (`fn(model, micro_batch)`: logprobs or values), on a tiny probe: models
-    whose positions do not come from position_ids alone (e.g. ALiBi biases
-    built from the 2-D mask) fail it and train one sequence per row."""
-    ids = torch.randint(0, int(_text_config(model.config).vocab_size), (9,), generator=torch.Generator().manual_seed(0))
-    seqs = [torch.cat([ids[:4], ids[4:7]]), torch.cat([ids[:4], ids[7:]])]
-    batch = SequenceBatch(
-        seqs, [4, 4], [torch.zeros(3), torch.zeros(2)], torch.zeros(2), torch.zeros(2, dtype=torch.bool), [[0, 1]]
-    )
-    was_training = model.training
-    model.eval()
-    try:
-        shared = fn(model, make_micro_batch(batch, [[0, 1]], device, additive_mask=additive_mask)).float()
-        separate = fn(model, make_micro_batch(batch, [[0], [1]], device)).float()
-    except Exception as e:  # a model that cannot take the rows at all
-        logger.info("shared-prompt rows off: %s does not take them (%s: %s)", type(model).__name__, type(e).__name__, e)
-        return False
-    finally:
-        model.train(was_training)
-    tol = 1e-4 if shared.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
-    extra = shared.shape[1] - 3  # values carry the last token's too
-    diff = torch.cat([(shared - separate)[0, : 3 + extra], (shared - separate)[1, : 2 + extra]]).abs()
-    if diff.max() > tol * (1 + separate.abs().max()):
-        logger.info(
-            "shared-prompt rows off: %s gives them other outputs than separate rows (max difference %.3g)",
-            type(model).__name__,
-            float(diff.max()),
-        )
-        return False
-    return True
-
-
-# ---- the trainer --------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -494,7 +147,7 @@ class PPOTrainer:
         config = getattr(actor.model, "config", None)
         self._deterministic_train_forward = not any(
             isinstance(m, nn.Dropout) and m.p > 0 for m in actor.model.modules()
-        ) and not _train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
+        ) and not train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
         # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
@@ -510,7 +163,7 @@ class PPOTrainer:
         ]
         kinds = {shared_prompt_mask_kind(m) for m, _ in models}
         self._additive_mask = "additive" in kinds
-        hidden = getattr(_text_config(config), "hidden_size", None)
+        hidden = getattr(text_config(config), "hidden_size", None)
         share = cfg.share_prompts and hidden is not None and None not in kinds
         if share:
             share = all(shared_rows_match(m, fn, device, self._additive_mask) for m, fn in models)

@@ -1,8 +1,28 @@
 """The RL algorithms of realrl as plain, stateless tensor functions.
 
 Everything the PPO / GRPO trainer computes that is "math" rather than "model
-plumbing" lives here, one function per idea, so each can be read and unit
-tested on hand-computed numbers.
+plumbing" lives here, one function per idea with its formula in its
+docstring, so each can be read and unit tested on hand-computed numbers.
+(Log-probabilities from logits are in `realrl.impl.ppo.logprobs`.)
+
+The file is laid out by kind; a new algorithm is one more short function
+beside its kind, with the same arguments and results:
+
+- masked statistics: `masked_sum/mean/var/whiten`;
+- rewards: from a sequence's score to per-token rewards;
+- KL to the reference model: per-token estimators and the reward penalty;
+- advantage estimators: rewards (and values) -> advantages. Per-sequence
+  estimators take [N] rewards in consecutive groups (`group_size` answers per
+  prompt) and return [N]; per-token ones take [B, T] and return [B, T];
+- loss aggregation: a [B, T] per-token loss -> a scalar (`aggregate_loss`);
+- policy losses: (logp, prox_logp, A) [B, T] -> (per-token loss, clipped,
+  dual_clipped), before behaviour correction and aggregation;
+- behaviour correction: the importance weight of the proximal policy over
+  the (stale) behaviour policy, and which tokens it keeps;
+- the value loss.
+
+`decoupled_ppo_actor_loss` composes a policy loss, the behaviour correction
+and the aggregation, and reports the step's statistics.
 
 Data layout
 -----------
@@ -47,134 +67,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-
-# ---------------------------------------------------------------------------
-# Log-probabilities and entropy from logits
-# ---------------------------------------------------------------------------
-
-# Logits turned into fp32 at a time: bounds each temporary fp32 buffer to
-# about 64 MiB however large the vocabulary or the micro-batch is.
-_CHUNK_ELEMENTS = 1 << 24
-
-
-def _rows_per_chunk(vocab_size: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
-
-
-def _effective_temperature(temperature: float | None) -> float:
-    # Greedy decoding (temperature 0) is scored with the untempered
-    # distribution; the same convention as the generation servers.
-    if temperature is None or temperature == 0:
-        return 1.0
-    return float(temperature)
-
-
-class _GatherLogprobs(torch.autograd.Function):
-    """logp[n] = x[n, label[n]] - logsumexp_j x[n, j], with x = logits / T.
-
-    Computed in fp32 chunk by chunk. Only the original logits and one fp32
-    log-sum-exp per row are kept for backward; the gradient
-    d logp[n] / d logits[n, j] = (1[j == label[n]] - softmax(x[n])_j) / T
-    is recomputed chunk by chunk, so no full-vocabulary fp32 tensor ever
-    exists (the naive log_softmax keeps one alive for backward).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        n_rows, vocab_size = logits.shape
-        chunk = _rows_per_chunk(vocab_size)
-        logprobs = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        logsumexp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        for start in range(0, n_rows, chunk):
-            end = min(start + chunk, n_rows)
-            x = logits[start:end].to(torch.float32, copy=True).div_(temperature)
-            lse = torch.logsumexp(x, dim=-1)
-            picked = x.gather(-1, labels[start:end, None]).squeeze(-1)
-            logprobs[start:end] = picked - lse
-            logsumexp[start:end] = lse
-        ctx.save_for_backward(logits, labels, logsumexp)
-        ctx.temperature = temperature
-        return logprobs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs: torch.Tensor):
-        logits, labels, logsumexp = ctx.saved_tensors
-        temperature = ctx.temperature
-        n_rows, vocab_size = logits.shape
-        chunk = _rows_per_chunk(vocab_size)
-        grad_logits = torch.empty_like(logits)
-        grad_logprobs = grad_logprobs.float()
-        for start in range(0, n_rows, chunk):
-            end = min(start + chunk, n_rows)
-            g_out = grad_logprobs[start:end, None]
-            # one fp32 buffer, updated in place: x -> softmax(x) -> gradient
-            g = logits[start:end].to(torch.float32, copy=True).div_(temperature)
-            g.sub_(logsumexp[start:end, None]).exp_()
-            g.mul_(-g_out).scatter_add_(-1, labels[start:end, None], g_out).div_(temperature)
-            grad_logits[start:end].copy_(g)
-        return grad_logits, None, None
-
-
-def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | None = 1.0) -> torch.Tensor:
-    """Log-probability of each label under softmax(logits / temperature).
-
-        logp[b, t] = log_softmax(logits[b, t] / temperature)[labels[b, t]]
-
-    Args:
-        logits: [B, T, V] (any float dtype; computed in fp32).
-        labels: [B, T] token ids. Negative ids (e.g. -100 at padding) give 0.0
-            and no gradient.
-        temperature: the sampling temperature the tokens were drawn with;
-            0 or None is treated as 1.
-
-    Returns:
-        [B, T] fp32 log-probabilities; differentiable w.r.t. `logits`.
-
-    Memory: fp32 work happens in chunks of ~64 MiB and backward recomputes the
-    softmax, so beyond the logits and their gradient only O(B*T) extra memory
-    is kept (measured on [2, 1024, 32000] bf16 logits, forward+backward: peak
-    +227 MiB, of which 125 MiB is the gradient, versus +756 MiB for
-    log_softmax(logits.float()).gather).
-    """
-    temperature = _effective_temperature(temperature)
-    *batch_shape, vocab_size = logits.shape
-    flat_logits = logits.reshape(-1, vocab_size)
-    flat_labels = labels.reshape(-1).long()
-    valid = flat_labels >= 0
-    safe_labels = flat_labels.clamp(min=0)
-    logprobs = _GatherLogprobs.apply(flat_logits, safe_labels, temperature)
-    logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
-    return logprobs.view(*batch_shape)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float | None = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position, in fp32.
-
-        H[b, t] = logsumexp(x) - sum_j softmax(x)_j * x_j,   x = logits[b, t] / T
-
-    Chunked over rows; meant for statistics (wrap the call in torch.no_grad()),
-    though it is differentiable.
-
-    Args:
-        logits: [B, T, V].
-    Returns:
-        [B, T] entropies in nats.
-    """
-    temperature = _effective_temperature(temperature)
-    *batch_shape, vocab_size = logits.shape
-    flat_logits = logits.reshape(-1, vocab_size)
-    chunk = _rows_per_chunk(vocab_size)
-    pieces = []
-    for start in range(0, flat_logits.shape[0], chunk):
-        x = flat_logits[start : start + chunk].float() / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        probs = torch.exp(x - lse[:, None])
-        pieces.append(lse - (probs * x).sum(-1))
-    if not pieces:
-        return flat_logits.new_zeros(batch_shape, dtype=torch.float32)
-    return torch.cat(pieces).view(*batch_shape)
-
 
 # ---------------------------------------------------------------------------
 # Masked statistics
@@ -302,46 +194,6 @@ def broadcast_to_tokens(seq_values: torch.Tensor, loss_mask: torch.Tensor) -> to
     return torch.where(loss_mask.bool(), full, torch.zeros_like(full))
 
 
-def group_normalized_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    eps: float = 1e-5,
-    std_normalize: bool = True,
-    unbiased_std: bool = True,
-) -> torch.Tensor:
-    """GRPO advantages: each reward normalised within its group of answers.
-
-        A_i = (r_i - mean_group) / (std_group + eps)     (std_normalize=True)
-        A_i =  r_i - mean_group                          (std_normalize=False, "Dr. GRPO")
-
-    `rewards` holds consecutive groups: rewards[k*group_size:(k+1)*group_size]
-    are the answers to prompt k. std is Bessel-corrected by default (like
-    torch.std); a group of size 1 has std 0.
-
-    A group whose rewards are all equal (all right or all wrong) has no
-    learning signal: its advantages are exactly 0 (not (r - mean)/eps, which
-    would amplify float round-off).
-
-    Args:
-        rewards: [N], N a multiple of group_size.
-    Returns:
-        [N] float32 advantages.
-    """
-    if rewards.numel() % group_size != 0:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.to(torch.float32).view(-1, group_size)
-    centered = grouped - grouped.mean(dim=-1, keepdim=True)
-    all_equal = grouped.max(dim=-1, keepdim=True).values == grouped.min(dim=-1, keepdim=True).values
-    centered = torch.where(all_equal, torch.zeros_like(centered), centered)
-    if std_normalize:
-        if group_size > 1:
-            std = grouped.std(dim=-1, keepdim=True, unbiased=unbiased_std)
-        else:
-            std = torch.zeros_like(centered)
-        centered = centered / (std + eps)
-    return centered.view(-1)
-
-
 # ---------------------------------------------------------------------------
 # KL to the reference model
 # ---------------------------------------------------------------------------
@@ -391,8 +243,48 @@ def apply_kl_to_rewards(
 
 
 # ---------------------------------------------------------------------------
-# Advantages
+# Advantage estimators
 # ---------------------------------------------------------------------------
+
+
+def group_normalized_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-5,
+    std_normalize: bool = True,
+    unbiased_std: bool = True,
+) -> torch.Tensor:
+    """GRPO advantages: each reward normalised within its group of answers.
+
+        A_i = (r_i - mean_group) / (std_group + eps)     (std_normalize=True)
+        A_i =  r_i - mean_group                          (std_normalize=False, "Dr. GRPO")
+
+    `rewards` holds consecutive groups: rewards[k*group_size:(k+1)*group_size]
+    are the answers to prompt k. std is Bessel-corrected by default (like
+    torch.std); a group of size 1 has std 0.
+
+    A group whose rewards are all equal (all right or all wrong) has no
+    learning signal: its advantages are exactly 0 (not (r - mean)/eps, which
+    would amplify float round-off).
+
+    Args:
+        rewards: [N], N a multiple of group_size.
+    Returns:
+        [N] float32 advantages.
+    """
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.to(torch.float32).view(-1, group_size)
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)
+    all_equal = grouped.max(dim=-1, keepdim=True).values == grouped.min(dim=-1, keepdim=True).values
+    centered = torch.where(all_equal, torch.zeros_like(centered), centered)
+    if std_normalize:
+        if group_size > 1:
+            std = grouped.std(dim=-1, keepdim=True, unbiased=unbiased_std)
+        else:
+            std = torch.zeros_like(centered)
+        centered = centered / (std + eps)
+    return centered.view(-1)
 
 
 @torch.no_grad()
@@ -447,7 +339,7 @@ def gae_advantages(
 
 
 # ---------------------------------------------------------------------------
-# Losses
+# Loss aggregation
 # ---------------------------------------------------------------------------
 
 Aggregation = Literal["token", "seq"]
@@ -486,6 +378,76 @@ def aggregate_loss(
     return total / normalizer
 
 
+# ---------------------------------------------------------------------------
+# Policy losses
+# ---------------------------------------------------------------------------
+# Each takes [B, T] fp32 tensors: the current policy's log-probs (the only
+# input with gradient), the proximal policy's and the advantages, and returns
+# (per-token loss, clipped, dual_clipped): the loss before the behaviour
+# correction and the aggregation, and the tokens each clip acted on (stats).
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    c_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017), with the dual clip
+    (Ye et al. 2020) for negative advantages, per token:
+
+        ratio  = exp(logp - prox_logp)
+        L_clip = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))
+        L      = min(L_clip, -c_clip * A)   where A < 0   (dual clip, if c_clip)
+    """
+    if c_clip is not None and c_clip <= 1.0:
+        raise ValueError(f"c_clip must be > 1, got {c_clip}")
+    ratio = torch.exp(logprobs - proximal_logprobs)
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * clipped_ratio
+    pg_loss = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    if c_clip is None:
+        return pg_loss, clipped, torch.zeros_like(clipped)
+    loss_dual = -advantages * c_clip
+    dual_clipped = (advantages < 0) & (loss_dual < pg_loss)
+    return torch.where(dual_clipped, loss_dual, pg_loss), clipped, dual_clipped
+
+
+# ---------------------------------------------------------------------------
+# Behaviour correction
+# ---------------------------------------------------------------------------
+
+
+def behav_imp_weight(
+    proximal_logprobs: torch.Tensor,
+    behav_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's behaviour importance weight (AReaL), per token:
+
+        w       = exp(prox_logp - behav_logp)
+        trained = loss_mask and (w <= cap)              (cap None: every valid token)
+
+    The behaviour policy (the possibly stale weights that sampled the tokens)
+    is corrected towards the proximal one; tokens whose weight exceeds the
+    cap are dropped. Returns (w, trained), both [B, T].
+    """
+    weight = torch.exp(proximal_logprobs - behav_logprobs)
+    valid = loss_mask.bool()
+    if cap is None:
+        return weight, valid
+    return weight, valid & (weight <= cap)
+
+
+# ---------------------------------------------------------------------------
+# The actor loss
+# ---------------------------------------------------------------------------
+
+
 def decoupled_ppo_actor_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
@@ -500,17 +462,15 @@ def decoupled_ppo_actor_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO policy loss (AReaL), per token:
 
-        ratio  = exp(logp - prox_logp)                  (differentiable through logp only)
-        L_clip = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))
-        L      = min(L_clip, -c_clip * A)   where A < 0   (dual clip, if c_clip)
-        w      = exp(prox_logp - behav_logp)            (behaviour importance weight, no grad)
-        loss   = w * L,   with w * L := 0 where w > behav_imp_weight_cap
+        L    = ppo_clip_loss(logp, prox_logp, A, eps, c_clip)   (gradient through logp only)
+        w    = behav_imp_weight(prox_logp, behav_logp)          (no gradient)
+        loss = w * L,   with w * L := 0 where w > behav_imp_weight_cap
 
-    The proximal policy (weights at the start of this train step) anchors the
-    trust region; the behaviour policy (the possibly stale weights that sampled
-    the tokens) is corrected by importance weighting. Passing the behaviour
-    log-probs as `proximal_logprobs` makes w == 1 exactly: this is then
-    standard PPO with ratio = exp(logp - behav_logp).
+    then aggregated. The proximal policy (weights at the start of this train
+    step) anchors the trust region; the behaviour policy is corrected by
+    importance weighting. Passing the behaviour log-probs as
+    `proximal_logprobs` makes w == 1 exactly: this is then standard PPO with
+    ratio = exp(logp - behav_logp).
 
     Tokens masked by the cap still count in the normalizer (they contribute
     0), so the normalizer depends on loss_mask only and micro-batches add up.
@@ -531,50 +491,31 @@ def decoupled_ppo_actor_loss(
         behav_imp_weight_mean/max/min (before the cap), behav_capped_frac,
         approx_kl (k3 estimate of KL(prox || theta)), ratio_mean, n_tokens.
     """
-    if c_clip is not None and c_clip <= 1.0:
-        raise ValueError(f"c_clip must be > 1, got {c_clip}")
     proximal_logprobs = proximal_logprobs.detach().float()
     behav_logprobs = behav_logprobs.detach().float()
     advantages = advantages.detach().float()
     valid = loss_mask.bool()
 
-    log_ratio = logprobs.float() - proximal_logprobs
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * clipped_ratio
-    pg_loss = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = loss_clipped > loss_unclipped
-
-    if c_clip is not None:
-        loss_dual = -advantages * c_clip
-        dual_clipped = (advantages < 0) & (loss_dual < pg_loss)
-        pg_loss = torch.where(dual_clipped, loss_dual, pg_loss)
-    else:
-        dual_clipped = torch.zeros_like(valid)
-
-    behav_imp_weight = torch.exp(proximal_logprobs - behav_logprobs)
-    if behav_imp_weight_cap is not None:
-        trained = valid & (behav_imp_weight <= behav_imp_weight_cap)
-    else:
-        trained = valid
-    per_token_loss = torch.where(trained, pg_loss * behav_imp_weight, torch.zeros_like(pg_loss))
+    pg_loss, clipped, dual_clipped = ppo_clip_loss(logprobs.float(), proximal_logprobs, advantages, eps_clip, c_clip)
+    weight, trained = behav_imp_weight(proximal_logprobs, behav_logprobs, valid, behav_imp_weight_cap)
+    per_token_loss = torch.where(trained, pg_loss * weight, torch.zeros_like(pg_loss))
     loss = aggregate_loss(per_token_loss, valid, aggregation, normalizer)
 
     with torch.no_grad():
+        log_ratio = logprobs.detach().float() - proximal_logprobs
         n_tokens = valid.sum()
         n_trained = trained.sum().clamp(min=1)
-        inf = torch.tensor(float("inf"), device=ratio.device)
+        inf = torch.tensor(float("inf"), device=log_ratio.device)
         stats_tensor = torch.stack(
             [
                 (clipped & trained).sum() / n_trained,
                 (dual_clipped & trained).sum() / n_trained,
-                masked_mean(behav_imp_weight, valid),
-                torch.where(valid, behav_imp_weight, -inf).max() if valid.numel() else -inf,
-                torch.where(valid, behav_imp_weight, inf).min() if valid.numel() else inf,
+                masked_mean(weight, valid),
+                torch.where(valid, weight, -inf).max() if valid.numel() else -inf,
+                torch.where(valid, weight, inf).min() if valid.numel() else inf,
                 (valid & ~trained).sum() / n_tokens.clamp(min=1),
                 masked_mean(torch.expm1(-log_ratio) + log_ratio, valid),
-                masked_mean(ratio, valid),
+                masked_mean(torch.exp(log_ratio), valid),
                 n_tokens.float(),
             ]
         ).tolist()
@@ -594,6 +535,11 @@ def decoupled_ppo_actor_loss(
         stats["behav_imp_weight_max"] = 0.0
         stats["behav_imp_weight_min"] = 0.0
     return loss, stats
+
+
+# ---------------------------------------------------------------------------
+# The value loss
+# ---------------------------------------------------------------------------
 
 
 def critic_loss(

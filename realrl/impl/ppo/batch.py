@@ -1,0 +1,196 @@
+"""The sequences of one train step, and their layout for one forward pass.
+
+`SequenceBatch` holds one rank's sequences of a step (flattened
+trajectories) and what the trainer computes for them. `make_micro_batch`
+lays a few of them out for the model: each row holds a prompt once, followed
+by the completions of the sequences that share it (a 4-D mask keeps each
+completion to the prompt and itself), or one sequence (which rows share is
+`realrl.impl.ppo.packing`'s choice). Per-token tensors are in completion
+layout: [n, C], row k a sequence, column j its completion token j (loss mask
+1 up to its length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from realrl.api.trajectory import Trajectory
+
+
+@dataclasses.dataclass
+class SequenceBatch:
+    """The sequences one rank trains on in one step (flattened trajectories)."""
+
+    input_ids: list[torch.Tensor]  # int64 [L_i]: prompt + completion
+    prompt_lens: list[int]
+    behav_logprobs: list[torch.Tensor]  # float32 [L_i - P_i], from the generation servers
+    rewards: torch.Tensor  # float32 [N], already shaped by the agent
+    no_eos: torch.Tensor  # bool [N]
+    groups: list[list[int]]  # the sequence indices of each trajectory
+    prox_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
+    # Decoupled loss with one minibatch: the proximal logprobs are the train
+    # forward's own (detached) logprobs, taken at the same weights (no pass of their own).
+    prox_from_train_forward: bool = False
+    ref_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
+    values: list[torch.Tensor] | None = None  # [L_i - P_i + 1]: state values at tokens P_i-1 .. L_i-1
+
+    @staticmethod
+    def from_trajectories(trajectories: list[Trajectory]) -> SequenceBatch:
+        input_ids, prompt_lens, behav, rewards, no_eos, groups = [], [], [], [], [], []
+        for traj in trajectories:
+            group = []
+            for i in range(traj.group_size):
+                group.append(len(input_ids))
+                input_ids.append(torch.from_numpy(traj.input_ids[i].astype("int64")))
+                prompt_lens.append(int(traj.prompt_len[i]))
+                behav.append(torch.from_numpy(traj.logprobs[i].copy()))
+                rewards.append(float(traj.reward[i]))
+                no_eos.append(bool(traj.no_eos[i]))
+            groups.append(group)
+        return SequenceBatch(
+            input_ids,
+            prompt_lens,
+            behav,
+            torch.tensor(rewards, dtype=torch.float32),
+            torch.tensor(no_eos, dtype=torch.bool),
+            groups,
+        )
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [len(x) for x in self.input_ids]
+
+    def completion_len(self, i: int) -> int:
+        return len(self.input_ids[i]) - self.prompt_lens[i]
+
+    def n_completion_tokens(self, indices: list[int] | None = None) -> int:
+        indices = range(self.n_seqs) if indices is None else indices
+        return sum(map(self.completion_len, indices))
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Sequences laid out for one forward pass.
+
+    The model sees `rows`: each holds a prompt once, then the completions of
+    the sequences that share it (one sequence per row when sharing is off or
+    does not pay), right-padded to [R, W]. With shared rows a completion's
+    tokens attend to the prompt and to themselves only (a 4-D mask) and
+    carry their own positions (P, P+1, ...), so each gets exactly the
+    logits it would get alone; gradients through the shared prompt are the
+    sum of its completions' (as with separate rows).
+
+    Per-token tensors are in completion layout [n, C]: row k is sequence
+    `indices[k]`, column j its completion token j, predicted from the token
+    at (src_rows[k, j], src_cols[k, j]); column C_k of src_* is its last token.
+    """
+
+    indices: list[int]
+    input_ids: torch.Tensor  # [R, W]
+    attention_mask: torch.Tensor  # [R, W] with one sequence per row; else [R, 1, W, W] (bool, or additive)
+    position_ids: torch.Tensor | None  # [R, W] with shared rows
+    src_rows: torch.Tensor  # [n, C+1]
+    src_cols: torch.Tensor  # [n, C+1]
+    targets: torch.Tensor  # [n, C]: the completion tokens
+    loss_mask: torch.Tensor  # [n, C], 1.0 on completion tokens
+    batch: SequenceBatch
+
+    def scatter(self, per_seq: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+        """Per-sequence completion values as [n, C]."""
+        if not self.indices:  # the padding micro-batch
+            return torch.full(self.loss_mask.shape, fill, dtype=torch.float32, device=self.loss_mask.device)
+        out = pad_sequence([per_seq[i].float().cpu() for i in self.indices], batch_first=True, padding_value=fill)
+        return out.to(self.loss_mask.device)  # [n, C]: C is the longest completion
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of `scatter`: per-sequence slices of [n, C(+1)]; an
+        [n, C+1] tensor (values at src positions) keeps the last token's."""
+        extra = tensor.shape[1] - self.loss_mask.shape[1]
+        tensor = tensor.float().cpu()
+        return [tensor[k, : self.batch.completion_len(i) + extra] for k, i in enumerate(self.indices)]
+
+    def at_sources(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[R, W, ...] model outputs at each completion token's source: [n, C+1, ...]."""
+        return per_position[self.src_rows, self.src_cols]
+
+
+def make_micro_batch(
+    batch: SequenceBatch, rows: list[list[int]], device: torch.device, pad_id: int = 0, additive_mask: bool = False
+) -> MicroBatch:
+    """A micro-batch of these rows (each a list of sequences with the same
+    prompt; see `plan_micro_batches`). No rows gives the padding micro-batch
+    (one 2-token dummy with an all-zero loss mask) that a rank with fewer
+    micro-batches than the others runs to join their collectives. Shared
+    rows get a boolean mask (SDPA), or an additive one (`additive_mask`:
+    eager attention adds it to the scores)."""
+    indices = [i for row in rows for i in row]
+    # Built as Python lists, one tensor each at the end (a few small tensor
+    # writes per sequence cost more than the forward of a tiny model).
+    ids_rows, seg_rows, pos_rows = [], [], []  # segment: 0 prompt, s + 1 completion s, -1 padding
+    src_rows, src_cols, targets = [], [], []
+    for r, row in enumerate(rows):
+        P = batch.prompt_lens[row[0]]
+        ids, seg, pos = batch.input_ids[row[0]][:P].tolist(), [0] * P, list(range(P))
+        for s, i in enumerate(row, start=1):
+            completion = batch.input_ids[i][P:].tolist()
+            G, col = len(completion), len(ids)
+            # token j is predicted from the one before it: the prompt's last, then this completion's own
+            src_cols.append([P - 1, *range(col, col + G)])
+            src_rows.append(r)
+            targets.append(completion)
+            ids += completion
+            seg += [s] * G
+            pos += range(P, P + G)
+        ids_rows.append(ids)
+        seg_rows.append(seg)
+        pos_rows.append(pos)
+    if not rows:  # the padding micro-batch
+        ids_rows, seg_rows, pos_rows, src_rows, src_cols, targets = [[pad_id] * 2], [[0, 0]], [[0, 1]], [0], [[0]], [[]]
+    W = max(map(len, ids_rows))
+    C = max(max(map(len, targets)), 0 if rows else 1)
+
+    def padded(lists: list[list[int]], width: int, fill: int) -> torch.Tensor:
+        return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long)
+
+    input_ids, segment, position_ids = padded(ids_rows, W, pad_id), padded(seg_rows, W, -1), padded(pos_rows, W, 0)
+    # Past a completion's end its source repeats its last token (any valid index: masked out).
+    src_cols_t = torch.tensor([c + [c[-1]] * (C + 1 - len(c)) for c in src_cols], dtype=torch.long)
+    src_rows_t = torch.tensor(src_rows, dtype=torch.long)[:, None].expand(-1, C + 1).contiguous()
+    loss_mask = padded([[1] * len(t) for t in targets], C, 0).float()
+    targets_t = padded(targets, C, 0)
+    if all(len(row) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
+        attention_mask, position_ids = (segment >= 0).long(), None
+    else:
+        attention_mask = _shared_prompt_mask(segment, additive_mask)
+    return MicroBatch(
+        indices,
+        input_ids.to(device),
+        attention_mask.to(device),
+        None if position_ids is None else position_ids.to(device),
+        src_rows_t.to(device),
+        src_cols_t.to(device),
+        targets_t.to(device),
+        loss_mask.to(device),
+        batch,
+    )
+
+
+def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:
+    """[R, 1, W, W]: causal, and a completion sees the prompt and itself
+    only; a padding position sees itself (no empty softmax). True = attend,
+    or additive: 0 / the float32 minimum."""
+    W = segment.shape[1]
+    q, kv = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    allowed = causal & (q >= 0) & ((kv == 0) | (kv == q))
+    allowed |= torch.eye(W, dtype=torch.bool)
+    if not additive:
+        return allowed[:, None]
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]

@@ -1,0 +1,128 @@
+"""The models the trainer drives: the critic, the forward passes that give
+per-completion-token logprobs and values, and what a model supports
+(randomness in train mode; shared-prompt rows, checked on a tiny probe)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from realrl.base.logging import getLogger
+from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
+from realrl.impl.ppo.logprobs import gather_logprobs
+
+logger = getLogger("ppo")
+
+
+def train_mode_noise(config: dict) -> bool:
+    """Whether a model config turns on randomness in train mode: any positive
+    dropout / pdrop / jitter setting (e.g. `attention_dropout`, `resid_pdrop`,
+    MoE `router_jitter_noise`), nested configs included."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            if train_mode_noise(value):
+                return True
+        elif (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value > 0
+            and any(word in key for word in ("dropout", "pdrop", "jitter"))
+        ):
+            return True
+    return False
+
+
+class CriticModel(nn.Module):
+    """A value model: the policy's transformer body plus a scalar head."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype, **kwargs) -> CriticModel:
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
+        return cls(backbone, backbone.config.hidden_size).to(dtype)
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()  # [B, T]
+
+
+def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """[n, C] logprobs of each completion token (grad flows when enabled)."""
+    logits = model(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+    ).logits
+    return gather_logprobs(mb.at_sources(logits)[:, :-1], mb.targets, temperature)
+
+
+def forward_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """[n, C+1] values at each completion token's source and at the last token."""
+    return mb.at_sources(critic(mb.input_ids, mb.attention_mask, mb.position_ids))
+
+
+def text_config(config):
+    """The language model's part of a (possibly multimodal) HF config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def shared_prompt_mask_kind(model: nn.Module) -> str | None:
+    """How a model takes shared-prompt rows: "bool" (SDPA) or "additive"
+    (eager) masks; None for attention kernels without custom 4-D masks
+    (flash-attention, flex) and for sliding-window attention (a custom mask
+    replaces the window), which then train one sequence per row."""
+    config = getattr(model, "config", None)
+    text = text_config(config)
+    if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) or any(
+        "sliding" in str(t) for t in getattr(text, "layer_types", None) or ()
+    ):
+        return None
+    return {"sdpa": "bool", "eager": "additive"}.get(getattr(config, "_attn_implementation", None))
+
+
+@torch.no_grad()
+def shared_rows_match(model: nn.Module, fn, device: torch.device, additive_mask: bool) -> bool:
+    """Whether `model` gives a shared-prompt row the outputs of separate rows
+    (`fn(model, micro_batch)`: logprobs or values), on a tiny probe: models
+    whose positions do not come from position_ids alone (e.g. ALiBi biases
+    built from the 2-D mask) fail it and train one sequence per row."""
+    ids = torch.randint(0, int(text_config(model.config).vocab_size), (9,), generator=torch.Generator().manual_seed(0))
+    seqs = [torch.cat([ids[:4], ids[4:7]]), torch.cat([ids[:4], ids[7:]])]
+    batch = SequenceBatch(
+        seqs, [4, 4], [torch.zeros(3), torch.zeros(2)], torch.zeros(2), torch.zeros(2, dtype=torch.bool), [[0, 1]]
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        shared = fn(model, make_micro_batch(batch, [[0, 1]], device, additive_mask=additive_mask)).float()
+        separate = fn(model, make_micro_batch(batch, [[0], [1]], device)).float()
+    except Exception as e:  # a model that cannot take the rows at all
+        logger.info("shared-prompt rows off: %s does not take them (%s: %s)", type(model).__name__, type(e).__name__, e)
+        return False
+    finally:
+        model.train(was_training)
+    tol = 1e-4 if shared.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
+    extra = shared.shape[1] - 3  # values carry the last token's too
+    diff = torch.cat([(shared - separate)[0, : 3 + extra], (shared - separate)[1, : 2 + extra]]).abs()
+    if diff.max() > tol * (1 + separate.abs().max()):
+        logger.info(
+            "shared-prompt rows off: %s gives them other outputs than separate rows (max difference %.3g)",
+            type(model).__name__,
+            float(diff.max()),
+        )
+        return False
+    return True
