@@ -39,7 +39,7 @@ IDLE_FRAMES = {
     ("base_events.py", "_run_once"),
     ("worker_base.py", "_main_loop"),
     ("poll.py", "poll"),
-    ("request_reply_stream.py", "serve"),
+    ("reply_server.py", "serve"),
 }
 
 _THREAD_LINE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")

@@ -46,7 +46,7 @@ from realrl.base.datapack import partition_balanced
 from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system import checkpoints
-from realrl.system.request_reply_stream import NameResolvingRequestClient
+from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
 STARVED_WARNING_S = 30.0  # warn (again) after this long without new trajectories

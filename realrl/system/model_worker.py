@@ -54,7 +54,7 @@ from realrl.base import name_resolve, names, network, wire
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import CriticModel
 from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
-from realrl.system.request_reply_stream import NameResolvingReplyServer
+from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
 from realrl.system.worker_base import PollResult, Worker
 

@@ -78,7 +78,7 @@ def remote_failing_function(data):
 
 
 def run_reply_server(exp: str, trial: str, worker_index: int, go_file: str | None) -> None:
-    from realrl.system.request_reply_stream import NameResolvingReplyServer
+    from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 
     server = NameResolvingReplyServer(exp, trial, worker_index, connect_timeout=60)
     releases = threading.Semaphore(0)  # each "release" lets one "block" finish

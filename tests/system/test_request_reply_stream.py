@@ -16,10 +16,10 @@ import pytest
 import zmq
 
 from realrl.base import name_resolve, wire
-from realrl.system.request_reply_stream import (
-    NameResolvingReplyServer,
+from realrl.system.request_reply_stream.protocol import Payload
+from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
+from realrl.system.request_reply_stream.request_client import (
     NameResolvingRequestClient,
-    Payload,
     RemoteError,
     RequestLost,
 )
@@ -67,6 +67,11 @@ def stop_cluster(cluster: Cluster) -> None:
         kill(w)
 
 
+def call(client: NameResolvingRequestClient, *args, **kwargs) -> list:
+    """One `call_async` on a loop of its own (the client serves any loop, one at a time)."""
+    return asyncio.run(client.call_async(*args, **kwargs))
+
+
 @pytest.fixture(scope="module", params=["etcd3", "file"])
 def cluster(request, tmp_path_factory, etcd_server):
     config = make_nr_config(request.param, tmp_path_factory.mktemp("nr"), etcd_server)
@@ -84,7 +89,7 @@ def test_routes_by_index_data_rank_and_shard_id(cluster):
     routing = routing_table(N_WORKERS)
     handlers = list(routing)
     datas = [{"i": i, "array": np.arange(i, dtype=np.float32)} for i in range(len(handlers))]
-    results = cluster.client.call(handlers, "whoami", datas, timeout=30)
+    results = call(cluster.client, handlers, "whoami", datas, timeout=30)
     for handler, data, result in zip(handlers, datas, results):
         assert result["worker"] == routing[handler], handler
         assert result["data"]["i"] == data["i"]
@@ -93,13 +98,13 @@ def test_routes_by_index_data_rank_and_shard_id(cluster):
 
 def test_unknown_handler_is_a_key_error_listing_the_routes(cluster):
     with pytest.raises(KeyError, match="routing table") as info:
-        cluster.client.request([0, "nobody"], "whoami")
+        asyncio.run(cluster.client.request_async([0, "nobody"], "whoami"))
     assert "__data0__" in str(info.value)
 
 
 def test_remote_exception_carries_type_message_and_traceback(cluster):
     with pytest.raises(RemoteError) as info:
-        cluster.client.call([1], "fail", ["some data"], timeout=30)
+        call(cluster.client, [1], "fail", ["some data"], timeout=30)
     err = info.value
     assert err.remote_type == "ValueError"
     assert "boom: 'some data'" in err.remote_message
@@ -107,70 +112,89 @@ def test_remote_exception_carries_type_message_and_traceback(cluster):
     assert "remote_failing_function" in str(err) and "'fail'" in str(err)
     assert err.worker_index == 1
     # The worker keeps serving.
-    assert cluster.client.call([1], "whoami", timeout=30)[0]["worker"] == 1
+    assert call(cluster.client, [1], "whoami", timeout=30)[0]["worker"] == 1
 
 
 def test_unknown_handle_name_and_unsendable_result_become_error_replies(cluster):
     with pytest.raises(RemoteError, match="no handler 'nope'") as info:
-        cluster.client.call([2], "nope", timeout=30)
+        call(cluster.client, [2], "nope", timeout=30)
     assert "whoami" in str(info.value)  # lists what is registered
     with pytest.raises(RemoteError, match="cannot send"):
-        cluster.client.call([2], "unsendable", timeout=30)
-    assert cluster.client.call([2], "echo", [5], timeout=30) == [5]
+        call(cluster.client, [2], "unsendable", timeout=30)
+    assert call(cluster.client, [2], "echo", [5], timeout=30) == [5]
 
 
 def test_missing_reply_times_out_naming_the_request(cluster):
     client = cluster.client
-    (rid,) = client.request(["__data1__"], "block")
-    with pytest.raises(TimeoutError) as info:
-        client.gather([rid], timeout=0.3)
-    text = str(info.value)
+
+    async def block_then_give_up():
+        (rid,) = await client.request_async(["__data1__"], "block")
+        with pytest.raises(TimeoutError) as info:
+            await client.gather_async([rid], timeout=0.3)
+        return rid, str(info.value)
+
+    rid, text = asyncio.run(block_then_give_up())
     assert "'block'" in text and "__data1__" in text and rid in text
     # Let it finish; its late reply is dropped and the lane is free again (FIFO).
-    client.call([1], "release", timeout=30)
-    (after,) = client.call([1], "long_echo", ["after"], timeout=30)
+    call(client, [1], "release", timeout=30)
+    (after,) = call(client, [1], "long_echo", ["after"], timeout=30)
     assert after["data"] == "after"
-    assert client.call([1], "whoami", timeout=30)[0]["worker"] == 1
+    assert call(client, [1], "whoami", timeout=30)[0]["worker"] == 1
 
 
 def test_cheap_request_is_answered_while_a_long_one_runs(cluster):
     client = cluster.client
-    (long_id,) = client.request([0], "block")
-    (cheap_id,) = client.request([0], "whoami")
-    first = client.poll(timeout=30)
-    assert first.request_id == cheap_id and first.result["worker"] == 0  # while "block" still waits
-    (release_id,) = client.request([0], "release")
-    second, third = client.poll(timeout=30), client.poll(timeout=30)
+    finished = []  # handle names, in the order their calls returned
+
+    async def one(name):
+        (result,) = await client.call_async([0], name, timeout=30)
+        finished.append(name)
+        return result
+
+    async def main():
+        block = asyncio.ensure_future(one("block"))
+        who = await one("whoami")
+        assert not block.done()  # answered while "block" still waits
+        release = asyncio.ensure_future(one("release"))
+        return who, await release, await block
+
+    who, released, blocked = asyncio.run(main())
+    assert who["worker"] == 0 and released is True
     # "release" is answered inline; "block" can only finish after it.
-    assert [second.request_id, third.request_id] == [release_id, long_id]
-    assert third.result == {"worker": 0, "released": True}
+    assert finished == ["whoami", "release", "block"]
+    assert blocked == {"worker": 0, "released": True}
 
 
 def test_long_requests_run_one_at_a_time_in_order(cluster):
-    client = cluster.client
-    ids = client.request([2, 2, 2, 2], "long_echo", ["a", "b", "c", "d"])
-    results = client.gather(ids, timeout=30)
+    results = call(cluster.client, [2, 2, 2, 2], "long_echo", ["a", "b", "c", "d"], timeout=30)
     assert [r["data"] for r in results] == ["a", "b", "c", "d"]
     sequence = [r["sequence"] for r in results]
     assert sequence == list(range(sequence[0], sequence[0] + 4))
 
 
-def test_many_interleaved_requests_sync(cluster):
+def test_many_interleaved_requests_gathered_in_another_order(cluster):
     client = cluster.client
     rng = random.Random(0)
     handlers = [rng.choice(list(routing_table(N_WORKERS))) for _ in range(200)]
     names_ = [rng.choice(["whoami", "long_echo"]) for _ in handlers]
-    ids = []
-    for i, (handler, name) in enumerate(zip(handlers, names_)):
-        ids += client.request([handler], name, [i])
-    order = list(range(len(ids)))
+    order = list(range(len(handlers)))
     rng.shuffle(order)
-    for chunk in range(0, len(order), 37):  # gather in a different order than sent
-        picked = order[chunk : chunk + 37]
-        results = client.gather([ids[k] for k in picked], timeout=60)
-        for k, result in zip(picked, results):
-            assert result["data"] == k
-            assert result["worker"] == routing_table(N_WORKERS)[handlers[k]]
+
+    async def main():
+        ids = []
+        for i, (handler, name) in enumerate(zip(handlers, names_)):
+            ids += await client.request_async([handler], name, [i])
+        gathered = []
+        for chunk in range(0, len(order), 37):  # gather in a different order than sent
+            picked = order[chunk : chunk + 37]
+            gathered += zip(picked, await client.gather_async([ids[k] for k in picked], timeout=60))
+        return gathered
+
+    gathered = asyncio.run(main())
+    assert sorted(k for k, _ in gathered) == list(range(len(handlers)))
+    for k, result in gathered:
+        assert result["data"] == k
+        assert result["worker"] == routing_table(N_WORKERS)[handlers[k]]
 
 
 def test_many_concurrent_async_calls(cluster):
@@ -211,7 +235,7 @@ def test_many_concurrent_async_calls(cluster):
 
     asyncio.run(timed_out())
     assert len(ticks) > 1
-    assert client.call([0], "long_echo", ["drained"], timeout=30)[0]["data"] == "drained"
+    assert call(client, [0], "long_echo", ["drained"], timeout=30)[0]["data"] == "drained"
 
 
 def test_malformed_messages_are_rejected_and_both_ends_keep_serving(cluster):
@@ -227,15 +251,15 @@ def test_malformed_messages_are_rejected_and_both_ends_keep_serving(cluster):
     stray.close()
     context.term()
     # To a worker, through its request socket.
-    (stats_before,) = client.call([0], "stats", timeout=30)
+    (stats_before,) = call(client, [0], "stats", timeout=30)
     client._send_sockets[0].send(b"\x00garbage")
     client._send_sockets[0].send_multipart([b"a", b"b"])
-    assert client.call([0], "whoami", timeout=30)[0]["worker"] == 0
-    (stats_after,) = client.call([0], "stats", timeout=30)
+    assert call(client, [0], "whoami", timeout=30)[0]["worker"] == 0
+    (stats_after,) = call(client, [0], "stats", timeout=30)
     assert stats_after["n_rejected"] == stats_before["n_rejected"] + 2
     give_up = time.monotonic() + 30
     while client.n_rejected < before + 2 and time.monotonic() < give_up:
-        client.call([1], "whoami", timeout=30)
+        call(client, [1], "whoami", timeout=30)
     assert client.n_rejected == before + 2
 
 
@@ -252,25 +276,29 @@ def test_a_request_nobody_confirms_is_warned_about_then_fails(tmp_path, etcd_ser
     stray.setsockopt(zmq.LINGER, 0)
     try:
         client = c.client
-        (blocked,) = client.request([1], "block")  # confirmed, then runs until released
-        stray.connect(f"tcp://{_master_send_address(c)}")
-        deadline = time.monotonic() + 30
-        while not stray.poll(100):  # until the stray is connected and takes its share
-            assert time.monotonic() < deadline, "the stray never got a request"
-            client.request([0], "whoami")
-        with pytest.raises(RequestLost) as info:
-            asyncio.run(client.call_async([0, 0, 0, 0], "long_echo", ["a", "b", "c", "d"], timeout=60))
-        text = str(info.value)
+
+        async def lose_a_request():
+            (blocked,) = await client.request_async([1], "block")  # confirmed, then runs until released
+            stray.connect(f"tcp://{_master_send_address(c)}")
+            deadline = time.monotonic() + 30
+            while not stray.poll(100):  # until the stray is connected and takes its share
+                assert time.monotonic() < deadline, "the stray never got a request"
+                await client.request_async([0], "whoami")
+            with pytest.raises(RequestLost) as info:
+                await client.call_async([0, 0, 0, 0], "long_echo", ["a", "b", "c", "d"], timeout=60)
+            # The confirmed long request was never counted as lost.
+            with pytest.raises(TimeoutError) as slow:
+                await client.gather_async([blocked], timeout=0.1)
+            return str(info.value), slow.value
+
+        text, slow = asyncio.run(lose_a_request())
         assert "'long_echo' request" in text and "model worker 0" in text and "another process" in text
         warnings = [r.getMessage() for r in realrl_caplog.records if "unanswered for" in r.getMessage()]
         assert warnings and all("'long_echo' request" in w and "to model worker 0" in w for w in warnings)
         assert any("not confirmed by the worker yet" in w for w in warnings)
         lost_id = text.split("request ", 1)[1].split(" ", 1)[0]
         assert any(lost_id in w for w in warnings)
-        # The confirmed long request was never counted as lost.
-        with pytest.raises(TimeoutError) as slow:
-            client.gather([blocked], timeout=0.1)
-        assert not isinstance(slow.value, RequestLost)
+        assert not isinstance(slow, RequestLost)
     finally:
         stray.close()
         context.term()
@@ -296,12 +324,12 @@ def test_syn_ack_runs_only_when_every_worker_has_the_request(backend, tmp_path, 
     try:
         client = c.client
         with pytest.raises(TimeoutError, match="no SYN") as info:
-            client.request([0, 1, 2], "mark", no_syn=False, timeout=0.5)
+            asyncio.run(client.request_async([0, 1, 2], "mark", no_syn=False, timeout=0.5))
         assert "model worker 0" in str(info.value)
         open(go_file, "w").close()
         # The cancelled request never ran anywhere: each worker counts its first mark.
-        assert client.call([0, 1, 2], "mark", timeout=30, no_syn=False) == [1, 1, 1]
-        assert client.call(["__data0__", "__data1__", "__data2__"], "mark", timeout=30, no_syn=True) == [2, 2, 2]
+        assert call(client, [0, 1, 2], "mark", timeout=30, no_syn=False) == [1, 1, 1]
+        assert call(client, ["__data0__", "__data1__", "__data2__"], "mark", timeout=30, no_syn=True) == [2, 2, 2]
 
         async def main():
             return await asyncio.gather(
