@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from realrl.api.sglang_api import SamplingParams
+
 # Bounds on SGLang-named sampling parameters (docs/design.md §6), shared by
 # `GenerationHyperparameters.validate` and the torch server's request check.
 #
@@ -120,18 +122,16 @@ class GenerationHyperparameters:
         if self.max_new_tokens == 0:
             raise SamplingParamError(f"{prefix}.max_new_tokens must be positive, got 0")
 
-    def sampling_params(self, max_new_tokens: int | None = None) -> dict:
+    def sampling_params(self, max_new_tokens: int | None = None) -> SamplingParams:
         """SGLang-native `sampling_params` (docs/design.md §6)."""
-        params = {
-            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            "min_new_tokens": self.min_new_tokens,
-            "temperature": 0.0 if self.greedy else self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-        }
-        if self.stop_token_ids:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        return params
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            temperature=0.0 if self.greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_token_ids=list(self.stop_token_ids) or None,
+        )
 
 
 @dataclasses.dataclass

@@ -6,19 +6,28 @@
     req = from_json(ScheduleRequest, body)                           # typed, checked once
 
 Either returns the decoded value (a dict unless `require_object=False`) or
-raises `BodyError(message, status)`: 413 for a body over `max_bytes`, 400 for
-everything else (empty, not UTF-8, not JSON, `NaN`/`Infinity` literals, nested
-deeper than `max_depth`, not an object). Callers answer it as a client error.
+raises `BodyError(message, status, reason)`: 413 for a body over `max_bytes`
+(reason `too_large`), 400 for everything else (empty, not UTF-8, not JSON,
+`NaN`/`Infinity` literals, nested deeper than `max_depth`, not an object;
+reason `bad_json`). Callers answer it as a client error; `reason` is a short
+label for their rejection counters.
 
 **Typed bodies.** Request and response bodies are dataclasses (in `realrl/api/`);
 `from_json(cls, value)` checks a decoded value against the class's annotations
 and builds it, raising `BodyError` (400) that names the field path
 (`rollouts[2].qid`). Types: `str`, `int` (never a JSON `true`; within int64),
 `float` (an int is accepted; finite), `bool`, `Any`, `list[T]`, `dict[str, T]`,
-`T | None`, `Literal[...]`, nested dataclasses. Bounds go in the field's
-metadata through `rule(min=, max=, nonempty=)`. A field without a default is
-required; `None` means absent. Unknown keys are refused unless the class sets
-`UNKNOWN_FIELDS = "ignore"`. `to_json(obj)` is the inverse (None fields left out).
+`tuple[A, B]` (an array of exactly those items), `Literal[...]`, nested
+dataclasses, and unions of these (`T | None`, `list[int] | list[list[int]]`):
+the options whose JSON shape matches the value (object, array, string, number
+or boolean, and for an array the shape of its first item) are tried in order,
+and when none converts, the first one's error is raised, so the message names
+the innermost bad field. Bounds go in the field's metadata through
+`rule(min=, max=, nonempty=)`. A field without a default is required; `None`
+means absent. Unknown keys are refused unless the class sets
+`UNKNOWN_FIELDS = "ignore"`. The error's `reason` says which check failed:
+`type`, `range`, `empty`, `missing` or `unknown_field`. `to_json(obj)` is the
+inverse (None fields left out).
 
 Why a depth limit: Python's `json` decoder recurses once per nesting level, so
 `[[[[...]]]]` 100000 deep raises RecursionError (an HTTP 500), and even a
@@ -51,11 +60,14 @@ _CHUNK = 1 << 22
 
 
 class BodyError(ValueError):
-    """A request body the server refuses; `status` is the HTTP status to answer."""
+    """A request body the server refuses; `status` is the HTTP status to answer,
+    `reason` a short label for rejection counters (`invalid` unless given;
+    `too_large` for a 413)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, reason: str | None = None):
         super().__init__(message)
         self.status = status
+        self.reason = reason or ("too_large" if status == 413 else "invalid")
 
 
 def nesting_depth_exceeds(raw: bytes, max_depth: int) -> bool:
@@ -84,7 +96,7 @@ def nesting_depth_exceeds(raw: bytes, max_depth: int) -> bool:
 
 
 def _reject_constant(name: str) -> Any:
-    raise BodyError(f"invalid JSON: {name} is not a JSON number")
+    raise BodyError(f"invalid JSON: {name} is not a JSON number", reason="bad_json")
 
 
 def parse_json(
@@ -102,21 +114,21 @@ def parse_json(
     if not raw.strip():
         if allow_empty:
             return {}
-        raise BodyError("empty request body")
+        raise BodyError("empty request body", reason="bad_json")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BodyError(f"request body is not UTF-8: {e}") from None
+        raise BodyError(f"request body is not UTF-8: {e}", reason="bad_json") from None
     if nesting_depth_exceeds(raw, max_depth):
-        raise BodyError(f"request body is nested deeper than {max_depth} levels")
+        raise BodyError(f"request body is nested deeper than {max_depth} levels", reason="bad_json")
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except BodyError:
         raise
     except (ValueError, RecursionError) as e:  # RecursionError: a last line of defence
-        raise BodyError(f"invalid JSON: {e}") from None
+        raise BodyError(f"invalid JSON: {e}", reason="bad_json") from None
     if require_object and not isinstance(value, dict):
-        raise BodyError(f"the request body must be a JSON object, got a JSON {_json_type(value)}")
+        raise BodyError(f"the request body must be a JSON object, got a JSON {_json_type(value)}", reason="bad_json")
     return value
 
 
@@ -142,6 +154,8 @@ async def read_json(
 
 
 def _json_type(value: Any) -> str:
+    if isinstance(value, dict):
+        return "object"
     if isinstance(value, list):
         return "array"
     if isinstance(value, str):
@@ -180,19 +194,24 @@ def _fields(cls: type) -> tuple[tuple[str, Any, dict, bool], ...]:
 def from_json(cls: type[T], value: Any, path: str = "") -> T:
     """Builds dataclass `cls` from a decoded JSON value; see the module docstring."""
     if not isinstance(value, dict):
-        raise BodyError(f"{_where(path, 'the request body')} must be a JSON object, got a JSON {_json_type(value)}")
+        raise BodyError(
+            f"{_where(path, 'the request body')} must be a JSON object, got a JSON {_json_type(value)}", reason="type"
+        )
     known = _fields(cls)
     if getattr(cls, "UNKNOWN_FIELDS", "reject") != "ignore":
         names = {name for name, *_ in known}
         unknown = sorted(str(k) for k in value if k not in names)
         if unknown:
-            raise BodyError(f"{_where(path, 'the request body')} has unknown field(s) {', '.join(map(repr, unknown))}")
+            raise BodyError(
+                f"{_where(path, 'the request body')} has unknown field(s) {', '.join(map(repr, unknown))}",
+                reason="unknown_field",
+            )
     kwargs = {}
     for name, kind, checks, required in known:
         field_path = f"{path}.{name}" if path else name
         if value.get(name) is None:
             if required:
-                raise BodyError(f"missing field {field_path!r}")
+                raise BodyError(f"missing field {field_path!r}", reason="missing")
             continue
         kwargs[name] = _convert(kind, value[name], field_path, checks)
     return cls(**kwargs)
@@ -201,76 +220,167 @@ def from_json(cls: type[T], value: Any, path: str = "") -> T:
 def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
         if value is None:
             return None
-        if len(options) == 1:
-            return _convert(options[0], value, path, checks)
-        for option in options:  # the first that fits
+        options = [a for a in args if a is not type(None)]
+        fitting = [o for o in options if _fits(o, value)]
+        if not fitting:
+            names = " or ".join(_type_name(o) for o in options)
+            raise BodyError(f"field {path!r} must be {names}, got a JSON {_json_type(value)}", reason="type")
+        errors = []
+        for option in fitting:  # the first that fits
             try:
                 return _convert(option, value, path, checks)
-            except BodyError:
-                continue
-        raise BodyError(f"field {path!r} must be {' or '.join(_type_name(o) for o in options)}")
+            except BodyError as e:
+                errors.append(e)
+        raise errors[0]
     if kind is Any:
         return value
     if origin is Literal:
         if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args):
-            raise BodyError(f"field {path!r} must be one of {', '.join(map(repr, args))}, got {value!r}")
+            raise BodyError(
+                f"field {path!r} must be one of {', '.join(map(repr, args))}, got {value!r}", reason="range"
+            )
         return value
     if dataclasses.is_dataclass(kind):
         return from_json(kind, value, path)
-    if origin is list:
+    if origin in (list, tuple):
         if not isinstance(value, list):
-            raise BodyError(f"field {path!r} must be a list, got a JSON {_json_type(value)}")
+            raise BodyError(f"field {path!r} must be a list, got a JSON {_json_type(value)}", reason="type")
         if checks.get("nonempty") and not value:
-            raise BodyError(f"field {path!r} must be a non-empty list")
-        (item,) = args or (Any,)
-        return [_convert(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value)]
+            raise BodyError(f"field {path!r} must be a non-empty list", reason="empty")
+        if origin is list:
+            (item,) = args or (Any,)
+            fast = _fast_list(item, value)
+            if fast is not None:
+                return fast
+            return [_convert(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value)]
+        if len(value) != len(args):
+            raise BodyError(f"field {path!r} must be a list of {len(args)} items, got {len(value)}", reason="type")
+        return tuple(_convert(item, v, f"{path}[{i}]", {}) for i, (item, v) in enumerate(zip(args, value)))
     if origin is dict:
         if not isinstance(value, dict):
-            raise BodyError(f"field {path!r} must be an object, got a JSON {_json_type(value)}")
+            raise BodyError(f"field {path!r} must be an object, got a JSON {_json_type(value)}", reason="type")
         item = args[1] if args else Any
         return {k: _convert(item, v, f"{path}.{k}", {}) for k, v in value.items()}
     if kind is bool:
         if not isinstance(value, bool):
-            raise BodyError(f"field {path!r} must be a boolean, got a JSON {_json_type(value)}")
+            raise BodyError(f"field {path!r} must be a boolean, got a JSON {_json_type(value)}", reason="type")
         return value
     if kind is int:
         # bool is an int in Python; a JSON true is never a count or a version.
         if not isinstance(value, int) or isinstance(value, bool):
-            raise BodyError(f"field {path!r} must be an integer, got a JSON {_json_type(value)}")
+            raise BodyError(f"field {path!r} must be an integer, got a JSON {_json_type(value)}", reason="type")
         if not -_INT64 <= value < _INT64:
-            raise BodyError(f"field {path!r} is out of range")
+            raise BodyError(f"field {path!r} is out of range", reason="range")
         return _bounded(value, path, checks)
     if kind is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise BodyError(f"field {path!r} must be a finite number, got {_json_type(value)} {value!r}"[:200])
-        return _bounded(float(value), path, checks)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise BodyError(f"field {path!r} must be a finite number, got a JSON {_json_type(value)}", reason="type")
+        try:
+            number = float(value)  # a huge JSON integer overflows here
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise BodyError(f"field {path!r} must be a finite number, got {value!r}"[:200], reason="range")
+        return _bounded(number, path, checks)
     if kind is str:
         if not isinstance(value, str):
-            raise BodyError(f"field {path!r} must be a string, got a JSON {_json_type(value)}")
+            raise BodyError(f"field {path!r} must be a string, got a JSON {_json_type(value)}", reason="type")
         if checks.get("nonempty") and not value:
-            raise BodyError(f"field {path!r} must be a non-empty string")
+            raise BodyError(f"field {path!r} must be a non-empty string", reason="empty")
         return value
     raise TypeError(f"from_json: unsupported annotation {kind!r} at {path!r}")  # a bug in the contract class
+
+
+_SCALARS = {int: int, float: float, str: str, bool: bool}
+
+
+def _fast_list(item: Any, value: list | tuple) -> list | None:
+    """`value` as a `list[item]` without a call per item (token ids and
+    logprobs come by the thousand), or None: an item that does not fit
+    exactly, or an item type without a fast path, takes the item-by-item
+    path, which converts it or names the bad item."""
+    if typing.get_origin(item) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(item) if a is not type(None)]
+        if len(options) != 1 or options[0] not in _SCALARS:
+            return None
+        present = [v for v in value if v is not None]
+        return list(value) if _fast_list(options[0], present) is not None else None
+    if item in _SCALARS:
+        if not all(type(v) is item for v in value):  # exact: no bool for int, no int for float
+            return None
+        if item is int and value and not (-_INT64 <= min(value) and max(value) < _INT64):
+            return None
+        if item is float and not all(map(math.isfinite, value)):
+            return None
+        return list(value)
+    if typing.get_origin(item) is tuple:
+        kinds = typing.get_args(item)
+        if not all(type(v) is list and len(v) == len(kinds) for v in value):
+            return None
+        columns = [_fast_list(kind, column) for kind, column in zip(kinds, zip(*value))]
+        if any(column is None for column in columns):
+            return None
+        return list(zip(*columns)) if value else []
+    return None
 
 
 def _bounded(value: float, path: str, checks: dict) -> Any:
     low, high = checks.get("min"), checks.get("max")
     if low is not None and value < low:
-        raise BodyError(f"field {path!r} must be >= {low}, got {value}")
+        raise BodyError(f"field {path!r} must be >= {low}, got {value}", reason="range")
     if high is not None and value > high:
-        raise BodyError(f"field {path!r} must be <= {high}, got {value}")
+        raise BodyError(f"field {path!r} must be <= {high}, got {value}", reason="range")
     return value
+
+
+def _fits(kind: Any, value: Any) -> bool:
+    """Whether `value` has the JSON shape of `kind`: its kind, and for a
+    non-empty array, that of its first item (as SGLang tells a batch of
+    prompts from one prompt)."""
+    if _json_type(value) not in _json_kinds(kind):
+        return False
+    if typing.get_origin(kind) is list and value:
+        (item,) = typing.get_args(kind) or (Any,)
+        return _fits(item, value[0])
+    return True
+
+
+def _json_kinds(kind: Any) -> frozenset[str]:
+    """The JSON kinds a value of annotation `kind` can come as."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return frozenset({"object", "array", "string", "number", "boolean", "null"})
+    if origin in (typing.Union, types.UnionType):
+        return frozenset().union(*(_json_kinds(a) for a in typing.get_args(kind)))
+    if origin is Literal:
+        return frozenset(_json_type(a) for a in typing.get_args(kind))
+    if dataclasses.is_dataclass(kind) or origin is dict:
+        return frozenset({"object"})
+    if origin in (list, tuple):
+        return frozenset({"array"})
+    return frozenset(
+        {{bool: "boolean", int: "number", float: "number", str: "string", type(None): "null"}.get(kind, "?")}
+    )
+
+
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def to_json(obj: Any) -> Any:
     """A dataclass (nested, in lists/dicts) as JSON-ready values; None fields are left out."""
+    if type(obj) in _PLAIN:
+        return obj
+    if isinstance(obj, (list, tuple)):
+        # Token ids, logprobs, (logprob, id, text) triples: no call per item.
+        if all(type(v) in _PLAIN for v in obj):
+            return list(obj)
+        if all(type(v) is tuple for v in obj) and all(type(x) in _PLAIN for v in obj for x in v):
+            return [list(v) for v in obj]
+        return [to_json(v) for v in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_json(v) for f in dataclasses.fields(obj) if (v := getattr(obj, f.name)) is not None}
-    if isinstance(obj, (list, tuple)):
-        return [to_json(v) for v in obj]
     if isinstance(obj, dict):
         return {k: to_json(v) for k, v in obj.items()}
     return obj
@@ -281,4 +391,6 @@ def _where(path: str, default: str) -> str:
 
 
 def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is not None:  # list[int], dict[str, int], ...
+        return str(kind).replace("typing.", "")
     return getattr(kind, "__name__", str(kind))

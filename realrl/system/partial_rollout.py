@@ -77,6 +77,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
+from realrl.api.sglang_api import SamplingParams
 from realrl.base.datapack import ffd_allocate
 from realrl.base.logging import getLogger
 from realrl.base.tick_batch import TickBatcher
@@ -231,7 +232,7 @@ class _Round:
 
     qid: str
     prompts: list[list[int]]
-    params: list[dict]
+    params: list[SamplingParams]
     rids: list[str]
 
 
@@ -475,12 +476,12 @@ class PartialRolloutManager:
         await asyncio.gather(*requests)
         return results
 
-    def _chunk_params(self, gconfig: GenerationHyperparameters, answer: _Answer) -> dict:
+    def _chunk_params(self, gconfig: GenerationHyperparameters, answer: _Answer) -> SamplingParams:
         """The sampling parameters of an answer's next request: at most one
         chunk of what its budget has left, and the rest of min_new_tokens."""
         chunk = min(self.new_tokens_per_chunk, gconfig.max_new_tokens - len(answer.output_ids))
         params = gconfig.sampling_params(max_new_tokens=chunk)
-        params["min_new_tokens"] = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
+        params.min_new_tokens = min(chunk, max(0, gconfig.min_new_tokens - len(answer.output_ids)))
         return params
 
     @staticmethod

@@ -221,3 +221,61 @@ def test_from_json_names_the_bad_field(body, message):
 
 def test_from_json_may_ignore_unknown_fields():
     assert from_json(_Lenient, {"x": 2, "y": 3}) == _Lenient(x=2)
+
+
+@dataclasses.dataclass
+class _Shapes:
+    ids: list[int] | list[list[int]]
+    pairs: list[tuple[float, int, str | None]] = dataclasses.field(default_factory=list)
+    either: _Part | list[_Part | None] | None = None
+
+
+def test_unions_pick_the_option_by_json_shape_and_tuples_are_fixed_length():
+    parsed = from_json(_Shapes, {"ids": [[0, 1], []], "pairs": [[-0.5, 3, None], [1, 4, "x"]], "either": [None]})
+    assert parsed.ids == [[0, 1], []] and parsed.either == [None]
+    assert parsed.pairs == [(-0.5, 3, None), (1.0, 4, "x")]
+    assert to_json(parsed)["pairs"] == [[-0.5, 3, None], [1.0, 4, "x"]]
+    assert from_json(_Shapes, {"ids": [], "either": {"qid": "q"}}) == _Shapes(ids=[], either=_Part("q"))
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        # The first item tells one prompt from a batch, so the error names the bad item.
+        ({"ids": [0, "a"]}, "field 'ids[1]' must be an integer, got a JSON string"),
+        ({"ids": [[0], [1, True]]}, "field 'ids[1][1]' must be an integer, got a JSON boolean"),
+        ({"ids": [0, [1]]}, "field 'ids[1]' must be an integer, got a JSON array"),
+        ({"ids": [0, 2**70]}, "field 'ids[1]' is out of range"),
+        ({"ids": [0, 1.0]}, "field 'ids[1]' must be an integer, got a JSON number"),
+        ({"ids": "0 1"}, "field 'ids' must be list[int] or list[list[int]], got a JSON string"),
+        ({"ids": [], "either": {"qid": ""}}, "field 'either.qid' must be a non-empty string"),
+        ({"ids": [], "either": [{"bogus": 1}]}, "field 'either[0]' has unknown field(s) 'bogus'"),
+        ({"ids": [], "pairs": [[-0.5, 3]]}, "field 'pairs[0]' must be a list of 3 items, got 2"),
+        ({"ids": [], "pairs": [[-0.5, 3, 7]]}, "field 'pairs[0][2]' must be str"),
+    ],
+)
+def test_union_and_tuple_errors_name_the_innermost_field(body, message):
+    with pytest.raises(BodyError) as e:
+        from_json(_Shapes, body)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ({"name": 1}, "type"),
+        ({"name": "a", "weight": 10**400}, "range"),  # a JSON integer too big for a float: no OverflowError
+        ({"name": "a", "parts": [{"qid": "q", "n": 0}]}, "range"),
+        ({"name": "a", "parts": [{"qid": "q", "n": 2**70}]}, "range"),
+        ({"name": "a", "mode": "c"}, "range"),
+        ({"name": "a", "parts": [{"qid": ""}]}, "empty"),
+        ({}, "missing"),
+        ({"name": "a", "bogus": 1}, "unknown_field"),
+    ],
+)
+def test_errors_carry_a_reason_for_rejection_counters(body, reason):
+    with pytest.raises(BodyError) as e:
+        from_json(_Body, body)
+    assert e.value.reason == reason and e.value.status == 400
+    assert refused(b"{").reason == refused(b"[1]").reason == "bad_json"
+    assert refused(b"{}", max_bytes=1).reason == "too_large"

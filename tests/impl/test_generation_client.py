@@ -79,7 +79,7 @@ def test_client_round_trip_and_errors(shared_server, tmp_path):
             return info, version, results, session, no_logprob, bad.value, bad_update.value, flushed, client
 
     info, version, results, session, no_logprob, bad, bad_update, flushed, client = asyncio.run(go())
-    assert info["is_generation"] and version == "0"
+    assert info.is_generation and version == "0"
     assert all(len(r.output_ids) == 6 and len(r.output_logprobs) == 6 for r in results)
     assert session.closed and client._session is None  # closed by the context manager
     assert len(no_logprob.output_ids) >= 1 and no_logprob.output_logprobs == []
@@ -135,7 +135,7 @@ def test_client_is_bound_to_one_event_loop(shared_server):
     client = GenerationClient(timeout_s=30)
     first_loop = asyncio.new_event_loop()
     try:
-        assert first_loop.run_until_complete(client.model_info(url))["is_generation"]
+        assert first_loop.run_until_complete(client.model_info(url)).is_generation
         with pytest.raises(RuntimeError, match="another event loop"):
             asyncio.run(client.model_info(url))
     finally:

@@ -440,7 +440,7 @@ def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
     assert after_v1.output_ids == hf_greedy(load_reference(new_dir), probe, 30)
     assert after_v1.output_ids != hf_greedy(load_reference(tiny_llama_dir), probe, 30)
     assert bad.status == 400 and "missing" in bad.message
-    assert after_v2.weight_version == "2" and info["weight_version"] == "2"
+    assert after_v2.weight_version == "2" and info.weight_version == "2"
     assert after_v2.output_ids == hf_greedy(load_reference(sharded_dir), probe, 30)
 
 
@@ -686,7 +686,7 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
 
     from realrl.impl.generation import torch_server
 
-    monkeypatch.setattr(torch_server, "_MAX_HEADROOM", 7)
+    monkeypatch.setattr(torch_server.batch, "MAX_HEADROOM", 7)
     engine = torch_server.GenerationEngine(
         reference_model,
         device=torch.device("cpu"),
@@ -709,7 +709,7 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
         alone = []
         for i in range(n):
             assert submit(i).wait(60)
-            alone.append(results[i]["output_ids"])
+            alone.append(results[i].output_ids)
         events = []
         for i in range(n):
             events.append(submit(i))
@@ -718,7 +718,7 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
         assert all(e.wait(120) for e in events)
     finally:
         engine.stop()
-    assert [results[i]["output_ids"] for i in range(n)] == alone
+    assert [results[i].output_ids for i in range(n)] == alone
     assert engine.stats["finish_stop"] > 0  # some rows left early at eos
 
 
@@ -754,7 +754,7 @@ def test_engine_isolates_requests_that_bypassed_validation(reference_model):
     assert "non-finite logits" in str(results["tiny_temperature"])
     assert isinstance(results["huge_top_k"], torch_server.EngineError)
     for i, prompt in enumerate(PROMPTS):
-        assert results[f"good{i}"]["output_ids"] == hf_greedy(reference_model, prompt, 12, ignore_eos=True)
+        assert results[f"good{i}"].output_ids == hf_greedy(reference_model, prompt, 12, ignore_eos=True)
     assert engine.stats["requests_failed"] == 2 and not engine._live
     submit("late", PROMPTS[0])
     assert events["late"].is_set() and isinstance(results["late"], torch_server.EngineError)
@@ -821,7 +821,7 @@ def test_engine_join_widens_trimmed_window(reference_model):
         for name, prompt, n in [("long", long_prompt, 2), ("short", short_prompt, 1500), ("middle", middle_prompt, 20)]:
             submit(name, prompt, n)
             assert events[name].wait(120)
-            alone[name] = results[name]["output_ids"]
+            alone[name] = results[name].output_ids
         # Paused, both queue up and are then prefilled as one group.
         engine.command("pause", {}, lambda result: None)
         submit("long", long_prompt, 2)
@@ -835,7 +835,7 @@ def test_engine_join_widens_trimmed_window(reference_model):
         assert events["middle"].wait(120) and events["short"].wait(120)
     finally:
         engine.stop()
-    assert {k: results[k]["output_ids"] for k in alone} == alone
+    assert {k: results[k].output_ids for k in alone} == alone
 
 
 # --------------------------------------------------------------------------- CUDA

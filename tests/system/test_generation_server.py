@@ -91,7 +91,7 @@ def test_server_registers_serves_and_stops_with_the_trial(tmp_path, etcd_server,
         url = trial.wait_key(names.gen_server(EXP, trial.trial, 0))
         assert url.startswith("http://127.0.0.1:")
         info, result = asyncio.run(_generate(url))
-        assert info["weight_version"] == "0" and info["model_path"] == tiny_model_dir
+        assert info.weight_version == "0" and info.model_path == tiny_model_dir
         assert len(result.output_ids) == 8 and len(result.output_logprobs) == 8
         assert result.finish_reason == "length" and result.weight_version == "0"
 
@@ -155,7 +155,7 @@ def test_killed_server_restarts_on_the_current_weights_until_max_restarts(tmp_pa
 
         second_url = wait_until(lambda: (u := trial.get(key)) not in (None, first_url) and u, 180, "re-registration")
         info, result = asyncio.run(_generate(second_url))
-        assert info["weight_version"] == "3" and result.weight_version == "3"  # the current weights, not model_path's
+        assert info.weight_version == "3" and result.weight_version == "3"  # the current weights, not model_path's
         assert not alive(first.pid)
         (second,) = worker_children(worker_pid)
         log = open(trial.launcher.log_path("generation_server", 0)).read()

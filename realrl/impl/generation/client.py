@@ -6,16 +6,20 @@ manager, tests, benchmarks) goes through `GenerationClient`. It keeps one
 bound to the event loop it is first used on, and must be closed explicitly
 (`await client.close()` or `async with GenerationClient() as client:`).
 
-It sticks to SGLang's native field names (docs/design.md §6), so it drives a real SGLang
-server unchanged:
+It builds its requests from, and reads the answers through, the dataclasses of
+`realrl.api.sglang_api` (SGLang's native field names, docs/design.md §6), the
+same ones the torch server parses, so it drives a real SGLang server unchanged:
 
     async with GenerationClient(timeout_s=600) as client:
         await client.wait_healthy(url, timeout_s=120)
         result = await client.generate(url, prompt_ids, {"max_new_tokens": 64, "temperature": 1.0})
         result.output_ids, result.output_logprobs, result.finish_reason, result.weight_version
 
+`sampling_params` is a `SamplingParams` or a dict of its fields.
+
 Errors: an HTTP error status raises `GenerationServerError(status, message, url)`;
-a server that cannot be reached (refused, reset, timed out) raises
+so does an answer that does not fit its contract (status 200). A server that
+cannot be reached (refused, reset, timed out) raises
 `GenerationServerUnavailable(url, reason)`. A failed weight update (`success:
 false`) raises `GenerationServerError` too: it must never pass silently.
 """
@@ -24,11 +28,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
+from realrl.api.sglang_api import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    ModelInfo,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
+from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
 
 logger = getLogger(__name__)
@@ -66,33 +83,36 @@ class GenerateResult:
     completion_tokens: int
     rid: str | None = None
     matched_stop: int | None = None
-    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    meta_info: MetaInfo = field(default_factory=MetaInfo, repr=False)
 
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
 
     @classmethod
-    def from_response(cls, response: dict[str, Any]) -> GenerateResult:
-        meta = response.get("meta_info") or {}
-        pairs = meta.get("output_token_logprobs") or []
-        output_ids = response.get("output_ids")
+    def from_response(cls, response: GenerateResponse | Mapping[str, Any]) -> GenerateResult:
+        """From one /generate answer (a dict is read through `GenerateResponse`;
+        BodyError if it does not fit)."""
+        if not isinstance(response, GenerateResponse):
+            response = from_json(GenerateResponse, response)
+        meta = response.meta_info
+        triples = meta.output_token_logprobs or []
+        output_ids = response.output_ids
         if output_ids is None:  # some SGLang versions only return the ids with the logprobs
-            output_ids = [int(p[1]) for p in pairs]
-        reason = meta.get("finish_reason")
-        if isinstance(reason, dict):
-            reason_type, matched = reason.get("type"), reason.get("matched")
+            output_ids = [tok for _, tok, _ in triples]
+        reason = meta.finish_reason
+        if isinstance(reason, FinishReason):
+            reason_type, matched = reason.type, reason.matched
         else:  # None (SGLang, aborted) or a bare string
             reason_type, matched = reason, None
-        version = meta.get("weight_version")
         return cls(
-            output_ids=[int(t) for t in output_ids],
-            output_logprobs=[float(p[0]) for p in pairs],
-            finish_reason=str(reason_type or "abort"),
-            weight_version="" if version is None else str(version),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-            rid=meta.get("id"),
+            output_ids=output_ids,
+            output_logprobs=[lp for lp, _, _ in triples],
+            finish_reason=reason_type or "abort",
+            weight_version=meta.weight_version or "",
+            prompt_tokens=meta.prompt_tokens or 0,
+            completion_tokens=len(output_ids) if meta.completion_tokens is None else meta.completion_tokens,
+            rid=meta.id,
             matched_stop=matched if isinstance(matched, int) else None,
             meta_info=meta,
         )
@@ -111,6 +131,22 @@ class HealthProbe:
 def _normalise(url: str) -> str:
     url = url.rstrip("/")
     return url if "://" in url else f"http://{url}"
+
+
+T = TypeVar("T")
+
+
+def _sampling_params(params: SamplingParams | Mapping[str, Any]) -> SamplingParams:
+    # A dict key that is no field of SamplingParams raises TypeError here, in the caller.
+    return params if isinstance(params, SamplingParams) else SamplingParams(**params)
+
+
+def _read(cls: type[T], body: Any, url: str, route: str) -> T:
+    """An answer read through its contract; one that does not fit is the server's error."""
+    try:
+        return from_json(cls, body)
+    except BodyError as e:
+        raise GenerationServerError(200, f"unexpected {route} response ({e}): {str(body)[:200]}", url) from None
 
 
 class GenerationClient:
@@ -189,48 +225,46 @@ class GenerationClient:
         self,
         url: str,
         input_ids: list[int],
-        sampling_params: dict[str, Any],
+        sampling_params: SamplingParams | Mapping[str, Any],
         return_logprob: bool = True,
         rid: str | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params),
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            payload["rid"] = rid
-        body = await self._request("POST", url, "/generate", payload, timeout_s)
-        if not isinstance(body, dict):
-            raise GenerationServerError(200, f"unexpected /generate response: {str(body)[:200]}", url)
-        return GenerateResult.from_response(body)
+        request = GenerateRequest(
+            input_ids=list(input_ids),
+            sampling_params=_sampling_params(sampling_params),
+            return_logprob=return_logprob,
+            rid=rid,
+        )
+        body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
+        return GenerateResult.from_response(_read(GenerateResponse, body, url, "/generate"))
 
     async def generate_batch(
         self,
         url: str,
         input_ids: list[list[int]],
-        sampling_params: dict[str, Any] | list[dict[str, Any]],
+        sampling_params: SamplingParams | Mapping[str, Any] | list[SamplingParams | Mapping[str, Any]],
         return_logprob: bool = True,
         rids: list[str] | None = None,
         timeout_s: float | None = None,
     ) -> list[GenerateResult]:
         """One batched `/generate` (SGLang's list-of-prompts form): one result
         per prompt, in order; the response comes when every prompt is done.
-        `sampling_params`: one dict for all, or one per prompt."""
-        payload: dict[str, Any] = {
-            "input_ids": [list(p) for p in input_ids],
-            "sampling_params": (
-                [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params)
+        `sampling_params`: one for all, or one per prompt."""
+        request = GenerateRequest(
+            input_ids=[list(p) for p in input_ids],
+            sampling_params=(
+                [_sampling_params(p) for p in sampling_params]
+                if isinstance(sampling_params, list)
+                else _sampling_params(sampling_params)
             ),
-            "return_logprob": return_logprob,
-        }
-        if rids is not None:
-            payload["rid"] = list(rids)
-        body = await self._request("POST", url, "/generate", payload, timeout_s)
-        if not isinstance(body, list) or len(body) != len(input_ids) or not all(isinstance(b, dict) for b in body):
+            return_logprob=return_logprob,
+            rid=None if rids is None else list(rids),
+        )
+        body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
+        if not isinstance(body, list) or len(body) != len(input_ids):
             raise GenerationServerError(200, f"unexpected batched /generate response: {str(body)[:200]}", url)
-        return [GenerateResult.from_response(b) for b in body]
+        return [GenerateResult.from_response(_read(GenerateResponse, b, url, "/generate")) for b in body]
 
     # ---- control
 
@@ -242,15 +276,23 @@ class GenerationClient:
         abort_all_requests: bool = True,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        """Load new weights on the server; returns `{success, message,
-        num_paused_requests}`; raises GenerationServerError if it failed."""
-        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        body = await self._request("POST", url, "/update_weights_from_disk", payload, timeout_s, ok_statuses=(400,))
-        if not isinstance(body, dict) or not body.get("success"):
-            message = body.get("message") if isinstance(body, dict) else body
-            raise GenerationServerError(400, f"weight update failed: {message}", url)
+        """Load new weights on the server; returns the JSON answer (an
+        `UpdateWeightsFromDiskResponse`: `{success, message,
+        num_paused_requests}`); raises GenerationServerError if it failed."""
+        request = UpdateWeightsFromDiskRequest(
+            model_path=model_path,
+            weight_version=None if weight_version is None else str(weight_version),
+            abort_all_requests=abort_all_requests,
+        )
+        body = await self._request(
+            "POST", url, "/update_weights_from_disk", to_json(request), timeout_s, ok_statuses=(400,)
+        )
+        try:
+            answer = from_json(UpdateWeightsFromDiskResponse, body)
+        except BodyError:
+            answer = UpdateWeightsFromDiskResponse(success=False, message=str(body))
+        if not answer.success:
+            raise GenerationServerError(400, f"weight update failed: {answer.message}", url)
         return body
 
     async def pause_generation(self, url: str) -> Any:
@@ -262,10 +304,7 @@ class GenerationClient:
     async def abort_request(self, url: str, rid: str | None = None, abort_all: bool = False) -> Any:
         if rid is None and not abort_all:
             raise ValueError("give a rid or abort_all=True")
-        payload: dict[str, Any] = {"abort_all": abort_all}
-        if rid is not None:
-            payload["rid"] = rid
-        return await self._request("POST", url, "/abort_request", payload)
+        return await self._request("POST", url, "/abort_request", to_json(AbortRequest(rid=rid, abort_all=abort_all)))
 
     async def flush_cache(self, url: str) -> Any:
         return await self._request("POST", url, "/flush_cache")
@@ -299,19 +338,21 @@ class GenerationClient:
         except aiohttp.ClientError as e:
             return HealthProbe(False, f"{type(e).__name__}: {e}")
 
-    async def model_info(self, url: str) -> dict[str, Any]:
+    async def model_info(self, url: str) -> ModelInfo:
         try:
-            return await self._request("GET", url, "/model_info")
+            body = await self._request("GET", url, "/model_info")
         except GenerationServerError as e:
             if e.status != 404:
                 raise
-            return await self._request("GET", url, "/get_model_info")  # older SGLang
+            body = await self._request("GET", url, "/get_model_info")  # older SGLang
+        return _read(ModelInfo, body, url, "/model_info")
 
     async def weight_version(self, url: str) -> str:
-        info = await self.model_info(url)
-        return str(info.get("weight_version", ""))
+        return (await self.model_info(url)).weight_version or ""
 
     async def server_info(self, url: str) -> dict[str, Any]:
+        """The decoded `/get_server_info` answer: the torch server's is a
+        `TorchServerInfo`, SGLang's its server arguments."""
         return await self._request("GET", url, "/get_server_info")
 
     async def wait_healthy(self, url: str, timeout_s: float, poll_s: float = 0.5) -> None:

@@ -1,0 +1,204 @@
+"""The HTTP bodies of SGLang's native API, the subset realrl speaks (docs/design.md §6).
+
+Both generation backends answer these routes: the torch server
+(`realrl.impl.generation.torch_server`) parses its requests with these classes
+and builds its responses from them; the client
+(`realrl.impl.generation.client`) builds its requests from them and reads the
+answers of either backend through them, so a field renamed on one side fails a
+test, not a run. Parse with `realrl.base.http_body.from_json`, write with
+`to_json`; None always means "not given" and is left out of the JSON.
+
+Requests name what SGLang accepts that a client of realrl may send; the torch
+server decides what it supports (penalties only at their neutral value,
+text-only options without effect, no `text` prompts: see its `protocol`
+module). Responses ignore the fields they do not name: SGLang reports more
+than realrl reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from realrl.base.http_body import rule
+
+# --------------------------------------------------------------------------- /generate
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """`sampling_params` of one prompt. A field left None takes the server's
+    default (SGLang's: `max_new_tokens` 128, `temperature` 1, `top_p` 1,
+    `top_k` -1 = off, `min_p` 0, `min_new_tokens` 0, `ignore_eos` false)."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None  # -1 = off (the torch server also takes 0)
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    # SGLang parameters the torch server takes only at their neutral value (0,
+    # 0, 1, 1), compared with ==, so any JSON value equal to it passes.
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    n: Any = None
+    # Options that only shape detokenised text: accepted, no effect without a tokenizer.
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stop: Any = None  # stop strings need a tokenizer: the torch server takes only "" or []
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """`POST /generate`: one prompt (`input_ids` a list of token ids), or
+    SGLang's batched form, a list of prompts; then `sampling_params`,
+    `return_logprob` and `rid` are each one value for every prompt or a list
+    with one entry per prompt. The answer is a `GenerateResponse`, or a list of
+    them in prompt order for the batched form."""
+
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams | None] | None = None
+    return_logprob: bool | list[bool | None] | None = None
+    rid: str | list[str | None] | None = None  # the request id (/abort_request); the server makes one if absent
+    text: str | list[str] | None = None  # SGLang's text prompts: the torch server has no tokenizer
+    # SGLang options the torch server takes only switched off: `stream` falsy,
+    # `top_logprobs_num` 0; the last two have no effect.
+    stream: Any = None
+    top_logprobs_num: Any = None
+    logprob_start_len: Any = None
+    return_text_in_logprobs: Any = None
+
+
+@dataclasses.dataclass
+class FinishReason:
+    UNKNOWN_FIELDS = "ignore"
+
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token that ended it (SGLang: or stop string)
+    message: str | None = None  # why it was aborted
+
+
+@dataclasses.dataclass
+class MetaInfo:
+    UNKNOWN_FIELDS = "ignore"
+
+    id: str | None = None  # the rid
+    # A bare string in some SGLang versions, null when SGLang aborted the request.
+    finish_reason: FinishReason | str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    weight_version: str | None = None  # the weights that produced the last token
+    e2e_latency: float | None = None  # seconds
+    # With return_logprob: (logprob, token id, token text or null) per output token.
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+
+
+@dataclasses.dataclass
+class GenerateResponse:
+    """One prompt's answer. Some SGLang versions leave out `output_ids` and
+    send the ids only inside `meta_info.output_token_logprobs`."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    output_ids: list[int] | None = None
+    meta_info: MetaInfo = dataclasses.field(default_factory=MetaInfo)
+
+
+# --------------------------------------------------------------------------- weights and control
+
+
+@dataclasses.dataclass
+class UpdateWeightsFromDiskRequest:
+    """`POST /update_weights_from_disk`: load the HF checkpoint directory
+    `model_path` and serve it as `weight_version`."""
+
+    UNKNOWN_FIELDS = "ignore"  # SGLang takes more (flush_cache, is_async, ...); the torch server ignores them
+
+    model_path: str = dataclasses.field(metadata=rule(nonempty=True))
+    weight_version: str | int | None = None
+    # Running requests end now with `abort` (true), or finish first under the
+    # old weights (false). realrl always sends it; SGLang's default is false,
+    # the torch server's true.
+    abort_all_requests: bool = True
+    load_format: str | None = None  # the torch server reads safetensors only ("auto" or "safetensors")
+
+
+@dataclasses.dataclass
+class UpdateWeightsFromDiskResponse:
+    """The answer to `/update_weights_from_disk`; `success: false` (HTTP 400)
+    leaves the old weights serving."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0  # requests aborted by the update
+
+
+@dataclasses.dataclass
+class AbortRequest:
+    """`POST /abort_request`: end the request `rid`, or every request."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@dataclasses.dataclass
+class ControlResponse:
+    """The torch server's answer to `/pause_generation`, `/continue_generation`,
+    `/abort_request` and `/flush_cache` (SGLang answers these with a message
+    or an empty body)."""
+
+    success: bool
+    message: str | None = None
+    num_aborted: int | None = None  # requests ended (abort, pause)
+
+
+# --------------------------------------------------------------------------- status
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """`GET /model_info` (older SGLang: `/get_model_info`): SGLang's fields,
+    then the torch server's own."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    is_generation: bool | None = None
+    weight_version: str | None = None
+    backend: str | None = None  # "torch"
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    eos_token_ids: list[int] | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+
+@dataclasses.dataclass
+class TorchServerInfo:
+    """The torch server's `GET /get_server_info` (SGLang answers with its
+    server arguments instead). `stats` are counters since start;
+    `rejections` counts refused requests by reason."""
+
+    weight_version: str
+    num_running_requests: int
+    num_waiting_requests: int
+    paused: bool
+    max_running_requests: int
+    length_before_eos: bool
+    avg_decode_batch_size: float
+    stats: dict[str, float]
+    rejections: dict[str, int]
+    model_path: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    backend: str | None = None

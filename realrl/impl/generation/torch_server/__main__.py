@@ -1,0 +1,70 @@
+"""Start one torch generation server (see the package docstring).
+
+    python -m realrl.impl.generation.torch_server --model-path DIR --port N \
+        [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
+        [--max-running-requests 64] [--max-prefill-tokens 8192] [--seed 1] \
+        [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import torch
+import transformers
+
+from realrl.base.logging import configure, getLogger
+from realrl.impl.generation.torch_server.engine import GenerationEngine
+from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
+from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model
+
+logger = getLogger("realrl.impl.generation.torch_server")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m realrl.impl.generation.torch_server",
+        description="The built-in torch generation server: SGLang's native HTTP API on an HF causal LM.",
+    )
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--weight-version", default="0")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--length-before-eos", action="store_true", help="check the length limit before stop tokens, as SGLang does"
+    )
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+
+    configure(f"torch_server:{args.port}", args.log_level)
+    transformers.logging.disable_progress_bar()  # a "Loading weights" bar per weight update
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device)
+    model = load_model(args.model_path, args.device, args.dtype)
+    engine = GenerationEngine(
+        model,
+        device=device,
+        seed=args.seed,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        weight_version=args.weight_version,
+        eos_token_ids=eos_token_ids_of(model),
+        length_before_eos=args.length_before_eos,
+    )
+    engine.start()
+    logger.info(
+        "loaded %s on %s (%s), weight version %s", args.model_path, args.device, args.dtype, engine.weight_version
+    )
+    asyncio.run(serve(TorchGenerationServer(engine, args.model_path, args.device, args.dtype), args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

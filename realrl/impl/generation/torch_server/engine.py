@@ -1,0 +1,592 @@
+"""The generation engine: one thread that owns the model and runs the loop.
+
+Requests and commands reach the loop through a queue and are handled between
+two decode steps; answers go back through each request's `reply` callback.
+Per iteration the loop admits waiting requests (one prefill forward per group,
+bounded by `--max-prefill-tokens` padded tokens), samples their first token
+and joins their rows to the running batch (`batch.RunningBatch`), then runs
+one decode step for the whole batch. Finished rows leave at once, and their
+answer is sent immediately. Identical prompts prefilled together (the answers
+of one GRPO group) are computed once and their rows copied.
+
+**Errors.** A failure inside the engine fails only the request(s) that cause
+it: when a batched prefill or decode step raises, each of its requests is
+retried alone (prefill) or stepped alone on a copy of its row (decode); those
+that fail alone are answered with an `EngineError` (HTTP 500) and counted
+(`requests_failed`), the others go on. If no single request reproduces the
+fault, the whole batch is failed. Non-finite logits (NaN/inf, e.g. from broken
+weights) are such a fault, caught before sampling. Every admitted request is
+answered, also when the loop stops; a request submitted after that is refused
+at once. Generation stops at the model's eos token(s) (config and
+generation_config) unless `ignore_eos`, and at `stop_token_ids`; the stop token
+is part of `output_ids`. A request whose last allowed token is a stop token
+reports `stop` (SGLang would report `length`); `length_before_eos`
+(`--length-before-eos`) reproduces SGLang's order (the length limit is checked
+first, so it reports `length`), for testing clients against it.
+
+**Weight updates.** New weights are read and checked off the loop (`weights`).
+Then, between two decode steps, in-flight requests are aborted (they return
+their partial output, its logprobs and the *old* weight version;
+`abort_all_requests=false` instead lets them finish while no new request
+starts), the tensors are copied into the existing parameters in place, and
+`weight_version` changes. Queued requests that had not started yet run under
+the new weights.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from realrl.api.sglang_api import ControlResponse, FinishReason, TorchServerInfo, UpdateWeightsFromDiskResponse
+from realrl.base.http_body import BodyError
+from realrl.base.logging import getLogger
+from realrl.impl.generation.torch_server.batch import Rows, RunningBatch
+from realrl.impl.generation.torch_server.model import check_supported
+from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
+from realrl.impl.generation.torch_server.sampling import RowParams, sample_tokens
+from realrl.impl.generation.torch_server.weights import WeightTargets, read_weights_dir
+
+logger = getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Generation failed inside the engine: answered with HTTP 500 and counted."""
+
+
+def _failure(name: str, message: str) -> EngineError | UpdateWeightsFromDiskResponse | ControlResponse:
+    """The answer to an inbox item (`name`) that failed or will never be handled."""
+    if name == "generate":
+        return EngineError(message)
+    if name == "update":
+        return UpdateWeightsFromDiskResponse(success=False, message=message)
+    return ControlResponse(success=False, message=message)
+
+
+def _refuse(item: tuple, message: str) -> None:
+    """Answer an inbox item the loop will never handle."""
+    name, args, reply = item
+    if name == "generate":
+        reply = args.reply
+    if reply is not None:
+        reply(_failure(name, message))
+
+
+class GenerationEngine:
+    """Owns the model; runs the continuous-batching loop on its own thread.
+
+    Every method except the ones the loop calls is safe to call from another
+    thread: requests and commands go through a queue and are handled between
+    two decode steps; results come back through `reply` callbacks.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        device: torch.device,
+        seed: int = 1,
+        max_running_requests: int = 64,
+        max_prefill_tokens: int = 8192,
+        weight_version: str = "0",
+        eos_token_ids: frozenset[int] = frozenset(),
+        length_before_eos: bool = False,
+    ):
+        self.model = model
+        self.length_before_eos = length_before_eos
+        self.config = model.config
+        self.device = device
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = str(weight_version)
+        text_config = self.config.get_text_config(decoder=True)
+        self.limits = GenerateLimits(
+            vocab_size=model.get_input_embeddings().num_embeddings,
+            max_positions=getattr(text_config, "max_position_embeddings", None),
+            eos_token_ids=eos_token_ids,
+        )
+        check_supported(model)
+        self._targets = WeightTargets(model)
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[Request] = deque()
+        self._batch: RunningBatch | None = None
+        self._live: dict[str, Request] = {}  # rid -> request, waiting or running
+        self._paused = False
+        self._pending_update: dict | None = None  # an update waiting for the batch to drain
+        self._stopping = False
+        self.stats: dict[str, float] = {
+            "requests_received": 0,
+            "requests_rejected": 0,
+            "requests_finished": 0,
+            "finish_stop": 0,
+            "finish_length": 0,
+            "finish_abort": 0,
+            "prompt_tokens": 0,
+            "prompt_tokens_shared": 0,  # prompt tokens not computed again: same prompt in one prefill
+            "generated_tokens": 0,
+            "prefill_batches": 0,
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "weight_updates": 0,
+            "weight_update_failures": 0,
+            "engine_errors": 0,  # failed engine steps (batched prefill / decode, commands)
+            "requests_failed": 0,  # requests answered with an engine error (HTTP 500)
+        }
+        self.rejections: dict[str, int] = {}
+        self._stats_lock = threading.Lock()
+        self._prefilling: list[Request] = []  # taken off the queue, not yet in the batch
+        self._closed = False  # the loop has ended: submissions are refused at once
+        self._closed_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="generation-loop", daemon=True)
+
+    # ---- thread-safe API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight and end the loop."""
+        self._put(("stop", None, None))
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: Request) -> None:
+        self.stats["requests_received"] += 1
+        self._put(("generate", request, None))
+
+    def command(self, name: str, args: dict, reply: Callable[[Any], None]) -> None:
+        self._put((name, args, reply))
+
+    def _put(self, item: tuple) -> None:
+        # Under the lock: the loop drains the inbox after closing it, so nothing
+        # put here can be left unanswered.
+        with self._closed_lock:
+            if not self._closed:
+                self._inbox.put(item)
+                return
+        _refuse(item, "the generation loop is not running")
+
+    def count_rejection(self, reason: str) -> None:
+        with self._stats_lock:  # called from the HTTP thread and the loop
+            self.stats["requests_rejected"] += 1
+            self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """Read and check new weights (any thread; the model is not touched)."""
+        tensors = read_weights_dir(path)
+        self._targets.check(tensors)
+        return tensors
+
+    def info(self) -> TorchServerInfo:
+        batch = self._batch
+        steps = max(1, self.stats["decode_steps"])
+        return TorchServerInfo(
+            weight_version=self.weight_version,
+            num_running_requests=batch.size if batch is not None else 0,
+            num_waiting_requests=len(self._waiting),
+            paused=self._paused,
+            max_running_requests=self.max_running_requests,
+            length_before_eos=self.length_before_eos,
+            avg_decode_batch_size=self.stats["decode_rows"] / steps,
+            stats=dict(self.stats),
+            rejections=dict(self.rejections),
+        )
+
+    # ---- the loop (generation thread only below this line)
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    self._process_inbox(block=self._is_idle())
+                    if self._stopping:
+                        break
+                    try:
+                        if self._pending_update is not None and self._batch is None:
+                            update, self._pending_update = self._pending_update, None
+                            self._apply_update(update, num_aborted=0)
+                        self._admit()
+                        if self._batch is not None:
+                            self._decode_step()
+                    except Exception as e:  # not isolated to a request: fail what is in flight, keep serving
+                        logger.exception("generation step failed")
+                        self.stats["engine_errors"] += 1
+                        self._fail_in_flight(e)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Answer everything: running and queued requests end with abort, then
+        the inbox is closed and whatever is still in it is refused."""
+        try:
+            self._abort_all("server shutting down")
+        except Exception:
+            logger.exception("aborting requests at shutdown failed")
+        for req in list(self._live.values()):  # only if aborting failed half-way
+            self._fail_request(req, EngineError("server shutting down"))
+        if self._pending_update is not None:
+            self._pending_update["reply"](_failure("update", "server shutting down"))
+            self._pending_update = None
+        with self._closed_lock:
+            self._closed = True
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            _refuse(item, "server shutting down")
+
+    def _is_idle(self) -> bool:
+        if self._batch is not None or self._pending_update is not None:
+            return False
+        return not self._waiting or self._paused
+
+    def _process_inbox(self, block: bool) -> None:
+        items = []
+        if block:
+            try:
+                items.append(self._inbox.get(timeout=0.5))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for name, args, reply in items:
+            try:
+                self._handle(name, args, reply)
+            except Exception as e:  # keep serving: answer the command with the error
+                logger.exception("command %s failed", name)
+                self.stats["engine_errors"] += 1
+                failure = _failure(name, f"{name} failed: {e}")
+                if name == "generate":
+                    self.stats["requests_failed"] += 1
+                    args.reply(failure)
+                elif reply is not None:
+                    reply(failure)
+
+    def _handle(self, name: str, args: Any, reply: Callable[[Any], None] | None) -> None:
+        if name == "generate":
+            req: Request = args
+            if req.rid in self._live:
+                self.count_rejection("duplicate_rid")
+                req.reply(BodyError(f"a request with rid {req.rid!r} is already running", reason="duplicate_rid"))
+                return
+            self._live[req.rid] = req
+            self._waiting.append(req)
+        elif name == "stop":
+            self._stopping = True
+        elif name == "abort":
+            rid = args.get("rid")
+            n = self._abort(lambda r: args.get("abort_all") or r.rid == rid, include_waiting=True)
+            reply(ControlResponse(success=True, num_aborted=n))
+        elif name == "pause":
+            n = self._abort(lambda r: True, include_waiting=False)
+            self._paused = True
+            reply(ControlResponse(success=True, num_aborted=n))
+        elif name == "continue":
+            self._paused = False
+            reply(ControlResponse(success=True))
+        elif name == "flush_cache":
+            # No prefix cache is kept across requests; nothing to drop.
+            reply(ControlResponse(success=True, message="no cached prefixes to flush"))
+        elif name == "update":
+            if args["abort_all_requests"]:
+                n = self._abort(lambda r: True, include_waiting=False)
+                self._apply_update(dict(args, reply=reply), num_aborted=n)
+            else:
+                self._pending_update = dict(args, reply=reply)
+        else:
+            reply(_failure(name, f"unknown command {name!r}"))
+
+    def _apply_update(self, update: dict, num_aborted: int) -> None:
+        try:
+            self._targets.copy_in(update["tensors"])
+        except Exception as e:  # the caller gets an answer; the weights may be half-copied
+            logger.exception("copying new weights failed")
+            self.stats["weight_update_failures"] += 1
+            update["reply"](_failure("update", f"copying the weights failed: {e}"))
+            return
+        old = self.weight_version
+        if update["weight_version"] is not None:
+            self.weight_version = str(update["weight_version"])
+        self.stats["weight_updates"] += 1
+        logger.info(
+            "weights updated from %s: version %s -> %s (%d requests aborted)",
+            update["model_path"],
+            old,
+            self.weight_version,
+            num_aborted,
+        )
+        update["reply"](
+            UpdateWeightsFromDiskResponse(
+                success=True,
+                message=f"Succeeded to update model weights (version {self.weight_version}).",
+                num_paused_requests=num_aborted,
+            )
+        )
+
+    # ---- finishing
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._live.pop(req.rid, None)
+        self.stats["requests_finished"] += 1
+        self.stats[f"finish_{reason.type}"] += 1
+        req.reply(req.response(reason, self.weight_version))
+
+    def _abort(self, match: Callable[[Request], bool], include_waiting: bool, message: str = "aborted") -> int:
+        n = 0
+        if include_waiting and self._waiting:
+            kept = deque()
+            for req in self._waiting:
+                if match(req):
+                    self._finish(req, FinishReason("abort", message=message))
+                    n += 1
+                else:
+                    kept.append(req)
+            self._waiting = kept
+        if self._batch is not None:
+            drop = []
+            for i, req in enumerate(self._batch.requests):
+                if match(req):
+                    self._finish(req, FinishReason("abort", message=message))
+                    drop.append(i)
+            self._drop_rows(drop)
+            n += len(drop)
+        return n
+
+    def _drop_rows(self, drop: list[int]) -> None:
+        if drop and not self._batch.remove(drop):
+            self._batch = None
+
+    def _abort_all(self, message: str) -> None:
+        self._abort(lambda r: True, include_waiting=True, message=message)
+
+    def _fail_request(self, req: Request, error: Exception) -> None:
+        """Answer `req` with an engine error (once: a request already answered
+        is left alone)."""
+        if self._live.get(req.rid) is not req:
+            return
+        del self._live[req.rid]
+        self.stats["requests_failed"] += 1
+        message = error if isinstance(error, EngineError) else f"{type(error).__name__}: {error}"
+        req.reply(EngineError(f"generation of request {req.rid} failed: {message}"))
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Fail the running batch and the group being prefilled (queued
+        requests were not touched and stay queued)."""
+        in_flight = (self._batch.requests if self._batch is not None else []) + self._prefilling
+        self._batch, self._prefilling = None, []
+        for req in in_flight:
+            self._fail_request(req, error)
+
+    # ---- prefill and decode
+
+    def _admit(self) -> None:
+        if self._paused or self._pending_update is not None or not self._waiting:
+            return
+        free = self.max_running_requests - (self._batch.size if self._batch is not None else 0)
+        while free > 0 and self._waiting:
+            # One prefill forward per group, bounded by padded tokens.
+            group: list[Request] = []
+            longest = 0
+            while self._waiting and len(group) < free:
+                req = self._waiting[0]
+                if req.max_new_tokens == 0:
+                    self._waiting.popleft()
+                    self._finish(req, FinishReason("length"))
+                    continue
+                new_longest = max(longest, len(req.input_ids) + len(req.output_ids))
+                if group and new_longest * (len(group) + 1) > self.max_prefill_tokens:
+                    break
+                group.append(self._waiting.popleft())
+                longest = new_longest
+            if not group:
+                break
+            free -= len(group)
+            self._prefilling = group
+            for requests, rows in self._prefill_isolated(group):
+                if self._batch is None:
+                    self._batch = RunningBatch(requests, rows, self.config, self.max_running_requests)
+                else:
+                    self._batch.add(requests, rows)
+            self._prefilling = []
+
+    def _prefill_isolated(self, group: list[Request]) -> list[tuple[list[Request], Rows]]:
+        """Prefill `group` in one forward; if that fails, prefill each request
+        alone and fail only the ones that fail alone."""
+        produced = [len(r.output_ids) for r in group]
+        try:
+            joined = self._prefill(group)
+            return [joined] if joined is not None else []
+        except Exception as e:
+            self.stats["engine_errors"] += 1
+            if len(group) == 1:
+                logger.warning("prefill of request %s failed: %s: %s", group[0].rid, type(e).__name__, e)
+                self._fail_request(group[0], e)
+                return []
+            logger.warning(
+                "prefill of %d requests failed (%s: %s); retrying them one by one", len(group), type(e).__name__, e
+            )
+        out = []
+        for req, n in zip(group, produced):
+            if self._live.get(req.rid) is not req:
+                continue  # answered before the failure (finished at its first token)
+            del req.output_ids[n:], req.output_logprobs[n:]  # a token recorded before the failure
+            try:
+                joined = self._prefill([req])
+            except Exception as e:
+                logger.warning("prefill of request %s failed: %s: %s", req.rid, type(e).__name__, e)
+                self._fail_request(req, e)
+                continue
+            if joined is not None:
+                out.append(joined)
+        return out
+
+    def _prefill(self, group: list[Request]) -> tuple[list[Request], Rows] | None:
+        """One forward over the group's prompts (left-padded); samples each first
+        token; returns the rows that go on with their keys/values and mask."""
+        self.stats["prefill_batches"] += 1
+        # Identical prompts (a GRPO group's answers) are computed once; their
+        # rows are copied out of the one forward (`source`: request -> row).
+        unique: dict[tuple[int, ...], int] = {}
+        source = [unique.setdefault(tuple(r.input_ids), len(unique)) for r in group]
+        prompts = list(unique)
+        length = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), length), dtype=torch.long)
+        mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, length - len(p) :] = True
+        self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in group)
+        self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        params = RowParams.from_requests(group, self.device)
+        source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
+        last_logits = out.logits[:, -1, :].index_select(0, source_rows)
+        tokens, logprobs = sample_tokens(last_logits, params, self._generator, self._banned(group))
+        done = set(self._record(group, tokens.tolist(), logprobs.tolist()))
+        keep = [i for i in range(len(group)) if i not in done]
+        if not keep:
+            return None
+        rows = source_rows[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        kv = [(layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in cache.layers]
+        row_mask = mask.index_select(0, rows)
+        first = int(row_mask.any(dim=0).int().argmax())
+        # Zero the padded positions: their keys/values are never attended, but
+        # they must be finite.
+        pad = ~row_mask[:, None, first:, None]
+        kv = [(k[:, :, first:].masked_fill(pad, 0), v[:, :, first:].masked_fill(pad, 0)) for k, v in kv]
+        return [group[i] for i in keep], (kv, row_mask[:, first:])
+
+    def _banned(self, requests: list[Request]) -> list[tuple[int, list[int]]] | None:
+        banned = [
+            (i, sorted(r.stop_ids))
+            for i, r in enumerate(requests)
+            if r.stop_ids and len(r.output_ids) < r.min_new_tokens
+        ]
+        return banned or None
+
+    def _record(self, requests: list[Request], tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Append each row's new token; finish the rows that are done and return
+        their indices."""
+        done = []
+        for i, (req, tok, lp) in enumerate(zip(requests, tokens, logprobs)):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            n = len(req.output_ids)
+            at_stop = tok in req.stop_ids and n >= req.min_new_tokens
+            at_limit = n >= req.max_new_tokens
+            if at_limit and (self.length_before_eos or not at_stop):
+                self._finish(req, FinishReason("length"))
+                done.append(i)
+            elif at_stop:
+                self._finish(req, FinishReason("stop", matched=tok))
+                done.append(i)
+        self.stats["generated_tokens"] += len(tokens)
+        return done
+
+    def _step(self, batch: RunningBatch) -> tuple[torch.Tensor, list[int], list[float]]:
+        """One decode forward and sampling. The new keys/values are written at
+        column `end`, but the window does not advance: a step that raises can
+        be run again."""
+        batch.reserve(1)
+        out = self.model(
+            input_ids=batch.last_tokens[:, None],
+            attention_mask=batch.decode_mask(),
+            position_ids=batch.positions[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        tokens, logprobs = sample_tokens(
+            out.logits[:, -1, :], batch.params, self._generator, self._banned(batch.requests)
+        )
+        return tokens, tokens.tolist(), logprobs.tolist()
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        try:
+            tokens, token_list, logprob_list = self._step(batch)
+        except Exception as e:
+            self.stats["engine_errors"] += 1
+            self._isolate_decode_fault(e)
+            return
+        batch.window.end += 1
+        batch.last_tokens = tokens
+        batch.positions += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += batch.size
+        self._drop_rows(self._record(batch.requests, token_list, logprob_list))
+
+    def _isolate_decode_fault(self, error: Exception) -> None:
+        """A decode step raised: step each row alone, on a copy of its keys and
+        values (the result is thrown away), and fail the rows that fail alone;
+        the others decode on with the batch. If no row fails alone the fault
+        is the batch's (e.g. out of memory) and all its requests fail."""
+        batch = self._batch
+        culprits: list[int] = []
+        if batch.size > 1:
+            logger.warning(
+                "decode step of %d requests failed (%s: %s); stepping them one by one",
+                batch.size,
+                type(error).__name__,
+                error,
+            )
+            kv, mask = batch.live()
+            for i, req in enumerate(batch.requests):
+                row = ([(k[i : i + 1], v[i : i + 1]) for k, v in kv], mask[i : i + 1])
+                try:
+                    self._step(RunningBatch([req], row, self.config, max_rows=1))
+                except Exception as e:
+                    logger.warning("decode of request %s failed: %s: %s", req.rid, type(e).__name__, e)
+                    culprits.append(i)
+                    self._fail_request(req, e)
+        if not culprits:
+            logger.warning("decode step failed for the whole batch: %s: %s", type(error).__name__, error)
+            self._fail_in_flight(error)
+            return
+        batch.clear(culprits)
+        self._drop_rows(culprits)

@@ -1,0 +1,210 @@
+"""What a `/generate` body may hold, and what each of its prompts becomes.
+
+`parse_generate_body(body, limits)` reads a decoded body through the shared
+contract (`realrl.api.sglang_api.GenerateRequest`, checked by
+`realrl.base.http_body.from_json`), checks it against the model
+(`GenerateLimits`: vocabulary, positions, eos ids) and returns one `Request`
+per prompt, the engine's record of it. Every refusal is a `BodyError` (HTTP
+400) whose `reason` labels the server's rejection counters.
+
+**Sampling parameters.** `max_new_tokens` (default 128), `min_new_tokens`,
+`temperature` (0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `min_p`,
+`stop_token_ids`, `ignore_eos`. Text-only options (`skip_special_tokens`, ...)
+are accepted and have no effect; penalties and `n` are accepted only at their
+neutral values, `stop` only empty, `stream` only off, `top_logprobs_num` only
+0; `text` prompts and unknown fields are refused, as is every value the engine
+could not sample with (`realrl.api.generation_api.check_sampling_params`:
+temperature 0 or in [1e-5, 1e6], top_p in (0, 1], min_p in [0, 1], finite
+numbers only, `min_new_tokens <= max_new_tokens`, prompt + max_new_tokens
+within the model's positions, and stop tokens that leave something to sample
+before `min_new_tokens`).
+
+`Request.response` builds the answer (`GenerateResponse`) when the engine
+finishes a request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from realrl.api.generation_api import SamplingParamError, check_sampling_params
+from realrl.api.sglang_api import FinishReason, GenerateRequest, GenerateResponse, MetaInfo, SamplingParams
+from realrl.base.http_body import BodyError, from_json
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# Sampling parameters with an effect here, with their defaults (SGLang's).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+    "min_new_tokens": 0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "ignore_eos": False,
+}
+# SGLang parameters accepted only at their neutral value.
+NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
+
+
+@dataclass
+class GenerateLimits:
+    """What a request is checked against."""
+
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class Request:
+    """One prompt in the engine: its checked parameters, the tokens and
+    logprobs generated so far, and where its answer goes (`reply`, called once
+    with a `GenerateResponse`, a `BodyError` or an `EngineError`)."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int  # <= 0: off
+    min_p: float
+    stop_ids: frozenset[int]
+    return_logprob: bool
+    reply: Callable[[Any], None] = field(repr=False, default=lambda result: None)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def needs_filter(self) -> bool:
+        return not self.is_greedy and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0)
+
+    def response(self, reason: FinishReason, weight_version: str) -> GenerateResponse:
+        """The answer, as it stands now."""
+        logprobs = None
+        if self.return_logprob:
+            logprobs = [(lp, tok, None) for lp, tok in zip(self.output_logprobs, self.output_ids)]
+        meta = MetaInfo(
+            id=self.rid,
+            finish_reason=reason,
+            prompt_tokens=len(self.input_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=0,
+            weight_version=weight_version,
+            e2e_latency=time.monotonic() - self.arrival_time,
+            output_token_logprobs=logprobs,
+        )
+        return GenerateResponse(output_ids=list(self.output_ids), meta_info=meta)
+
+
+def parse_generate_body(body: Any, limits: GenerateLimits) -> tuple[list[Request], bool]:
+    """Check a decoded /generate body; returns the requests and whether it was batched."""
+    return parse_generate(from_json(GenerateRequest, body), limits)
+
+
+def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[Request], bool]:
+    """`parse_generate_body` of a body already read into its contract."""
+    if body.text is not None:
+        raise BodyError("this server takes input_ids only (it has no tokenizer)", reason="unsupported")
+    if body.stream:
+        raise BodyError("streaming is not supported by the torch backend", reason="unsupported")
+    if body.top_logprobs_num not in (None, 0):
+        raise BodyError("top_logprobs_num is not supported by the torch backend", reason="unsupported")
+    if not body.input_ids:
+        raise BodyError("input_ids must be a non-empty list of token ids (or a list of such lists)", reason="empty")
+    batched = isinstance(body.input_ids[0], list)
+    prompts: list[list[int]] = body.input_ids if batched else [body.input_ids]
+    n = len(prompts)
+    if batched and body.rid is not None and not isinstance(body.rid, list):
+        raise BodyError("rid must be a list of strings for a batched request", reason="type")
+    sampling = _per_prompt("sampling_params", body.sampling_params, batched, n)
+    return_logprob = _per_prompt("return_logprob", body.return_logprob, batched, n)
+    rids = _per_prompt("rid", body.rid, batched, n)
+
+    requests = []
+    for prompt, params, want_logprob, rid in zip(prompts, sampling, return_logprob, rids):
+        if not prompt:
+            raise BodyError("every prompt must be a non-empty list of token ids", reason="empty")
+        _check_vocabulary(prompt, "input_ids", limits.vocab_size)
+        p = _sampling(params or SamplingParams(), limits)
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not rid:
+            raise BodyError("rid must be a non-empty string", reason="type")
+        if limits.max_positions is not None and len(prompt) + p["max_new_tokens"] > limits.max_positions:
+            raise BodyError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({p['max_new_tokens']}) exceeds the "
+                f"model's {limits.max_positions} positions",
+                reason="too_long",
+            )
+        stop_ids = set(p.pop("stop_token_ids"))
+        if not p.pop("ignore_eos"):
+            stop_ids |= limits.eos_token_ids
+        if p["min_new_tokens"] > 0 and sum(t < limits.vocab_size for t in stop_ids) >= limits.vocab_size:
+            # Every token is banned until min_new_tokens: nothing could be sampled.
+            raise BodyError(
+                "min_new_tokens > 0 but the stop tokens (with eos) cover the whole vocabulary", reason="range"
+            )
+        requests.append(
+            Request(
+                rid=rid,
+                input_ids=list(prompt),
+                stop_ids=frozenset(stop_ids),
+                return_logprob=bool(want_logprob),
+                **p,
+            )
+        )
+    if len({r.rid for r in requests}) != len(requests):
+        raise BodyError("duplicate rid in a batched request", reason="duplicate_rid")
+    return requests, batched
+
+
+def _per_prompt(name: str, value: Any, batched: bool, n: int) -> list[Any]:
+    """A field's value for each prompt: one for all, or (batched) a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n
+    if not batched:
+        raise BodyError(f"{name} is a list, but input_ids holds a single prompt", reason="type")
+    if len(value) != n:
+        raise BodyError(f"{name} has {len(value)} entries for {n} prompts", reason="type")
+    return value
+
+
+def _sampling(params: SamplingParams, limits: GenerateLimits) -> dict[str, Any]:
+    """The parameters the engine uses, defaults filled in; refuses what it cannot honour."""
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        value = getattr(params, name)
+        if value is not None and value != neutral:
+            raise BodyError(
+                f"sampling parameter {name}={value!r} is not supported by the torch backend", reason="unsupported"
+            )
+    if params.stop not in (None, "", []):
+        raise BodyError("stop strings need a tokenizer; use stop_token_ids", reason="unsupported")
+    out = {name: default if (v := getattr(params, name)) is None else v for name, default in SAMPLING_DEFAULTS.items()}
+    if out["top_k"] == 0:
+        out["top_k"] = -1  # this server also takes 0 for off
+    try:
+        check_sampling_params(out)
+    except SamplingParamError as e:
+        raise BodyError(str(e), reason=e.kind) from None
+    if out["top_k"] >= limits.vocab_size:
+        out["top_k"] = -1  # keeps every token anyway
+    out["stop_token_ids"] = params.stop_token_ids or []
+    _check_vocabulary(out["stop_token_ids"], "stop_token_ids", limits.vocab_size)
+    return out
+
+
+def _check_vocabulary(ids: list[int], name: str, vocab_size: int) -> None:
+    for tok in ids:
+        if not 0 <= tok < vocab_size:
+            raise BodyError(f"token id {tok} in {name} is outside the vocabulary [0, {vocab_size})", reason="vocab")

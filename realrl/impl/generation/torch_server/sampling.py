@@ -1,0 +1,100 @@
+"""Picking one token for every row of a batch at once.
+
+Sampling is vectorised over the batch with per-row temperature / top-p /
+top-k / min-p tensors (`RowParams`) and the engine's `torch.Generator`, seeded
+from `--seed`.
+
+**Logprobs.** The logprob returned for each generated token is
+`log_softmax(logits / T)[token]` computed in float32, where T is the request's
+temperature (T = 0, greedy, uses T = 1, i.e. plain `log_softmax(logits)`). It is
+taken *before* top-p / top-k / min-p filtering and before the `min_new_tokens`
+stop-token mask, so the trainer reproduces it exactly from a forward pass of the
+same weights with the same temperature scaling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from realrl.impl.generation.torch_server.protocol import Request
+
+
+@dataclass
+class RowParams:
+    """The sampling parameters of a batch's rows, as tensors."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # [B] long; <= 0 = off
+    min_p: torch.Tensor
+    all_greedy: bool
+    any_greedy: bool
+    any_filter: bool
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], device: torch.device) -> RowParams:
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            temperature=torch.tensor([r.temperature for r in requests], **f32),
+            top_p=torch.tensor([r.top_p for r in requests], **f32),
+            top_k=torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device),
+            min_p=torch.tensor([r.min_p for r in requests], **f32),
+            all_greedy=all(r.is_greedy for r in requests),
+            any_greedy=any(r.is_greedy for r in requests),
+            any_filter=any(r.needs_filter for r in requests),
+        )
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: RowParams,
+    generator: torch.Generator,
+    banned: list[tuple[int, list[int]]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (tokens, logprobs) with logprob =
+    log_softmax(logits / T)[token] (T = 1 for greedy rows), before any filtering.
+
+    `banned`: (row, token ids) that must not be picked (min_new_tokens)."""
+    logits = logits.float()
+    temperature = params.temperature
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / scale[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    # NaN / +inf logits (or all -inf) make every logprob of the row NaN. Refuse
+    # them here: torch.multinomial would raise on CPU but hit a device-side
+    # assert on CUDA (which ends the process), and greedy rows would return NaN.
+    if not bool(torch.isfinite(logprobs.amax(dim=-1)).all()):
+        raise FloatingPointError("the model produced non-finite logits (NaN or inf)")
+
+    pick_from = scaled
+    if banned:
+        pick_from = scaled.clone()
+        for row, ids in banned:
+            pick_from[row, ids] = float("-inf")
+
+    if params.all_greedy:
+        tokens = pick_from.argmax(dim=-1)
+    else:
+        if params.any_filter:
+            sorted_logits, sorted_idx = pick_from.sort(dim=-1, descending=True)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
+            top_k = params.top_k[:, None]
+            drop = (top_k > 0) & (ranks[None, :] >= top_k)
+            # top-p: drop a token if the tokens ranked above it already cover top_p
+            drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > params.top_p[:, None]
+            drop |= sorted_probs < params.min_p[:, None] * sorted_probs[:, :1]
+            drop[:, 0] = False  # the most likely token always survives
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            choice = torch.multinomial(torch.softmax(sorted_logits, dim=-1), 1, generator=generator)
+            sampled = sorted_idx.gather(1, choice).squeeze(1)
+        else:
+            sampled = torch.multinomial(torch.softmax(pick_from, dim=-1), 1, generator=generator).squeeze(1)
+        if params.any_greedy:
+            sampled = torch.where(temperature > 0, sampled, pick_from.argmax(dim=-1))
+        tokens = sampled
+    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, token_logprobs
