@@ -26,8 +26,10 @@ the innermost bad field. Bounds go in the field's metadata through
 `rule(min=, max=, nonempty=)`. A field without a default is required; `None`
 means absent. Unknown keys are refused unless the class sets
 `UNKNOWN_FIELDS = "ignore"`. The error's `reason` says which check failed:
-`type`, `range`, `empty`, `missing` or `unknown_field`. `to_json(obj)` is the
-inverse (None fields left out).
+`type`, `range`, `empty`, `missing` or `unknown_field`. A check across fields
+goes in the class's `__post_init__`, raising `BodyError`. `to_json(obj)` is the
+inverse: None fields are left out, except those marked `rule(keep_null=True)`
+(a reply whose field is always there, null when it has no value).
 
 Why a depth limit: Python's `json` decoder recurses once per nesting level, so
 `[[[[...]]]]` 100000 deep raises RecursionError (an HTTP 500), and even a
@@ -173,10 +175,13 @@ T = TypeVar("T")
 _INT64 = 1 << 63
 
 
-def rule(*, min: float | None = None, max: float | None = None, nonempty: bool = False) -> dict:
-    """Field metadata for `from_json`: bounds of a number, or a non-empty str/list.
+def rule(
+    *, min: float | None = None, max: float | None = None, nonempty: bool = False, keep_null: bool = False
+) -> dict:
+    """Field metadata for `from_json`: bounds of a number, or a non-empty str/list;
+    for `to_json`, `keep_null` writes None as null instead of leaving the field out.
     `field(default=1, metadata=rule(min=1))`."""
-    return {"http_body": {"min": min, "max": max, "nonempty": nonempty}}
+    return {"http_body": {"min": min, "max": max, "nonempty": nonempty, "keep_null": keep_null}}
 
 
 @functools.cache
@@ -368,8 +373,15 @@ def _json_kinds(kind: Any) -> frozenset[str]:
 _PLAIN = (str, int, float, bool, type(None))
 
 
+@functools.cache
+def _keep_null(cls: type) -> frozenset[str]:
+    """The fields of dataclass `cls` that `to_json` writes as null when None."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if (f.metadata.get("http_body") or {}).get("keep_null"))
+
+
 def to_json(obj: Any) -> Any:
-    """A dataclass (nested, in lists/dicts) as JSON-ready values; None fields are left out."""
+    """A dataclass (nested, in lists/dicts) as JSON-ready values; None fields are
+    left out unless marked `rule(keep_null=True)`."""
     if type(obj) in _PLAIN:
         return obj
     if isinstance(obj, (list, tuple)):
@@ -380,7 +392,12 @@ def to_json(obj: Any) -> Any:
             return [list(v) for v in obj]
         return [to_json(v) for v in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_json(v) for f in dataclasses.fields(obj) if (v := getattr(obj, f.name)) is not None}
+        keep = _keep_null(type(obj))
+        return {
+            f.name: to_json(v)
+            for f in dataclasses.fields(obj)
+            if (v := getattr(obj, f.name)) is not None or f.name in keep
+        }
     if isinstance(obj, dict):
         return {k: to_json(v) for k, v in obj.items()}
     return obj

@@ -279,3 +279,32 @@ def test_errors_carry_a_reason_for_rejection_counters(body, reason):
     assert e.value.reason == reason and e.value.status == 400
     assert refused(b"{").reason == refused(b"[1]").reason == "bad_json"
     assert refused(b"{}", max_bytes=1).reason == "too_large"
+
+
+@dataclasses.dataclass
+class _Reply:
+    url: str | None = dataclasses.field(default=None, metadata=rule(keep_null=True))
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Span:
+    start: int
+    end: int
+
+    def __post_init__(self):
+        if self.end < self.start:
+            raise BodyError(f"field 'end' must be >= 'start', got {self.end} < {self.start}")
+
+
+def test_to_json_keeps_the_nulls_it_is_told_to():
+    assert to_json(_Reply()) == {"url": None}  # always there, null without a value
+    assert to_json(_Reply("u", "r")) == {"url": "u", "reason": "r"}
+    assert from_json(_Reply, to_json(_Reply())) == _Reply()
+
+
+def test_a_check_across_fields_is_a_400():
+    assert from_json(_Span, {"start": 1, "end": 2}) == _Span(1, 2)
+    with pytest.raises(BodyError) as e:
+        from_json(_Span, {"start": 2, "end": 1})
+    assert "field 'end' must be >= 'start'" in str(e.value) and e.value.status == 400
