@@ -77,8 +77,24 @@ from typing import Any, TypeVar
 import aiohttp
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
+from realrl.api.manager_api import (
+    AllocateRolloutReply,
+    AllocateRolloutRequest,
+    FinishRolloutRequest,
+    ModelVersionReply,
+    ReleaseRequest,
+    RolloutEnd,
+    RolloutStats,
+    RolloutToAllocate,
+    ScheduledServer,
+    ScheduleReply,
+    ScheduleRequest,
+    ServersReply,
+    SuccessReply,
+)
 from realrl.api.sglang_api import SamplingParams
 from realrl.base.datapack import ffd_allocate
+from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import (
@@ -163,21 +179,30 @@ class GserverManagerClient:
             logger.warning("gserver manager %s%s failed (%s); retry %d/%d", self.url, path, cause, attempt, retries)
             await asyncio.sleep(_backoff(attempt, self.retry_backoff_s))
 
+    async def _typed_call(self, method: str, path: str, reply_type: type[_T], request: Any = None, **kw) -> _T:
+        """`call` with a `manager_api` request and reply: a reply outside the
+        contract is a ManagerError (the manager and its clients disagree)."""
+        reply = await self.call(method, path, to_json(request) if request is not None else None, **kw)
+        try:
+            return from_json(reply_type, reply)
+        except BodyError as e:
+            raise ManagerError(f"gserver manager {self.url}{path} answered outside its contract: {e}") from None
+
     # ---- the endpoints
 
     # allocate/finish change the manager's state and are retried: the caller's
     # `rollout_id` (unique per episode) makes a repeated call a no-op there.
-    async def allocate_rollouts(self, rollouts: list[tuple[str, str]], wait_s: float = 0.0) -> dict:
+    async def allocate_rollouts(self, rollouts: list[tuple[str, str]], wait_s: float = 0.0) -> AllocateRolloutReply:
         """Admission for (rollout_id, qid) pairs, in order: `admitted` says
         how many were taken. `wait_s`: while the first is refused, the
         manager waits up to that long for admission to open (a long poll)."""
-        payload = {"rollouts": [{"rollout_id": r, "qid": q} for r, q in rollouts], "wait_s": wait_s}
-        return await self.call("POST", "/allocate_rollout", payload)
+        request = AllocateRolloutRequest([RolloutToAllocate(r, q) for r, q in rollouts], wait_s)
+        return await self._typed_call("POST", "/allocate_rollout", AllocateRolloutReply, request)
 
-    async def finish_rollouts(self, rollouts: list[tuple[str, int, int]]) -> dict:
+    async def finish_rollouts(self, rollouts: list[tuple[str, int, int]]) -> SuccessReply:
         """(rollout_id, n_trajectories, n_tokens) of ended rollouts."""
-        payload = {"rollouts": [{"rollout_id": r, "n_trajectories": n, "n_tokens": t} for r, n, t in rollouts]}
-        return await self.call("POST", "/finish_rollout", payload)
+        request = FinishRolloutRequest([RolloutEnd(r, n, t) for r, n, t in rollouts])
+        return await self._typed_call("POST", "/finish_rollout", SuccessReply, request)
 
     async def schedule_request(
         self,
@@ -187,31 +212,32 @@ class GserverManagerClient:
         previous_version: int | None = None,
         avoid_urls: list[str] | None = None,
         parts: list[int] | None = None,
-    ) -> dict:
-        """`{"url", "version", "down"}`; `url` is None when no server is up.
-        `avoid_urls`: servers that just failed for this caller. `parts`: the
-        sizes of several callers' requests (summing to n), each routed as if
-        alone; the reply's `parts` has a {"url", "version"} for each."""
-        payload = {"qid": qid, "n": n, "previous_server_url": previous_server_url, "previous_version": previous_version}
-        if avoid_urls:
-            payload["avoid_urls"] = list(avoid_urls)
-        if parts is not None:
-            payload["parts"] = list(parts)
-        return await self.call("POST", "/schedule_request", payload)
+    ) -> ScheduleReply:
+        """`url` is None when no server is up. `avoid_urls`: servers that just
+        failed for this caller. `parts`: the sizes of several callers'
+        requests (summing to n), each routed as if alone; the reply's `parts`
+        has a server for each."""
+        request = ScheduleRequest(
+            qid, n, previous_server_url, previous_version, list(avoid_urls or ()), list(parts) if parts else None
+        )
+        return await self._typed_call("POST", "/schedule_request", ScheduleReply, request)
 
-    async def release_request(self, url: str, n: int = 1, retries: int | None = None, n_tokens: int = 0) -> dict:
+    async def release_request(
+        self, url: str, n: int = 1, retries: int | None = None, n_tokens: int = 0
+    ) -> SuccessReply:
         """`n_tokens`: what the released requests generated (the manager's tokens/s)."""
-        return await self.call("POST", "/release_request", {"url": url, "n": n, "n_tokens": n_tokens}, retries=retries)
+        request = ReleaseRequest(url, n, n_tokens)
+        return await self._typed_call("POST", "/release_request", SuccessReply, request, retries=retries)
 
     async def get_model_version(self) -> int:
-        return int((await self.call("GET", "/get_model_version"))["version"])
+        return (await self._typed_call("GET", "/get_model_version", ModelVersionReply)).version
 
-    async def rollout_stats(self) -> dict:
-        return await self.call("GET", "/rollout_stats")
+    async def rollout_stats(self) -> RolloutStats:
+        return await self._typed_call("GET", "/rollout_stats", RolloutStats)
 
-    async def servers(self, retries: int | None = None) -> dict:
+    async def servers(self, retries: int | None = None) -> ServersReply:
         """Every registered generation server and its state (up, joining, down, retired)."""
-        return await self.call("GET", "/servers", retries=retries)
+        return await self._typed_call("GET", "/servers", ServersReply, retries=retries)
 
 
 @dataclasses.dataclass
@@ -369,14 +395,14 @@ class PartialRolloutManager:
                 [f"{request.qid}/{i}/{rid}" for i in live],
             )
             scheduled, outcome = await self._rounds.submit((previous_url, previous_version), round_)
-            if scheduled.get("url") is None:  # no server is up: counted, as in an answer's loop, which retries
-                reason = scheduled.get("reason") or "no generation server is up"
+            if scheduled.url is None:  # no server is up: counted, as in an answer's loop, which retries
+                reason = scheduled.reason or "no generation server is up"
                 logger.warning("qid %s: %s; each answer retries", request.qid, reason)
                 await asyncio.sleep(_backoff(1, self.retry_backoff_s))
                 for i in live:
                     out[i] = _Resume(answers[i], last_error=reason, failures=1)
                 return out  # type: ignore[return-value]
-            url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
+            url, scheduled_version = scheduled.url, scheduled.version
             for i in live:
                 if answers[i].scheduled_version is None:
                     answers[i].scheduled_version = scheduled_version
@@ -425,7 +451,9 @@ class PartialRolloutManager:
             out[i] = _Resume(answers[i], previous_url=previous_url if last is not None else None, previous_version=last)
         return out  # type: ignore[return-value]
 
-    async def _send_rounds(self, key: tuple[str | None, int | None], rounds: list[_Round]) -> list[tuple[dict, Any]]:
+    async def _send_rounds(
+        self, key: tuple[str | None, int | None], rounds: list[_Round]
+    ) -> list[tuple[ScheduleReply, Any]]:
         """Rounds of several groups with the same stickiness `key`, ready in
         the same few event-loop iterations, sent together: one
         schedule_request whose `parts` route each group as if alone (so they
@@ -436,9 +464,10 @@ class PartialRolloutManager:
         its request)."""
         sizes = [len(r.prompts) for r in rounds]
         scheduled = await self._schedule(rounds[0].qid, key[0], key[1], n=sum(sizes), parts=sizes)
-        if scheduled.get("url") is None:
+        if scheduled.url is None:
             return [(scheduled, None)] * len(rounds)
-        picks = scheduled.get("parts") or [scheduled] * len(rounds)  # (a manager without parts: all on one server)
+        # (a manager without parts: all on one server)
+        picks = scheduled.parts or [ScheduledServer(scheduled.url, scheduled.version)] * len(rounds)
         results: list[Any] = [None] * len(rounds)
 
         async def send(url: str, part: list[int]) -> None:
@@ -466,7 +495,7 @@ class PartialRolloutManager:
             offset = 0
             for k in part:
                 mine = outcome[offset : offset + sizes[k]] if isinstance(outcome, list) else outcome
-                results[k] = ({"url": url, "version": picks[k]["version"]}, mine)
+                results[k] = (ScheduleReply(url=url, version=picks[k].version), mine)
                 offset += sizes[k]
 
         requests = []
@@ -531,8 +560,8 @@ class PartialRolloutManager:
             scheduled = await self._schedule(request.qid, previous_url, previous_version, avoid)
             if failed_url is not None:
                 if (
-                    scheduled.get("url") is not None
-                    and failed_url in (scheduled.get("down") or ())
+                    scheduled.url is not None
+                    and failed_url in (scheduled.down or ())
                     and uncounted < MAX_UNCOUNTED_FAILURES
                 ):
                     # The server that failed is out of routing and another one took over: not counted.
@@ -540,26 +569,26 @@ class PartialRolloutManager:
                     uncounted += 1
                     self.stats.server_losses += 1
                 failed_url = None
-            if scheduled.get("url") is None:  # no server is up: counted
+            if scheduled.url is None:  # no server is up: counted
                 failures += 1
-                last_error = scheduled.get("reason") or "no generation server is up"
+                last_error = scheduled.reason or "no generation server is up"
                 if last_server_error:
                     last_error += f"; {last_server_error}"
             if failures > self.request_retries:
-                if scheduled.get("url") is not None:
-                    await self._release(str(scheduled["url"]))
+                if scheduled.url is not None:
+                    await self._release(scheduled.url)
                 raise PartialRolloutError(
                     f"generation for qid {request.qid!r} (answer {index}) failed {failures} times in a row; "
                     f"{last_error}"
                 )
-            if scheduled.get("url") is None:
+            if scheduled.url is None:
                 self.stats.retries += 1
                 logger.warning(
                     "qid %s answer %d: %s; retry %d/%d", request.qid, index, last_error, failures, self.request_retries
                 )
                 await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
                 continue
-            url, scheduled_version = str(scheduled["url"]), int(scheduled["version"])
+            url, scheduled_version = scheduled.url, scheduled.version
             if answer.scheduled_version is None:
                 answer.scheduled_version = scheduled_version
             rid = f"{request.qid}/{index}/{uuid.uuid4().hex[:12]}"
@@ -652,7 +681,7 @@ class PartialRolloutManager:
         avoid: list[str] | None = None,
         n: int = 1,
         parts: list[int] | None = None,
-    ) -> dict:
+    ) -> ScheduleReply:
         """The manager's `schedule_request`, safe against cancellation: once the
         manager may have counted the request, the slot is released even if this
         answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
@@ -665,12 +694,8 @@ class PartialRolloutManager:
         except asyncio.CancelledError:
             try:
                 scheduled = await call
-                if scheduled.get("url") is not None:
-                    counts = (
-                        _per_server(scheduled["parts"], parts)
-                        if scheduled.get("parts")
-                        else {str(scheduled["url"]): [n]}
-                    )
+                if scheduled.url is not None:
+                    counts = _per_server(scheduled.parts, parts) if scheduled.parts else {scheduled.url: [n]}
                     for url, count in counts.items():
                         await self._release(url, n=sum(count))
             except Exception:  # the manager never answered: nothing was counted for us
@@ -712,11 +737,11 @@ class PartialRolloutManager:
             idle_rounds = 0
             try:
                 info = await self.manager.servers(retries=0)
-            except (ManagerError, KeyError, TypeError, ValueError):
+            except ManagerError:
                 continue  # an older manager, or a hiccup: the request timeout still applies
-            for server in (info or {}).get("servers", []):
-                gone = self._gone.get(server.get("url"))
-                if gone is not None and server.get("state") in ("down", "retired") and self._in_flight[server["url"]]:
+            for server in info.servers:
+                gone = self._gone.get(server.url)
+                if gone is not None and server.state in ("down", "retired") and self._in_flight[server.url]:
                     gone.set()
 
     async def _release(self, url: str, n_tokens: int = 0, n: int = 1) -> None:
@@ -728,11 +753,11 @@ class PartialRolloutManager:
             logger.warning("could not release a request on %s: %s", url, e)
 
 
-def _per_server(picks: list[dict], values: list[_T]) -> dict[str, list[_T]]:
+def _per_server(picks: list[ScheduledServer], values: list[_T]) -> dict[str, list[_T]]:
     """`values` (one per part of a schedule_request) grouped by the part's server."""
     out: dict[str, list[_T]] = {}
     for pick, value in zip(picks, values):
-        out.setdefault(str(pick["url"]), []).append(value)
+        out.setdefault(pick.url, []).append(value)
     return out
 
 

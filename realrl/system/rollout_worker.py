@@ -50,9 +50,11 @@ import numpy as np
 
 from realrl.api.agent_api import PromptRecord, make_agent
 from realrl.api.env_api import make_env
+from realrl.api.manager_api import ResetRolloutWorkerReply, ResetRolloutWorkerRequest
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names
+from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
@@ -242,12 +244,12 @@ class RolloutWorker(AsyncWorker):
         restarted it). The manager releases its predecessor's running rollouts
         (generated again here) and says how far it had got admitted; this
         process continues right after that."""
-        reply = self._manager_call_blocking("/reset_rollout_worker", {"worker_index": self.info.worker_index})
-        if reply.get("furthest"):
-            epoch, issued = (int(x) for x in reply["furthest"])  # the position tag counts prompts issued
+        reply = self._reset_at_manager()
+        if reply.furthest:
+            epoch, issued = reply.furthest  # the position tag counts prompts issued
             self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), issued
         by_qid = {p.qid: p for p in self.prompts}
-        for qid in reply["qids"]:
+        for qid in reply.qids:
             base, _, epoch = qid.rpartition("@")
             if base in by_qid:
                 self._redo.append(self._make_record(by_qid[base], int(epoch), "redo"))
@@ -260,17 +262,18 @@ class RolloutWorker(AsyncWorker):
             len(self._redo),
         )
 
-    def _manager_call_blocking(self, path: str, payload: dict) -> dict:
+    def _reset_at_manager(self) -> ResetRolloutWorkerReply:
+        """`/reset_rollout_worker` for this worker's index (blocking: `_read_training_start` runs in a thread)."""
         import urllib.request
 
         request = urllib.request.Request(
-            f"{self.manager_url}{path}",
-            data=json.dumps(payload).encode(),
+            f"{self.manager_url}/reset_rollout_worker",
+            data=json.dumps(to_json(ResetRolloutWorkerRequest(self.info.worker_index))).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
         with urllib.request.urlopen(request, timeout=MANAGER_CALL_TIMEOUT_S) as resp:
-            return json.loads(resp.read())
+            return from_json(ResetRolloutWorkerReply, json.loads(resp.read()))
 
     def _publish_cursor(self, ahead: int = 0) -> None:
         """Publishes a cursor up to `ahead` prompts past the real one (one
@@ -367,7 +370,7 @@ class RolloutWorker(AsyncWorker):
             reply = await self.manager.allocate_rollouts(
                 [(r.metadata["rollout_id"], r.qid) for r in offered], wait_s=ALLOCATE_WAIT_S
             )
-            admitted = int(reply.get("admitted", 0))
+            admitted = reply.admitted
             for record in offered[:admitted]:  # started in one go: their first rounds go out together
                 self._episodes[record.qid] = asyncio.create_task(
                     self._run_episode(record), name=f"episode {record.qid}"
@@ -376,7 +379,7 @@ class RolloutWorker(AsyncWorker):
             self.counters["episodes_started"] += admitted
             started += admitted
             if admitted < len(offered):
-                reason = str(reply.get("reason") or "unknown")
+                reason = reply.reason or "unknown"
                 self.refusals[_reason_kind(reason)] += 1
                 if admitted or time.monotonic() - asked >= ALLOCATE_WAIT_S:  # admission moved or waited: ask again
                     break

@@ -18,7 +18,7 @@ from realrl.api.cli_args import ConfigError
 from realrl.base.console import ConsoleRenderer, parse_step_line
 from realrl.base.plots import FIGURES, write_plots
 from realrl.base.stats import StatsLogger
-from realrl.system.gserver_manager import RequestRouter
+from realrl.system.router import RequestRouter
 from training.main_async_ppo import load_config
 
 STEP_LINE = (

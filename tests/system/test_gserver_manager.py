@@ -1,5 +1,6 @@
-"""The GserverManager: its state classes in-process, then the worker with real
-processes (local launcher, real etcd, real torch servers, real HTTP).
+"""The GserverManager worker with real processes (local launcher, real etcd,
+real torch servers, real HTTP); its state classes have their own tests
+(test_staleness.py, test_router.py, test_server_registry.py).
 
 Admission trials share one torch server (started once per module, registered
 under each trial's `gen_servers/0`); the routing / weight-update trial runs
@@ -24,13 +25,7 @@ from realrl.api.system_api import GserverManagerConfig
 from realrl.base import names, network
 from realrl.impl.generation.client import GenerationClient
 from realrl.launcher.local import WorkerGroup
-from realrl.system.gserver_manager import (
-    NoServerUp,
-    RequestRouter,
-    StalenessController,
-    delete_old_weight_dirs,
-    within_staleness_bound,
-)
+from realrl.system.gserver_manager import delete_old_weight_dirs
 from tests.system.test_generation_server import (
     EXP,
     build_tiny_model,
@@ -41,159 +36,7 @@ from tests.system.trial_thread import TrialThread, wait_until
 B = 2  # train_batch_size in the worker tests
 
 
-# ---------------------------------------------------------------- state classes, in-process
-
-
-def test_staleness_formula():
-    # (accepted - dropped + running) // B <= eta + version
-    assert within_staleness_bound(0, 0, 3, 4, 0, 0)
-    assert not within_staleness_bound(0, 0, 4, 4, 0, 0)
-    assert not within_staleness_bound(2, 0, 2, 4, 0, 0)  # finished-and-accepted count
-    assert within_staleness_bound(2, 1, 2, 4, 0, 0)  # drops give budget back
-    assert not within_staleness_bound(4, 0, 0, 4, 0, 0)
-    assert within_staleness_bound(4, 0, 3, 4, 0, 1)  # a new version opens B more ...
-    assert not within_staleness_bound(4, 0, 4, 4, 0, 1)  # ... and no more
-
-
-def started(train_batch_size: int, eta: int, cap: int) -> StalenessController:
-    c = StalenessController(train_batch_size=train_batch_size, max_head_offpolicyness=eta, max_concurrent_rollouts=cap)
-    c.start()
-    return c
-
-
-@pytest.mark.parametrize("eta", [0, 1, 4])
-def test_controller_admits_at_most_eta_plus_one_batches_per_version(eta):
-    c = started(4, eta, 1000)
-    admitted = [i for i in range(100) if c.allocate(f"r{i}", f"q{i}")[0]]
-    assert len(admitted) == (eta + 1) * 4 == c.running
-    ok, reason = c.allocate("x")
-    assert not ok and reason.startswith("staleness bound: (accepted 0 - dropped 0 + running")
-    for i in admitted[:3]:  # accepted finishes keep using the budget
-        c.finish(f"r{i}", n_trajectories=1, n_tokens=5)
-    assert not c.allocate("x")[0]
-    c.finish(f"r{admitted[3]}", n_trajectories=0)  # agent-filtered: budget back
-    assert c.allocate("r")[0] and not c.allocate("x")[0]
-    c.dropped = 2  # the trainer dropped two stale ones
-    assert c.allocate("d1")[0] and c.allocate("d2")[0] and not c.allocate("x")[0]
-    c.version = 1  # every server holds version 1
-    assert sum(c.allocate(f"v{i}")[0] for i in range(10)) == 4
-    assert (c.accepted, c.rejected, c.n_tokens) == (3, 1, 15)
-    with pytest.raises(KeyError, match="no running rollout with id 'nope'"):
-        c.finish("nope", n_trajectories=1)
-
-
-def test_controller_counts_trajectories_not_episodes():
-    """An agent that returns k trajectories per episode uses k units of budget."""
-    c = started(4, 0, 1000)
-    assert c.allocate("a")[0] and c.allocate("b")[0]
-    c.finish("a", n_trajectories=3)
-    assert c.accepted == 3 and not c.allocate("c")[0]  # 3 accepted + 1 running: a batch is full
-    c.finish("b", n_trajectories=0)  # rejected by the agent: its budget is back
-    assert c.allocate("c")[0] and not c.allocate("d")[0]
-
-
-def test_controller_allocate_and_finish_are_idempotent_per_rollout_id():
-    c = started(100, 0, 2)
-    assert c.allocate("r1", "q")[0] and c.allocate("r1", "q")[0]  # a retried allocate: still one slot
-    assert c.running == 1 and c.admitted == 1
-    assert c.allocate("r2", "q")[0]  # one prompt twice in flight, under two ids
-    assert c.allocate("r3", "other") == (False, "max_concurrent_rollouts reached (2)")
-    assert c.allocate("r1")[0]  # a retry still answers True at the cap
-    c.finish("r1", n_trajectories=1, n_tokens=4)
-    c.finish("r1", n_trajectories=1, n_tokens=4)  # a retried finish: no error, not counted twice
-    assert (c.running, c.accepted, c.n_tokens) == (1, 1, 4)
-    assert c.allocate("r1")[0] and c.running == 1  # a late retry of the allocate changes nothing
-    c.stop()
-    assert c.allocate("q") == (False, "rollouts stopped")
-
-
-def test_controller_admits_nothing_before_start_and_resumes_from_the_checkpoint_counts():
-    c = StalenessController(train_batch_size=16, max_head_offpolicyness=2, max_concurrent_rollouts=1000)
-    assert c.allocate("early") == (False, "waiting for the trainer: training has not started")
-    # Recovered at version 4 after 64 consumed and 10 dropped (docs/design.md §7): an
-    # uninterrupted run would hold (2 + 4 + 1) * 16 - 64 = 48 more.
-    c.start(accepted=64 + 10, rejected=3)
-    c.dropped, c.version = 10, 4
-    assert sum(c.allocate(f"r{i}")[0] for i in range(200)) == 48
-
-
-def test_router_least_requests_ties_and_stickiness():
-    r = RequestRouter(["a", "b"], [0, 0])
-    # Sequential schedule+release: in-flight ties every time, the total breaks them.
-    picks = []
-    for _ in range(4):
-        url, _ = r.schedule()
-        picks.append(url)
-        r.release(url)
-    assert picks == ["a", "b", "a", "b"]
-    assert [r.schedule()[0] for _ in range(4)] == ["a", "b", "a", "b"]  # held: least in flight
-    assert r.in_flight == {"a": 2, "b": 2}
-    assert r.schedule(3, "a", 0) == ("a", 0)  # sticky while a holds version 0
-    assert r.in_flight["a"] == 5
-    r.set_loaded_version("a", 1)
-    assert r.version == 0  # b still on 0
-    assert r.schedule(1, "a", 0) == ("b", 0)  # a changed version: least requests
-    assert r.schedule(1, "zzz", 0)[0] == "b"  # an unknown previous server is ignored
-    r.release("a", 100)
-    assert r.in_flight["a"] == 0  # never below zero
-    with pytest.raises(KeyError):
-        r.release("zzz")
-
-
-def test_router_skips_a_down_server_and_absorbs_its_releases():
-    clock = [0.0]
-    r = RequestRouter(["a", "b"], [0, 0], clock=lambda: clock[0])
-    assert [r.schedule()[0] for _ in range(4)] == ["a", "b", "a", "b"]
-    clock[0] = 10.0
-    assert r.mark_down("a") == 2  # two requests were in flight there
-    assert r.mark_down("a") == 0 and r.up_urls == ["b"] and r.in_flight["a"] == 0
-    # Nothing goes to a down server: not as least loaded, not sticky.
-    assert {r.schedule()[0] for _ in range(5)} == {"b"}
-    assert r.schedule(1, "a", 0)[0] == "b"
-    r.release("a")
-    r.release("a")  # the releases still due from before it went down: absorbed
-    r.set_loaded_version("b", 3)
-    r.add_server("a", 3)  # back (new weights loaded): its count starts from 0
-    assert r.in_flight["a"] == 0 and r.up_urls == ["a", "b"]
-    r.release("a")  # one too many is still never below zero
-    assert r.schedule()[0] == "a"
-    # avoid: another server while one is up; the avoided one when it is the only one
-    assert r.schedule(1, None, None, avoid=["a"])[0] == "b"
-    assert r.schedule(1, None, None, avoid=["a", "b"])[0] in ("a", "b")
-    r.mark_down("a")
-    r.mark_down("b")
-    with pytest.raises(NoServerUp):
-        r.schedule()
-    # a new server mid-run
-    r.add_server("c", 3)
-    assert r.schedule()[0] == "c" and r.urls == ["a", "b", "c"]
-    # utilization counts a server only while it is in routing
-    clock[0] = 20.0
-    u = r.utilization()
-    assert u["gen_server_s"] == 10.0 + 10.0 + 10.0  # a and b up from 0 to 10 s, c from 10 to 20 s
-    assert u["gen_idle_s"] == 0.0  # each busy all that time
-    with pytest.raises(KeyError):
-        r.release("zzz")
-
-
-def test_router_version_never_goes_back_when_servers_leave_and_join():
-    r = RequestRouter(["a", "b"], [2, 2])
-    r.set_loaded_version("a", 3)  # an update in progress: b still on 2
-    assert r.version == 2
-    r.mark_down("b")  # the oldest server leaves: the ones up all hold 3
-    assert r.version == 3
-    with pytest.raises(ValueError, match="older than the servers in routing"):
-        r.add_server("b", 2)  # rejoining with old weights would drag admission back
-    assert r.version == 3 and not r.is_up("b")
-    r.add_server("b", 3)
-    assert r.version == 3 and r.is_up("b")
-    r.mark_down("a")
-    r.mark_down("b")
-    assert r.version == 3  # nothing up: stays where it was
-    with pytest.raises(ValueError):
-        r.add_server("d", 0)
-    r.add_server("d", 4)
-    assert r.version == 4
+# ---------------------------------------------------------------- weights on disk, in-process
 
 
 def test_delete_old_weight_dirs_only_touches_old_versions(tmp_path):

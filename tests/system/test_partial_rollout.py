@@ -24,6 +24,7 @@ from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.api.system_api import GenerationServerConfig, GserverManagerConfig
 from realrl.base import names
+from realrl.base.http_body import to_json
 from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
 from realrl.impl import environments as _environments  # noqa: F401
 from realrl.impl.generation.client import GenerationClient
@@ -173,7 +174,7 @@ class ObservedManagerClient(GserverManagerClient):
         """Logs one entry per part (a group's round), numbered by the call ("call")."""
         reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls, parts)
         call = len({s["call"] for s in self.scheduled})
-        for size, pick in zip(parts or [n], reply.get("parts") or [reply]):
+        for size, pick in zip(parts or [n], reply.parts or [reply]):
             self.scheduled.append(
                 {
                     "qid": qid,
@@ -181,8 +182,8 @@ class ObservedManagerClient(GserverManagerClient):
                     "previous_server_url": previous_server_url,
                     "previous_version": previous_version,
                     "call": call,
-                    **reply,
-                    **pick,
+                    **to_json(reply),
+                    **to_json(pick),
                 }
             )
         return reply
