@@ -35,20 +35,24 @@ import asyncio
 import json
 import os
 import time
+from typing import TypeVar
 
 import aiohttp
 
 from realrl.api.agent_api import FULL_CREDIT
+from realrl.api.manager_api import RejectedQidsReply, RolloutStats, SuccessReply
 from realrl.api.system_api import MasterWorkerConfig
 from realrl.base import name_resolve, names
 from realrl.base.console import STEP_LOGGER
 from realrl.base.datapack import partition_balanced
+from realrl.base.http_body import from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system import checkpoints
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
+_T = TypeVar("_T")
 STARVED_WARNING_S = 30.0  # warn (again) after this long without new trajectories
 
 
@@ -381,28 +385,25 @@ class MasterWorker(AsyncWorker):
         """The generation servers' cumulative utilization from the manager;
         None when it does not answer (the step's gen figures are then left out)."""
         try:
-            rs = await self._manager("GET", "/rollout_stats")
+            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
         except Exception as e:  # figures only: never fail the step
             self.logger.debug("no utilization from the gserver manager: %s: %s", type(e).__name__, e)
             return None
-        keys = ("gen_idle_s", "gen_server_s", "gen_tokens", "gen_clock_s")
-        if rs is None or not all(isinstance(rs.get(k), (int, float)) for k in keys):
+        if rs is None:
             return None
-        return {k: float(rs[k]) for k in keys}
+        return {k: float(getattr(rs, k)) for k in ("gen_idle_s", "gen_server_s", "gen_tokens", "gen_clock_s")}
 
     async def _warn_starved(self, have: int, want: int, waited: float) -> None:
         """Says why a step is waiting, so a starved run is not silent."""
         try:
-            rs = await self._manager("GET", "/rollout_stats")
+            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
         except Exception as e:  # the warning itself must not fail the step
             rs = None
             self.logger.debug("no rollout stats: %s", e)
         msg = f"step {self.step + 1}: no new trajectories for {waited:.0f}s (have {have}/{want})"
         if rs is not None:
-            msg += (
-                f"; rollouts running {rs['running']}, accepted {rs['accepted']}, rejected by the agent {rs['rejected']}"
-            )
-            if rs["rejected"] > 10 * max(rs["accepted"], 1):
+            msg += f"; rollouts running {rs.running}, accepted {rs.accepted}, rejected by the agent {rs.rejected}"
+            if rs.rejected > 10 * max(rs.accepted, 1):
                 msg += (
                     " -- the agent rejects almost every group (e.g. its success-rate filter): does the policy"
                     " solve none, or all, of the prompts?"
@@ -514,10 +515,10 @@ class MasterWorker(AsyncWorker):
         cursors = await asyncio.to_thread(self._read_rollout_cursors)
         filtered, rejected_qids = self.filtered_at_checkpoint, list(self.resume.get("rejected_qids", []))
         try:  # the agent-filtered count keeps the whole-trial accounting after a resume
-            rs = await self._manager("GET", "/rollout_stats")
-            rq = await self._manager("GET", "/rejected_qids")
+            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
+            rq = await self._manager("GET", "/rejected_qids", RejectedQidsReply)
             if rs is not None and rq is not None:
-                filtered, rejected_qids = rs["rejected"], rejected_qids + rq["qids"]
+                filtered, rejected_qids = rs.rejected, rejected_qids + rq.qids
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.logger.warning("checkpoint without the manager's rejected episodes: %s", e)
         oldest_epoch = min((c["epoch"] for c in cursors.values()), default=0) - 1  # the ledger needs no older qids
@@ -593,7 +594,9 @@ class MasterWorker(AsyncWorker):
             restored,
         )
 
-    async def _manager(self, method: str, path: str) -> dict | None:
+    async def _manager(self, method: str, path: str, reply_type: type[_T]) -> _T | None:
+        """A call to the gserver manager (no request body), its reply read as
+        `reply_type` (a `manager_api` class); None when no manager is registered."""
         try:
             url = name_resolve.get(names.gen_server_manager(self.experiment_name, self.trial_name))
         except name_resolve.NameEntryNotFoundError:
@@ -601,7 +604,7 @@ class MasterWorker(AsyncWorker):
         async with aiohttp.ClientSession() as session:
             async with session.request(method, f"{url}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 resp.raise_for_status()
-                return await resp.json()
+                return from_json(reply_type, await resp.json())
 
     async def _finish(self) -> None:
         final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}
@@ -614,11 +617,11 @@ class MasterWorker(AsyncWorker):
         # Stop admitting rollouts, let in-flight ones finish, then account for every trajectory.
         ledger = None  # the manager's whole-trial counts: accepted trajectories, rejected episodes
         try:
-            if await self._manager("POST", "/stop_rollouts") is not None:
+            if await self._manager("POST", "/stop_rollouts", SuccessReply) is not None:
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:
-                    rs = await self._manager("GET", "/rollout_stats")
-                    if rs["running"] == 0:
+                    rs = await self._manager("GET", "/rollout_stats", RolloutStats)
+                    if rs.running == 0:
                         ledger = rs
                         break
                     await asyncio.sleep(0.2)
@@ -630,7 +633,7 @@ class MasterWorker(AsyncWorker):
             buf = await self.stream.call_async(all_ranks, "stats", [None] * len(all_ranks), timeout=60)
             self._count_invalid(sum(s["invalid"] for s in buf))
             arrived = self.consumed + self.dropped + sum(s["buffered"] for s in buf)
-            if ledger is None or arrived >= ledger["accepted"] or time.monotonic() > deadline:
+            if ledger is None or arrived >= ledger.accepted or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
@@ -647,17 +650,17 @@ class MasterWorker(AsyncWorker):
             # produced = consumed + dropped + buffered, counted independently:
             # produced by the manager, the rest by the master and the trainers.
             "trajectories": {
-                "produced": None if ledger is None else ledger["accepted"] + ledger["rejected"],
+                "produced": None if ledger is None else ledger.accepted + ledger.rejected,
                 "consumed": self.consumed,
-                "dropped": self.dropped + (ledger["rejected"] if ledger is not None else 0),
+                "dropped": self.dropped + (ledger.rejected if ledger is not None else 0),
                 "dropped_stale": self.dropped_stale,
                 "dropped_invalid": self.dropped_invalid,
-                "filtered_by_agent": None if ledger is None else ledger["rejected"],
+                "filtered_by_agent": None if ledger is None else ledger.rejected,
                 "buffered": sum(s["buffered"] for s in buf),
                 "rejected_frames": sum(s["wire_rejected"] for s in buf),  # not trajectories of ours: not in the ledger
                 **({} if ledger is not None else {"note": "the gserver manager did not report: produced unknown"}),
             },
-            "rollouts": ledger,  # the manager's counts (admitted: episodes admitted by this run's manager)
+            "rollouts": to_json(ledger),  # the manager's counts (admitted: episodes admitted by this run's manager)
             "max_staleness_trained": self.max_staleness_trained,
             # a resumed trial: prompts in flight (or not yet offered) at the checkpoint, generated again once
             "regenerated_after_resume": self.regenerated_before
