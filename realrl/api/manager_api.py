@@ -18,6 +18,7 @@ is a `BodyError`: HTTP 400 naming the field.
     GET  /rejected_qids                                                     -> RejectedQidsReply
     GET  /servers                                                           -> ServersReply
     GET  /health                                                            -> HealthReply
+    a refused request (400, 413)                                            -> ErrorReply
 """
 
 from __future__ import annotations
@@ -246,3 +247,10 @@ class ServersReply:
 @dataclasses.dataclass
 class HealthReply:
     status: str = "ok"
+
+
+@dataclasses.dataclass
+class ErrorReply:
+    """The body of every 4xx: what was wrong, naming the field."""
+
+    error: str

@@ -63,6 +63,7 @@ from aiohttp import web
 from realrl.api.manager_api import (
     AllocateRolloutReply,
     AllocateRolloutRequest,
+    ErrorReply,
     FinishRolloutRequest,
     HealthReply,
     ModelVersionReply,
@@ -594,7 +595,7 @@ class GserverManager(AsyncWorker):
                 # The first ones in full; then a sample, so a broken client cannot flood the log.
                 if self.bad_requests <= _BAD_REQUESTS_LOGGED or self.bad_requests % 1000 == 0:
                     self.logger.warning("bad request #%d to %s: %s", self.bad_requests, request.path, e)
-                return web.json_response({"error": str(e)}, status=e.status)
+                return web.json_response(to_json(ErrorReply(str(e))), status=e.status)
 
         return wrapped
 

@@ -6,12 +6,13 @@ Every server registered under `names.gen_servers` is in one state:
     joining --brought to the current weights--> up --health checks fail--> down
        ^                                                                    |
        +--------------------------- answers again -------------------------+
-    any state --its key removed, or now naming another URL--> retired (final)
+    any state --its key removed, or now naming another URL--> retired
 
 "joining": registered, being brought to the current weights; gets no request.
 "up": in routing. "down": failed its health checks (a refused or dropped
 connection at once, otherwise `failures_to_down` failures in a row); probed on,
-and rejoins when it answers again. "retired": gone for good.
+and rejoins when it answers again. "retired": no longer registered, not
+probed; only a new registration of its URL makes it join again.
 
 `ServerRegistry` keeps these states and the `RequestRouter` in step (a server
 is in routing iff it is up) and counts the events (down / joined / rejoined /

@@ -117,6 +117,7 @@ def test_release_and_reset():
 
 
 def test_status_replies_round_trip():
+    assert to_json(api.ErrorReply("missing field 'qid'")) == {"error": "missing field 'qid'"}
     info = api.ServerInfo(index=0, url="a", state="joining", reason="", in_flight=0, scheduled=0)
     servers = api.ServersReply(version=2, servers=[info], events={"joined": 1})
     wire = to_json(servers)

@@ -74,7 +74,9 @@ def test_join_retire_and_first_requests():
     router.schedule()  # a
     assert reg.retire("a", "unregistered") == ("up", 1)  # was up, one request in flight
     assert reg.retire("a", "again") is None and reg.get("a").state == "retired"
-    assert reg.health_checked("a", ok=True, gone=False) is None  # retired: final
+    assert reg.health_checked("a", ok=True, gone=False) is None and reg.to_check() == ["b"]  # retired: not probed
+    assert reg.start_join(0, "a") is reg.get("a") and reg.get("a").state == "joining"  # registered again
+    reg.retire("a", "unregistered")
     server = reg.start_join(2, "c")
     assert server.state == "joining" and reg.get("c") is server
     assert reg.retire("c", "unregistered") == ("joining", 0)  # never in routing
@@ -86,7 +88,7 @@ def test_join_retire_and_first_requests():
     assert reg.first_requests({"d": 0}) == []  # once
     assert reg.get("b").first_request_version == 0
     assert reg.not_retired() == "1 at b up; 3 at d up: joined"
-    assert reg.events == {"retired": 2, "joined": 1}
+    assert reg.events == {"retired": 3, "joined": 1}
 
 
 def test_describe_lists_every_server_with_its_routing_figures():
