@@ -92,13 +92,14 @@ def test_schedule_request_and_reply():
     "body, field",
     [
         ({"qid": "q1", "n": 0}, "field 'n' must be >= 1"),
-        ({"qid": "q1", "previous_version": "0"}, "field 'previous_version' must be an integer"),
+        ({"qid": "q1", "previous_version": "0"}, "field 'previous_version' must be int"),
         ({"qid": "q1", "avoid_urls": ["a", 1]}, "field 'avoid_urls[1]' must be a string"),
         ({"qid": "q1", "n": 3, "parts": [1, 1]}, "field 'parts' must be a non-empty list of counts >= 1 that sum"),
         ({"qid": "q1", "n": 2, "parts": [2, 0]}, "field 'parts' must be a non-empty list of counts >= 1 that sum"),
         ({"qid": "q1", "n": 2, "parts": []}, "field 'parts' must be a non-empty list"),
-        ({"qid": "q1", "n": 2, "parts": [True, 1]}, "field 'parts[0]' must be an integer"),
-        ({"qid": "q1", "n": 2, "parts": ["1", 1]}, "field 'parts[0]' must be an integer"),
+        ({"qid": "q1", "n": 2, "parts": [True, 1]}, "field 'parts' must be list[int]"),
+        ({"qid": "q1", "n": 2, "parts": ["1", 1]}, "field 'parts' must be list[int]"),
+        ({"qid": "q1", "n": 2, "parts": [1, "1"]}, "field 'parts[1]' must be an integer"),
     ],
 )
 def test_bad_schedule_bodies_name_the_field(body, field):
