@@ -74,27 +74,13 @@ import uuid
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-import aiohttp
-
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
 from realrl.api.manager_api import (
-    AllocateRolloutReply,
-    AllocateRolloutRequest,
-    FinishRolloutRequest,
-    ModelVersionReply,
-    ReleaseRequest,
-    RolloutEnd,
-    RolloutStats,
-    RolloutToAllocate,
     ScheduledServer,
     ScheduleReply,
-    ScheduleRequest,
-    ServersReply,
-    SuccessReply,
 )
 from realrl.api.sglang_api import SamplingParams
 from realrl.base.datapack import ffd_allocate
-from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import (
@@ -103,6 +89,7 @@ from realrl.impl.generation.client import (
     GenerationServerError,
     GenerationServerUnavailable,
 )
+from realrl.system.manager_client import GserverManagerClient, ManagerError, backoff, retryable_status
 
 logger = getLogger(__name__)
 _T = TypeVar("_T")
@@ -118,126 +105,6 @@ MAX_ANSWERS_PER_REQUEST = 256  # answers of several groups' rounds sent as one /
 
 class PartialRolloutError(RuntimeError):
     """Generation for one answer failed after all retries (or cannot succeed)."""
-
-
-class ManagerError(RuntimeError):
-    """The GserverManager rejected a call (HTTP 4xx) or could not be reached."""
-
-
-def _backoff(attempt: int, base_s: float, cap_s: float = 10.0) -> float:
-    return min(cap_s, base_s * 2 ** max(0, attempt - 1))
-
-
-def _retryable_status(status: int) -> bool:
-    return status >= 500 or status in (408, 429)
-
-
-class GserverManagerClient:
-    """The rollout side of the GserverManager's HTTP contract (docs/design.md §6).
-
-    One aiohttp session per client (bound to the event loop of first use);
-    `await close()` when done. Calls that cannot reach the manager, time out or
-    get a 5xx are retried `retries` times with backoff; a 4xx raises
-    `ManagerError` at once (a bug on our side, e.g. an unknown qid)."""
-
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, retry_backoff_s: float = 0.5):
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.retry_backoff_s = retry_backoff_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
-
-    async def call(self, method: str, path: str, payload: dict | None = None, retries: int | None = None) -> Any:
-        retries = self.retries if retries is None else retries
-        attempt = 0
-        while True:
-            try:
-                async with self._get_session().request(method, f"{self.url}{path}", json=payload) as resp:
-                    text = await resp.text()
-                    if resp.status < 400:
-                        return await resp.json(content_type=None) if text.strip() else None
-                    if not _retryable_status(resp.status):
-                        raise ManagerError(
-                            f"gserver manager {self.url}{path} answered HTTP {resp.status}: {text[:500]}"
-                        )
-                    cause = f"HTTP {resp.status}: {text[:200]}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                cause = f"{type(e).__name__}: {e}"
-            attempt += 1
-            if attempt > retries:
-                raise ManagerError(f"gserver manager {self.url}{path} failed {attempt} times; last error: {cause}")
-            logger.warning("gserver manager %s%s failed (%s); retry %d/%d", self.url, path, cause, attempt, retries)
-            await asyncio.sleep(_backoff(attempt, self.retry_backoff_s))
-
-    async def _typed_call(self, method: str, path: str, reply_type: type[_T], request: Any = None, **kw) -> _T:
-        """`call` with a `manager_api` request and reply: a reply outside the
-        contract is a ManagerError (the manager and its clients disagree)."""
-        reply = await self.call(method, path, to_json(request) if request is not None else None, **kw)
-        try:
-            return from_json(reply_type, reply)
-        except BodyError as e:
-            raise ManagerError(f"gserver manager {self.url}{path} answered outside its contract: {e}") from None
-
-    # ---- the endpoints
-
-    # allocate/finish change the manager's state and are retried: the caller's
-    # `rollout_id` (unique per episode) makes a repeated call a no-op there.
-    async def allocate_rollouts(self, rollouts: list[tuple[str, str]], wait_s: float = 0.0) -> AllocateRolloutReply:
-        """Admission for (rollout_id, qid) pairs, in order: `admitted` says
-        how many were taken. `wait_s`: while the first is refused, the
-        manager waits up to that long for admission to open (a long poll)."""
-        request = AllocateRolloutRequest([RolloutToAllocate(r, q) for r, q in rollouts], wait_s)
-        return await self._typed_call("POST", "/allocate_rollout", AllocateRolloutReply, request)
-
-    async def finish_rollouts(self, rollouts: list[tuple[str, int, int]]) -> SuccessReply:
-        """(rollout_id, n_trajectories, n_tokens) of ended rollouts."""
-        request = FinishRolloutRequest([RolloutEnd(r, n, t) for r, n, t in rollouts])
-        return await self._typed_call("POST", "/finish_rollout", SuccessReply, request)
-
-    async def schedule_request(
-        self,
-        qid: str,
-        n: int = 1,
-        previous_server_url: str | None = None,
-        previous_version: int | None = None,
-        avoid_urls: list[str] | None = None,
-        parts: list[int] | None = None,
-    ) -> ScheduleReply:
-        """`url` is None when no server is up. `avoid_urls`: servers that just
-        failed for this caller. `parts`: the sizes of several callers'
-        requests (summing to n), each routed as if alone; the reply's `parts`
-        has a server for each."""
-        request = ScheduleRequest(
-            qid, n, previous_server_url, previous_version, list(avoid_urls or ()), list(parts) if parts else None
-        )
-        return await self._typed_call("POST", "/schedule_request", ScheduleReply, request)
-
-    async def release_request(
-        self, url: str, n: int = 1, retries: int | None = None, n_tokens: int = 0
-    ) -> SuccessReply:
-        """`n_tokens`: what the released requests generated (the manager's tokens/s)."""
-        request = ReleaseRequest(url, n, n_tokens)
-        return await self._typed_call("POST", "/release_request", SuccessReply, request, retries=retries)
-
-    async def get_model_version(self) -> int:
-        return (await self._typed_call("GET", "/get_model_version", ModelVersionReply)).version
-
-    async def rollout_stats(self) -> RolloutStats:
-        return await self._typed_call("GET", "/rollout_stats", RolloutStats)
-
-    async def servers(self, retries: int | None = None) -> ServersReply:
-        """Every registered generation server and its state (up, joining, down, retired)."""
-        return await self._typed_call("GET", "/servers", ServersReply, retries=retries)
 
 
 @dataclasses.dataclass
@@ -398,7 +265,7 @@ class PartialRolloutManager:
             if scheduled.url is None:  # no server is up: counted, as in an answer's loop, which retries
                 reason = scheduled.reason or "no generation server is up"
                 logger.warning("qid %s: %s; each answer retries", request.qid, reason)
-                await asyncio.sleep(_backoff(1, self.retry_backoff_s))
+                await asyncio.sleep(backoff(1, self.retry_backoff_s))
                 for i in live:
                     out[i] = _Resume(answers[i], last_error=reason, failures=1)
                 return out  # type: ignore[return-value]
@@ -426,7 +293,7 @@ class PartialRolloutManager:
                     url,
                     e,
                 )
-                await asyncio.sleep(_backoff(1, self.retry_backoff_s))
+                await asyncio.sleep(backoff(1, self.retry_backoff_s))
                 for i in live:
                     out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}", failures=1)
                 return out  # type: ignore[return-value]
@@ -519,7 +386,7 @@ class PartialRolloutManager:
 
     def _raise_if_final(self, e: Exception, qid: str, which: str, url: str) -> None:
         """A 4xx answer: resending the same request cannot help."""
-        if isinstance(e, GenerationServerError) and not _retryable_status(e.status):
+        if isinstance(e, GenerationServerError) and not retryable_status(e.status):
             raise PartialRolloutError(
                 f"generation for qid {qid!r} ({which}) was refused by server {url} "
                 f"(HTTP {e.status}; resending cannot help): {e.message}"
@@ -586,7 +453,7 @@ class PartialRolloutManager:
                 logger.warning(
                     "qid %s answer %d: %s; retry %d/%d", request.qid, index, last_error, failures, self.request_retries
                 )
-                await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
+                await asyncio.sleep(backoff(failures, self.retry_backoff_s))
                 continue
             url, scheduled_version = scheduled.url, scheduled.version
             if answer.scheduled_version is None:
@@ -630,7 +497,7 @@ class PartialRolloutManager:
                     len(answer.output_ids),
                 )
                 previous_url = previous_version = None  # let the manager route elsewhere
-                await asyncio.sleep(_backoff(failures, self.retry_backoff_s))
+                await asyncio.sleep(backoff(failures, self.retry_backoff_s))
                 continue
             failures = uncounted = 0
             avoid.clear()

@@ -59,7 +59,8 @@ from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import dataset_row_fields
-from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutManager
+from realrl.system.manager_client import GserverManagerClient
+from realrl.system.partial_rollout import PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
 from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 

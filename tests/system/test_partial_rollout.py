@@ -32,7 +32,8 @@ from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import load_math_jsonl
 from realrl.impl.verifiers.math_verifier import MathVerifier
 from realrl.launcher.local import WorkerGroup
-from realrl.system.partial_rollout import GserverManagerClient, PartialRolloutError, PartialRolloutManager
+from realrl.system.manager_client import GserverManagerClient
+from realrl.system.partial_rollout import PartialRolloutError, PartialRolloutManager
 from tests.impl.conftest import save_perturbed
 from tests.system.trial_thread import TrialThread
 
