@@ -1,12 +1,12 @@
 """User-facing configuration (Hydra structured configs, docs/design.md §10).
 
-`training/configs/async-ppo.yaml` holds the defaults; every field can be
+`realrl/configs/async-ppo.yaml` holds the defaults; every field can be
 overridden on the command line, e.g.
 
-    python training/main_async_ppo.py ppo.train_batch_size=32 rollout.max_head_offpolicyness=2
+    realrl train ppo.train_batch_size=32 rollout.max_head_offpolicyness=2
 
 `validate(config)` checks every value on its own and raises `ConfigError`
-with a one-line message naming the key; `training.utils.check_environment`
+with a one-line message naming the key; `realrl.experiment.checks.check_environment`
 then checks what needs the machine (fileroot writable, plugins importable,
 agent/env types registered, generation lengths within the model's positions),
 still before anything is created or started.
