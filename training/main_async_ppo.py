@@ -2,8 +2,8 @@
 
 The same as `realrl train key=value ...`: Hydra overrides of
 `realrl/configs/async-ppo.yaml` (`--config-name NAME`, `--config-dir DIR` for
-other defaults; `--help` shows them). Copy this file to start your own entry:
-it needs only the installed `realrl` package.
+other defaults), every key in docs/config.md and under `--help`. Copy this
+file to start your own entry: it needs only the installed `realrl` package.
 """
 
 import sys

@@ -2,6 +2,8 @@
 
     realrl train [KEY=VALUE ...] [--config-name NAME] [--config-dir DIR]
         run a trial (realrl/cli/train.py; `training/main_async_ppo.py` is the same)
+    realrl config [KEY=VALUE ...] [--markdown] [--config-name NAME] [--config-dir DIR]
+        every config key with its type, default and help (docs/config.md)
     realrl status [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--stacks] [--config-name NAME]
         what every worker of a trial is doing (realrl/cli/status.py)
     realrl add-server [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--config-name NAME] [--timeout S]
@@ -18,6 +20,7 @@ import sys
 # Imported when run: `realrl status` does not pay for what `realrl train` imports.
 COMMANDS = {
     "train": "realrl.cli.train",
+    "config": "realrl.cli.config",
     "status": "realrl.cli.status",
     "add-server": "realrl.cli.add_server",
 }

@@ -3,8 +3,8 @@
 KEY=VALUE are Hydra overrides of the defaults `realrl/configs/async-ppo.yaml`
 (`--config-name NAME` picks `NAME.yaml` there; `--config-dir DIR` reads it
 from DIR, whose files may build on the package's in their `defaults` lists,
-e.g. `[async-ppo, _self_]`); the schema, with every key, is `AsyncPPOConfig`
-in realrl/api/cli_args.py. A bad key or value is reported in one line
+e.g. `[async-ppo, _self_]`). Every key is listed below with its type, default
+and help, and in docs/config.md. A bad key or value is reported in one line
 naming the key, before any process starts, and so is a trial of the same
 experiment/trial name that is already running; both exit with code 2. The
 last lines printed are `plots: <folder of the run's PNGs>` and
@@ -19,9 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
-from omegaconf import OmegaConf
-
 from realrl.api.cli_args import ConfigError
+from realrl.cli.config import text_reference
 from realrl.cli.trial import HelpRequested, UsageError, parse_trial_args
 from realrl.experiment.config import load_config
 from realrl.experiment.run import run_experiment
@@ -34,8 +33,7 @@ def main(argv: list[str] | None = None, prog: str = "realrl train") -> int:
     try:
         _, overrides, options = parse_trial_args(args, __doc__, valued=("--slurm-job",), positional_names=())
     except HelpRequested as e:
-        defaults = OmegaConf.to_yaml(OmegaConf.structured(load_config()))
-        print(f"{str(e).replace('realrl train', prog, 1)}\n\n{defaults}", end="")
+        print(f"{str(e).replace('realrl train', prog, 1)}\n\n{text_reference(load_config())}", end="")
         return 0
     except UsageError as e:
         print(f"{prog}: {e}", file=sys.stderr)
