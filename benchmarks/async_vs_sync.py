@@ -23,8 +23,9 @@ import time
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
-from training.main_async_ppo import load_config  # noqa: E402
-from training.utils import resolve_model_and_data, run_experiment  # noqa: E402
+from realrl.experiment.build import resolve_model_and_data  # noqa: E402
+from realrl.experiment.config import load_config  # noqa: E402
+from realrl.experiment.run import run_experiment  # noqa: E402
 
 MODES = {
     "async": ["rollout.max_head_offpolicyness=4", "ppo.use_decoupled_loss=true"],

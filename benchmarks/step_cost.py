@@ -69,8 +69,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
 from realrl.base.process import stop_process_tree, with_parent_death_signal  # noqa: E402
-from training.main_async_ppo import load_config  # noqa: E402
-from training.utils import resolve_model_and_data, trial_paths  # noqa: E402
+from realrl.experiment.build import resolve_model_and_data  # noqa: E402
+from realrl.experiment.config import load_config, trial_paths  # noqa: E402
 
 KINDS = ["master", "trainer", "generation server", "manager", "rollout worker", "etcd", "launcher"]
 MODEL_KINDS = ("trainer", "generation server")

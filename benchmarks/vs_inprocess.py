@@ -6,7 +6,7 @@
 The in-process loop is the floor that orchestration has to beat: the same
 model (the tiny kit, found or built first, by default under /tmp/kit when that
 exists), data, seed, batch shape, learning rate and loss as
-`training/configs/async-ppo.yaml` (16 prompts x 8 answers, 8 new tokens,
+`realrl/configs/async-ppo.yaml` (16 prompts x 8 answers, 8 new tokens,
 GRPO with the decoupled PPO loss), with no servers, no streams and no other
 process. Each step:
 
@@ -62,8 +62,9 @@ import torch  # noqa: E402
 from realrl.api.agent_api import PromptRecord, make_agent  # noqa: E402
 from realrl.api.env_api import make_env  # noqa: E402
 from realrl.api.generation_api import GenerationRequest, GenerationResult  # noqa: E402
-from training.main_async_ppo import load_config  # noqa: E402
-from training.utils import agent_settings, env_config, resolve_model_and_data, run_experiment  # noqa: E402
+from realrl.experiment.build import resolve_model_and_data  # noqa: E402
+from realrl.experiment.config import agent_settings, env_config, load_config  # noqa: E402
+from realrl.experiment.run import run_experiment  # noqa: E402
 
 # ---- generation in this process ---------------------------------------------------------
 

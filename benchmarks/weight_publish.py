@@ -69,8 +69,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def tiny_model(dtype: torch.dtype, fileroot: str, overrides: list[str]):
     from transformers import AutoModelForCausalLM
 
-    from training.main_async_ppo import load_config
-    from training.utils import resolve_model_and_data
+    from realrl.experiment.build import resolve_model_and_data
+    from realrl.experiment.config import load_config
 
     cache = (
         []

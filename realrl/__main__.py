@@ -1,4 +1,4 @@
-"""`python -m realrl status ...`: see realrl/cli.py."""
+"""`python -m realrl <command>`: see realrl/cli/__init__.py."""
 
 import sys
 

@@ -70,7 +70,7 @@ class PromptRecord:
 @dataclasses.dataclass
 class AgentSettings:
     """The run-wide settings every agent gets, from the config (the rollout
-    worker and the evaluator build them; `training/utils.agent_settings`)."""
+    worker and the evaluator build them; `realrl.experiment.config.agent_settings`)."""
 
     tokenizer_path: str | None = None
     group_size: int = 1  # answers per prompt (`ppo.group_size`)

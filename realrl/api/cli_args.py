@@ -1,15 +1,23 @@
 """User-facing configuration (Hydra structured configs, docs/design.md §10).
 
-`training/configs/async-ppo.yaml` holds the defaults; every field can be
+`realrl/configs/async-ppo.yaml` holds the defaults; every field can be
 overridden on the command line, e.g.
 
-    python training/main_async_ppo.py ppo.train_batch_size=32 rollout.max_head_offpolicyness=2
+    realrl train ppo.train_batch_size=32 rollout.max_head_offpolicyness=2
+
+Each field's help is the docstring under it; `realrl config` prints them all
+and docs/config.md is generated from them (`python -m realrl config
+--markdown > docs/config.md`).
 
 `validate(config)` checks every value on its own and raises `ConfigError`
-with a one-line message naming the key; `training.utils.check_environment`
+with a one-line message naming the key; `realrl.experiment.checks.check_environment`
 then checks what needs the machine (fileroot writable, plugins importable,
 agent/env types registered, generation lengths within the model's positions),
 still before anything is created or started.
+
+(Over 700 lines on purpose: the schema with one help docstring per key and
+`validate`, which checks those same keys; a new key, its help and its check
+are one edit in one file.)
 """
 
 from __future__ import annotations
@@ -28,9 +36,14 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class ModelConfig:
-    path: str = ""  # an HF model directory; "" = the tiny model kit, built locally
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    """The policy model (and the critic and reference models derived from it)."""
+
+    path: str = ""
+    """A Hugging Face model directory; "" = the tiny model kit, built locally."""
+    dtype: str = "float32"
+    """Training dtype: float32 | bfloat16 | float16."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, more compute."""
 
 
 @dataclasses.dataclass
@@ -39,182 +52,295 @@ class TinyKitConfig:
     arithmetic, warm-started so RL has a reward signal (cached under fileroot)."""
 
     seed: int = 1
-    cache_dir: str = ""  # "" = <fileroot>/cache; built once per recipe, then reused
-    # Supervised steps before RL (0 = the recipe's default, 1000). With your own
-    # dataset.train_path, choose them so the policy solves part of the task.
+    """Seed of the kit's model weights, tokenizer data and warm start."""
+    cache_dir: str = ""
+    """Where the kit is built, once per recipe, then reused; "" = <fileroot>/cache."""
     warm_start_steps: int = 0
+    """Supervised steps before RL (0 = the recipe's default, 1000). With your own
+    dataset.train_path, choose them so the policy solves part of the task."""
 
 
 @dataclasses.dataclass
 class DatasetConfig:
-    train_path: str = ""  # math JSONL: {query_id, prompt, answer|solutions, task}; "" = the tiny kit's
+    """The prompts: JSONL rows `{query_id, prompt, answer|solutions, task}` (docs/custom_tasks.md)."""
+
+    train_path: str = ""
+    """Training prompts (JSONL); "" = the tiny kit's synthetic arithmetic."""
     test_path: str = ""
-    max_prompt_len: int = 256  # longer prompts are skipped (and counted)
+    """Held-out prompts for greedy evaluation; "" = no evaluation (with train_path set)."""
+    max_prompt_len: int = 256
+    """Prompts longer than this many tokens are skipped (and counted)."""
     shuffle: bool = True
+    """Shuffle the training prompts (with `seed`)."""
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
+    """AdamW for the actor (and critic)."""
+
     lr: float = 1e-5
+    """Learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.999
+    """AdamW beta2."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
     warmup_steps: int = 0
-    lr_scheduler: str = "constant"  # constant | linear | cosine
+    """Linear learning-rate warmup over this many optimizer steps (0 = none)."""
+    lr_scheduler: str = "constant"
+    """The learning rate after warmup: constant | linear | cosine (decay to 0 at the last step)."""
 
 
 @dataclasses.dataclass
 class PPOConfig:
-    algorithm: str = "grpo"  # grpo (group-normalised advantages) | ppo (critic + GAE)
-    group_size: int = 8  # answers sampled per prompt
-    train_batch_size: int = 16  # trajectories (prompts) per train step
-    ppo_n_minibatches: int = 1  # optimizer steps per train step
+    """The RL algorithm (docs/design.md §9)."""
+
+    algorithm: str = "grpo"
+    """grpo (group-normalised advantages, no critic) | ppo (critic + GAE)."""
+    group_size: int = 8
+    """Answers sampled per prompt."""
+    train_batch_size: int = 16
+    """Trajectories (prompts, each with its group_size answers) per train step."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per train step."""
     eps_clip: float = 0.2
-    c_clip: float | None = None  # dual clip for negative advantages
+    """PPO ratio clip ε: the ratio is clipped to [1 - ε, 1 + ε]."""
+    c_clip: float | None = None
+    """Dual clip for negative advantages (> 1); null = off."""
     value_eps_clip: float = 0.2
-    use_decoupled_loss: bool = True  # recompute proximal logprobs; docs/design.md §9
+    """PPO: clip of the value loss."""
+    use_decoupled_loss: bool = True
+    """Recompute the proximal policy's logprobs and weight each token by π_prox/π_behav (docs/design.md §9);
+    false = standard PPO against the behaviour policy."""
     behav_imp_weight_cap: float | None = 5.0
-    kl_ctl: float = 0.0  # > 0 loads a frozen reference model
-    kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
+    """Decoupled loss: tokens whose π_prox/π_behav exceeds this (> 1) get no loss; null = no cap."""
+    kl_ctl: float = 0.0
+    """KL penalty coefficient against a frozen reference model; > 0 loads that model."""
+    kl_estimator: str = "k1"
+    """KL estimator: k1 | k2 | k3 | abs."""
     discount: float = 1.0
+    """PPO: GAE discount γ."""
     gae_lambda: float = 1.0
+    """PPO: GAE λ."""
     reward_scaling: float = 1.0
+    """reward = ((score - 0.5) * 2 - reward_bias) * reward_scaling."""
     reward_bias: float = 0.0
-    adv_norm: bool = True  # PPO: whiten advantages over the batch
-    group_std_norm: bool = True  # GRPO: divide by the group's std
-    loss_aggregation: str = "token"  # token | seq
-    max_tokens_per_mb: int = 8192  # micro-batch token budget (FFD packing)
-    # Train a prompt's answers in rows that hold the prompt once (where a FLOP estimate says it pays).
+    """See reward_scaling."""
+    adv_norm: bool = True
+    """PPO: whiten advantages over the batch (across ranks)."""
+    group_std_norm: bool = True
+    """GRPO: divide by the group's std (false: subtract the group's mean only)."""
+    loss_aggregation: str = "token"
+    """token (the summed loss over the minibatch's completion tokens) | seq (mean per sequence, then over
+    sequences)."""
+    max_tokens_per_mb: int = 8192
+    """Micro-batch token budget (first-fit-decreasing packing)."""
     share_prompts: bool = True
+    """Train a prompt's answers in rows that hold the prompt once (where a FLOP estimate says it pays)."""
 
 
 @dataclasses.dataclass
 class AgentConfig:
+    """The agent that turns a prompt into trajectories (docs/custom_tasks.md)."""
+
     type: str = "single-step"
+    """A registered agent: single-step | math-multi-turn | one a plugin registers."""
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the agent (checked against its signature; new keys need no `+`)."""
 
 
 @dataclasses.dataclass
 class EnvConfig:
+    """The environment that scores an agent's answers (docs/custom_tasks.md)."""
+
     type: str = "math"
+    """A registered environment: math | reward-fn | one a plugin registers."""
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the environment (checked against its signature; new keys need no `+`)."""
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    n_workers: int = 1  # rollout worker processes (any number: a step takes its batch from all trainers together)
-    max_head_offpolicyness: int = 4  # η; 0 = synchronous PPO
-    max_concurrent_rollouts: int = 64  # prompts in flight across all rollout workers
-    new_tokens_per_chunk: int = 1 << 30  # chunked generation (partial rollouts)
-    success_rate_lb: float = 0.0  # drop groups whose accuracy is below ...
-    success_rate_ub: float = 1.0  # ... or above this (e.g. 0.99 drops all-correct groups)
+    """Rollout workers: admission, agents and environments, generation requests."""
+
+    n_workers: int = 1
+    """Rollout worker processes (any number: a step takes its batch from all trainers together)."""
+    max_head_offpolicyness: int = 4
+    """η: how many versions a trajectory's weights may lag the trainer's; 0 = synchronous PPO."""
+    max_concurrent_rollouts: int = 64
+    """Prompts in flight across all rollout workers."""
+    new_tokens_per_chunk: int = 1 << 30
+    """Chunked generation (partial rollouts): new tokens per request, then the answer is resubmitted."""
+    success_rate_lb: float = 0.0
+    """Drop groups whose accuracy is below this ..."""
+    success_rate_ub: float = 1.0
+    """... or above this (e.g. 0.99 drops all-correct groups)."""
     gconfig: GenerationHyperparameters = dataclasses.field(default_factory=GenerationHyperparameters)
+    """Sampling parameters of the rollouts."""
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-    # A reward function instead of an environment: "path/to/task.py:reward",
-    # "module:function" or a registered name (sets env to "reward-fn").
     reward_fn: str = ""
-    reward_fn_timeout: float = 10.0  # seconds per call; a call cut off scores 0
-    # A rollout worker that dies is started again (it takes over its data shard;
-    # its running rollouts go back to admission and are generated again), this often.
+    """A reward function instead of an environment: "path/to/task.py:reward",
+    "module:function" or a registered name (sets env to "reward-fn")."""
+    reward_fn_timeout: float = 10.0
+    """Seconds per reward function call; a call cut off scores 0."""
     max_restarts: int = 3
+    """A rollout worker that dies is started again (it takes over its data shard;
+    its running rollouts go back to admission and are generated again), this often."""
     request_timeout: float = 600.0
+    """Seconds a generation request may take before it is retried."""
     request_retries: int = 3
+    """Failures in a row before an answer's generation fails (backoff 0.5, 1, 2, ... s)."""
 
 
 @dataclasses.dataclass
 class TorchServerConfig:
+    """The built-in torch generation server (allocation_mode torch.*)."""
+
     device: str = "cpu"
+    """cpu | cuda."""
     dtype: str = "float32"
+    """float32 | bfloat16 | float16."""
     max_running_requests: int = 256
-    num_threads: int = 1  # torch CPU threads of the server process
-    # Check the length limit before EOS / stop tokens, as SGLang does (a request
-    # whose last allowed token is EOS reports `length`): tests the runtime against it.
+    """Requests decoded together; more wait in the server's queue."""
+    num_threads: int = 1
+    """torch CPU threads of the server process."""
     length_before_eos: bool = False
+    """Check the length limit before EOS / stop tokens, as SGLang does (a request
+    whose last allowed token is EOS reports `length`): tests the runtime against it."""
 
 
 @dataclasses.dataclass
 class SGLangConfig:
+    """SGLang generation servers (allocation_mode sglang.*; needs CUDA and the sglang extra)."""
+
     dtype: str = "bfloat16"
+    """SGLang's --dtype: auto | half | float16 | bfloat16 | float | float32."""
     mem_fraction_static: float = 0.8
+    """SGLang's --mem-fraction-static: the GPU memory share for weights and KV cache."""
     context_length: int | None = None
+    """SGLang's --context-length; null = the model's."""
     max_running_requests: int | None = None
+    """SGLang's --max-running-requests; null = SGLang's default."""
     disable_radix_cache: bool = False
+    """SGLang's --disable-radix-cache."""
     log_level: str = "warning"
+    """SGLang's --log-level: debug | info | warning | error | critical."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
+    """More SGLang command-line arguments, appended verbatim."""
 
 
 @dataclasses.dataclass
 class ServerConfig:
+    """Generation servers and their manager (docs/architecture.md, "Generation servers that come and go")."""
+
     torch: TorchServerConfig = dataclasses.field(default_factory=TorchServerConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
     startup_timeout: float = 300.0
+    """Seconds a server may take to answer /health after it starts."""
     weight_update_timeout: float = 120.0
+    """Seconds one server may take to load a new weight version."""
     weight_update_retries: int = 3
-    # Servers that come and go (docs/architecture.md): the manager checks every
-    # server's /health each health_check_interval s (health_check_timeout each);
-    # health_check_failures in a row or a refused connection take it out of routing.
+    """Retries of a failed weight update per server before it leaves routing."""
     health_check_interval: float = 2.0
+    """The manager checks every server's /health this often (seconds)."""
     health_check_timeout: float = 5.0
+    """Seconds one /health check may take."""
     health_check_failures: int = 3
-    # A server process that dies is restarted (current weights, then it rejoins),
-    # at most max_restarts times within restart_window s; then the trial fails.
+    """Failed checks in a row (or one refused connection) that take a server out of routing."""
     max_restarts: int = 3
+    """A server process that dies is restarted (current weights, then it rejoins),
+    at most max_restarts times within restart_window s; then the trial fails."""
     restart_window: float = 600.0
+    """Seconds over which max_restarts counts."""
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    device: str = "cpu"  # cpu | cuda
-    # torch CPU threads per model worker; 0 = auto: in local mode the cores the
-    # CPU generation servers' threads leave, shared by the trainers (>= 1)
+    """The trainers (model workers)."""
+
+    device: str = "cpu"
+    """cpu | cuda."""
     num_threads: int = 0
-    fsdp: bool = False  # shard params/grads/optimizer across data-parallel ranks (CUDA)
+    """torch CPU threads per model worker; 0 = auto: in local mode the cores the
+    CPU generation servers' threads leave, shared by the trainers (>= 1)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state across data-parallel ranks (FSDP2, CUDA)."""
 
 
 @dataclasses.dataclass
 class EvalConfig:
-    every_n_steps: int = 10  # 0 = only before and after training
-    max_new_tokens: int = 0  # 0 = rollout.gconfig.max_new_tokens
+    """Greedy evaluation on dataset.test_path by the trainers."""
+
+    every_n_steps: int = 10
+    """Evaluate every N train steps; 0 = only before and after training."""
+    max_new_tokens: int = 0
+    """0 = rollout.gconfig.max_new_tokens."""
     batch_size: int = 256
-    max_prompts: int = 0  # 0 = the whole test split
+    """Prompts per evaluation batch."""
+    max_prompts: int = 0
+    """Evaluate the first N prompts; 0 = the whole test split."""
 
 
 @dataclasses.dataclass
 class SaverConfig:
-    # Recovery checkpoints every N steps and/or every M minutes (0 = never; with
-    # recover=auto, 0 means the defaults: every 20 steps and every 10 minutes).
+    """Recovery checkpoints and the final model (docs/architecture.md, "Recovery")."""
+
     checkpoint_every_n_steps: int = 0
+    """Recovery checkpoints every N steps (0 = never; with recover=auto, 0 means every 20 steps)."""
     checkpoint_every_minutes: float = 0.0
+    """... and/or every M minutes (0 = never; with recover=auto, 0 means every 10 minutes)."""
     save_final_model: bool = True
+    """Save the trained model under <fileroot>/models/<experiment>/<trial>/final/."""
 
 
 @dataclasses.dataclass
 class RayConfig:
-    address: str = ""  # the cluster to join; "" = RAY_ADDRESS, else the cluster this node is part of ("auto")
+    """mode=ray: every worker under a Ray actor on a node of the cluster (README, "Several machines (Ray)")."""
+
+    address: str = ""
+    """The cluster to join; "" = RAY_ADDRESS, else the cluster this node is part of ("auto")."""
 
 
 @dataclasses.dataclass
 class SlurmConfig:
     """mode=slurm: the trial as one batch job (docs/slurm.md maps each key to its sbatch option)."""
 
-    partition: str = ""  # --partition; "" = the cluster's default
-    nodes: int = 1  # --nodes
-    gpus_per_node: int = 0  # --gpus-per-node; 0 = none
-    cpus_per_node: int = 0  # --cpus-per-task (one task per node); 0 = whole nodes (--exclusive)
-    mem: str = ""  # --mem per node, e.g. 64G; "" = the partition's default
-    time: str = ""  # --time, e.g. 12:00:00 or 2-00:00:00; "" = the partition's default
-    account: str = ""  # --account
-    qos: str = ""  # --qos
-    constraint: str = ""  # --constraint
-    job_name: str = ""  # --job-name; "" = realrl-<experiment_name>-<trial_name>
-    sbatch_args: list[str] = dataclasses.field(default_factory=list)  # more #SBATCH options, e.g. [--exclude=n7]
-    srun_args: list[str] = dataclasses.field(default_factory=list)  # more options of every worker's srun step
-    setup: list[str] = dataclasses.field(default_factory=list)  # shell lines before the launcher (module load ...)
-    dry_run: bool = False  # print the batch script (and write it under the log directory), submit nothing
-    follow: bool = True  # wait for the job, stream its progress, return its exit code; false = print the job id
+    partition: str = ""
+    """--partition; "" = the cluster's default."""
+    nodes: int = 1
+    """--nodes."""
+    gpus_per_node: int = 0
+    """--gpus-per-node; 0 = none."""
+    cpus_per_node: int = 0
+    """--cpus-per-task (one task per node); 0 = whole nodes (--exclusive)."""
+    mem: str = ""
+    """--mem per node, e.g. 64G; "" = the partition's default."""
+    time: str = ""
+    """--time, e.g. 12:00:00 or 2-00:00:00; "" = the partition's default."""
+    account: str = ""
+    """--account."""
+    qos: str = ""
+    """--qos."""
+    constraint: str = ""
+    """--constraint."""
+    job_name: str = ""
+    """--job-name; "" = realrl-<experiment_name>-<trial_name>."""
+    sbatch_args: list[str] = dataclasses.field(default_factory=list)
+    """More #SBATCH options, e.g. [--exclude=n7]."""
+    srun_args: list[str] = dataclasses.field(default_factory=list)
+    """More options of every worker's srun step."""
+    setup: list[str] = dataclasses.field(default_factory=list)
+    """Shell lines before the launcher (module load ...)."""
+    dry_run: bool = False
+    """Print the batch script (and write it under the log directory), submit nothing."""
+    follow: bool = True
+    """Wait for the job, stream its progress, return its exit code; false = print the job id."""
 
 
 @dataclasses.dataclass
@@ -223,13 +349,15 @@ class ConsoleConfig:
     redirected (not a TTY), a plain line for the first step, every N-th and the last."""
 
     every_n_steps: int = 10
+    """A plain line every N steps when the output is not a terminal."""
 
 
 @dataclasses.dataclass
 class StatsConfig:
     """Where per-step stats go besides stats.jsonl and TensorBoard (docs/observability.md)."""
 
-    wandb: bool = False  # Weights & Biases in offline mode (<log_dir>/wandb/), if wandb is installed
+    wandb: bool = False
+    """Weights & Biases in offline mode (<log_dir>/wandb/), if wandb is installed."""
 
 
 @dataclasses.dataclass
@@ -238,27 +366,41 @@ class WatchdogConfig:
     training step or stage for `timeout` seconds writes a hang report (every
     worker's stacks and progress) to the log directory and stops the trial."""
 
-    timeout: float = 300.0  # seconds without training progress; 0 = off. Above your longest step/evaluation
-    action: str = "stop"  # stop (exit code 1, like a failed worker) | report (write the report, keep running)
+    timeout: float = 300.0
+    """Seconds without training progress; 0 = off. Above your longest step/evaluation."""
+    action: str = "stop"
+    """stop (exit code 1, like a failed worker) | report (write the report, keep running)."""
 
 
 @dataclasses.dataclass
 class AsyncPPOConfig:
+    """The whole config of `realrl train` (defaults: realrl/configs/async-ppo.yaml)."""
+
     experiment_name: str = "async-ppo"
+    """Names the experiment: logs, weights and checkpoints live under <fileroot>/*/<experiment>/<trial>/."""
     trial_name: str = "run0"
-    mode: str = "local"  # local | ray | slurm
+    """Names one run of the experiment; one launcher per trial at a time."""
+    mode: str = "local"
+    """local (subprocesses on this machine) | ray | slurm."""
     seed: int = 1
-    fileroot: str = "runs"  # logs, weights, checkpoints, caches live under here
-    # "<gen backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>": generation servers + trainers
+    """Seed of model initialisation, shuffling and sampling."""
+    fileroot: str = "runs"
+    """Logs, weights, checkpoints and caches live under here."""
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
+    """"<gen backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>": generation servers + trainers."""
     total_train_steps: int = 40
+    """Train steps of the trial."""
     heartbeat_ttl: float = 5.0
-    # multi-node modes: the address every worker binds ("" = its node's address from Ray or Slurm);
-    # local mode binds 127.0.0.1
+    """Seconds a worker's status key lives without a heartbeat."""
     bind_address: str = ""
-    recover: str = "disabled"  # disabled | auto (resume from the newest checkpoint, and restart after a failure)
-    recover_retries: int = 3  # recover=auto: restarts after failures before giving up
+    """Multi-node modes: the address every worker binds ("" = its node's address from Ray or Slurm);
+    local mode binds 127.0.0.1."""
+    recover: str = "disabled"
+    """disabled | auto (resume from the newest checkpoint, and restart after a failure)."""
+    recover_retries: int = 3
+    """recover=auto: restarts after failures before giving up."""
     plugins: list[str] = dataclasses.field(default_factory=list)
+    """Modules or .py files imported in every worker (they register agents, environments, reward functions)."""
     name_resolve: NameResolveConfig = dataclasses.field(default_factory=lambda: NameResolveConfig(type="etcd3"))
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     tiny_kit: TinyKitConfig = dataclasses.field(default_factory=TinyKitConfig)

@@ -95,13 +95,22 @@ def check_sampling_params(params: Mapping[str, Any], prefix: str = "") -> None:
 
 @dataclasses.dataclass
 class GenerationHyperparameters:
+    """Sampling parameters of one generation request (SGLang's names, docs/design.md §6)."""
+
     max_new_tokens: int = 16
+    """New tokens per answer at most."""
     min_new_tokens: int = 0
+    """EOS and stop tokens do not end an answer before this many new tokens."""
     temperature: float = 1.0
+    """Sampling temperature; the trainer's logprobs use the same scaling."""
     top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k filtering (SGLang's convention)
-    greedy: bool = False  # temperature 0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = no top-k filtering (SGLang's convention)."""
+    greedy: bool = False
+    """Temperature 0: the most likely token."""
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Token ids that end an answer, besides the tokenizer's EOS."""
 
     def validate(self, prefix: str = "gconfig") -> None:
         """Raise ValueError ("{prefix}.{field} must be ...") for an impossible

@@ -78,7 +78,7 @@ def from_plain(config_cls: type, raw: Any) -> Any:
 
 
 # ---- per-worker configs -------------------------------------------------------
-# training/utils.py derives these from the user's AsyncPPOConfig; each worker
+# realrl/experiment/build.py derives these from the user's AsyncPPOConfig; each worker
 # gets only what it needs, so a worker can also be started on its own (tests).
 
 from realrl.api.agent_api import AgentSettings  # noqa: E402
@@ -137,7 +137,9 @@ class RolloutWorkerConfig:
     shuffle: bool = True
     seed: int = 1
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
-    agent_settings: AgentSettings = dataclasses.field(default_factory=AgentSettings)  # training/utils.agent_settings
+    agent_settings: AgentSettings = dataclasses.field(
+        default_factory=AgentSettings
+    )  # experiment/config.py: agent_settings
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     max_concurrent_rollouts: int = 64  # episodes in flight in this worker
     new_tokens_per_chunk: int = 1 << 30

@@ -49,9 +49,14 @@ class NameEntryNotFoundError(Exception):
 
 @dataclasses.dataclass
 class NameResolveConfig:
-    type: str = "memory"  # memory | file | etcd3
-    etcd3_addr: str = ""  # host:port; empty with etcd3 = the launcher starts a private etcd
-    file_root: str = ""  # directory for the file backend
+    """Where workers find each other (docs/name_resolve.md)."""
+
+    type: str = "memory"
+    """memory (one process only) | file | etcd3."""
+    etcd3_addr: str = ""
+    """host:port of an etcd server; "" with etcd3 = the launcher starts a private etcd."""
+    file_root: str = ""
+    """Directory of the file backend (shared by every node)."""
 
     def validate(self) -> None:
         if self.type not in ("memory", "file", "etcd3"):

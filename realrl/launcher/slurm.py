@@ -6,8 +6,7 @@ file, and read best as the one story below; its sections are placement, the
 batch script, submitting and following, and the launcher inside.)
 
 Outside the allocation (a login node), `submit_trial` is what
-`python training/main_async_ppo.py mode=slurm slurm.nodes=N ...` runs after
-the config checks:
+`realrl train mode=slurm slurm.nodes=N ...` runs after the config checks:
 
 1. checks that `allocation_mode` fits `slurm.nodes` x `slurm.gpus_per_node`
    (`plan_placement` on placeholder nodes), that `sbatch` exists and that the
@@ -26,7 +25,7 @@ the config checks:
    end; exit 130. A job cancelled from outside (`scancel`) also ends it, 130.
 
 Inside the allocation the batch script runs
-`python -m realrl.launcher.slurm inside <trial.yaml>` on the first node, which
+`python -m realrl train --slurm-job <trial.yaml>` on the first node, which
 runs the usual `run_experiment` with `SlurmLauncher`: the local launcher
 (one launcher per trial, private etcd, keep-alive key, watching, a failed
 worker's traceback tail, teardown) with these hooks changed:
@@ -93,7 +92,10 @@ from realrl.launcher.ray import Demand, demands_of
 
 logger = getLogger("launcher.slurm")
 
-INSIDE_ENV = "REALRL_SLURM_INSIDE"  # set (to the job id) by `inside`: run_experiment launches instead of submitting
+INSIDE_ENV = "REALRL_SLURM_INSIDE"  # set (to the job id) by run_inside_job: run_experiment launches, not submits
+# The directory holding this realrl package: the job imports the same copy (a
+# checkout, a virtualenv's site-packages or a `pip install --target` folder).
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TERMINAL_STATES = {
     "COMPLETED",
     "CANCELLED",
@@ -255,10 +257,16 @@ def sbatch_options(cfg: AsyncPPOConfig, log_dir: str, workdir: str) -> list[str]
 
 
 def batch_script(
-    cfg: AsyncPPOConfig, log_dir: str, config_path: str, repo_root: str, workdir: str, python: str = sys.executable
+    cfg: AsyncPPOConfig,
+    log_dir: str,
+    config_path: str,
+    workdir: str,
+    python: str = sys.executable,
+    package_parent: str = PACKAGE_PARENT,
 ) -> str:
     """The one batch script of a trial: #SBATCH options, the user's
-    `slurm.setup` lines, then the launcher on the first node of the job."""
+    `slurm.setup` lines, then the launcher on the first node of the job
+    (`realrl train` on the resolved config, from the package itself)."""
     lines = [
         "#!/bin/bash",
         f"# realrl trial {cfg.experiment_name}/{cfg.trial_name} (mode=slurm): runs the launcher on the first node;",
@@ -266,9 +274,9 @@ def batch_script(
         *(f"#SBATCH {opt}" for opt in sbatch_options(cfg, log_dir, workdir)),
         "",
         "export PYTHONUNBUFFERED=1",
-        f"export PYTHONPATH={shlex.quote(repo_root)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        f"export PYTHONPATH={shlex.quote(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}",
         *cfg.slurm.setup,
-        f"exec {shlex.quote(python)} -m realrl.launcher.slurm inside {shlex.quote(config_path)}",
+        f"exec {shlex.quote(python)} -m realrl train --slurm-job {shlex.quote(config_path)}",
         "",
     ]
     return "\n".join(lines)
@@ -313,7 +321,7 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str, run_dir: str, repo_root: str) -> tuple[int, str]:
+def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str) -> tuple[int, str]:
     """Submits the trial as one batch job and (with slurm.follow) follows it.
     Returns (exit code, summary path or "" when nothing ran here)."""
     from realrl.api.cli_args import parse_allocation_mode
@@ -340,7 +348,7 @@ def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str, run_dir: 
     os.makedirs(directory, exist_ok=True)
     config_path = os.path.join(directory, "trial.yaml")
     script_path = os.path.join(directory, "trial.sbatch")
-    script = batch_script(cfg, log_dir, config_path, repo_root, os.getcwd())
+    script = batch_script(cfg, log_dir, config_path, os.getcwd())
     resolved = dataclasses.replace(
         cfg, fileroot=os.path.abspath(cfg.fileroot), slurm=dataclasses.replace(s, dry_run=False)
     )
@@ -758,18 +766,18 @@ def inside_job() -> bool:
 # ---- entry points run by Slurm ------------------------------------------------------
 
 
-def _inside(config_path: str) -> int:
-    """The batch script's command: runs the trial with SlurmLauncher and
-    writes its exit code next to the job's output for the submitting command."""
+def run_inside_job(config_path: str, run: Callable[[AsyncPPOConfig], int]) -> int:
+    """The batch script's command (`realrl train --slurm-job <trial.yaml>`):
+    marks this process as the job's launcher, runs the resolved config with
+    `run` (the experiment's `run_experiment`: the caller passes it, launchers
+    do not import the layer above them) and writes the exit code next to the
+    job's output for the submitting command."""
     job = os.environ.get("SLURM_JOB_ID", "")
     os.environ[INSIDE_ENV] = job
     code = 1
     exit_dir = os.path.dirname(config_path)
     try:
-        cfg = load_config(config_path)
-        from training.utils import run_experiment
-
-        code, _ = run_experiment(cfg)
+        code = run(load_config(config_path))
     except ConfigError as e:
         print(f"realrl: config error: {e}", file=sys.stderr, flush=True)
         code = 2
@@ -827,7 +835,6 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m realrl.launcher.slurm", description="realrl's steps inside a Slurm job"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("inside", help="run the trial (the batch script's command)").add_argument("config")
     probe = sub.add_parser("probe", help="check that this node sees fileroot")
     probe.add_argument("directory")
     probe.add_argument("token")
@@ -835,8 +842,6 @@ def main(argv: list[str] | None = None) -> int:
     exec_worker.add_argument("--gpus", required=True)
     exec_worker.add_argument("spec")
     args = parser.parse_args(argv)
-    if args.command == "inside":
-        return _inside(args.config)
     if args.command == "probe":
         return _probe(args.directory, args.token)
     _exec_worker(args.gpus, args.spec)

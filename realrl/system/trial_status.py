@@ -3,7 +3,7 @@
 heartbeat: held with a TTL) and its progress record (`names.worker_progress`,
 rewritten by the worker's loop about once a second).
 
-Used by `realrl status` (realrl/cli.py), the launcher's hang watchdog
+Used by `realrl status` (realrl/cli/status.py), the launcher's hang watchdog
 (realrl/launcher/watchdog.py) and the launcher's final snapshot. Reading
 never writes anything.
 """

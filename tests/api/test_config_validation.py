@@ -1,5 +1,5 @@
 """Config checks in the launching process, before anything is created:
-`validate` (each value on its own) and `training.utils.check_environment`
+`validate` (each value on its own) and `realrl.experiment.checks.check_environment`
 (fileroot, plugins, agent/env registries, lengths against the model's
 positions). The entry point's own behaviour on a bad value (one line, exit 2,
 nothing started) is tested through subprocesses in tests/e2e/test_entry_point.py."""
@@ -12,8 +12,9 @@ import os
 import pytest
 
 from realrl.api.cli_args import ConfigError, validate
-from training.main_async_ppo import load_config
-from training.utils import build_experiment, check_environment, check_writable_dir, model_positions
+from realrl.experiment.build import build_experiment
+from realrl.experiment.checks import check_environment, check_writable_dir, model_positions
+from realrl.experiment.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARD_FILTER_PLUGIN = os.path.join(REPO, "tests", "e2e", "shard_filter_plugin.py")

@@ -18,8 +18,8 @@ from realrl.api.cli_args import ConfigError
 from realrl.base.console import ConsoleRenderer, parse_step_line
 from realrl.base.plots import FIGURES, write_plots
 from realrl.base.stats import StatsLogger
+from realrl.experiment.config import load_config
 from realrl.system.router import RequestRouter
-from training.main_async_ppo import load_config
 
 STEP_LINE = (
     "12:00:00.000 I [master_worker/0] realrl.steps: step {step}/{total} v{step} | acc 0.625 reward 0.500 | "

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from training.main_async_ppo import load_config
-from training.utils import run_experiment
+from realrl.experiment.config import load_config
+from realrl.experiment.run import run_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -121,7 +121,7 @@ def test_a_trial_runs_as_one_batch_job(slurm, tmp_path, kit_cache):
     log_dir = fileroot / "logs" / "async-ppo-tiny" / "e2e"
     job = _job_id(proc.stderr)
     script = (log_dir / "slurm" / "trial.sbatch").read_text()
-    assert "#SBATCH --job-name=realrl-async-ppo-tiny-e2e" in script and "realrl.launcher.slurm inside" in script
+    assert "#SBATCH --job-name=realrl-async-ppo-tiny-e2e" in script and "-m realrl train --slurm-job" in script
     assert f"step {steps}/{steps} " in proc.stdout
     assert "'generation_server/0': 'localhost'" in proc.stdout  # the placement, from inside the job
     assert (log_dir / "slurm" / f"job-{job}.exit").read_text().strip() == "0"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from realrl.api.cli_args import ConfigError, validate
-from training.main_async_ppo import load_config
-from training.utils import place_gpus
+from realrl.experiment.build import place_gpus
+from realrl.experiment.config import load_config
 
 
 def placement(monkeypatch, visible: str, *overrides: str):

@@ -11,6 +11,8 @@ import subprocess
 import pytest
 
 from realrl.api.cli_args import ConfigError, SlurmConfig, validate
+from realrl.experiment.config import load_config as load_cli_config
+from realrl.experiment.run import run_experiment
 from realrl.launcher.ray import Demand
 from realrl.launcher.slurm import (
     Slot,
@@ -22,8 +24,6 @@ from realrl.launcher.slurm import (
     plan_placement,
     sbatch_options,
 )
-from training.main_async_ppo import load_config as load_cli_config
-from training.utils import run_experiment
 
 
 def _cfg(*overrides: str):
@@ -34,7 +34,7 @@ def test_the_default_script_runs_the_launcher_on_whole_nodes():
     cfg = _cfg("fileroot=/shared/runs", "trial_name=t1")
     log_dir = "/shared/runs/logs/async-ppo-tiny/t1"
     script = batch_script(
-        cfg, log_dir, f"{log_dir}/slurm/trial.yaml", "/repo", "/home/me/work", python="/venv/bin/python"
+        cfg, log_dir, f"{log_dir}/slurm/trial.yaml", "/home/me/work", python="/venv/bin/python", package_parent="/repo"
     )
     assert script.splitlines()[0] == "#!/bin/bash"
     directives = [ln[len("#SBATCH ") :] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
@@ -52,7 +52,7 @@ def test_the_default_script_runs_the_launcher_on_whole_nodes():
     assert body == [
         "export PYTHONUNBUFFERED=1",
         "export PYTHONPATH=/repo${PYTHONPATH:+:$PYTHONPATH}",
-        f"exec /venv/bin/python -m realrl.launcher.slurm inside {log_dir}/slurm/trial.yaml",
+        f"exec /venv/bin/python -m realrl train --slurm-job {log_dir}/slurm/trial.yaml",
     ]
 
 
@@ -92,14 +92,16 @@ def test_every_slurm_key_maps_to_its_sbatch_option():
         "--reservation=rl",
     ]
     cfg = _cfg("slurm.setup=[module load cuda/12.4,source /opt/env.sh]")
-    script = batch_script(cfg, "/r/logs/e/t", "/r/logs/e/t/slurm/trial.yaml", "/my repo", "/w", python="/py")
+    script = batch_script(
+        cfg, "/r/logs/e/t", "/r/logs/e/t/slurm/trial.yaml", "/w", python="/py", package_parent="/my repo"
+    )
     lines = script.splitlines()
     assert "export PYTHONPATH='/my repo'${PYTHONPATH:+:$PYTHONPATH}" in lines
     # setup lines run after the environment is set and before the launcher
     assert lines[-3:] == [
         "module load cuda/12.4",
         "source /opt/env.sh",
-        "exec /py -m realrl.launcher.slurm inside /r/logs/e/t/slurm/trial.yaml",
+        "exec /py -m realrl train --slurm-job /r/logs/e/t/slurm/trial.yaml",
     ]
 
 

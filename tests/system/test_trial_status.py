@@ -20,7 +20,8 @@ import pytest
 from realrl.api.cli_args import ConfigError, validate
 from realrl.api.system_api import WorkerInfo
 from realrl.base import name_resolve, names
-from realrl.cli import UsageError, parse_status_args, rows_from_logs
+from realrl.cli.status import parse_status_args, rows_from_logs
+from realrl.cli.trial import UsageError
 from realrl.system.hang_report import busy_frame, diagnose, main_thread_frames, request_stacks
 from realrl.system.trial_status import DEAD, Row, format_doing, format_table, read_row, read_rows
 from realrl.system.worker_base import PollResult, Worker, WorkerStatus, stacks_path
@@ -129,6 +130,7 @@ def test_status_arguments():
         ["fileroot=/x"],
         True,
         "async-ppo",
+        None,
     )
     for bad in (["a", "b", "c"], ["--json"], ["--config-name"]):
         with pytest.raises(UsageError):
@@ -263,7 +265,7 @@ def test_a_worker_publishes_progress_and_dumps_its_stacks_on_request(tmp_path):
     ],
 )
 def test_watchdog_config_errors_name_the_key(tmp_path, override, message):
-    from training.main_async_ppo import load_config
+    from realrl.experiment.config import load_config
 
     with pytest.raises(ConfigError) as e:
         validate(load_config([f"fileroot={tmp_path}", override]))
@@ -271,7 +273,7 @@ def test_watchdog_config_errors_name_the_key(tmp_path, override, message):
 
 
 def test_watchdog_defaults_and_off_are_valid(tmp_path):
-    from training.main_async_ppo import load_config
+    from realrl.experiment.config import load_config
 
     cfg = load_config([f"fileroot={tmp_path}"])
     assert (cfg.watchdog.timeout, cfg.watchdog.action) == (300.0, "stop")

@@ -1,4 +1,4 @@
-"""`python -m realrl add-server [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--config-name NAME] [--timeout S]`
+"""`realrl add-server [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--config-name NAME] [--config-dir DIR] [--timeout S]`
 
 Starts one more generation server for a running local-mode trial
 (docs/architecture.md, "Generation servers that come and go"). The trial is
@@ -38,14 +38,14 @@ import urllib.request
 from realrl.api.system_api import WorkerSpec
 from realrl.base import name_resolve, names
 from realrl.base.process import log_tail, signal_tree
+from realrl.cli.trial import HelpRequested, UsageError, connect, parse_trial_args, read_json, resolve_trial
+from realrl.launcher.local import worker_command
 
 WORKER_TYPE = "generation_server"
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], list[str], str, float | None]:
-    """(positional names, KEY=VALUE overrides, config name, timeout)."""
-    from realrl.cli import UsageError, parse_trial_args
-
+def parse_args(argv: list[str]) -> tuple[list[str], list[str], str, str | None, float | None]:
+    """(positional names, KEY=VALUE overrides, config name, config dir, timeout)."""
     positional, overrides, options = parse_trial_args(argv, __doc__, valued=("--timeout",))
     timeout = options["--timeout"]
     if timeout is not None:
@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str], str, float | None
             timeout = float(timeout)
         except ValueError:
             raise UsageError(f"--timeout: not a number: {timeout!r}") from None
-    return positional, overrides, options["--config-name"], timeout
+    return positional, overrides, options["--config-name"], options["--config-dir"], timeout
 
 
 def next_index(log_dir: str, registered: list[str]) -> int:
@@ -96,23 +96,19 @@ def _manager_servers(manager_url: str) -> dict | None:
         return None
 
 
-def add_server_main(argv: list[str]) -> int:
-    from realrl.cli import connect, resolve_trial
-
+def main(argv: list[str]) -> int:
     try:
-        positional, overrides, config_name, timeout = parse_args(argv)
-        settings, exp, trial, run_dir, log_dir = resolve_trial(positional, overrides, config_name)
+        positional, overrides, config_name, config_dir, timeout = parse_args(argv)
+        settings, exp, trial, run_dir, log_dir = resolve_trial(positional, overrides, config_name, config_dir)
+    except HelpRequested as e:
+        print(e)
+        return 0
     except ValueError as e:  # UsageError and ConfigError are ValueErrors
         print(f"realrl add-server: {e}", file=sys.stderr)
         return 2
     fileroot = os.path.abspath(settings["fileroot"])
-    record = None
-    try:
-        with open(os.path.join(run_dir, "trial.json")) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        pass
-    if isinstance(record, dict):
+    record = read_json(os.path.join(run_dir, "trial.json"))
+    if record is not None:
         log_dir = record.get("log_dir") or log_dir
         if record.get("mode", "local") != "local":
             print(
@@ -152,14 +148,13 @@ def add_server_main(argv: list[str]) -> int:
         index, spec_path = write_spec(log_dir, template, repo.find_subtree(names.gen_servers(exp, trial)))
         log_path = os.path.join(log_dir, f"{WORKER_TYPE}-{index}.log")
         env = dict(os.environ, **name_resolve.config_to_env(nr), PYTHONUNBUFFERED="1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # the worker imports this realrl (the directory holding the package) and the plugins next to cwd
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.getcwd(), env.get("PYTHONPATH", "")) if p)
         threads = str(((template.config or {}).get("torch") or {}).get("num_threads") or 1)
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(key, threads)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from realrl.launcher.local import worker_command
-
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 worker_command(spec_path),

@@ -1,8 +1,4 @@
-"""`python -m realrl <command>` (also the `realrl` console script).
-
-    realrl status [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--stacks] [--config-name NAME]
-    realrl add-server [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--config-name NAME] [--timeout S]
-        (one more generation server for a running local trial: realrl/add_server.py)
+"""`realrl status [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--stacks] [--config-name NAME] [--config-dir DIR]`
 
 Shows what every worker of a trial is doing: one row per worker with its
 host, pid, state, heartbeat age (seconds since its loop last published) and
@@ -28,151 +24,21 @@ a worker is dead; 1 it does not run (ended, never started, launcher gone);
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
-import urllib.request
 
 from realrl.base import name_resolve, names
 from realrl.base.process import pid_alive
+from realrl.cli.trial import HelpRequested, UsageError, connect, parse_trial_args, read_json, resolve_trial
 from realrl.system.trial_status import DEAD, Row, expected_workers, format_table, read_rows, row_from_json
 
-COMMANDS = ("status", "add-server")
 _NR_KEYS = ("name_resolve.type", "name_resolve.etcd3_addr", "name_resolve.file_root")
 
 
-class UsageError(ValueError):
-    pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if args else 2
-    command, rest = args[0], args[1:]
-    if command == "status":
-        return status_main(rest)
-    if command == "add-server":  # one more generation server for a running trial (realrl/add_server.py)
-        from realrl.add_server import add_server_main
-
-        return add_server_main(rest)
-    print(f"realrl: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
-    return 2
-
-
-# ---- finding the trial --------------------------------------------------------------------------------
-
-
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_settings(overrides: list[str], config_name: str = "async-ppo") -> dict:
-    """experiment_name, trial_name, fileroot and name_resolve as the run saw
-    them: composed like `training/main_async_ppo.py` does (same defaults),
-    else (realrl installed without its repository) from the overrides alone."""
-    root = _repo_root()
-    if os.path.isfile(os.path.join(root, "training", "main_async_ppo.py")):
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        from training.main_async_ppo import load_config
-
-        cfg = load_config(overrides, config_name)
-        nr = cfg.name_resolve
-        return {
-            "experiment_name": cfg.experiment_name,
-            "trial_name": cfg.trial_name,
-            "fileroot": cfg.fileroot,
-            "name_resolve": name_resolve.NameResolveConfig(nr.type, nr.etcd3_addr, nr.file_root),
-        }
-    values = dict(o.lstrip("+").split("=", 1) for o in overrides)
-    return {
-        "experiment_name": values.get("experiment_name", "async-ppo-tiny"),
-        "trial_name": values.get("trial_name", "run0"),
-        "fileroot": values.get("fileroot", "runs"),
-        "name_resolve": name_resolve.NameResolveConfig(
-            values.get("name_resolve.type", "etcd3"),
-            values.get("name_resolve.etcd3_addr", ""),
-            values.get("name_resolve.file_root", ""),
-        ),
-    }
-
-
-def parse_trial_args(
-    argv: list[str], doc: str, flags: tuple[str, ...] = (), valued: tuple[str, ...] = ()
-) -> tuple[list[str], list[str], dict]:
-    """`[EXPERIMENT [TRIAL]] [KEY=VALUE ...]` plus `--config-name NAME`, the
-    `flags` (True when given) and the `valued` options (their string):
-    (positional names, overrides, {option: value}). UsageError on anything else."""
-    positional, overrides = [], []
-    options: dict = {"--config-name": "async-ppo", **{f: False for f in flags}, **{v: None for v in valued}}
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-h", "--help"):
-            raise UsageError(doc.strip())
-        if a in flags:
-            options[a] = True
-        elif a == "--config-name" or a in valued:
-            if i + 1 >= len(argv):
-                raise UsageError(f"{a} needs a value")
-            options[a] = argv[i + 1]
-            i += 1
-        elif a.startswith("-"):
-            known = ", ".join([*flags, "--config-name NAME", *(f"{v} VALUE" for v in valued)])
-            raise UsageError(f"unknown option {a!r} (options: {known})")
-        elif "=" in a:
-            overrides.append(a)
-        else:
-            positional.append(a)
-        i += 1
-    if len(positional) > 2:
-        raise UsageError(f"at most EXPERIMENT and TRIAL, got {positional}")
-    return positional, overrides, options
-
-
-def parse_status_args(argv: list[str]) -> tuple[list[str], list[str], bool, str]:
-    """(positional names, KEY=VALUE overrides, --stacks, config name)."""
+def parse_status_args(argv: list[str]) -> tuple[list[str], list[str], bool, str, str | None]:
+    """(positional names, KEY=VALUE overrides, --stacks, config name, config dir)."""
     positional, overrides, options = parse_trial_args(argv, __doc__, flags=("--stacks",))
-    return positional, overrides, options["--stacks"], options["--config-name"]
-
-
-def _etcd_healthy(addr: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{addr}/health", timeout=2) as r:
-            return json.load(r).get("health") == "true"
-    except Exception:
-        return False
-
-
-def connect(nr: name_resolve.NameResolveConfig, run_dir: str):
-    """(repository, None) or (None, why the name service cannot be reached)."""
-    if nr.type == "memory":
-        return None, "name_resolve.type=memory lives inside one process"
-    if nr.type == "file":
-        if not os.path.isdir(nr.file_root):
-            return None, f"no name_resolve directory {nr.file_root}"
-        return name_resolve.make_repository(nr), None
-    addr = nr.etcd3_addr
-    if not addr:  # a private etcd: its supervisor wrote where it listens
-        try:
-            with open(os.path.join(run_dir, "etcd", "etcd.addr")) as f:
-                addr = f.read().strip()
-        except OSError:
-            return None, "no etcd address (the trial's private etcd never started)"
-    if not _etcd_healthy(addr):
-        return None, f"etcd at {addr} does not answer"
-    return name_resolve.make_repository(name_resolve.NameResolveConfig("etcd3", addr)), None
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
+    return positional, overrides, options["--stacks"], options["--config-name"], options["--config-dir"]
 
 
 def _when(epoch) -> str:
@@ -204,28 +70,18 @@ def rows_from_logs(log_dir: str) -> list[Row]:
 # ---- the command ------------------------------------------------------------------------------------
 
 
-def resolve_trial(positional: list[str], overrides: list[str], config_name: str) -> tuple[dict, str, str, str, str]:
-    """[experiment [trial]] + overrides -> (settings, experiment, trial, run dir,
-    log dir); a UsageError/ValueError says what is wrong."""
-    overrides = list(overrides) + [
-        f"{key}={value}" for key, value in zip(("experiment_name", "trial_name"), positional)
-    ]
-    settings = load_settings(overrides, config_name)
-    exp, trial = settings["experiment_name"], settings["trial_name"]
-    names.trial_root(exp, trial)  # checks the names
-    fileroot = os.path.abspath(settings["fileroot"])
-    return settings, exp, trial, os.path.join(fileroot, "run", exp, trial), os.path.join(fileroot, "logs", exp, trial)
-
-
-def status_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     try:
-        positional, overrides, want_stacks, config_name = parse_status_args(argv)
-        settings, exp, trial, run_dir, log_dir = resolve_trial(positional, overrides, config_name)
+        positional, overrides, want_stacks, config_name, config_dir = parse_status_args(argv)
+        settings, exp, trial, run_dir, log_dir = resolve_trial(positional, overrides, config_name, config_dir)
+    except HelpRequested as e:
+        print(e)
+        return 0
     except (UsageError, ValueError) as e:  # ConfigError is a ValueError
         print(f"realrl status: {e}", file=sys.stderr)
         return 2
     fileroot = os.path.abspath(settings["fileroot"])
-    record = _read_json(os.path.join(run_dir, "trial.json"))
+    record = read_json(os.path.join(run_dir, "trial.json"))
     if record is None and not os.path.isdir(run_dir) and not os.path.isdir(log_dir):
         print(
             f"realrl: no trial {exp}/{trial} under fileroot {fileroot} (no {run_dir}); give the names and "
@@ -320,7 +176,7 @@ def _show_ended(repo, problem, exp, trial, log_dir, record, want_stacks) -> int:
             how.append(f"its launcher (pid {pid} on {host}) is gone")
     summary = os.path.join(log_dir, "summary.json")
     if os.path.exists(summary):
-        s = _read_json(summary) or {}
+        s = read_json(summary) or {}
         how.append(f"summary {summary} ({s.get('steps', '?')} steps)")
     print(f"trial {exp}/{trial} has ended" + (": " + "; ".join(how) if how else ""))
     if record is not None and record.get("workers"):
@@ -339,7 +195,3 @@ def _show_ended(repo, problem, exp, trial, log_dir, record, want_stacks) -> int:
     if want_stacks:
         print("realrl status --stacks: the trial is not running; no stacks to ask for", file=sys.stderr)
     return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The user's config: loading it and the values derived from it (docs/design.md §10).
+
+`load_config(overrides)` has Hydra compose a defaults file with `key=value`
+overrides into a typed `AsyncPPOConfig` (schema: `realrl/api/cli_args.py`,
+Hydra node `async_ppo_schema`). The defaults files live in `realrl/configs/`
+(`async-ppo.yaml` by default; `config_name` picks another file there). A
+user's own directory (`config_dir`) is searched first: its files may build on
+the schema node and on the package's files in their `defaults` lists, and the
+package's files on the user's (e.g. a config group of their own). Any Hydra or
+OmegaConf error becomes a `ConfigError` whose one-line message names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from realrl.api.agent_api import AgentSettings
+from realrl.api.cli_args import AsyncPPOConfig, ConfigError, EnvConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEFAULT_CONFIG = "async-ppo"
+SCHEMA_NODE = "async_ppo_schema"
+
+# Free-form dicts: their keys are the plugin's to define, so a new key needs no
+# Hydra `+` (an override of one becomes `++`, "add or replace").
+FREE_FORM_KEYS = ("rollout.agent.args.", "rollout.env.args.")
+
+
+def load_config(
+    overrides: list[str] | tuple[str, ...] = (), config_name: str = DEFAULT_CONFIG, config_dir: str | None = None
+) -> AsyncPPOConfig:
+    """Composes defaults + overrides into a typed AsyncPPOConfig; any error
+    becomes a ConfigError whose message names the key."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name=SCHEMA_NODE, node=AsyncPPOConfig)
+    overrides = [f"++{o}" if o.startswith(FREE_FORM_KEYS) else o for o in overrides]
+    search = [CONFIG_DIR]
+    if config_dir is not None:
+        if not os.path.isdir(config_dir):
+            raise ConfigError(f"--config-dir: no such directory {os.path.abspath(config_dir)}")
+        search.insert(0, os.path.abspath(config_dir))
+    # Hydra reads the primary config from one directory (the first that has
+    # it); the others are on its search path, for `defaults` lists and groups.
+    primary = next((d for d in search if os.path.isfile(os.path.join(d, f"{config_name}.yaml"))), search[0])
+    others = [d for d in search if d != primary]
+    if others:
+        quoted = ", ".join("'file://" + d.replace("\\", "\\\\").replace("'", "\\'") + "'" for d in others)
+        overrides.append(f"hydra.searchpath=[{quoted}]")
+    try:
+        with initialize_config_dir(config_dir=primary, version_base=None):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        return OmegaConf.to_object(cfg)
+    except Exception as e:  # Hydra / OmegaConf errors: keep the line that says what and where
+        raise ConfigError(_error_line(e)) from None
+
+
+def _error_line(e: Exception) -> str:
+    cause = e.__cause__ or e
+    text = str(cause).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    message = next((ln for ln in lines if not ln.startswith(("full_key:", "object_type", "reference_type"))), text)
+    if full_key and full_key not in message:
+        return f"{full_key}: {message}"
+    return message
+
+
+# ---- values derived from the config ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TrialPaths:
+    fileroot: str
+    log_dir: str
+    weights_dir: str  # <fileroot>/weights/<exp>/<trial>/actor/<version>/ (docs/design.md §8)
+    checkpoint_dir: str
+    final_model_dir: str
+    summary: str
+
+
+def trial_paths(cfg: AsyncPPOConfig) -> TrialPaths:
+    root = os.path.abspath(cfg.fileroot)
+    exp, trial = cfg.experiment_name, cfg.trial_name
+    log_dir = os.path.join(root, "logs", exp, trial)
+    return TrialPaths(
+        fileroot=root,
+        log_dir=log_dir,
+        weights_dir=os.path.join(root, "weights", exp, trial, "actor"),
+        checkpoint_dir=os.path.join(root, "checkpoints", exp, trial),
+        final_model_dir=os.path.join(root, "models", exp, trial, "final"),
+        summary=os.path.join(log_dir, "summary.json"),
+    )
+
+
+def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
+    """The run-wide settings every agent gets (its own args are rollout.agent.args)."""
+    return AgentSettings(
+        tokenizer_path=tokenizer_path,
+        group_size=cfg.ppo.group_size,
+        gconfig=dataclasses.replace(cfg.rollout.gconfig),
+        reward_bias=cfg.ppo.reward_bias,
+        reward_scaling=cfg.ppo.reward_scaling,
+        success_rate_lb=cfg.rollout.success_rate_lb,
+        success_rate_ub=cfg.rollout.success_rate_ub,
+    )
+
+
+def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
+    """The environment episodes use: `rollout.reward_fn` becomes the
+    "reward-fn" environment (a file path made absolute: workers may run
+    elsewhere); the synthetic arithmetic task checks bare numbers."""
+    env = cfg.rollout.env
+    if cfg.rollout.reward_fn:
+        spec = cfg.rollout.reward_fn
+        path, sep, name = spec.rpartition(":")
+        if sep and path.endswith(".py"):
+            spec = f"{os.path.abspath(path)}:{name}"
+        return EnvConfig(
+            type="reward-fn",
+            args={"fn": spec, "timeout_s": cfg.rollout.reward_fn_timeout, "plugins": plugin_paths(cfg), **env.args},
+        )
+    if not cfg.dataset.train_path and env.type == "math":
+        # The synthetic arithmetic task's answers are bare numbers ("81");
+        # a hedged or decorated answer ("~81") does not count.
+        return dataclasses.replace(env, args={"answer_format": "exact", **env.args})
+    return env
+
+
+def plugin_paths(cfg: AsyncPPOConfig) -> list[str]:
+    """`plugins` with .py files made absolute (workers may run elsewhere)."""
+    return [os.path.abspath(p) if p.endswith(".py") else p for p in cfg.plugins]
