@@ -168,3 +168,20 @@ def test_an_installed_copy_runs_outside_the_checkout(tmp_path):
     config = script_path.parent / "trial.yaml"
     assert script.splitlines()[-1] == f"exec {sys.executable} -m realrl train --slurm-job {config}", script
     assert f"export PYTHONPATH={site}" in script and "training" not in script, script
+
+
+# One concern per module: a file that grows past this many lines says why at its top.
+MAX_LINES = 720
+
+
+def test_a_module_over_700_lines_says_why_at_its_top():
+    """Every module under realrl/ is at most ~700 lines, or its docstring
+    says why it is longer ("over 700 lines on purpose: ...")."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        n_lines = text.count("\n")
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if n_lines > MAX_LINES and "over 700 lines on purpose" not in docstring.lower():
+            too_long.append(f"{path.relative_to(REPO)} ({n_lines} lines)")
+    assert not too_long, f"split these by concern, or say why at the top: {too_long}"

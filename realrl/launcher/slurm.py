@@ -1,6 +1,6 @@
 """Slurm launcher: the whole trial as one batch job (`mode=slurm`).
 
-(One file over 700 lines on purpose: one job's two ends, submitting it from
+(Over 700 lines on purpose: one job's two ends, submitting it from
 outside and launching the workers inside, share its names, paths and config
 file, and read best as the one story below; its sections are placement, the
 batch script, submitting and following, and the launcher inside.)

@@ -9,10 +9,10 @@ decisions live in plain synchronous classes: `StalenessController`
 `RequestRouter` (`router.py`: least-requests routing sticky per weight
 version, and the servers' utilization that `/rollout_stats` carries for the
 master's `perf/gen_*` figures, docs/observability.md) and `ServerRegistry`
-(`server_registry.py`: the servers' states). Its length (~770 lines) is the
-glue of three loops that share the worker's state: the HTTP handlers, the
+(`server_registry.py`: the servers' states). (Over 700 lines on purpose: the
+glue of three loops that share the worker's state, the HTTP handlers, the
 trainer poll with its weight-update fan-out, and server joins with health
-checks.
+checks.)
 
 A malformed request gets HTTP 400 `{"error": ...}` naming the field (bodies
 are read by `realrl.base.http_body`: 413 over 1 MiB, 400 for bad JSON or
