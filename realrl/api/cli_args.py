@@ -149,7 +149,8 @@ class AgentConfig:
     """The agent that turns a prompt into trajectories (docs/custom_tasks.md)."""
 
     type: str = "single-step"
-    """A registered agent: single-step | math-multi-turn | one a plugin registers."""
+    """A registered agent: single-step | math-multi-turn | function | external | one a plugin
+    registers; or a class of your own, "path/to/file.py:Class" or "pkg.module:Class"."""
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of the agent (checked against its signature; new keys need no `+`)."""
 
@@ -183,6 +184,9 @@ class RolloutConfig:
     gconfig: GenerationHyperparameters = dataclasses.field(default_factory=GenerationHyperparameters)
     """Sampling parameters of the rollouts."""
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    agent_fn: str = ""
+    """An agent as one async function over an OpenAI client: "path/to/agent.py:run" or
+    "module:run", `async def run(client, row) -> float | dict` (sets agent.type to "function")."""
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     reward_fn: str = ""
     """A reward function instead of an environment: "path/to/task.py:reward",
@@ -606,6 +610,11 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         not r.reward_fn or r.env.type in ("math", "reward-fn"),
         "rollout.reward_fn",
         f"replaces the environment; it cannot be combined with rollout.env.type={r.env.type}",
+    )
+    _check(
+        not r.agent_fn or r.agent.type in ("single-step", "function"),
+        "rollout.agent_fn",
+        f"replaces the agent; it cannot be combined with rollout.agent.type={r.agent.type}",
     )
     _check(r.request_timeout > 0, "rollout.request_timeout", f"must be > 0 seconds, got {r.request_timeout}")
     _check(r.request_retries >= 0, "rollout.request_retries", f"must be >= 0 (0 = no retry), got {r.request_retries}")

@@ -7,7 +7,9 @@ sequence: `input_ids` = prompt + completion (int32), `prompt_len`, behaviour
 `version_end` (weights at the first / last token), `reward` (what the trainer
 optimises), `no_eos` (truncated), and optionally `scores`: the task's raw score
 per sequence before reward shaping (1.0 = full credit; accuracy and the
-success-rate filter read it). `Trajectory.from_results` builds one from
+success-rate filter read it), and optionally `loss_mask`: per completion token
+whether the policy sampled it (a multi-turn sequence holds tool outputs and
+user turns between its sampled spans). `Trajectory.from_results` builds one from
 generation results. `to_wire()` packs the sequences into a few flat arrays for the
 wire format (realrl.base.wire); `from_wire()` validates everything a peer sent
 that the schema alone can judge, and `check_token_ids(vocab_size)` what only the
@@ -43,6 +45,9 @@ class Trajectory:
     no_eos: list[bool]
     scores: list[float] = dataclasses.field(default_factory=list)  # empty, or one raw task score per sequence
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # empty (every completion token was sampled), or per sequence one bool per completion token:
+    # True = sampled by the policy (trained), False = context inside the completion
+    loss_mask: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_results(
@@ -119,6 +124,10 @@ class Trajectory:
             raise TrajectoryError(f"trajectory {self.qid}: scores has {len(self.scores)} entries for {n} sequences")
         if not all(math.isfinite(x) for x in self.scores):
             raise TrajectoryError(f"trajectory {self.qid}: non-finite score")
+        if self.loss_mask and len(self.loss_mask) != n:
+            raise TrajectoryError(
+                f"trajectory {self.qid}: loss_mask has {len(self.loss_mask)} entries for {n} sequences"
+            )
         per_seq = dict(
             prompt_len=self.prompt_len,
             logprobs=self.logprobs,
@@ -140,10 +149,10 @@ class Trajectory:
             if not 0 < plen <= len(ids):
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: prompt_len {plen} outside 1..{len(ids)}")
             n_gen = len(ids) - plen
-            for name, arr, dtype in (
-                ("logprobs", self.logprobs[i], np.float32),
-                ("versions", self.versions[i], np.int32),
-            ):
+            per_token = [("logprobs", self.logprobs[i], np.float32), ("versions", self.versions[i], np.int32)]
+            if self.loss_mask:
+                per_token.append(("loss_mask", self.loss_mask[i], np.bool_))
+            for name, arr, dtype in per_token:
                 if arr.ndim != 1 or arr.dtype != dtype or len(arr) != n_gen:
                     raise TrajectoryError(
                         f"trajectory {self.qid} seq {i}: {name} must be 1-D {np.dtype(dtype).name} of length "
@@ -195,6 +204,7 @@ class Trajectory:
             "no_eos": np.asarray(self.no_eos, dtype=np.bool_),
             "scores": np.asarray(self.scores, dtype=np.float32),
             "metadata": self.metadata,
+            "loss_mask": _concat(self.loss_mask, np.bool_),
         }
 
     @staticmethod
@@ -216,6 +226,9 @@ class Trajectory:
             if int(gen_lens.sum()) != len(logprobs) or len(versions) != len(logprobs):
                 raise TrajectoryError("logprobs/versions lengths do not match completion lengths")
             seq_ends, gen_ends = np.cumsum(seq_lens)[:-1], np.cumsum(gen_lens)[:-1]
+            loss_mask = []
+            if len(msg.get("loss_mask", ())):
+                loss_mask = np.split(_array(msg, "loss_mask", np.bool_, len(logprobs)), gen_ends)
             meta = msg.get("metadata") or {}
             if not isinstance(meta, dict):
                 raise TrajectoryError("metadata must be a dict")
@@ -235,6 +248,7 @@ class Trajectory:
                 if len(msg.get("scores", ()))
                 else [],
                 metadata=meta,
+                loss_mask=loss_mask,
             )
         except KeyError as e:
             raise TrajectoryError(f"trajectory message lacks field {e}") from None

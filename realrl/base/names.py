@@ -120,6 +120,17 @@ def gen_server_manager(experiment_name: str, trial_name: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/gen_server_manager"
 
 
+def chat_endpoint(experiment_name: str, trial_name: str, worker_index: int) -> str:
+    """Value: the base URL of rollout worker `worker_index`'s OpenAI-compatible
+    endpoint (only while its agent uses one: agent functions, external agents)."""
+    return f"{chat_endpoints(experiment_name, trial_name)}/{worker_index}"
+
+
+def chat_endpoints(experiment_name: str, trial_name: str) -> str:
+    """Subtree: one `<worker_index>` key per rollout worker's chat endpoint."""
+    return f"{trial_root(experiment_name, trial_name)}/chat_endpoints"
+
+
 # ---- training progress -----------------------------------------------------
 
 

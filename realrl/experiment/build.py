@@ -23,7 +23,7 @@ from realrl.api.system_api import (
 )
 from realrl.base.logging import getLogger
 from realrl.experiment.checks import check_environment
-from realrl.experiment.config import TrialPaths, agent_settings, env_config, trial_paths
+from realrl.experiment.config import TrialPaths, agent_config, agent_settings, env_config, trial_paths
 from realrl.launcher.local import WorkerGroup
 
 logger = getLogger("experiment")
@@ -139,7 +139,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         eval_max_new_tokens=cfg.eval.max_new_tokens or rollout.gconfig.max_new_tokens,
         eval_batch_size=cfg.eval.batch_size,
         eval_max_prompts=cfg.eval.max_prompts,
-        agent=rollout.agent,
+        agent=agent_config(cfg),
         agent_settings=agent_settings(cfg, model_path),
         env=rollout.env,
     )
@@ -185,7 +185,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         max_prompt_len=max_prompt_len,
         shuffle=cfg.dataset.shuffle,
         seed=cfg.seed,
-        agent=rollout.agent,
+        agent=agent_config(cfg),
         agent_settings=agent_settings(cfg, model_path),
         env=rollout.env,
         max_concurrent_rollouts=per_worker_concurrency,

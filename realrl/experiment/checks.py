@@ -14,7 +14,8 @@ import tempfile
 from collections.abc import Callable
 
 from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError
-from realrl.experiment.config import env_config
+from realrl.base.plugins import is_object_spec
+from realrl.experiment.config import agent_config, env_config
 
 
 def _one_line(text: str) -> str:
@@ -117,17 +118,28 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     from realrl.api.agent_api import AGENTS
     from realrl.api.env_api import ENVIRONMENTS
 
-    env = env_config(cfg)
+    env, agent = env_config(cfg), agent_config(cfg)
     for key, name, args, registry in (
-        ("rollout.agent.type", cfg.rollout.agent.type, cfg.rollout.agent.args, AGENTS),
+        ("rollout.agent.type", agent.type, agent.args, AGENTS),
         ("rollout.env.type", env.type, env.args, ENVIRONMENTS),
     ):
-        if name not in registry:
+        if name not in registry and not is_object_spec(name):
             hint = "" if cfg.plugins else " (a plugin can register more: plugins=[path/to/plugin.py])"
             raise ConfigError(
                 f"{key}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}{hint}"
             )
-        check_arguments(registry.get(name), args, key.replace(".type", ".args"), with_settings=registry is AGENTS)
+        try:
+            factory = registry.get(name)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {_one_line(e)}") from None
+        check_arguments(factory, args, key.replace(".type", ".args"), with_settings=registry is AGENTS)
+    if cfg.rollout.agent_fn:
+        from realrl.impl.agents.function_agent import load_agent_fn
+
+        try:
+            load_agent_fn(agent.args["fn"])
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent_fn: {_one_line(e)}") from None
     if cfg.rollout.reward_fn:
         from realrl.impl.reward_fn import load_reward_fn
 

@@ -16,7 +16,8 @@ import dataclasses
 import os
 
 from realrl.api.agent_api import AgentSettings
-from realrl.api.cli_args import AsyncPPOConfig, ConfigError, EnvConfig
+from realrl.api.cli_args import AgentConfig, AsyncPPOConfig, ConfigError, EnvConfig
+from realrl.base.plugins import absolute_spec, is_object_spec
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULT_CONFIG = "async-ppo"
@@ -109,19 +110,31 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
     )
 
 
+def agent_config(cfg: AsyncPPOConfig) -> AgentConfig:
+    """The agent episodes use: `rollout.agent_fn` becomes the "function"
+    agent; file paths are made absolute (workers may run elsewhere)."""
+    agent = cfg.rollout.agent
+    if cfg.rollout.agent_fn:
+        return AgentConfig(type="function", args={"fn": absolute_spec(cfg.rollout.agent_fn), **agent.args})
+    if is_object_spec(agent.type):
+        return dataclasses.replace(agent, type=absolute_spec(agent.type))
+    return agent
+
+
 def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
     """The environment episodes use: `rollout.reward_fn` becomes the
     "reward-fn" environment (a file path made absolute: workers may run
     elsewhere); the synthetic arithmetic task checks bare numbers."""
     env = cfg.rollout.env
     if cfg.rollout.reward_fn:
-        spec = cfg.rollout.reward_fn
-        path, sep, name = spec.rpartition(":")
-        if sep and path.endswith(".py"):
-            spec = f"{os.path.abspath(path)}:{name}"
         return EnvConfig(
             type="reward-fn",
-            args={"fn": spec, "timeout_s": cfg.rollout.reward_fn_timeout, "plugins": plugin_paths(cfg), **env.args},
+            args={
+                "fn": absolute_spec(cfg.rollout.reward_fn),
+                "timeout_s": cfg.rollout.reward_fn_timeout,
+                "plugins": plugin_paths(cfg),
+                **env.args,
+            },
         )
     if not cfg.dataset.train_path and env.type == "math":
         # The synthetic arithmetic task's answers are bare numbers ("81");

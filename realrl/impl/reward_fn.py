@@ -15,13 +15,8 @@ Specs (`rollout.reward_fn=...`), tried in this order:
 - a name registered with `register_reward_fn(name, fn)`, best by a plugin
   (child processes load the plugins; a function registered by other code is
   found in a child by its `module:qualname` when that is importable);
-- `path/to/file.py:name` (relative to the cwd): the file is imported as a
-  module named after its real path (so two files called `reward.py` do not
-  clash; loading the same file again reuses the module). While it executes,
-  its directory is first on sys.path, so it imports its sibling files as
-  `python file.py` would; afterwards the directory stays on sys.path at the
-  end only (imports inside the function still find siblings, but the
-  directory can never shadow stdlib or installed modules);
+- `path/to/file.py:name` (relative to the cwd; imported as
+  `realrl.base.plugins.load_object` does: siblings importable, never shadowing);
 - `package.module:name` (importable from sys.path).
 `load_reward_fn(spec)` turns a spec into the function; every failure is a
 one-line ValueError naming the spec.
@@ -51,24 +46,18 @@ logged as one line; later ones at most once a minute per kind, with a count.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
-import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from realrl.base.child_pool import ChildCrashed, ChildPool, ChildStartError, ChildTimeout, one_line_error, serve
 from realrl.base.logging import getLogger
-from realrl.base.plugins import load_plugins
+from realrl.base.plugins import IDENTIFIER_PATH, absolute_spec, load_object, load_plugins
 from realrl.base.registry import Registry
 
 logger = getLogger("reward_fn")
@@ -77,7 +66,6 @@ RewardFn = Callable[..., Any]  # (prompt, completion, answer, **row) -> float, o
 REWARD_FNS: Registry[Any] = Registry("reward function")
 # Keyword arguments a call always passes; row fields with these names are dropped.
 _FIXED_ARGS = ("prompt", "completion", "answer")
-_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def register_reward_fn(name: str, fn: RewardFn) -> None:
@@ -99,84 +87,21 @@ def load_reward_fn(spec: str) -> RewardFn:
     if spec in REWARD_FNS:
         fn, where = REWARD_FNS.get(spec), "registered"
     else:
-        source, sep, attr = spec.rpartition(":")
-        if not sep:
+        if ":" not in spec:
             raise ValueError(
                 f"reward function {spec!r}: not a registered name (registered: {REWARD_FNS.names()}) "
                 "and not 'path/to/file.py:function' or 'package.module:function'"
             )
-        if not _IDENTIFIER_PATH.match(attr):
-            raise ValueError(f"reward function {spec!r}: {attr!r} after ':' is not a function name")
-        if _is_file_source(source):
-            module, where = _import_file(spec, source), f"file {os.path.abspath(source)}"
-        else:
-            module, where = _import_module(spec, source), f"module {source}"
-        fn = module
-        for part in attr.split("."):
-            try:
-                fn = getattr(fn, part)
-            except AttributeError:
-                raise ValueError(f"reward function {spec!r}: {where} has no attribute {attr!r}") from None
+        fn, where = load_object(spec, "reward function"), spec
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: {type(fn).__name__} {fn!r:.80} ({where}) is not callable")
     _row_keys_accepted(spec, fn)  # checks the signature
     return fn
 
 
-def _is_file_source(source: str) -> bool:
-    return source.endswith(".py") or "/" in source or os.sep in source
-
-
 def _absolute_spec(spec: str) -> str:
     """`spec` with a file path made absolute (a child may not share our cwd forever)."""
-    if spec in REWARD_FNS:
-        return spec
-    source, sep, attr = spec.rpartition(":")
-    return f"{os.path.abspath(source)}:{attr}" if sep and _is_file_source(source) else spec
-
-
-def _import_file(spec: str, source: str) -> ModuleType:
-    path = os.path.abspath(source)
-    if not os.path.isfile(path):
-        raise ValueError(f"reward function {spec!r}: file {path} does not exist")
-    real = os.path.realpath(path)
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(real))[0])
-    name = f"realrl_reward_fn_{stem}_{hashlib.sha1(real.encode()).hexdigest()[:10]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, real)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward function {spec!r}: {path} is not an importable Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # during execution too: dataclasses and pickle look it up
-    directory = os.path.dirname(real)
-    sys.path.insert(0, directory)
-    try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
-        sys.modules.pop(name, None)  # a failed import must not look loaded
-        error = one_line_error(e, where=True)
-        raise ValueError(f"reward function {spec!r}: importing {path} failed: {error}") from None
-    finally:
-        # Keep the directory only at the end of sys.path (see the module docstring).
-        if sys.path and sys.path[0] == directory:
-            sys.path.pop(0)
-        elif directory in sys.path:
-            sys.path.remove(directory)
-        if directory not in sys.path:
-            sys.path.append(directory)
-    return module
-
-
-def _import_module(spec: str, source: str) -> ModuleType:
-    if not _IDENTIFIER_PATH.match(source):
-        raise ValueError(f"reward function {spec!r}: {source!r} is neither a .py file nor a module path")
-    try:
-        return importlib.import_module(source)
-    except (Exception, SystemExit) as e:
-        raise ValueError(
-            f"reward function {spec!r}: importing module {source} failed: {one_line_error(e, where=True)}"
-        ) from None
+    return spec if spec in REWARD_FNS else absolute_spec(spec)
 
 
 def _row_keys_accepted(spec: str, fn: RewardFn) -> frozenset[str] | None:
@@ -208,7 +133,7 @@ def _defined_at(fn: RewardFn) -> str | None:
     """`module:qualname` of a module-level function, for a child to import it
     by when its registration did not happen in a plugin; None if unreachable."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    if not module or not qualname or module == "__main__" or "<" in qualname or not _IDENTIFIER_PATH.match(module):
+    if not module or not qualname or module == "__main__" or "<" in qualname or not IDENTIFIER_PATH.match(module):
         return None
     return f"{module}:{qualname}"
 

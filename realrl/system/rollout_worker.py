@@ -17,7 +17,10 @@ Each rollout worker owns a shard of the prompt data set
 2. an admitted episode runs `agent.run_episode(record, env, partial_rollout)`
    against a fresh environment: every `self.generate(...)` of the agent
    becomes a `GenerationRequest` served by the `PartialRolloutManager`
-   (several may be in flight at once);
+   (several may be in flight at once); an agent over the OpenAI chat API
+   (`uses_chat_endpoint`: agent functions, external agents) reaches it through
+   the worker's OpenAI-compatible endpoint, which the worker serves for its
+   whole life on its node's address and registers as `chat_endpoint/<index>`;
 3. every returned trajectory is pushed (`traj.to_wire()`) to this worker's
    trainer puller, from a dedicated thread so that back-pressure (a full
    high-water mark) never blocks the event loop; then `/finish_rollout` with
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -53,12 +57,13 @@ from realrl.api.env_api import make_env
 from realrl.api.manager_api import ResetRolloutWorkerReply, ResetRolloutWorkerRequest
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, network
 from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import dataset_row_fields
+from realrl.impl.openai_compat.endpoint import shared_endpoint
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
@@ -339,6 +344,17 @@ class RolloutWorker(AsyncWorker):
             request_retries=cfg.request_retries,
             eos_token_ids=eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer),
         )
+        self._endpoint_scope = contextlib.AsyncExitStack()
+        if getattr(self.agent, "uses_chat_endpoint", False):
+            host = self.bind_host
+            port = network.find_free_port(self.experiment_name, self.trial_name, host=host)
+            endpoint = await self._endpoint_scope.enter_async_context(shared_endpoint(host, port))
+            name_resolve.add(
+                names.chat_endpoint(self.experiment_name, self.trial_name, self.info.worker_index),
+                endpoint.url,
+                replace=True,
+            )
+            self.logger.info("OpenAI-compatible endpoint at %s", endpoint.url)
 
     async def _poll_async(self) -> PollResult:
         try:
@@ -506,6 +522,8 @@ class RolloutWorker(AsyncWorker):
         await asyncio.gather(*self._episodes.values(), return_exceptions=True)
         self._episodes.clear()
         await self._finishes.close()
+        if getattr(self, "_endpoint_scope", None) is not None:
+            await self._endpoint_scope.aclose()
         if getattr(self, "partial_rollout", None) is not None:
             await self.partial_rollout.close()
         self._log_stats()

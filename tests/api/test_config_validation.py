@@ -14,7 +14,7 @@ import pytest
 from realrl.api.cli_args import ConfigError, validate
 from realrl.experiment.build import build_experiment
 from realrl.experiment.checks import check_environment, check_writable_dir, model_positions
-from realrl.experiment.config import load_config
+from realrl.experiment.config import agent_config, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARD_FILTER_PLUGIN = os.path.join(REPO, "tests", "e2e", "shard_filter_plugin.py")
@@ -102,6 +102,60 @@ def test_unknown_types_list_what_is_registered(tmp_path):
     cfg = config(tmp_path, "rollout.env.type=nosuch")
     with pytest.raises(ConfigError, match=r"^rollout.env.type: unknown environment 'nosuch'; registered: math"):
         check_environment(cfg, validate(cfg))
+
+
+USER_AGENTS = """
+from realrl.api.agent_api import Agent
+
+
+class MyAgent(Agent):
+    async def collect_trajectory(self, prompt, env):
+        return []
+
+
+async def run(client, row):
+    return 1.0
+
+
+def not_async(client, row):
+    return 1.0
+"""
+
+
+def test_an_agent_class_or_function_of_a_users_file_needs_no_registering(tmp_path, monkeypatch):
+    (tmp_path / "agents.py").write_text(USER_AGENTS)
+    monkeypatch.chdir(tmp_path)  # relative paths work, and reach the workers absolute
+    for override, agent_type, args in (
+        ("rollout.agent.type=agents.py:MyAgent", f"{tmp_path}/agents.py:MyAgent", {}),
+        ("rollout.agent_fn=agents.py:run", "function", {"fn": f"{tmp_path}/agents.py:run"}),
+    ):
+        cfg = config(tmp_path, override)
+        assert check_environment(cfg, validate(cfg)) == 256
+        agent = agent_config(cfg)  # what the rollout workers and the evaluation get
+        assert (agent.type, agent.args) == (agent_type, args)
+
+
+@pytest.mark.parametrize(
+    "override, key, message",
+    [
+        ("rollout.agent.type=agents.py:Nope", "rollout.agent.type", "has no attribute 'Nope'"),
+        ("rollout.agent_fn=agents.py:not_async", "rollout.agent_fn", "is not an async function"),
+        ("rollout.agent_fn=missing.py:run", "rollout.agent_fn", "does not exist"),
+    ],
+)
+def test_a_bad_agent_of_a_users_file_is_a_config_error(tmp_path, monkeypatch, override, key, message):
+    (tmp_path / "agents.py").write_text(USER_AGENTS)
+    monkeypatch.chdir(tmp_path)
+    cfg = config(tmp_path, override)
+    with pytest.raises(ConfigError, match=f"^{key}: ") as e:
+        check_environment(cfg, validate(cfg))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_agent_function_replaces_the_agent(tmp_path):
+    cfg = config(tmp_path, "rollout.agent_fn=agents.py:run", "rollout.agent.type=math-multi-turn")
+    with pytest.raises(ConfigError, match="^rollout.agent_fn: replaces the agent"):
+        validate(cfg)
 
 
 def test_a_plugin_that_fails_to_import_is_a_plugins_error(tmp_path):

@@ -2,15 +2,20 @@
 gserver_manager, rollout workers) through the local launcher, with the
 trainer's puller in the test process: trajectories arrive and validate, the
 staleness bound holds exactly (η = 0, no trainer), a new weight version admits
-the next batch, samples are logged, and a failing episode fails the worker."""
+the next batch, samples are logged, a failing episode fails the worker, and
+agents outside realrl drive episodes through the worker's OpenAI-compatible
+endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import time
 
+import aiohttp
+import openai
 import pytest
 
 from realrl.api.agent_api import AgentSettings
@@ -19,8 +24,11 @@ from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import names
 from realrl.impl.math_data import load_math_jsonl, write_jsonl
+from realrl.impl.tiny_model import build_tiny_model
 from realrl.system.push_pull_stream import NameResolvingZmqPuller
 from tests.impl.conftest import save_perturbed
+from tests.impl.openai_compat.chat_kit import char_chat_tokenizer
+from tests.system.conftest import TINY
 from tests.system.test_partial_rollout import (  # noqa: F401  (fixtures)
     EXP,
     HealthOnlyServer,
@@ -44,7 +52,7 @@ def dataset(tiny_kit, tmp_path_factory) -> str:
     return path
 
 
-def rollout_group(tiny_kit, dataset: str, count: int, **kwargs) -> list:
+def rollout_group(tiny_kit, dataset: str, count: int, agent: str = "single-step", **kwargs) -> list:
     from realrl.launcher.local import WorkerGroup
 
     gconfig = {"max_new_tokens": 6, "temperature": 1.0}
@@ -52,7 +60,7 @@ def rollout_group(tiny_kit, dataset: str, count: int, **kwargs) -> list:
         dataset_path=dataset,
         tokenizer_path=tiny_kit["model_dir"],
         max_prompt_len=MAX_PROMPT_LEN,
-        agent=AgentConfig(type="single-step"),
+        agent=AgentConfig(type=agent),
         agent_settings=AgentSettings(tokenizer_path=tiny_kit["model_dir"], group_size=2, gconfig=gconfig),
         n_pullers=1,
         **kwargs,
@@ -185,6 +193,72 @@ def test_failing_episode_fails_the_worker_loudly(tmp_path, etcd_server, tiny_kit
         assert puller.pull(timeout=0.2) == []
     finally:
         fake.stop()
+        if puller is not None:
+            puller.close()
+        trial.close()
+
+
+@pytest.fixture(scope="module")
+def chat_kit(tmp_path_factory) -> dict:
+    """The tiny random Llama with a tokenizer that has a tool-call chat template."""
+    tokenizer = char_chat_tokenizer()
+    model_dir = str(tmp_path_factory.mktemp("chat_kit") / "model")
+    build_tiny_model(tokenizer, TINY, seed=3).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return {"model_dir": model_dir}
+
+
+async def external_agent(endpoint: str, episodes: int) -> list[tuple[str, float]]:
+    """An agent process outside realrl: per episode, open it, make two chat
+    calls (the second continues the first), close it with a reward."""
+    done = []
+    async with aiohttp.ClientSession() as http:
+        while len(done) < episodes:
+            async with http.post(f"{endpoint}/rl/episodes", json={"wait_s": 5}) as resp:
+                opened = await resp.json()
+            if opened["episode_id"] is None:
+                continue
+            client = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="unused")
+            messages = list(opened["row"]["messages"])
+            first = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+            messages += [first.choices[0].message, {"role": "user", "content": "Again?"}]
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+            await client.close()
+            reward = float(all(qid != opened["qid"] for qid, _ in done))  # 1 for a prompt's first episode
+            url = f"{endpoint}/rl/episodes/{opened['episode_id']}/close"
+            async with http.post(url, json={"reward": reward}) as resp:
+                assert resp.status == 200 and (await resp.json())["turns"] == 2
+            done.append((opened["qid"], reward))
+    return done
+
+
+def test_external_agents_drive_episodes_through_the_workers_endpoint(tmp_path, etcd_server, chat_kit, dataset):
+    """Admission as usual (η = 0, batch 2: two prompts of two episodes each),
+    the episodes offered at the worker's registered endpoint, and each
+    prompt's episodes pushed as one trajectory of recorded turns."""
+    groups = [
+        server_group(chat_kit["model_dir"]),
+        manager_group(n_servers=1, train_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=4),
+        rollout_group(chat_kit, dataset, 1, agent="external", max_concurrent_rollouts=4),
+    ]
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
+    puller = None
+    try:
+        trial.start()
+        trial.start_training()
+        puller = NameResolvingZmqPuller(EXP, trial.trial, 0)
+        endpoint = trial.wait_key(names.chat_endpoint(EXP, trial.trial, 0))
+        assert endpoint.startswith("http://127.0.0.1:")
+        episodes = asyncio.run(external_agent(endpoint, 4))
+        trajectories = pull_all(puller, 2)
+        assert sorted(t.qid for t in trajectories) == sorted({qid for qid, _ in episodes})
+        for traj in trajectories:
+            assert traj.group_size == 4 and traj.metadata["turn"] == [0, 1, 0, 1]  # 2 episodes x 2 calls
+            assert sorted(traj.metadata["episode_scores"]) == [0.0, 1.0]
+            assert all(0 < len(traj.completion_ids(i)) <= 4 for i in range(4))
+        trial.set(names.experiment_status(EXP, trial.trial), "COMPLETE")
+        assert trial.join() == 0
+    finally:
         if puller is not None:
             puller.close()
         trial.close()

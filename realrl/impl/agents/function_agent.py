@@ -1,0 +1,282 @@
+"""Agents written against the OpenAI chat API (docs/design.md §11).
+
+**`"function"`** (`rollout.agent_fn=path/to/agent.py:run` or `pkg.module:run`
+sets it): an agent is one async function
+
+    async def run(client: openai.AsyncOpenAI, row: dict) -> float | dict: ...
+
+`client` talks to realrl's OpenAI-compatible endpoint for this episode:
+every `client.chat.completions.create(...)` is rendered with the model's chat
+template, generated through the run's generation path and recorded token for
+token (realrl/impl/openai_compat/). `row` is the dataset row: its fields, and
+`messages` always (a plain prompt is one user message), `prompt` and
+`answer`. The return value is the episode's raw score (1 = full credit, as a
+reward function's), or a dict with the score under `reward` and more named
+numbers, which go to the rollout worker's stats. Per prompt the function runs
+`group_size` times, as independent episodes; their scores form the group.
+The environment (`rollout.env`) is not used.
+
+**`"external"`**: the same episodes, driven by a process outside realrl.
+Each waits until an agent takes it (`POST /rl/episodes` on the rollout
+worker's endpoint), makes its chat calls at the `base_url` it got, and
+closes it with the reward (`POST /rl/episodes/<id>/close`). An episode not
+closed within `episode_timeout_s` is dropped (counted).
+
+Trajectory: one per prompt, one sequence per recorded turn (its exact prompt
+ids and sampled ids), each with its episode's score and shaped reward.
+The success-rate filter counts episodes. An episode whose function raises
+scores nothing: it is left out of the group and counted (`fn_errors`,
+logged); a prompt whose every episode failed or made no call is rejected. A
+generation failure (the servers failed after their retries) fails the
+episode as it would any agent's, whatever the function did with the error
+its call got.
+
+Own arguments (`rollout.agent.args`): `fn`, `tool_parser` ("hermes"; see
+realrl/impl/openai_compat/tool_calls.py), `max_context_tokens` (prompt +
+new tokens of a call; default: the model's `max_position_embeddings`),
+`episode_timeout_s` (external only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import dataclasses
+import inspect
+import json
+import math
+import os
+import time
+from typing import Any
+
+from realrl.api.agent_api import FULL_CREDIT, Agent, AgentSettings, PromptRecord, register_agent
+from realrl.api.env_api import EnvironmentService
+from realrl.api.generation_api import GenerationHyperparameters, GenerationResult
+from realrl.api.trajectory import Trajectory
+from realrl.base.logging import getLogger
+from realrl.base.plugins import load_object
+from realrl.impl.agents.stats import AgentStats
+from realrl.impl.generation.eos import eos_token_ids_in_dir
+from realrl.impl.openai_compat.chat import ChatConfig, ChatSession
+from realrl.impl.openai_compat.endpoint import ChatEndpoint, shared_endpoint
+from realrl.impl.openai_compat.rendering import ChatRenderer
+from realrl.impl.openai_compat.tool_calls import TOOL_PARSERS
+
+logger = getLogger(__name__)
+
+LOG_EVERY_S = 60.0  # a failing agent function is logged once, then at most this often
+
+
+def load_agent_fn(spec: str) -> Any:
+    """The async function `spec` names; ValueError, one line, if it is not one
+    that takes (client, row)."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"agent function {spec!r}: not 'path/to/file.py:function' or 'package.module:function'")
+    fn = load_object(spec, "agent function")
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))):
+        raise ValueError(f"agent function {spec!r}: {getattr(fn, '__name__', fn)!r} is not an async function")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as e:
+        raise ValueError(f"agent function {spec!r}: cannot be called as fn(client, row): {e}") from None
+    except ValueError:
+        pass  # no signature to check
+    return fn
+
+
+def episode_row(prompt: PromptRecord) -> dict[str, Any]:
+    """What the agent gets as `row`: the dataset row's fields, `messages`
+    (the row's, or the prompt as one user message), `prompt` and `answer`."""
+    row = dict(prompt.row)
+    if not isinstance(row.get("messages"), list):
+        row["messages"] = [{"role": "user", "content": prompt.prompt}]
+    row.setdefault("prompt", prompt.prompt)
+    row.setdefault("answer", prompt.answer)
+    return row
+
+
+def model_positions(model_dir: str | None) -> int | None:
+    """`max_position_embeddings` of the model in `model_dir` (None if not stated)."""
+    path = os.path.join(model_dir or "", "config.json")
+    if not model_dir or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+class EpisodeAbandoned(Exception):
+    """An episode that ends without a score and is not an error (counted by whoever raises it)."""
+
+
+@dataclasses.dataclass
+class _Episode:
+    """What one run of the function left."""
+
+    session: ChatSession
+    score: float | None = None  # None: the function failed
+    extras: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class FunctionAgent(Agent):
+    uses_chat_endpoint = True  # the rollout worker serves the endpoint for its whole life
+
+    def __init__(
+        self,
+        settings: AgentSettings | None = None,
+        fn: str = "",
+        tool_parser: str = "hermes",
+        max_context_tokens: int | None = None,
+    ):
+        super().__init__(settings)
+        self.fn = self._load_fn(fn)
+        tokenizer = self.tokenizer
+        path = self.settings.tokenizer_path
+        eos = eos_token_ids_in_dir(path, tokenizer) if path else {tokenizer.eos_token_id}
+        self.chat_config = ChatConfig(
+            tokenizer=tokenizer,
+            renderer=ChatRenderer(tokenizer, eos | set(self.settings.gconfig.stop_token_ids)),
+            gconfig=self.settings.gconfig,
+            tool_parser=TOOL_PARSERS.get(tool_parser),
+            max_context_tokens=max_context_tokens or model_positions(path),
+        )
+        self.stats = AgentStats()
+        self.counters: collections.Counter = collections.Counter()
+        self.extras: collections.defaultdict = collections.defaultdict(list)
+        self._last_logged = -math.inf
+
+    def _load_fn(self, spec: str) -> Any:
+        return load_agent_fn(spec)
+
+    def pop_stats(self) -> dict[str, float]:
+        stats = self.stats.pop()
+        stats.update({k: float(v) for k, v in self.counters.items()})
+        stats.update({f"fn/{k}": sum(v) / len(v) for k, v in self.extras.items()})
+        self.counters.clear()
+        self.extras.clear()
+        return stats
+
+    # ---- one prompt -------------------------------------------------------------------
+    async def collect_trajectory(self, prompt: PromptRecord, env: EnvironmentService) -> list[Trajectory]:
+        row = episode_row(prompt)
+        episodes = await asyncio.gather(*(self._episode(prompt, row) for _ in range(self.settings.group_size)))
+        done = [e for e in episodes if e.score is not None and e.session.recorder.turns]
+        scores = [e.score for e in done]
+        self.stats.add_episode(scores)
+        for e in done:
+            self.counters["turns"] += len(e.session.recorder.turns)
+            for how, n in e.session.recorder.prompts.items():
+                self.counters[f"prompts {how}"] += n
+            for k, v in e.extras.items():
+                self.extras[k].append(v)
+        success_rate = sum(s >= FULL_CREDIT for s in scores) / len(scores) if scores else 0.0
+        if not done or not self.settings.keep_group(success_rate):
+            self.stats.n_rejected += 1
+            return []
+        results, seq_scores, meta = [], [], {"episode": [], "turn": [], "prompt_made": []}
+        for k, e in enumerate(done):
+            for t, turn in enumerate(e.session.recorder.turns):
+                results.append(dataclasses.replace(turn.result, prompt_ids=turn.prompt_ids))
+                seq_scores.append(e.score)
+                meta["episode"].append(k)
+                meta["turn"].append(t)
+                meta["prompt_made"].append("stitched" if turn.stitched_onto is not None else "rendered")
+        meta.update(episode_scores=scores, solutions=list(prompt.solutions), success_rate=success_rate)
+        return [Trajectory.from_results(prompt, results, seq_scores, self.settings.rewards(seq_scores), meta)]
+
+    async def _episode(self, prompt: PromptRecord, row: dict) -> _Episode:
+        # The endpoint's handlers run outside this episode's task; the calls
+        # they make go through `Agent.generate` in a copy of its context.
+        context = contextvars.copy_context()
+
+        async def generate(prompt_ids: list[int], n: int, gconfig: GenerationHyperparameters) -> GenerationResult:
+            return await context.run(asyncio.ensure_future, self.generate(prompt_ids, n, gconfig))
+
+        session = ChatSession(self.chat_config, generate, prompt.qid, row)
+        episode = _Episode(session)
+        async with shared_endpoint() as endpoint:
+            base_url = endpoint.open(session)
+            try:
+                value = await self._drive(endpoint, session, base_url, row)
+                episode.score, episode.extras = _score(value)
+            except asyncio.CancelledError:
+                raise
+            except EpisodeAbandoned:
+                pass
+            except Exception as e:
+                if session.failure is None:
+                    self._function_failed(prompt, e)
+            finally:
+                endpoint.close_session(session.key)
+        if session.failure is not None:
+            raise session.failure
+        return episode
+
+    async def _drive(self, endpoint: ChatEndpoint, session: ChatSession, base_url: str, row: dict) -> Any:
+        """Runs the episode; its return value (the score)."""
+        client = endpoint.client(base_url)
+        return await self.fn(client, dict(row))
+
+    def _function_failed(self, prompt: PromptRecord, e: Exception) -> None:
+        self.counters["fn_errors"] += 1
+        now = time.monotonic()
+        if now - self._last_logged >= LOG_EVERY_S:
+            self._last_logged = now
+            logger.warning(
+                "agent episode of %s failed (its group goes on without it; %d failures so far): %s: %s",
+                prompt.qid,
+                self.counters["fn_errors"],
+                type(e).__name__,
+                e,
+                exc_info=self.counters["fn_errors"] == 1,
+            )
+
+
+def _score(value: Any) -> tuple[float, dict[str, float]]:
+    """An agent's return value as (score, other named numbers)."""
+    extras: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise ValueError(f"an agent's dict result needs a 'reward' key, got keys {sorted(value)}")
+        extras = {str(k): _number(v, k) for k, v in value.items() if k != "reward"}
+        value = value["reward"]
+    return _number(value, "reward"), extras
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"an agent's {name} must be a finite number, got {value!r:.80}")
+    return float(value)
+
+
+class ExternalAgent(FunctionAgent):
+    """Episodes driven by an agent outside realrl (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: AgentSettings | None = None,
+        tool_parser: str = "hermes",
+        max_context_tokens: int | None = None,
+        episode_timeout_s: float = 3600.0,
+    ):
+        if episode_timeout_s <= 0:
+            raise ValueError(f"episode_timeout_s must be > 0, got {episode_timeout_s}")
+        self.episode_timeout_s = episode_timeout_s
+        super().__init__(settings, "", tool_parser, max_context_tokens)
+
+    def _load_fn(self, spec: str) -> None:
+        return None
+
+    async def _drive(self, endpoint: ChatEndpoint, session: ChatSession, base_url: str, row: dict) -> Any:
+        try:
+            return await asyncio.wait_for(endpoint.offer(session), self.episode_timeout_s)
+        except asyncio.TimeoutError:
+            self.counters["external_timeouts"] += 1
+            raise EpisodeAbandoned(f"no external agent closed it within {self.episode_timeout_s:g} s") from None
+
+
+register_agent("function", FunctionAgent)
+register_agent("external", ExternalAgent)
