@@ -84,6 +84,8 @@ class ChatEndpoint:
         self.counters: collections.Counter = collections.Counter()  # calls, refusals by reason, ...
 
     async def start(self) -> str:
+        import openai  # noqa: F401  (here, not at an episode's first call: it takes a second)
+
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=self.middlewares)
         app.router.add_post("/episodes/{key}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{key}/v1/models", self._models)
