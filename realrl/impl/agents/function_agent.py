@@ -145,6 +145,8 @@ class FunctionAgent(Agent):
         self.counters: collections.Counter = collections.Counter()
         self.extras: collections.defaultdict = collections.defaultdict(list)
         self._last_logged = -math.inf
+        self._errors = 0  # agent functions that raised, over the process's life
+        self._reasons_seen: set[str] = set()  # why prompts were rendered, each logged once
 
     def _load_fn(self, spec: str) -> Any:
         return load_agent_fn(spec)
@@ -167,7 +169,10 @@ class FunctionAgent(Agent):
         for e in done:
             self.counters["turns"] += len(e.session.recorder.turns)
             for how, n in e.session.recorder.prompts.items():
-                self.counters[f"prompts {how}"] += n
+                self.counters["prompts_stitched" if how == "stitched" else "prompts_rendered"] += n
+                if how not in self._reasons_seen and how not in ("stitched", "rendered: first call"):
+                    self._reasons_seen.add(how)
+                    logger.info("a chat call's prompt was %s, not continued from an earlier turn's tokens", how)
             for k, v in e.extras.items():
                 self.extras[k].append(v)
         success_rate = sum(s >= FULL_CREDIT for s in scores) / len(scores) if scores else 0.0
@@ -220,16 +225,17 @@ class FunctionAgent(Agent):
 
     def _function_failed(self, prompt: PromptRecord, e: Exception) -> None:
         self.counters["fn_errors"] += 1
+        self._errors += 1
         now = time.monotonic()
         if now - self._last_logged >= LOG_EVERY_S:
             self._last_logged = now
             logger.warning(
                 "agent episode of %s failed (its group goes on without it; %d failures so far): %s: %s",
                 prompt.qid,
-                self.counters["fn_errors"],
+                self._errors,
                 type(e).__name__,
                 e,
-                exc_info=self.counters["fn_errors"] == 1,
+                exc_info=self._errors == 1,
             )
 
 

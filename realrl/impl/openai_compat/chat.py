@@ -107,15 +107,12 @@ def check_request(request: ChatCompletionRequest, config: ChatConfig) -> None:
     if request.max_tokens is not None and request.max_completion_tokens is not None:
         if request.max_tokens != request.max_completion_tokens:
             refuse("max_tokens", "differs from max_completion_tokens; give one of them")
-    temperature = request.temperature
-    if (
-        config.temperature_fixed
-        and temperature is not None
-        and temperature != (0.0 if config.gconfig.greedy else config.gconfig.temperature)
-    ):
+    run = config.gconfig
+    allowed = {run.temperature, 0.0} if run.greedy else {run.temperature}  # evaluation is greedy
+    if config.temperature_fixed and request.temperature is not None and request.temperature not in allowed:
         refuse(
             "temperature",
-            f"{temperature} differs from the run's sampling temperature {config.gconfig.temperature} "
+            f"{request.temperature} differs from the run's sampling temperature {run.temperature} "
             "(rollout.gconfig.temperature), at which the trainer recomputes logprobs; leave it out",
         )
     if request.stop is not None and any(not s for s in _stop_strings(request)):

@@ -12,7 +12,7 @@ import pytest
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.api.openai_api import ChatCompletionRequest
 from realrl.api.trajectory import Trajectory
-from realrl.base.http_body import from_json, to_json
+from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.impl.openai_compat.chat import ChatConfig, ChatSession, ContextLengthExceeded
 from realrl.impl.openai_compat.rendering import ChatRenderer
 from realrl.impl.openai_compat.tool_calls import TOOL_PARSERS
@@ -30,13 +30,13 @@ ADD_TOOL = {
 }
 
 
-def make_session(tokenizer, outputs, max_new_tokens=64, max_context_tokens=None):
+def make_session(tokenizer, outputs, max_new_tokens=64, max_context_tokens=None, greedy=False):
     eos = frozenset({tokenizer.eos_token_id})
     policy = ScriptedGenerator([list(o) for o in outputs], eos)
     config = ChatConfig(
         tokenizer=tokenizer,
         renderer=ChatRenderer(tokenizer, eos),
-        gconfig=GenerationHyperparameters(max_new_tokens=max_new_tokens),
+        gconfig=GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=greedy),
         tool_parser=TOOL_PARSERS.get("hermes"),
         max_context_tokens=max_context_tokens,
     )
@@ -249,3 +249,18 @@ def test_calls_stay_within_the_models_context():
     assert policy.requests[0].gconfig.max_new_tokens == 40 - prompt
     with pytest.raises(ContextLengthExceeded, match="context is 40 tokens"):
         call(session, [{"role": "user", "content": "x" * 40}])
+
+
+def test_a_call_samples_at_the_runs_temperature_or_is_refused():
+    tok = char_chat_tokenizer()
+    user = [{"role": "user", "content": "hi"}]
+    session, policy = make_session(tok, [[tok.eos_token_id]] * 2)
+    call(session, user, temperature=1.0)
+    with pytest.raises(BodyError, match="0.5 differs from the run's sampling temperature 1.0"):
+        call(session, user, temperature=0.5)
+    with pytest.raises(BodyError, match="0 differs"):
+        call(session, user, temperature=0)  # greedy: not what the trainer recomputes
+    evaluation, policy = make_session(tok, [[tok.eos_token_id]] * 2, greedy=True)  # evaluation is greedy
+    call(evaluation, user, temperature=1.0)
+    call(evaluation, user, temperature=0)
+    assert all(r.gconfig.greedy for r in policy.requests)
