@@ -179,6 +179,15 @@ class PauseGenerationRequest:
 
 
 @dataclasses.dataclass
+class ContinueGenerationRequest:
+    """`POST /continue_generation` (SGLang 0.5.6+ requires this body, `{}` at least)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    torch_empty_cache: bool | None = None  # SGLang's; the torch server has nothing to empty
+
+
+@dataclasses.dataclass
 class AbortRequest:
     """`POST /abort_request`: end the request `rid`, or every request. SGLang
     ends every live request whose rid *starts with* `rid` (once `rid` itself

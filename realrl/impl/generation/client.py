@@ -37,6 +37,7 @@ import aiohttp
 
 from realrl.api.sglang_api import (
     AbortRequest,
+    ContinueGenerationRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
@@ -313,7 +314,7 @@ class GenerationClient:
         return await self._request("POST", url, "/pause_generation", to_json(PauseGenerationRequest(mode=mode)))
 
     async def continue_generation(self, url: str) -> Any:
-        return await self._request("POST", url, "/continue_generation", {})
+        return await self._request("POST", url, "/continue_generation", to_json(ContinueGenerationRequest()))
 
     async def abort_request(self, url: str, rid: str | None = None, abort_all: bool = False) -> Any:
         """Ends request `rid` (on SGLang also every live request whose rid

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from realrl.api.sglang_api import (
     AbortRequest,
+    ContinueGenerationRequest,
     Loads,
     ModelInfo,
     PauseGenerationRequest,
@@ -212,7 +213,7 @@ class TorchGenerationServer:
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         try:
-            await self._control_body(request, _ContinueBody)
+            await self._control_body(request, ContinueGenerationRequest)
         except BodyError as e:
             return self._reject(e)
         result = await self._call("continue")
@@ -301,11 +302,6 @@ class TorchGenerationServer:
             f"realrl_torch_server_num_waiting_requests {info.num_waiting_requests}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
-
-@dataclasses.dataclass
-class _ContinueBody:
-    UNKNOWN_FIELDS = "ignore"  # SGLang's torch_empty_cache: nothing to empty here
 
 
 def threadsafe_setter(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Any], None]:
