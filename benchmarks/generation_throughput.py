@@ -1,6 +1,6 @@
 """Generation throughput: the torch server vs `model.generate` on the same batch.
 
-    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N]
+    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N] [--device cuda]
 
 A small random Llama (hidden 256, 4 layers, vocab 100; about 3M parameters) is
 built and saved to a temp directory. The torch generation server runs it in a
@@ -8,7 +8,7 @@ subprocess; every prompt is one request through the shared `GenerationClient`,
 all submitted at once. `model.generate` runs the same prompts as one
 left-padded batch in this process with the same sampling settings
 (temperature 1.0, no top-k / top-p, eos ignored) and the same number of torch
-threads. Two workloads:
+threads, on the same device (`--device`, default cpu). Two workloads:
 
 - equal: every prompt asks for the same number of new tokens;
 - mixed: max_new_tokens drawn from 8..128 per prompt; `generate` must run the
@@ -82,6 +82,7 @@ def run_generate(model, prompts: list[list[int]], lengths: list[int]) -> float:
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -94,6 +95,8 @@ def run_generate(model, prompts: list[list[int]], lengths: list[int]) -> float:
             top_p=1.0,
             pad_token_id=0,
         )
+    if out.is_cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     assert out.shape[1] == width + max(lengths)
     return elapsed
@@ -127,6 +130,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda, for both sides")
     args = parser.parse_args()
 
     batch = args.batch or (32 if args.quick else 64)
@@ -136,7 +140,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as model_dir:
-        model = build_model(model_dir)
+        model = build_model(model_dir).to(args.device)
         n_params = sum(p.numel() for p in model.parameters())
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -153,6 +157,8 @@ def main() -> None:
                 str(port),
                 "--num-threads",
                 str(args.threads),
+                "--device",
+                args.device,
                 "--max-running-requests",
                 str(batch),
                 "--log-level",
@@ -170,14 +176,23 @@ def main() -> None:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
 
-    print(f"\nmodel: Llama {n_params / 1e6:.1f}M params, batch {batch}, threads {args.threads}, best of {repeats}")
+    print(
+        f"\nmodel: Llama {n_params / 1e6:.1f}M params on {args.device}, batch {batch}, threads {args.threads}, "
+        f"best of {repeats}"
+    )
     print(f"{'mode':<8}{'tokens':>8}{'server tok/s':>15}{'generate tok/s':>17}{'ratio':>8}")
     for mode in ("equal", "mixed"):
         r = results[mode]
         print(f"{mode:<8}{r['tokens']:>8}{r['server_tok_s']:>15.1f}{r['generate_tok_s']:>17.1f}{r['ratio']:>8.2f}")
     if args.json:
         out = {"equal": results["equal"], "mixed": results["mixed"], "ratio": results["mixed"]["ratio"]}
-        out["config"] = {"batch": batch, "repeats": repeats, "threads": args.threads, "params": n_params}
+        out["config"] = {
+            "batch": batch,
+            "repeats": repeats,
+            "threads": args.threads,
+            "params": n_params,
+            "device": args.device,
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
 

@@ -1,7 +1,7 @@
 """realrl against a synchronous loop of its own trainer code in one process.
 
     python benchmarks/vs_inprocess.py [--quick] [--steps N] [--eval-every N] [--target ACC]
-                                      [--json PATH] [--no-prox-recompute] [override ...]
+                                      [--json PATH] [--no-prox-recompute] [--device cuda] [override ...]
 
 The in-process loop is the floor that orchestration has to beat: the same
 model (the tiny kit, found or built first, by default under /tmp/kit when that
@@ -23,7 +23,9 @@ process. Each step:
    behaviour logprobs, which on-policy are the same numbers) and
    `PPOTrainer.train_step`, built as realrl/system/model_worker.py builds them.
 
-torch runs on all cores (torch.set_num_threads(os.cpu_count())). Every
+torch runs on all cores (torch.set_num_threads(os.cpu_count())); `--device
+cuda` runs the loop on the GPU and the realrl run with `train.device=cuda
+server.torch.device=cuda`. Every
 `--eval-every` steps (and before the first, and after the last) both sides
 score greedy accuracy on the first 128 test prompts with the same code
 (realrl/impl/evaluation.py: the agent's evaluation settings, one batched
@@ -83,6 +85,7 @@ class SamplingGenerator:
 
     def __init__(self, model, tokenizer, version: int, stop_ids: set[int]):
         self.model, self.tokenizer, self.version = model, tokenizer, version
+        self.device = model.device
         self.stop_ids = stop_ids
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._pending: list[_Pending] = []
@@ -114,8 +117,8 @@ class SamplingGenerator:
         rows = [(p, i) for p in batch for i in range(p.request.group_size)]
         prompts = [p.request.prompt_ids for p, _ in rows]
         width = max(len(ids) for ids in prompts)
-        input_ids = torch.tensor([[self.pad] * (width - len(ids)) + list(ids) for ids in prompts])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+        input_ids = torch.tensor([[self.pad] * (width - len(ids)) + list(ids) for ids in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=self.device)
         temperature = 1.0 if g.greedy else g.temperature
         out = self.model.generate(
             input_ids=input_ids,
@@ -242,7 +245,7 @@ def greedy_eval(model, tokenizer, cfg, model_path: str, test_records: list[Promp
     eval_tokens = cfg.eval.max_new_tokens or cfg.rollout.gconfig.max_new_tokens
     agent = make_agent(cfg.rollout.agent.type, settings.for_evaluation(eval_tokens), **cfg.rollout.agent.args)
     env = env_config(cfg)
-    generator = ModelGenerator(model, tokenizer, torch.device("cpu"), version, batch_size=cfg.eval.batch_size)
+    generator = ModelGenerator(model, tokenizer, model.device, version, batch_size=cfg.eval.batch_size)
     was_training = model.training
     model.eval()
     try:
@@ -261,6 +264,7 @@ def run_inprocess(
     eval_every: int,
     prox_recompute: bool,
     threads: int | None = None,
+    device: str = "cpu",
 ) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -284,7 +288,7 @@ def run_inprocess(
     torch.manual_seed(cfg.seed)  # as ModelWorker (seed + worker index 0)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     o, ppo = cfg.optimizer, cfg.ppo
     actor = make_optimized(
         model,
@@ -297,7 +301,7 @@ def run_inprocess(
         steps * ppo.ppo_n_minibatches,
     )
     temperature = 0.0 if cfg.rollout.gconfig.greedy else cfg.rollout.gconfig.temperature
-    trainer = PPOTrainer(actor, ppo, temperature, torch.device("cpu"), o.gradient_clipping)
+    trainer = PPOTrainer(actor, ppo, temperature, torch.device(device), o.gradient_clipping)
     if ppo.algorithm != "grpo" or ppo.kl_ctl > 0:
         raise SystemExit("the in-process loop runs GRPO without a reference model (the default)")
 
@@ -367,6 +371,7 @@ def run_inprocess(
             )
     mean = lambda key: sum(s[key] for s in per_step) / len(per_step)  # noqa: E731
     return {
+        "device": device,
         "threads": threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "prox_recompute": bool(prox_recompute and ppo.use_decoupled_loss),
@@ -449,6 +454,9 @@ def main() -> None:
         "(on a machine whose cores are busy with other work, spinning threads can make "
         "2-thread torch ~10x slower than 1 thread)",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu | cuda: the loop's device, and the realrl run's trainer and server"
+    )
     parser.add_argument("--only", choices=["inprocess"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
@@ -469,6 +477,7 @@ def main() -> None:
             f"eval.every_n_steps={eval_every}",
             f"eval.max_prompts={args.eval_prompts}",
             *cache,
+            *([f"train.device={args.device}", f"server.torch.device={args.device}"] if args.device != "cpu" else []),
             *overrides,
         ]
     )
@@ -479,7 +488,7 @@ def main() -> None:
     else:
         realrl = run_realrl(cfg)
     inproc = run_inprocess(
-        cfg, model_path, train_path, test_path, steps, eval_every, not args.no_prox_recompute, args.threads
+        cfg, model_path, train_path, test_path, steps, eval_every, not args.no_prox_recompute, args.threads, args.device
     )
     if realrl is None:
         print(json.dumps(inproc, indent=1))

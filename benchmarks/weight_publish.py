@@ -257,7 +257,7 @@ async def publish_and_update(client: GenerationClient, urls: list[str], model, w
         "update_s": t2 - t1,
         "t_update_start": t1,
         "t_end": t2,
-        "aborted": sum(int(r.get("num_paused_requests", 0) or 0) for r in results),
+        "aborted": sum(r.paused_total for r in results),
     }
 
 

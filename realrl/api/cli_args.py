@@ -27,6 +27,7 @@ import re
 from typing import Any
 
 from realrl.api.generation_api import GenerationHyperparameters
+from realrl.api.sglang_api import emulated_release
 from realrl.base.name_resolve import NameResolveConfig
 
 
@@ -217,6 +218,14 @@ class TorchServerConfig:
     length_before_eos: bool = False
     """Check the length limit before EOS / stop tokens, as SGLang does (a request
     whose last allowed token is EOS reports `length`): tests the runtime against it."""
+    emulate_sglang: str = ""
+    """For tests: an SGLang release (e.g. 0.5.16) whose behaviours the server copies
+    where they differ (health that waits behind weight loads, response shapes,
+    aborts by rid prefix, pauses that end waiting requests, length before EOS);
+    empty = off. The server also reads SGLANG_HEALTH_CHECK_TIMEOUT as SGLang does."""
+    emulate_sglang_dp: int = 1
+    """With emulate_sglang: the data-parallel ranks SGLang would report (per-rank lists
+    in its answers when > 1)."""
 
 
 @dataclasses.dataclass
@@ -631,6 +640,12 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 1, got {ts.max_running_requests}",
     )
     _check(ts.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
+    if ts.emulate_sglang:
+        try:
+            emulated_release(ts.emulate_sglang)
+        except ValueError as e:
+            raise ConfigError(f"server.torch.emulate_sglang: {e}") from None
+    _check(ts.emulate_sglang_dp >= 1, "server.torch.emulate_sglang_dp", f"must be >= 1, got {ts.emulate_sglang_dp}")
     _check(sg.dtype in SGLANG_DTYPES, "server.sglang.dtype", f"must be {'|'.join(SGLANG_DTYPES)}, got {sg.dtype!r}")
     _check(
         0 < sg.mem_fraction_static <= 1,

@@ -18,9 +18,27 @@ than realrl reads.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
+
+from packaging.version import InvalidVersion, Version
 
 from realrl.base.http_body import rule
+
+OLDEST_EMULATED = "0.4.9"  # the first SGLang release with /pause_generation
+
+
+def emulated_release(text: str) -> Version:
+    """An SGLang release the torch server can emulate
+    (`server.torch.emulate_sglang`); ValueError if `text` is no version or
+    one older than 0.4.9."""
+    try:
+        version = Version(text)
+    except InvalidVersion:
+        raise ValueError(f"not a version: {text!r}") from None
+    if version < Version(OLDEST_EMULATED):
+        raise ValueError(f"{text} is older than {OLDEST_EMULATED}, the oldest release emulated")
+    return version
+
 
 # --------------------------------------------------------------------------- /generate
 
@@ -131,18 +149,50 @@ class UpdateWeightsFromDiskRequest:
 @dataclasses.dataclass
 class UpdateWeightsFromDiskResponse:
     """The answer to `/update_weights_from_disk`; `success: false` (HTTP 400)
-    leaves the old weights serving."""
+    leaves the old weights serving on the torch server (SGLang 0.5.23 may have
+    swapped them all the same: see `realrl.impl.generation.backends`)."""
 
     UNKNOWN_FIELDS = "ignore"
 
     success: bool
     message: str = ""
-    num_paused_requests: int = 0  # requests aborted by the update
+    # Requests aborted by the update: a list, one entry per rank, from SGLang
+    # with data parallelism (its entries are always 0; the torch server counts).
+    num_paused_requests: int | list[int] = 0
+
+    @property
+    def paused_total(self) -> int:
+        n = self.num_paused_requests
+        return sum(n) if isinstance(n, list) else n
+
+
+@dataclasses.dataclass
+class PauseGenerationRequest:
+    """`POST /pause_generation` (SGLang 0.5.6+ requires this body, `{}` at
+    least). `abort`: running and waiting requests end with `abort`; `in_place`:
+    they stay, and resume at `/continue_generation`; `retract` (SGLang only):
+    running requests go back to the queue."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+@dataclasses.dataclass
+class ContinueGenerationRequest:
+    """`POST /continue_generation` (SGLang 0.5.6+ requires this body, `{}` at least)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    torch_empty_cache: bool | None = None  # SGLang's; the torch server has nothing to empty
 
 
 @dataclasses.dataclass
 class AbortRequest:
-    """`POST /abort_request`: end the request `rid`, or every request."""
+    """`POST /abort_request`: end the request `rid`, or every request. SGLang
+    ends every live request whose rid *starts with* `rid` (once `rid` itself
+    is live), so realrl's rids are never prefixes of one another
+    (`realrl.impl.generation.client.new_rid`)."""
 
     UNKNOWN_FIELDS = "ignore"
 
@@ -181,6 +231,30 @@ class ModelInfo:
     eos_token_ids: list[int] | None = None
     device: str | None = None
     dtype: str | None = None
+
+
+@dataclasses.dataclass
+class RankLoad:
+    """One data-parallel rank's requests in `GET /v1/loads`."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    dp_rank: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+
+
+@dataclasses.dataclass
+class Loads:
+    """`GET /v1/loads` (SGLang 0.5.10+; `version` is SGLang's, or the torch
+    server's backend name): one entry per data-parallel rank. SGLang's
+    `/get_server_info` has no request counts; this is where they are."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    loads: list[RankLoad]
+    version: str | None = None
+    timestamp: str | None = None
 
 
 @dataclasses.dataclass

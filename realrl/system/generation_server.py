@@ -30,14 +30,12 @@ process tree (SIGTERM, then SIGKILL after a grace period) and reaps it.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base import name_resolve, names, network
@@ -95,7 +93,7 @@ class GenerationServer(Worker):
         self.logger.info(
             "starting %s server on %s:%d (log %s): %s", config.backend, host, port, self.log_path, " ".join(cmd)
         )
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self._backend.env(config))
         self.process = subprocess.Popen(
             with_parent_death_signal(cmd, os.getpid()),
             stdout=self._log_file,
@@ -237,8 +235,9 @@ class GenerationServer(Worker):
             self.logger.debug("could not unregister %s: %s", url, e)
 
     def _progress_info(self) -> dict:
-        """The weight version and requests of the server, from its
-        /get_server_info, read by a short-lived thread at most every
+        """The weight version and requests of the server (/model_info and
+        /v1/loads, summed over its ranks: SGLang's /get_server_info has no
+        request counts), read by a short-lived thread at most every
         _INFO_INTERVAL_S (the loop never waits for the server)."""
         now = time.monotonic()
         if self.url is not None and now - getattr(self, "_info_time", -float("inf")) >= _INFO_INTERVAL_S:
@@ -247,14 +246,17 @@ class GenerationServer(Worker):
         return {**getattr(self, "_info", {}), "server_pid": self.process.pid if self.process is not None else None}
 
     def _read_server_info(self, url: str) -> None:
+        async def read() -> dict:
+            async with GenerationClient(timeout_s=1.0, connect_timeout_s=1.0) as client:
+                loads = (await client.loads(url)).loads
+                return {
+                    "version": await client.weight_version(url),
+                    "running": sum(r.num_running_reqs for r in loads),
+                    "waiting": sum(r.num_waiting_reqs for r in loads),
+                }
+
         try:
-            with urllib.request.urlopen(f"{url}/get_server_info", timeout=1.0) as r:
-                info = json.load(r)
-            self._info = {
-                "version": info.get("weight_version"),
-                "running": info.get("num_running_requests"),
-                "waiting": info.get("num_waiting_requests"),
-            }
+            self._info = asyncio.run(read())
         except Exception as e:  # busy or restarting: say so, the next read may answer
             self._info = {"server_info": f"no answer ({type(e).__name__})"}
 

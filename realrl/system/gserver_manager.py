@@ -40,7 +40,9 @@ trainer version)` and only then put into routing, so `version`, and with it
 admission, never goes back. Every server's `/health` is checked every
 health_check_interval (within health_check_timeout); one that fails leaves
 routing (logged once, counted in `server_events`) and its clients resubmit
-its requests. A client that just failed on servers names them in
+its requests; while the manager loads weights into a server, failed checks
+are not counted against it (SGLang's `/health` waits behind a weight load),
+unless the connection is refused. A client that just failed on servers names them in
 `avoid_urls`: they are probed at once, another server is picked while one is
 up, and `down` says which of them are out of routing. With no server up,
 `url` is null. A weight update skips servers that left routing meanwhile.
@@ -78,6 +80,7 @@ from realrl.api.manager_api import (
     ServersReply,
     SuccessReply,
 )
+from realrl.api.sglang_api import UpdateWeightsFromDiskResponse
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import name_resolve, names, network
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
@@ -335,7 +338,7 @@ class GserverManager(AsyncWorker):
                 f"{len(failures)} of {len(stale)} generation servers could not load weight version {version}:\n"
                 + "\n".join(str(f) for f in failures)
             )
-        interrupted = sum(int(r.get("num_paused_requests", 0) or 0) for r in results if r is not None)
+        interrupted = sum(r.paused_total for r in results if r is not None)
         self.logger.info(
             "all servers hold weight version %d (%.2fs, %d requests interrupted)",
             version,
@@ -347,15 +350,37 @@ class GserverManager(AsyncWorker):
             if deleted:
                 self.logger.info("deleted old weights: %s", ", ".join(os.path.basename(d) for d in deleted))
 
-    async def _update_server(self, url: str, path: str, version: int) -> dict | None:
-        """Loads `version` on `url`; None if the server left routing meanwhile."""
+    async def _load_weights(self, url: str, path: str, version: int) -> UpdateWeightsFromDiskResponse:
+        """One `update_weights_from_disk`; health checks of `url` that fail
+        meanwhile are not counted (see ServerRegistry)."""
+        self.registry.start_loading(url)
+        try:
+            return await self._client.update_weights_from_disk(
+                url, path, version, abort_all_requests=True, timeout_s=self.cfg.weight_update_timeout
+            )
+        finally:
+            ignored = self.registry.stop_loading(url)
+            if ignored:
+                self.logger.info(
+                    "generation server %d at %s: %d health checks failed while it loaded weight version %d "
+                    "(not counted: a server's /health may wait behind a weight load)",
+                    self.registry.get(url).index,
+                    url,
+                    ignored,
+                    version,
+                )
+
+    async def _update_server(self, url: str, path: str, version: int) -> UpdateWeightsFromDiskResponse | None:
+        """Loads `version` on `url`; None if the server left routing meanwhile.
+        A failed load is retried: loading the same directory again is
+        idempotent, and fixes SGLang 0.5.23's "weights updated, but the cache
+        was not flushed" (`success: false` with the new weights serving and
+        the old version reported; `realrl.impl.generation.backends`)."""
         attempts = 1 + max(0, self.cfg.weight_update_retries)
         last_error: Exception | None = None
         for attempt in range(1, attempts + 1):
             try:
-                result = await self._client.update_weights_from_disk(
-                    url, path, version, abort_all_requests=True, timeout_s=self.cfg.weight_update_timeout
-                )
+                result = await self._load_weights(url, path, version)
             except (GenerationServerError, GenerationServerUnavailable) as e:
                 last_error = e
                 if isinstance(e, GenerationServerUnavailable):
@@ -515,9 +540,7 @@ class GserverManager(AsyncWorker):
                         version,
                         target,
                     )
-                    await self._client.update_weights_from_disk(
-                        url, path, target, abort_all_requests=True, timeout_s=self.cfg.weight_update_timeout
-                    )
+                    await self._load_weights(url, path, target)
                     continue  # check again: the trainer may have moved on meanwhile
             except (GenerationServerError, GenerationServerUnavailable, WeightUpdateError) as e:
                 load_failures += 1

@@ -70,7 +70,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import uuid
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -88,6 +87,7 @@ from realrl.impl.generation.client import (
     GenerationClient,
     GenerationServerError,
     GenerationServerUnavailable,
+    new_rid,
 )
 from realrl.system.manager_client import GserverManagerClient, ManagerError, backoff, retryable_status
 
@@ -254,12 +254,11 @@ class PartialRolloutManager:
         previous_url: str | None = None
         previous_version: int | None = None
         while live:
-            rid = uuid.uuid4().hex[:12]
             round_ = _Round(
                 request.qid,
                 [list(request.prompt_ids) + answers[i].output_ids for i in live],
                 [self._chunk_params(gconfig, answers[i]) for i in live],
-                [f"{request.qid}/{i}/{rid}" for i in live],
+                [new_rid(request.qid, i) for i in live],
             )
             scheduled, outcome = await self._rounds.submit((previous_url, previous_version), round_)
             if scheduled.url is None:  # no server is up: counted, as in an answer's loop, which retries
@@ -458,7 +457,7 @@ class PartialRolloutManager:
             url, scheduled_version = scheduled.url, scheduled.version
             if answer.scheduled_version is None:
                 answer.scheduled_version = scheduled_version
-            rid = f"{request.qid}/{index}/{uuid.uuid4().hex[:12]}"
+            rid = new_rid(request.qid, index)
             self.stats.server_requests += 1
             response = None
             try:

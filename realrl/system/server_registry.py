@@ -14,6 +14,12 @@ connection at once, otherwise `failures_to_down` failures in a row); probed on,
 and rejoins when it answers again. "retired": no longer registered, not
 probed; only a new registration of its URL makes it join again.
 
+While the manager loads weights into a server (`start_loading` ..
+`stop_loading`), a failed check that is not a refused or dropped connection
+does not count: SGLang's `/health` generates a token, which waits behind a
+weight update and then answers 503 (`realrl.impl.generation.backends`). Such
+checks are counted as the event `unhealthy_while_loading`.
+
 `ServerRegistry` keeps these states and the `RequestRouter` in step (a server
 is in routing iff it is up) and counts the events (down / joined / rejoined /
 retired). It is plain synchronous state, the clock passed in: the
@@ -45,6 +51,8 @@ class Server:
     since: float  # clock time of the last change of state
     reason: str = ""  # why it is in this state
     failures: int = 0  # health checks failed in a row
+    loading: int = 0  # weight loads the manager has in progress on it
+    failures_while_loading: int = 0  # failed checks not counted during the current load(s)
     joined: int | None = None  # the weight version it last joined routing with
     first_request_version: int | None = None  # the version it held when first given a request
 
@@ -75,7 +83,8 @@ class ServerRegistry:
         self.servers: dict[str, Server] = {url: Server(i, url, "up", since=now) for i, url in enumerate(urls)}
         self.registered: dict[int, str] = dict(enumerate(urls))  # server index -> url, as in the name service
         self._indices_up: set[int] = set(range(len(urls)))  # server indices that have been in routing
-        self.events: collections.Counter[str] = collections.Counter()  # down / joined / rejoined / retired
+        # down / joined / rejoined / retired / unhealthy_while_loading
+        self.events: collections.Counter[str] = collections.Counter()
 
     def get(self, url: str) -> Server | None:
         return self.servers.get(url)
@@ -129,17 +138,35 @@ class ServerRegistry:
         self.events[event] += 1
         return event
 
+    def start_loading(self, url: str) -> None:
+        """The manager starts loading weights into `url` (see the module docstring)."""
+        self.servers[url].loading += 1
+
+    def stop_loading(self, url: str) -> int:
+        """A load into `url` ended: the failed checks not counted while no
+        other load was in progress on it (0 if another one still is)."""
+        server = self.servers[url]
+        server.loading -= 1
+        if server.loading:
+            return 0
+        ignored, server.failures_while_loading = server.failures_while_loading, 0
+        return ignored
+
     def health_checked(self, url: str, ok: bool, gone: bool) -> Literal["down", "rejoin"] | None:
         """Counts one health check of an up or down server: "down" when it must
         leave routing (`gone`: the connection was refused or dropped; or
-        `failures_to_down` failures in a row), "rejoin" when a down server
-        answers again, otherwise None."""
+        `failures_to_down` failures in a row, not counting those while it
+        loads weights), "rejoin" when a down server answers again, otherwise None."""
         server = self.servers.get(url)
         if server is None or server.state not in ("up", "down"):
             return None
         if ok:
             server.failures = 0
             return "rejoin" if server.state == "down" else None
+        if server.loading and not gone:
+            server.failures_while_loading += 1
+            self.events["unhealthy_while_loading"] += 1
+            return None
         server.failures += 1
         if server.state == "up" and (gone or server.failures >= self.failures_to_down):
             return "down"

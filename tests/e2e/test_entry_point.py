@@ -60,6 +60,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         # servers and requests
         ("server.torch.max_running_requests=0", "server.torch.max_running_requests"),
         ("server.torch.dtype=int8", "server.torch.dtype"),
+        ("server.torch.emulate_sglang=0.4.8", "server.torch.emulate_sglang"),
         ("server.startup_timeout=0", "server.startup_timeout"),
         ("server.weight_update_timeout=-1", "server.weight_update_timeout"),
         ("server.weight_update_retries=-1", "server.weight_update_retries"),

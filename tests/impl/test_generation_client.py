@@ -6,14 +6,32 @@ import asyncio
 
 import pytest
 
+from realrl.api.sglang_api import UpdateWeightsFromDiskResponse
+from realrl.base.http_body import from_json
 from realrl.impl.generation.client import (
     GenerateResult,
     GenerationClient,
     GenerationServerError,
     GenerationServerUnavailable,
+    new_rid,
 )
 from tests.impl.conftest import _free_port
 from tests.impl.test_torch_server import get_json, wait_until
+
+
+def test_request_ids_are_never_prefixes_of_one_another():
+    """SGLang aborts every request whose rid starts with the one given."""
+    rids = [new_rid(qid, i) for _ in range(2) for qid in ("q", "q/1", "q/10", "q/1/0", "") for i in (0, 1, 10)]
+    assert len(set(rids)) == len(rids)
+    assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+    assert rids[1].endswith("/q/1")  # readable: the episode and the answer
+
+
+def test_update_answers_with_a_count_per_rank():
+    """SGLang with data parallelism answers one num_paused_requests per rank."""
+    single = from_json(UpdateWeightsFromDiskResponse, {"success": True, "message": "", "num_paused_requests": 3})
+    per_rank = from_json(UpdateWeightsFromDiskResponse, {"success": True, "num_paused_requests": [2, 0, 1]})
+    assert (single.paused_total, per_rank.paused_total) == (3, 3)
 
 
 def test_generate_result_parses_sglang_shapes():

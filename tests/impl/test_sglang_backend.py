@@ -1,12 +1,15 @@
 """Generation backends: the commands they build and the availability check.
 
 SGLang cannot be installed on a machine without a GPU (docs/design.md §6), so its
-path is covered here by the exact argv it builds, and by the worker refusing
-to start a process when SGLang is missing."""
+path is covered here by the exact argv and environment it builds, by the
+worker refusing to start a process when SGLang is missing, and by the version
+check against a stand-in distribution (a package directory with its
+dist-info, which `importlib.metadata` reads as it reads an installed SGLang)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 
@@ -24,6 +27,8 @@ from realrl.impl.generation.backends import (
     register_backend,
 )
 from realrl.launcher.local import LocalLauncher, WorkerGroup
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def flags(argv: list[str]) -> dict[str, str | bool]:
@@ -79,6 +84,8 @@ def test_sglang_command_for_a_full_config():
         "--chunked-prefill-size": "2048",
         "--enable-metrics": True,
     }
+    # /health without a generation, which would wait behind weight updates
+    assert SGLangBackend().env(config) == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
 
 def test_sglang_command_leaves_unset_options_to_sglang():
@@ -117,12 +124,59 @@ def test_torch_command():
     config.torch.length_before_eos = True  # SGLang's order of finish checks
     assert flags(TorchBackend().command(config, "127.0.0.1", 20001)[3:])["--length-before-eos"] is True
     TorchBackend().check_available()  # always available
+    assert TorchBackend().env(config) == {}
+    # Emulating SGLang (tests): the release and ranks, launched with SGLang's environment.
+    config.torch.emulate_sglang, config.torch.emulate_sglang_dp = "0.5.16", 2
+    f = flags(TorchBackend().command(config, "127.0.0.1", 20001)[3:])
+    assert (f["--emulate-sglang"], f["--emulate-sglang-dp"]) == ("0.5.16", "2")
+    assert TorchBackend().env(config) == SGLangBackend().env(config)
 
 
 def test_missing_sglang_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # as on a machine without SGLang
     with pytest.raises(BackendUnavailableError, match=r"pip install 'realrl\[sglang\]'.*torch backend"):
         get_backend("sglang").check_available()
+
+
+def stand_in_sglang(root, version: str) -> str:
+    """A directory that holds an "installed" SGLang `version`: the package and its dist-info."""
+    (root / "sglang").mkdir(parents=True)
+    (root / "sglang" / "__init__.py").write_text("raise ImportError('a stand-in: never imported')\n")
+    info = root / f"sglang-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("version, ok", [("0.5.5", False), ("0.5.15", False), ("0.5.16", True), ("0.5.23", True)])
+def test_sglang_older_than_the_pinned_release_is_refused(tmp_path, monkeypatch, version, ok):
+    monkeypatch.syspath_prepend(stand_in_sglang(tmp_path, version))
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    if ok:
+        get_backend("sglang").check_available()
+        return
+    with pytest.raises(BackendUnavailableError) as info:
+        get_backend("sglang").check_available()
+    assert str(info.value).startswith(f"SGLang {version} is installed here; realrl needs SGLang >= 0.5.16")
+
+
+def test_an_old_sglang_is_a_one_line_config_error_before_anything_starts(tmp_path):
+    env = dict(os.environ, PYTHONPATH=stand_in_sglang(tmp_path / "site", "0.5.6"))
+    fileroot = tmp_path / "runs"
+    proc = subprocess.run(
+        [sys.executable, "training/main_async_ppo.py", f"fileroot={fileroot}", "allocation_mode=sglang.d1p1m1+d1p1m1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "realrl: config error: allocation_mode: SGLang 0.5.6 is installed here; realrl needs SGLang >= 0.5.16 "
+        "(the first release with every flag and field realrl uses): `pip install 'sglang[srt]>=0.5.16'`"
+    ]
+    assert not fileroot.exists()  # nothing started
 
 
 def test_registry_lists_choices_and_takes_plugins():

@@ -430,7 +430,7 @@ def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
         return update, aborted, after_v1, bad.value, after_v2, await client.model_info(url)
 
     update, aborted, after_v1, bad, after_v2, info = run(_with_client(go))
-    assert update["success"] is True and update["num_paused_requests"] == len(PROMPTS)
+    assert update.success is True and update.num_paused_requests == len(PROMPTS)
     for res in aborted:
         assert res.finish_reason == "abort"
         assert res.weight_version == "0"
@@ -469,7 +469,7 @@ def test_update_weights_without_abort_lets_requests_finish(start_server, tiny_ll
         return update, status, results, after
 
     update, status, results, after = run(_with_client(go))
-    assert update["success"] and update["num_paused_requests"] == 0
+    assert update.success and update.num_paused_requests == 0
     # Each request ran to its end under the old weights (a version is stamped
     # when a request finishes, so a mid-flight swap would show "7").
     assert status == 200 and len(results) == len(PROMPTS)
@@ -841,6 +841,7 @@ def test_engine_join_widens_trimmed_window(reference_model):
 # --------------------------------------------------------------------------- CUDA
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 def test_cuda_server_matches_the_cpu_reference(start_server, tiny_llama_dir, reference_model):
     """The same server on a GPU: logprobs of a fresh CPU forward pass (looser

@@ -18,6 +18,7 @@ from realrl.api.cli_args import TorchServerConfig
 from realrl.api.system_api import GenerationServerConfig, WorkerInfo, WorkerSpec, to_plain
 from realrl.base import name_resolve, names
 from realrl.base.name_resolve import NameResolveConfig
+from realrl.impl.generation.backends import SGLANG_MIN_VERSION
 from realrl.impl.generation.client import GenerationClient
 from realrl.launcher.local import WorkerGroup
 from tests.system.trial_thread import TrialThread, wait_until
@@ -63,8 +64,14 @@ def worker_children(worker_pid: int) -> list[psutil.Process]:
         return []
 
 
-def server_config(model_dir: str, **kw) -> GenerationServerConfig:
-    torch_cfg = TorchServerConfig(num_threads=1)
+# The servers the runtime's tests meet: the torch server, and the torch server
+# emulating SGLang as realrl launches it (the lowest release realrl runs with,
+# two data-parallel ranks; realrl.impl.generation.torch_server.sglang_compat).
+SERVER_MODES = {"torch": {}, "sglang": {"emulate_sglang": SGLANG_MIN_VERSION, "emulate_sglang_dp": 2}}
+
+
+def server_config(model_dir: str, mode: str = "torch", **kw) -> GenerationServerConfig:
+    torch_cfg = TorchServerConfig(num_threads=1, **SERVER_MODES[mode])
     return GenerationServerConfig(model_path=model_dir, startup_timeout=120, torch=torch_cfg, **kw)
 
 

@@ -28,6 +28,7 @@ from realrl.launcher.local import WorkerGroup
 from realrl.system.gserver_manager import delete_old_weight_dirs
 from tests.system.test_generation_server import (
     EXP,
+    SERVER_MODES,
     build_tiny_model,
     server_config,
 )
@@ -81,52 +82,50 @@ def tiny_model():
     return build_tiny_model(seed=1)[1]
 
 
+class TorchServer:
+    """A real torch server subprocess in its own process group (not a worker's)."""
+
+    def __init__(self, root, model_dir: str, *args: str, env: dict | None = None):
+        self.port = network.find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(root / f"server-{self.port}.log", "wb")
+        cmd = [sys.executable, "-m", "realrl.impl.generation.torch_server", "--model-path", model_dir]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            asyncio.run(_wait_healthy(self.url, self.proc))
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory, tiny_model):
-    """One real torch server the admission trials share, in its own process group."""
+    """One real torch server the admission trials share."""
     from realrl.system.model_worker import publish_weights
 
     root = tmp_path_factory.mktemp("shared_server")
-    model_dir = publish_weights(tiny_model, str(root / "weights"), 0)
-    port = network.find_free_port()
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "realrl.impl.generation.torch_server",
-            "--model-path",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--num-threads",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = TorchServer(root, publish_weights(tiny_model, str(root / "weights"), 0))
     try:
-        asyncio.run(_wait_healthy(url, proc))
-        yield url
+        yield server.url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.close()
+        server.kill()
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
     async with GenerationClient() as client:
         for _ in range(600):
-            assert proc.poll() is None, "the shared torch server died at startup"
-            if await client.health(url, timeout_s=2):
+            assert proc.poll() is None, "the torch server died at startup"
+            if await client.health(url, timeout_s=5):
                 return
             await asyncio.sleep(0.2)
-    pytest.fail("the shared torch server never got healthy")
+    pytest.fail("the torch server never got healthy")
 
 
 FRESH = {"step": 0, "version": 0, "consumed": 0, "dropped": 0, "filtered": 0}  # training_start of a new trial
@@ -507,7 +506,8 @@ def test_batched_allocate_and_finish(tmp_path, etcd_server, shared_server):
         trial.close()
 
 
-def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, tiny_model):
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, tiny_model, mode):
     from realrl.system.model_worker import publish_weights
 
     weights_dir = tmp_path / "weights"
@@ -519,7 +519,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         n_servers=2, train_batch_size=B, max_head_offpolicyness=1, weights_dir=str(weights_dir), poll_interval=0.05
     )
     groups = [
-        WorkerGroup("generation_server", 2, server_config(model_dir)),
+        WorkerGroup("generation_server", 2, server_config(model_dir, mode)),
         WorkerGroup("gserver_manager", 1, manager_cfg),
     ]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
@@ -614,3 +614,73 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         assert len(re.findall(r"generation server 0 at \S+ (is down|left routing)", log)) == 1
     finally:
         trial.close()
+
+
+def test_failed_health_checks_do_not_count_while_a_server_loads_weights(tmp_path, etcd_server, tiny_model):
+    """SGLang's /health generates a token, so it waits behind a weight update
+    and answers 503 (emulated: SGLang 0.5.16 with its health check timing out
+    after 1 s, and the update held at a gate for as long as the test needs).
+    Checks that fail during the load are not counted: the server stays in
+    routing. A server whose /health fails otherwise (here: paused) still
+    leaves routing, and rejoins once it answers."""
+    from realrl.system.model_worker import publish_weights
+
+    model_dir = publish_weights(tiny_model, str(tmp_path / "model"), 0)
+    publish_weights(tiny_model, str(tmp_path / "weights"), 1)
+    gate = tmp_path / "gate"
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"}
+    env["SGLANG_HEALTH_CHECK_TIMEOUT"] = "1"
+    server = TorchServer(tmp_path, model_dir, "--emulate-sglang", "0.5.16", "--weight-load-gate", str(gate), env=env)
+    trial = None
+
+    async def state_and_events(m: Manager) -> tuple[str, dict]:
+        reply = await m.get("/servers")
+        return reply["servers"][0]["state"], reply["events"]
+
+    async def wait_for(m: Manager, what: str, predicate) -> tuple[str, dict]:
+        for _ in range(1200):
+            state, events = await state_and_events(m)
+            if predicate(state, events):
+                return state, events
+            await asyncio.sleep(0.05)
+        pytest.fail(f"never {what}: {state} {events}")
+
+    async def scenario(m: Manager):
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "1")  # the manager's update waits at the gate
+
+        def three_ignored(state, events) -> bool:
+            assert state == "up" and "down" not in events, (state, events)  # in routing all along
+            return events.get("unhealthy_while_loading", 0) >= 3  # more than health_check_failures
+
+        await wait_for(m, "3 failed checks during the load", three_ignored)
+        async with GenerationClient(timeout_s=30) as client:
+            probe = await client.probe(server.url, timeout_s=10)
+            assert not probe.ok and "HTTP 503" in probe.reason  # what the manager saw
+            gate.touch()
+            await m.wait_stats("loaded_version", 1)
+            assert "down" not in (await state_and_events(m))[1]
+
+            await client.pause_generation(server.url)
+            await wait_for(m, "down while paused", lambda state, events: state == "down")
+            await client.continue_generation(server.url)
+            _, events = await wait_for(m, "back in routing", lambda state, events: state == "up")
+            assert events["down"] == events["rejoined"] == 1
+
+    try:
+        trial, url = start_manager_trial(
+            tmp_path,
+            etcd_server.addr,
+            server.url,
+            health_check_interval=0.2,
+            health_check_timeout=5,
+            health_check_failures=2,
+        )
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+        log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+        assert re.search(r"health checks failed while it loaded weight version 1 \(not counted", log), log[-3000:]
+        assert len(re.findall(r"generation server 0 at \S+ is down", log)) == 1  # the pause, not the load
+    finally:
+        if trial is not None:
+            trial.close()
+        server.kill()

@@ -14,10 +14,12 @@ import json
 import threading
 import urllib.request
 
+import pytest
 from aiohttp import web
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.base import names
+from tests.system.test_generation_server import SERVER_MODES
 from tests.system.test_partial_rollout import (  # noqa: F401  (tiny_kit: a fixture)
     EXP,
     HealthOnlyServer,
@@ -79,9 +81,13 @@ class NonBatchingServer(HealthOnlyServer):
         app.router.add_post("/generate", generate)
 
 
-def two_server_trial(tmp_path, etcd_server, tiny_kit, fake_url: str, **manager_kwargs) -> TrialThread:
-    """A real server (index 0) and `fake_url` (index 1) behind one manager."""
-    groups = [server_group(tiny_kit["model_dir"]), manager_group(n_servers=2, train_batch_size=4, **manager_kwargs)]
+def two_server_trial(tmp_path, etcd_server, tiny_kit, fake_url: str, mode: str, **manager_kwargs) -> TrialThread:
+    """A real server (index 0; `mode`: the torch server, or it emulating SGLang)
+    and `fake_url` (index 1) behind one manager."""
+    groups = [
+        server_group(tiny_kit["model_dir"], mode=mode),
+        manager_group(n_servers=2, train_batch_size=4, **manager_kwargs),
+    ]
     t = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     t.start()
     t.set(names.gen_server(EXP, t.trial, 1), fake_url)
@@ -112,14 +118,15 @@ def manager_servers(url: str) -> dict:
         return {s["url"]: s for s in json.loads(resp.read())["servers"]}
 
 
-def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, etcd_server, tiny_kit):
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, etcd_server, tiny_kit, mode):
     """No retry at all is allowed, and one of two groups is first routed to a
     server that is gone: each of its answers is resubmitted to the live one,
     because the manager, probing the server the client names, reports it out
     of routing."""
     fake = HealthOnlyServer()
     # No periodic health check during the test: only the clients' reports take the server out.
-    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=3600)
+    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, mode, health_check_interval=3600)
     try:
         fake.stop()
         stats, scheduled = two_groups(t, "dead")
@@ -133,7 +140,8 @@ def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, e
         t.close()
 
 
-def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etcd_server, tiny_kit):
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etcd_server, tiny_kit, mode):
     """A server that hangs (its connections stay open) fails its health
     checks: the manager takes it out of routing and the requests waiting on it
     are resubmitted at once, long before request_timeout."""
@@ -143,6 +151,7 @@ def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etc
         etcd_server,
         tiny_kit,
         fake.url,
+        mode,
         health_check_interval=0.5,
         health_check_timeout=0.5,
         health_check_failures=2,
@@ -187,7 +196,8 @@ def test_a_server_that_cannot_batch_gets_its_answers_one_by_one(tmp_path, etcd_s
     go one by one, nothing is counted against the retries, every answer is
     complete."""
     fake = NonBatchingServer()
-    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, health_check_interval=3600)
+    # (the torch server only: the fake relays single requests to it, where SGLang does not differ)
+    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, "torch", health_check_interval=3600)
     try:
         fake.upstream = t.server_url
         stats, scheduled = two_groups(t, "nobatch")

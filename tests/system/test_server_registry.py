@@ -36,6 +36,22 @@ def test_start_up_servers_are_up_and_health_failures_take_one_down():
     assert reg.events == {"down": 1}
 
 
+def test_failures_while_loading_weights_do_not_count_unless_the_connection_is_refused():
+    """SGLang's /health waits behind a weight update and then answers 503."""
+    reg, _, _ = registry(failures_to_down=2)
+    reg.health_checked("a", ok=False, gone=False)  # one failure before the load: kept
+    reg.start_loading("a")
+    reg.start_loading("a")  # two loads overlap (a join's and an update's)
+    assert [reg.health_checked("a", ok=False, gone=False) for _ in range(5)] == [None] * 5
+    assert reg.stop_loading("a") == 0  # another load still runs
+    assert reg.health_checked("a", ok=False, gone=False) is None
+    assert reg.stop_loading("a") == 6  # the failed checks not counted, for the log
+    assert reg.get("a").failures == 1 and reg.events == {"unhealthy_while_loading": 6}
+    assert reg.health_checked("a", ok=False, gone=False) == "down"  # loaded: counted again
+    reg.start_loading("b")
+    assert reg.health_checked("b", ok=False, gone=True) == "down"  # nothing listens: at once, loading or not
+
+
 def test_a_down_server_that_answers_again_rejoins_once_it_holds_the_version():
     reg, router, _ = registry(versions=[2, 2])
     reg.mark_down("a", "gone")

@@ -112,6 +112,7 @@ def run_trial(
     stale_every: int = 5,
     invalid_every: int = 7,
     oov_every: int = 0,
+    dtype: str = "float32",
 ):
     """Master + `dp` model workers + synthetic rollout pushers (one per rank
     unless `pushers` says otherwise), every `stale_every`-th trajectory stale,
@@ -135,6 +136,7 @@ def run_trial(
         eval_max_new_tokens=4,
         device=device,
         fsdp=fsdp,
+        dtype=dtype,
     )
     master = MasterWorkerConfig(
         n_model_workers=dp,
@@ -233,16 +235,21 @@ def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model
     assert "IndexError" not in logs
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_fsdp_model_workers_on_cuda(tmp_path, tiny_model_dir, algorithm):
-    """NCCL + FSDP2: sharded training, full state dicts gathered for publishing,
-    the final model and checkpoints (two ranks when two GPUs are visible)."""
+@pytest.mark.parametrize("algorithm, dtype", [("grpo", "bfloat16"), ("ppo", "float32")])
+def test_fsdp_model_workers_on_cuda(tmp_path, tiny_model_dir, algorithm, dtype):
+    """NCCL + FSDP2: sharded training (in bf16 too), full state dicts gathered
+    for publishing, the final model and checkpoints (two ranks when two GPUs
+    are visible)."""
     from transformers import AutoModelForCausalLM
 
     dp = 2 if torch.cuda.device_count() >= 2 else 1
-    _, weights_dir, _, _ = run_trial(tmp_path, tiny_model_dir, algorithm, dp=dp, device="cuda", fsdp=True)
+    _, weights_dir, _, _ = run_trial(tmp_path, tiny_model_dir, algorithm, dp=dp, device="cuda", fsdp=True, dtype=dtype)
     published = AutoModelForCausalLM.from_pretrained(os.path.join(weights_dir, "3"))
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir[0])
-    changed = [not torch.equal(a, b) for a, b in zip(published.state_dict().values(), initial.state_dict().values())]
+    # (the initial weights in the published dtype: rounding alone is no change)
+    pairs = zip(published.state_dict().values(), initial.state_dict().values())
+    changed = [not torch.equal(a, b.to(a.dtype)) for a, b in pairs]
     assert any(changed)  # full (unsharded) trained weights were written
+    assert {t.dtype for t in published.state_dict().values()} == {getattr(torch, dtype)}

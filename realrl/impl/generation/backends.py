@@ -1,11 +1,12 @@
 """Generation backends: how to launch one inference server process.
 
-A backend knows two things about its server (docs/design.md §6):
+A backend knows three things about its server (docs/design.md §6):
 
 - `check_available()`: whether it can run here at all, checked *before* any
-  process starts, so a missing package fails with a message that says what to
-  do instead of a crash deep inside a child process;
-- `command(config, host, port, base_gpu_id)`: the argv that starts it.
+  process starts, so a missing package (or one too old) fails with a message
+  that says what to do instead of a crash deep inside a child process;
+- `command(config, host, port, base_gpu_id)`: the argv that starts it;
+- `env(config)`: environment variables the server needs on top of ours.
 
 Both built-in servers speak the same HTTP API, so everything after launch
 (health, generation, weight updates) goes through the shared
@@ -16,17 +17,84 @@ Built-ins: "torch" (the realrl torch server, CPU or GPU) and "sglang"
 `register_backend(name, cls)`; the GenerationServer worker picks it by
 `GenerationServerConfig.backend`.
 
+**SGLang, as its source says it behaves.** Read from SGLang's released wheels
+on PyPI, 0.4.6 to 0.5.23: the repository (1.2 GB) was too large to fetch, and
+the wheels carry no commit id (`_version.py`: `commit_id = None`), so a
+release stands in for a commit. Wheels (sha256, first 16 hex digits):
+sglang 0.5.16 `d5f345a18953dd35`, 0.5.17 `575e38f5683624de`, 0.5.23
+`00b3cd5b265ac76c` (`sglang-<v>-cp311-cp311-manylinux_2_34_x86_64.whl`).
+Paths below are under `sglang/srt/`, line numbers of the version named.
+
+- `/health` runs a one-token generation, which waits behind a paused server
+  and behind `update_weights_from_disk` (it holds the write lock of the lock
+  every generation reads), and answers 503 after `SGLANG_HEALTH_CHECK_TIMEOUT`
+  (20 s) with no output: v0.5.16 `entrypoints/http_server.py:616-690`
+  `health_generate`, `managers/tokenizer_manager.py:654-657` (generate_request),
+  `:1751-1783` (update_weights_from_disk). We launch with
+  `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` (plain 200; it works from
+  0.5.6: v0.5.16 `http_server.py:633-637`), and the manager does not count a
+  failed health check against a server it is loading weights into.
+- `update_weights_from_disk` answers `success: false` with HTTP 400
+  (v0.5.16 `http_server.py:1171-1197`); with data parallelism
+  `num_paused_requests` is a list, one per rank, and `success` their AND
+  (v0.5.16 `tokenizer_manager.py:1791-1814`). After loading, the scheduler
+  flushes the prefix cache; a flush refused (requests still running or
+  queued, which needs a pause other than `abort`: realrl never pauses) fails
+  an assert that takes the server down in 0.5.16..0.5.20 (v0.5.16
+  `managers/scheduler_components/weight_updater.py:103-123`; the worker
+  restarts it), and in 0.5.23 returns `success: false` **although the new
+  weights serve** (v0.5.23 `weight_updater.py:120-163`), the weight version
+  left unchanged. The manager treats both as a failed update and retries:
+  loading the same directory again is idempotent and sets the version; until
+  then tokens are labelled with the older version, which only overstates
+  their staleness (their logprobs are the ones they were sampled with).
+- `/get_server_info` holds the server arguments and `internal_states` (one
+  per rank), no request counts (v0.5.16 `http_server.py:733-765`); the
+  counts are in `GET /v1/loads`, one entry per rank (v0.5.16
+  `entrypoints/v1_loads.py:72-123`, `managers/load_snapshot.py:193-199`).
+- `/model_info` exists from 0.5.6, `/get_model_info` in every version
+  (v0.5.16 `http_server.py:693-720`); `/get_weight_version` answers 404 from
+  0.5.8.
+- `/abort_request {rid}` is forwarded only for a rid the server knows
+  exactly, and the scheduler then ends every request whose rid *starts
+  with* it, queued or running (v0.5.16 `tokenizer_manager.py:1711-1727`,
+  `managers/scheduler.py:4030-4060`); realrl's rids are never prefixes of
+  one another (`client.new_rid`).
+- `/pause_generation` takes a JSON body from 0.5.6, `{}` at least
+  (`PauseGenerationReqInput`, v0.5.16 `managers/io_struct.py:1490-1509`,
+  `http_server.py:1622-1632`); its default mode `abort` repeats an abort of
+  every request, waiting ones included, until none is left (v0.5.16
+  `tokenizer_manager.py:1729-1743`).
+- The length limit is checked before EOS (`length_before_eos`, §6).
+
+The torch server reproduces these behaviours for tests
+(`server.torch.emulate_sglang`, `realrl.impl.generation.torch_server.sglang_compat`).
+
+**The lowest SGLang realrl runs with: 0.5.16** (`SGLANG_MIN_VERSION`), the
+first release with every flag and field it uses: `--weight-version` and
+`weight_version` in `update_weights_from_disk` (0.5.0rc2), the body of
+`/pause_generation`, `/model_info` and the health switch (0.5.6), `/v1/loads`
+(0.5.10), and `return_sampling_mask` with `output_token_sampling_logprobs`,
+the logprob under the distribution a token was drawn from (v0.5.16
+`managers/io_struct.py:208`, `layers/sampler.py:329-393`; absent in 0.5.15).
+`check_available` refuses an older one before anything starts.
+
 This module imports nothing heavy (no torch, no sglang): the worker and the
 config validation import it in processes that must stay light.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import sys
 
+from packaging.version import InvalidVersion, Version
+
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base.registry import Registry
+
+SGLANG_MIN_VERSION = "0.5.16"  # see the module docstring
 
 
 class BackendUnavailableError(RuntimeError):
@@ -45,6 +113,10 @@ class GenerationBackend:
         """The argv that starts one server on host:port. `base_gpu_id` is the
         first GPU (of those visible to the process) this server may use."""
         raise NotImplementedError
+
+    def env(self, config: GenerationServerConfig) -> dict[str, str]:
+        """Environment variables the server process gets on top of the worker's."""
+        return {}
 
 
 def _module_available(name: str) -> bool:
@@ -93,7 +165,18 @@ class TorchBackend(GenerationBackend):
         ]
         if torch_cfg.length_before_eos:
             cmd.append("--length-before-eos")
+        if torch_cfg.emulate_sglang:
+            cmd += [
+                "--emulate-sglang",
+                torch_cfg.emulate_sglang,
+                "--emulate-sglang-dp",
+                str(torch_cfg.emulate_sglang_dp),
+            ]
         return cmd
+
+    def env(self, config: GenerationServerConfig) -> dict[str, str]:
+        # Emulating SGLang: launched as SGLang is.
+        return SGLangBackend().env(config) if config.torch.emulate_sglang else {}
 
 
 class SGLangBackend(GenerationBackend):
@@ -113,6 +196,25 @@ class SGLangBackend(GenerationBackend):
                 "`pip install 'realrl[sglang]'` on a CUDA machine; on CPU use the torch backend "
                 "(allocation_mode=torch.d<N>p1m1+d<M>p1m1)"
             )
+        try:  # the distribution's metadata: importing sglang would initialise CUDA
+            installed = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            installed = "unknown"
+        try:
+            too_old = Version(installed) < Version(SGLANG_MIN_VERSION)
+        except InvalidVersion:
+            too_old = True
+        if too_old:
+            raise BackendUnavailableError(
+                f"SGLang {installed} is installed here; realrl needs SGLang >= {SGLANG_MIN_VERSION} "
+                f"(the first release with every flag and field realrl uses): `pip install "
+                f"'sglang[srt]>={SGLANG_MIN_VERSION}'`"
+            )
+
+    def env(self, config: GenerationServerConfig) -> dict[str, str]:
+        # /health answers without a generation, so it does not wait behind a
+        # weight update (see the module docstring).
+        return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
     def command(self, config: GenerationServerConfig, host: str, port: int, base_gpu_id: int = 0) -> list[str]:
         sg = config.sglang

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,11 +37,14 @@ import aiohttp
 
 from realrl.api.sglang_api import (
     AbortRequest,
+    ContinueGenerationRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    Loads,
     MetaInfo,
     ModelInfo,
+    PauseGenerationRequest,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
@@ -126,6 +130,15 @@ class HealthProbe:
     ok: bool
     reason: str = ""
     gone: bool = False
+
+
+def new_rid(qid: str, index: int) -> str:
+    """A fresh request id for one `/generate` of answer `index` of episode
+    `qid`: `<32 hex digits>/<qid>/<index>`. SGLang's `/abort_request` ends
+    every live request whose rid starts with the one given (docs/design.md
+    §6); a random head of fixed length makes sure no rid is a prefix of
+    another, whatever the qids look like."""
+    return f"{uuid.uuid4().hex}/{qid}/{index}"
 
 
 def _normalise(url: str) -> str:
@@ -275,10 +288,10 @@ class GenerationClient:
         weight_version: str | int | None,
         abort_all_requests: bool = True,
         timeout_s: float | None = None,
-    ) -> dict[str, Any]:
-        """Load new weights on the server; returns the JSON answer (an
-        `UpdateWeightsFromDiskResponse`: `{success, message,
-        num_paused_requests}`); raises GenerationServerError if it failed."""
+    ) -> UpdateWeightsFromDiskResponse:
+        """Load new weights on the server; returns its answer (`paused_total`:
+        the requests it aborted); raises GenerationServerError if it failed
+        (`success: false`, HTTP 400)."""
         request = UpdateWeightsFromDiskRequest(
             model_path=model_path,
             weight_version=None if weight_version is None else str(weight_version),
@@ -293,15 +306,19 @@ class GenerationClient:
             answer = UpdateWeightsFromDiskResponse(success=False, message=str(body))
         if not answer.success:
             raise GenerationServerError(400, f"weight update failed: {answer.message}", url)
-        return body
+        return answer
 
-    async def pause_generation(self, url: str) -> Any:
-        return await self._request("POST", url, "/pause_generation", {})
+    async def pause_generation(self, url: str, mode: str = "abort") -> Any:
+        """`abort`: every running and waiting request ends with `abort`;
+        `in_place`: they wait for `continue_generation`."""
+        return await self._request("POST", url, "/pause_generation", to_json(PauseGenerationRequest(mode=mode)))
 
     async def continue_generation(self, url: str) -> Any:
-        return await self._request("POST", url, "/continue_generation", {})
+        return await self._request("POST", url, "/continue_generation", to_json(ContinueGenerationRequest()))
 
     async def abort_request(self, url: str, rid: str | None = None, abort_all: bool = False) -> Any:
+        """Ends request `rid` (on SGLang also every live request whose rid
+        starts with it), or every request."""
         if rid is None and not abort_all:
             raise ValueError("give a rid or abort_all=True")
         return await self._request("POST", url, "/abort_request", to_json(AbortRequest(rid=rid, abort_all=abort_all)))
@@ -338,17 +355,22 @@ class GenerationClient:
         except aiohttp.ClientError as e:
             return HealthProbe(False, f"{type(e).__name__}: {e}")
 
-    async def model_info(self, url: str) -> ModelInfo:
+    async def model_info(self, url: str, timeout_s: float | None = None) -> ModelInfo:
         try:
-            body = await self._request("GET", url, "/model_info")
+            body = await self._request("GET", url, "/model_info", timeout_s=timeout_s)
         except GenerationServerError as e:
             if e.status != 404:
                 raise
-            body = await self._request("GET", url, "/get_model_info")  # older SGLang
+            body = await self._request("GET", url, "/get_model_info", timeout_s=timeout_s)  # SGLang before 0.5.6
         return _read(ModelInfo, body, url, "/model_info")
 
-    async def weight_version(self, url: str) -> str:
-        return (await self.model_info(url)).weight_version or ""
+    async def weight_version(self, url: str, timeout_s: float | None = None) -> str:
+        return (await self.model_info(url, timeout_s)).weight_version or ""
+
+    async def loads(self, url: str, timeout_s: float | None = None) -> Loads:
+        """`GET /v1/loads`: running and waiting requests per data-parallel rank."""
+        body = await self._request("GET", url, "/v1/loads?include=core", timeout_s=timeout_s)
+        return _read(Loads, body, url, "/v1/loads")
 
     async def server_info(self, url: str) -> dict[str, Any]:
         """The decoded `/get_server_info` answer: the torch server's is a

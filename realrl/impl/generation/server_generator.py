@@ -17,10 +17,9 @@ worker's partial rollouts instead.
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from realrl.api.generation_api import GenerationRequest, GenerationResult
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation.client import GenerationClient, new_rid
 
 
 class ServerGenerator:
@@ -32,9 +31,7 @@ class ServerGenerator:
         params = request.gconfig.sampling_params()
         responses = await asyncio.gather(
             *(
-                self.client.generate(
-                    self.url, list(request.prompt_ids), params, rid=f"{request.qid}/{i}/{uuid.uuid4().hex[:8]}"
-                )
+                self.client.generate(self.url, list(request.prompt_ids), params, rid=new_rid(request.qid, i))
                 for i in range(request.group_size)
             )
         )

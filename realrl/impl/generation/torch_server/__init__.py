@@ -3,7 +3,7 @@
     python -m realrl.impl.generation.torch_server --model-path DIR --port N \
         [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
         [--max-running-requests 64] [--seed 1] [--weight-version 0] [--num-threads K] \
-        [--length-before-eos]
+        [--length-before-eos] [--emulate-sglang VERSION [--emulate-sglang-dp N]]
 
 It speaks the subset of SGLang's native API that realrl uses (docs/design.md
 §6), with the request and response bodies of `realrl.api.sglang_api`, so the
@@ -22,6 +22,8 @@ layer, each usable alone:
 - `engine`: the thread that owns the model and runs the continuous-batching
   loop, fault isolation, weight swaps between decode steps;
 - `http`: the aiohttp routes, body checks and rejection counters;
+- `sglang_compat`: SGLang's behaviours where they differ, by release, which
+  the server copies for tests (`--emulate-sglang`);
 - `__main__`: the command line.
 """
 

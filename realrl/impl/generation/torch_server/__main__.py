@@ -3,7 +3,8 @@
     python -m realrl.impl.generation.torch_server --model-path DIR --port N \
         [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
         [--max-running-requests 64] [--max-prefill-tokens 8192] [--seed 1] \
-        [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL]
+        [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL] \
+        [--emulate-sglang VERSION [--emulate-sglang-dp N]] [--weight-load-gate FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from realrl.base.logging import configure, getLogger
 from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
 from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model
+from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 
 logger = getLogger("realrl.impl.generation.torch_server")
 
@@ -41,7 +43,22 @@ def main(argv: list[str] | None = None) -> None:
         "--length-before-eos", action="store_true", help="check the length limit before stop tokens, as SGLang does"
     )
     parser.add_argument("--log-level", default=None)
+    parser.add_argument(
+        "--emulate-sglang",
+        default="",
+        metavar="VERSION",
+        help="behave as this SGLang release does where it differs (tests; see sglang_compat); "
+        "reads SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION as SGLang does",
+    )
+    parser.add_argument("--emulate-sglang-dp", type=int, default=1, help="data-parallel ranks SGLang would report")
+    parser.add_argument(
+        "--weight-load-gate", default=None, metavar="FILE", help="test hook: weight updates wait until FILE exists"
+    )
     args = parser.parse_args(argv)
+    try:
+        compat = SGLangCompat.from_env(args.emulate_sglang, args.emulate_sglang_dp) if args.emulate_sglang else None
+    except ValueError as e:
+        parser.error(f"--emulate-sglang: {e}")
 
     configure(f"torch_server:{args.port}", args.log_level)
     transformers.logging.disable_progress_bar()  # a "Loading weights" bar per weight update
@@ -58,12 +75,19 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         eos_token_ids=eos_token_ids_of(model),
         length_before_eos=args.length_before_eos,
+        compat=compat,
     )
     engine.start()
     logger.info(
-        "loaded %s on %s (%s), weight version %s", args.model_path, args.device, args.dtype, engine.weight_version
+        "loaded %s on %s (%s), weight version %s%s",
+        args.model_path,
+        args.device,
+        args.dtype,
+        engine.weight_version,
+        f", emulating SGLang {args.emulate_sglang}: {compat}" if compat else "",
     )
-    asyncio.run(serve(TorchGenerationServer(engine, args.model_path, args.device, args.dtype), args.host, args.port))
+    server = TorchGenerationServer(engine, args.model_path, args.device, args.dtype, args.weight_load_gate)
+    asyncio.run(serve(server, args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,13 @@ generation_config) unless `ignore_eos`, and at `stop_token_ids`; the stop token
 is part of `output_ids`. A request whose last allowed token is a stop token
 reports `stop` (SGLang would report `length`); `length_before_eos`
 (`--length-before-eos`) reproduces SGLang's order (the length limit is checked
-first, so it reports `length`), for testing clients against it.
+first, so it reports `length`), for testing clients against it. `compat`
+(`--emulate-sglang`, `sglang_compat`) copies SGLang's aborts: by rid prefix,
+waiting requests included, and weight updates into a batch paused in place.
+
+**Pauses.** `pause` in mode `abort` ends the running requests (and with
+`compat` the waiting ones) and admits none until `continue`; mode `in_place`
+keeps them where they are, decoding nothing until `continue`.
 
 **Weight updates.** New weights are read and checked off the loop (`weights`).
 Then, between two decode steps, in-flight requests are aborted (they return
@@ -35,6 +41,7 @@ the new weights.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections import deque
@@ -52,6 +59,7 @@ from realrl.impl.generation.torch_server.batch import Rows, RunningBatch
 from realrl.impl.generation.torch_server.model import check_supported
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
 from realrl.impl.generation.torch_server.sampling import RowParams, sample_tokens
+from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from realrl.impl.generation.torch_server.weights import WeightTargets, read_weights_dir
 
 logger = getLogger(__name__)
@@ -98,9 +106,11 @@ class GenerationEngine:
         weight_version: str = "0",
         eos_token_ids: frozenset[int] = frozenset(),
         length_before_eos: bool = False,
+        compat: SGLangCompat | None = None,
     ):
         self.model = model
-        self.length_before_eos = length_before_eos
+        self.length_before_eos = length_before_eos or compat is not None
+        self.compat = compat
         self.config = model.config
         self.device = device
         self.max_running_requests = max_running_requests
@@ -218,7 +228,7 @@ class GenerationEngine:
                             update, self._pending_update = self._pending_update, None
                             self._apply_update(update, num_aborted=0)
                         self._admit()
-                        if self._batch is not None:
+                        if self._batch is not None and not self._paused:
                             self._decode_step()
                     except Exception as e:  # not isolated to a request: fail what is in flight, keep serving
                         logger.exception("generation step failed")
@@ -249,7 +259,9 @@ class GenerationEngine:
             _refuse(item, "server shutting down")
 
     def _is_idle(self) -> bool:
-        if self._batch is not None or self._pending_update is not None:
+        if self._pending_update is not None and self._batch is None:
+            return False  # applied now
+        if self._batch is not None and not self._paused:
             return False
         return not self._waiting or self._paused
 
@@ -290,11 +302,11 @@ class GenerationEngine:
         elif name == "stop":
             self._stopping = True
         elif name == "abort":
-            rid = args.get("rid")
-            n = self._abort(lambda r: args.get("abort_all") or r.rid == rid, include_waiting=True)
-            reply(ControlResponse(success=True, num_aborted=n))
+            reply(ControlResponse(success=True, num_aborted=self._abort(self._abort_match(args), include_waiting=True)))
         elif name == "pause":
-            n = self._abort(lambda r: True, include_waiting=False)
+            n = 0
+            if args.get("mode", "abort") == "abort":
+                n = self._abort(lambda r: True, include_waiting=self.compat is not None)
             self._paused = True
             reply(ControlResponse(success=True, num_aborted=n))
         elif name == "continue":
@@ -304,21 +316,56 @@ class GenerationEngine:
             # No prefix cache is kept across requests; nothing to drop.
             reply(ControlResponse(success=True, message="no cached prefixes to flush"))
         elif name == "update":
-            if args["abort_all_requests"]:
-                n = self._abort(lambda r: True, include_waiting=False)
+            if self.compat is not None and self._paused and self._batch is not None:
+                # SGLang cannot flush the prefix cache of a batch paused in place.
+                self._apply_update(dict(args, reply=reply), num_aborted=0, flush_refused=True)
+            elif args["abort_all_requests"]:
+                n = self._abort(lambda r: True, include_waiting=self.compat is not None)
                 self._apply_update(dict(args, reply=reply), num_aborted=n)
             else:
                 self._pending_update = dict(args, reply=reply)
         else:
             reply(_failure(name, f"unknown command {name!r}"))
 
-    def _apply_update(self, update: dict, num_aborted: int) -> None:
+    def _abort_match(self, args: dict) -> Callable[[Request], bool]:
+        if args.get("abort_all"):
+            return lambda r: True
+        rid = args.get("rid")
+        if self.compat is None:
+            return lambda r: r.rid == rid
+        # SGLang forwards only a rid it knows, then ends every rid it prefixes.
+        if not rid or rid not in self._live:
+            return lambda r: False
+        return lambda r: r.rid.startswith(rid)
+
+    def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False) -> None:
+        """Copies the new weights in and answers. `flush_refused` (SGLang
+        emulation): 0.5.23 keeps the new weights but answers `success: false`
+        and leaves the version; earlier releases die."""
+        if flush_refused and not self.compat.refused_flush_swaps_weights:
+            logger.error("SGLang %s: a refused cache flush after a weight update kills the server", self.compat.version)
+            os._exit(1)
         try:
             self._targets.copy_in(update["tensors"])
         except Exception as e:  # the caller gets an answer; the weights may be half-copied
             logger.exception("copying new weights failed")
             self.stats["weight_update_failures"] += 1
             update["reply"](_failure("update", f"copying the weights failed: {e}"))
+            return
+        if flush_refused:
+            self.stats["weight_update_failures"] += 1
+            logger.warning(
+                "weights updated from %s, version %s unchanged: flush refused",
+                update["model_path"],
+                self.weight_version,
+            )
+            update["reply"](
+                _failure(
+                    "update",
+                    "Weights were updated, but the cache was not flushed because requests are still running or "
+                    "queued. Retract or finish them, then call /flush_cache.",
+                )
+            )
             return
         old = self.weight_version
         if update["weight_version"] is not None:

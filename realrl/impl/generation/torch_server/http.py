@@ -7,10 +7,17 @@
   token_id, null], ...]}}`.
 - `POST /update_weights_from_disk` `{"model_path", "weight_version",
   "abort_all_requests"}` -> `{"success", "message", "num_paused_requests"}`.
-- `POST /pause_generation`, `POST /continue_generation`, `POST /abort_request`
-  (`{"rid"}` or `{"abort_all": true}`), `GET|POST /flush_cache`, `GET /health`,
-  `GET /model_info` (alias `/get_model_info`), `GET /get_server_info`,
-  `GET /get_weight_version`, `GET /metrics`.
+- `POST /pause_generation` (`{"mode": "abort"|"in_place"}`, optional),
+  `POST /continue_generation`, `POST /abort_request` (`{"rid"}` or
+  `{"abort_all": true}`), `GET|POST /flush_cache`, `GET /health`, `GET
+  /model_info` (alias `/get_model_info`), `GET /get_server_info`, `GET
+  /v1/loads` (SGLang's shape: requests per rank), `GET /get_weight_version`,
+  `GET /metrics`.
+
+With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
+release's do (`sglang_compat`). `weight_load_gate` (`--weight-load-gate
+FILE`, a test hook) holds every weight update, once its weights are read,
+until FILE exists: a load as long as a test needs.
 
 The bodies are the dataclasses of `realrl.api.sglang_api`. Every body goes
 through `realrl.base.http_body` (size, UTF-8, JSON nesting depth, object type,
@@ -23,17 +30,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from realrl.api.sglang_api import AbortRequest, ModelInfo, UpdateWeightsFromDiskRequest, UpdateWeightsFromDiskResponse
+from realrl.api.sglang_api import (
+    AbortRequest,
+    ContinueGenerationRequest,
+    Loads,
+    ModelInfo,
+    PauseGenerationRequest,
+    RankLoad,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.protocol import parse_generate_body
+from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 
 logger = getLogger(__name__)
 
@@ -54,16 +73,26 @@ def _json_error(status: int, message: str) -> web.Response:
 class TorchGenerationServer:
     """The aiohttp application around a `GenerationEngine`."""
 
-    def __init__(self, engine: GenerationEngine, model_path: str, device: str, dtype: str):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        model_path: str,
+        device: str,
+        dtype: str,
+        weight_load_gate: str | None = None,
+    ):
         self.engine = engine
+        self.compat: SGLangCompat | None = engine.compat
         self.model_path = model_path
         self.device = device
         self.dtype = dtype
+        self.weight_load_gate = weight_load_gate
         self._update_lock: asyncio.Lock | None = None
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         r = app.router
+        compat = self.compat
         r.add_post("/generate", self.generate)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/pause_generation", self.pause_generation)
@@ -72,10 +101,13 @@ class TorchGenerationServer:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
-        r.add_get("/model_info", self.model_info)
+        if compat is None or compat.has_model_info:
+            r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
-        r.add_get("/get_weight_version", self.weight_version)
+        r.add_get("/v1/loads", self.loads)
+        if compat is None or compat.has_weight_version_route:
+            r.add_get("/get_weight_version", self.weight_version)
         r.add_get("/metrics", self.metrics)
         return app
 
@@ -138,7 +170,9 @@ class TorchGenerationServer:
             except Exception as e:  # WeightLoadError, or anything the filesystem throws
                 self.engine.stats["weight_update_failures"] += 1
                 logger.warning("weight update from %s refused: %s", update.model_path, e)
-                return _json(UpdateWeightsFromDiskResponse(False, f"Failed to update weights: {e}"), status=400)
+                return self._update_answer(UpdateWeightsFromDiskResponse(False, f"Failed to update weights: {e}"))
+            while self.weight_load_gate and not os.path.exists(self.weight_load_gate):
+                await asyncio.sleep(0.05)
             result = await self._call(
                 "update",
                 {
@@ -148,24 +182,52 @@ class TorchGenerationServer:
                     "model_path": update.model_path,
                 },
             )
-        if not result.success:
-            return _json(UpdateWeightsFromDiskResponse(False, result.message or ""), status=400)
-        return _json(result)
+        return self._update_answer(result)
+
+    def _update_answer(self, result: UpdateWeightsFromDiskResponse) -> web.Response:
+        """HTTP 200 on success, else 400 (both backends); with `compat`,
+        SGLang's counts (always 0, one per rank under data parallelism)."""
+        if self.compat is not None:
+            message = " | ".join([result.message] * self.compat.dp)
+            result = UpdateWeightsFromDiskResponse(result.success, message, self.compat.per_rank(0, 0))
+        return _json(result, status=200 if result.success else 400)
+
+    async def _control_body(self, request: web.Request, cls: type) -> Any:
+        """The body of a pause or continue: optional, except for SGLang 0.5.6+."""
+        required = self.compat is not None and self.compat.control_bodies_required
+        body = await read_json(request, max_bytes=MAX_BODY_BYTES, max_depth=MAX_BODY_DEPTH, allow_empty=not required)
+        return from_json(cls, body)
+
+    def _sglang_status(self, what: str) -> web.Response:
+        return web.json_response({"message": f"Generation {what} successfully.", "status": "ok"})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        return _json(await self._call("pause"))
+        try:
+            pause = await self._control_body(request, PauseGenerationRequest)
+            if pause.mode == "retract":
+                raise BodyError("mode retract is not supported (abort or in_place)", reason="unsupported")
+        except BodyError as e:
+            return self._reject(e)
+        result = await self._call("pause", {"mode": pause.mode})
+        return self._sglang_status("paused") if self.compat is not None else _json(result)
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        return _json(await self._call("continue"))
+        try:
+            await self._control_body(request, ContinueGenerationRequest)
+        except BodyError as e:
+            return self._reject(e)
+        result = await self._call("continue")
+        return self._sglang_status("continued") if self.compat is not None else _json(result)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
             abort = from_json(AbortRequest, await self._read_json(request))
-            if not abort.abort_all and not abort.rid:
+            if not abort.abort_all and not abort.rid and self.compat is None:
                 raise BodyError("give rid (a string) or abort_all: true", reason="type")
         except BodyError as e:
             return self._reject(e)
-        return _json(await self._call("abort", {"rid": abort.rid, "abort_all": abort.abort_all}))
+        result = await self._call("abort", {"rid": abort.rid, "abort_all": abort.abort_all})
+        return web.Response(status=200) if self.compat is not None else _json(result)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         return _json(await self._call("flush_cache"))
@@ -173,7 +235,17 @@ class TorchGenerationServer:
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.is_alive():
             return web.Response(status=503, text="generation loop is not running")
-        return web.Response(status=200)
+        if self.compat is None or not self.compat.health_generates(request.path):
+            return web.Response(status=200)
+        # SGLang's check generates one token: it waits behind a pause or a
+        # weight update, polls every second and gives up after the timeout.
+        deadline = time.monotonic() + self.compat.health_timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            updating = self._update_lock is not None and self._update_lock.locked()
+            if not updating and not self.engine.info().paused:
+                return web.Response(status=200)
+        return web.Response(status=503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         limits = self.engine.limits
@@ -197,9 +269,29 @@ class TorchGenerationServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = self.engine.info()
+        if self.compat is not None:  # SGLang's: its arguments and internal states, no request counts
+            state = {"last_gen_throughput": 0.0, "weight_version": info.weight_version}
+            return web.json_response(
+                {
+                    "model_path": self.model_path,
+                    "weight_version": info.weight_version,
+                    "dp_size": self.compat.dp,
+                    "max_running_requests": info.max_running_requests,
+                    "internal_states": [state] * self.compat.dp,
+                    "version": str(self.compat.version),
+                }
+            )
         return _json(
             dataclasses.replace(info, model_path=self.model_path, device=self.device, dtype=self.dtype, backend="torch")
         )
+
+    async def loads(self, request: web.Request) -> web.Response:
+        info = self.engine.info()
+        dp = 1 if self.compat is None else self.compat.dp
+        ranks = [RankLoad(0, info.num_running_requests, info.num_waiting_requests)]
+        ranks += [RankLoad(rank) for rank in range(1, dp)]
+        version = "torch" if self.compat is None else str(self.compat.version)
+        return _json(Loads(loads=ranks, version=version, timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
 
     async def metrics(self, request: web.Request) -> web.Response:
         info = self.engine.info()

@@ -1,0 +1,99 @@
+"""scripts/gpu_check.sh and scripts/gpu_wheels.sh where there is no GPU (CI):
+the check skips, says why in its output and its JSON, and exits 0; given
+wheels it installs them offline first, ahead of what the interpreter has; the
+wheel download resolves realrl's pins without torch (dry run: no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import tomllib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    # No device visible even where torch has CUDA: the check must skip here.
+    environ = dict(os.environ, REALRL_PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run(["bash", *args], cwd=REPO, env=environ, capture_output=True, text=True, timeout=300)
+
+
+def fake_wheel(directory, name: str, version: str) -> str:
+    """A minimal wheel of a pure-Python package `name` (an importable module)."""
+    path = os.path.join(directory, f"{name}-{version}-py3-none-any.whl")
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for arcname, text in files.items():
+            z.writestr(arcname, text)
+    return path
+
+
+def test_without_cuda_the_check_skips_says_why_and_exits_0(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = run_script("scripts/gpu_check.sh", "--out", str(out), "--workdir", str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["skipped"] is True
+    assert re.fullmatch(
+        r"torch \S+ is built without CUDA|no CUDA device is visible to torch \S+ \(.*\)", result["reason"]
+    )
+    assert proc.stdout.strip() == f"gpu_check: skipped: {result['reason']}; wrote {out}"
+    assert result["packages"]["transformers"] == "5.23.0"  # what this interpreter would import
+
+
+def test_wheels_are_installed_offline_first_and_come_first(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # A wheel named like one of realrl's dependencies: installed, it shadows the interpreter's own.
+    name = os.path.basename(fake_wheel(wheels, "msgpack", "0.0.1"))
+    out, work = tmp_path / "gpu_check.json", tmp_path / "work"
+    proc = run_script("scripts/gpu_check.sh", "--wheels", str(wheels), "--out", str(out), "--workdir", str(work))
+    assert proc.returncode == 0, proc.stderr
+    site = work / "site"
+    assert proc.stdout.startswith(f"gpu_check: installed 1 wheels from {wheels} into {site} (offline)\n")
+    result = json.loads(out.read_text())
+    assert result["skipped"] is True and result["wheels"] == {
+        "dir": str(wheels),
+        "site": str(site),
+        "installed": [name],
+    }
+    assert result["packages"]["msgpack"] == "0.0.1" and (site / "msgpack" / "__init__.py").is_file()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_script("scripts/gpu_check.sh", "--wheels", str(empty), "--out", str(out))
+    assert proc.returncode == 2 and "no wheels in" in proc.stderr
+
+
+def test_wheel_download_takes_realrl_pins_without_torch(tmp_path):
+    dest = tmp_path / "wheels"
+    proc = run_script("scripts/gpu_wheels.sh", "--dry-run", str(dest))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    requirements = [line.strip() for line in lines[1 : lines.index(next(x for x in lines if x.startswith("command:")))]]
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    pinned = [r for r in project["dependencies"] if not r.startswith("torch")]
+    assert requirements == pinned + ["pytest==9.0.3", "pytest-timeout==2.4.0"]
+    assert all("==" in r for r in requirements)
+    command = lines[-1]
+    for part in (
+        "--only-binary=:all:",
+        "--python-version 3.12",
+        "--implementation cp",
+        "--platform manylinux2014_x86_64",
+    ):
+        assert part in command
+    assert not dest.exists()  # a dry run downloads nothing
+    assert run_script("scripts/gpu_wheels.sh").returncode == 2  # DIR is required
