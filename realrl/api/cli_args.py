@@ -36,6 +36,24 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """LoRA (peft): train low-rank adapters on the frozen policy; a published
+    version is the adapter alone (docs/design.md §8)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training; > 0 makes the train
+    forward random, so the proximal logprobs take a pass of their own."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get an adapter: module names (e.g. [q_proj,v_proj]),
+    or [all-linear]: every linear layer but the output head (the attention and
+    MLP projections)."""
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """The policy model (and the critic and reference models derived from it)."""
 
@@ -45,6 +63,7 @@ class ModelConfig:
     """Training dtype: float32 | bfloat16 | float16."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 @dataclasses.dataclass
@@ -541,6 +560,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         raise ConfigError(_key_first(str(e))) from None
 
     _check(cfg.model.dtype in TORCH_DTYPES, "model.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {cfg.model.dtype!r}")
+    validate_lora(cfg.model.lora)
     _check(
         bool(cfg.dataset.train_path) or not cfg.dataset.test_path,
         "dataset.test_path",
@@ -711,6 +731,28 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 1 (a plain line every N steps when the output is not a terminal), got {cfg.console.every_n_steps}",
     )
     return alloc
+
+
+ALL_LINEAR = "all-linear"
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    _check(lora.rank >= 0, "model.lora.rank", f"must be >= 0 (0 = off), got {lora.rank}")
+    _check(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    targets = list(lora.target_modules)
+    _check(bool(targets), "model.lora.target_modules", "must name at least one module (or [all-linear])")
+    _check(
+        ALL_LINEAR not in targets or targets == [ALL_LINEAR],
+        "model.lora.target_modules",
+        f"{ALL_LINEAR} stands alone, got {targets}",
+    )
+    for name in targets:
+        _check(
+            isinstance(name, str) and bool(re.fullmatch(r"[A-Za-z_][\w.\-]*", name)),
+            "model.lora.target_modules",
+            f"entries must be module names like q_proj, got {name!r}",
+        )
 
 
 def validate_watchdog(w: WatchdogConfig) -> None:

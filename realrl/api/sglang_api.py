@@ -82,6 +82,9 @@ class GenerateRequest:
     sampling_params: SamplingParams | list[SamplingParams | None] | None = None
     return_logprob: bool | list[bool | None] | None = None
     rid: str | list[str | None] | None = None  # the request id (/abort_request); the server makes one if absent
+    # The LoRA adapter to generate with, by the name it was loaded under (null: the base model); one for
+    # every prompt or one per prompt. The torch server serves one adapter at a time (docs/design.md §8).
+    lora_path: str | list[str | None] | None = None
     text: str | list[str] | None = None  # SGLang's text prompts: the torch server has no tokenizer
     # SGLang options the torch server takes only switched off: `stream` falsy,
     # `top_logprobs_num` 0; the last two have no effect.
@@ -188,6 +191,64 @@ class ContinueGenerationRequest:
 
 
 @dataclasses.dataclass
+class LoadLoRAAdapterRequest:
+    """`POST /load_lora_adapter`: read the peft adapter directory `lora_path`
+    and serve it to requests that name `lora_name` (a name already loaded is
+    refused). The torch server starts serving it at the next
+    `/update_weight_version`."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    lora_name: str = dataclasses.field(metadata=rule(nonempty=True))
+    lora_path: str = dataclasses.field(metadata=rule(nonempty=True))
+    pinned: bool = False  # SGLang: never evicted (the torch server never evicts)
+
+
+@dataclasses.dataclass
+class UnloadLoRAAdapterRequest:
+    """`POST /unload_lora_adapter`: forget the adapter `lora_name`; requests naming it are refused."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    lora_name: str = dataclasses.field(metadata=rule(nonempty=True))
+
+
+@dataclasses.dataclass
+class LoRAUpdateResponse:
+    """The answer to `/load_lora_adapter` and `/unload_lora_adapter` (HTTP 400
+    when `success` is false). `loaded_adapters` maps each loaded name to its
+    path (SGLang: to a record of it)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class UpdateWeightVersionRequest:
+    """`POST /update_weight_version`: report `new_version` from now on; with
+    `abort_all_requests`, requests in flight end with `abort` first. The torch
+    server also switches to the adapter loaded last, between two decode steps."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    new_version: str | int = dataclasses.field(metadata=rule(nonempty=True))
+    abort_all_requests: bool = True
+
+
+@dataclasses.dataclass
+class UpdateWeightVersionResponse:
+    UNKNOWN_FIELDS = "ignore"
+
+    success: bool
+    message: str = ""
+    new_version: str | None = None
+    num_paused_requests: int = 0  # the torch server: requests aborted by the switch
+
+
+@dataclasses.dataclass
 class AbortRequest:
     """`POST /abort_request`: end the request `rid`, or every request. SGLang
     ends every live request whose rid *starts with* `rid` (once `rid` itself
@@ -276,3 +337,5 @@ class TorchServerInfo:
     device: str | None = None
     dtype: str | None = None
     backend: str | None = None
+    lora_adapters: list[str] | None = None  # the LoRA adapters loaded, by name
+    lora_adapter: str | None = None  # the one merged into the weights now

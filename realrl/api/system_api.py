@@ -85,6 +85,7 @@ from realrl.api.agent_api import AgentSettings  # noqa: E402
 from realrl.api.cli_args import (  # noqa: E402
     AgentConfig,
     EnvConfig,
+    LoraConfig,
     OptimizerConfig,
     PPOConfig,
     SGLangConfig,
@@ -108,6 +109,8 @@ class GenerationServerConfig:
     # restart_window seconds; one more death fails the worker (and the trial).
     max_restarts: int = 3
     restart_window: float = 600.0
+    # rank > 0: versions after 0 are LoRA adapters (SGLang starts with its LoRA flags).
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 @dataclasses.dataclass
@@ -127,6 +130,7 @@ class GserverManagerConfig:
     health_check_interval: float = 2.0
     health_check_timeout: float = 5.0
     health_check_failures: int = 3
+    lora: bool = False  # versions after 0 are LoRA adapters (loaded with /load_lora_adapter)
 
 
 @dataclasses.dataclass
@@ -147,6 +151,7 @@ class RolloutWorkerConfig:
     request_timeout: float = 600.0
     request_retries: int = 3
     sample_log_every: int = 20  # write every N-th finished trajectory's text to the log dir
+    lora: bool = False  # each request names the LoRA adapter of the version it is scheduled on
 
 
 @dataclasses.dataclass
@@ -158,6 +163,7 @@ class ModelWorkerConfig:
     num_threads: int = 1
     fsdp: bool = False
     gradient_checkpointing: bool = False
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank > 0: train adapters only
     seed: int = 1
     dp_size: int = 1
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)

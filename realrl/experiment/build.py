@@ -127,6 +127,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         num_threads=train_threads,
         fsdp=cfg.train.fsdp,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        lora=cfg.model.lora,
         seed=cfg.seed,
         dp_size=n_train,
         ppo=ppo,
@@ -154,6 +155,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         weights_dir=paths.weights_dir,
         max_restarts=cfg.server.max_restarts,
         restart_window=cfg.server.restart_window,
+        lora=cfg.model.lora,
     )
     manager = GserverManagerConfig(
         n_servers=alloc.gen.dp,
@@ -166,6 +168,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         health_check_interval=cfg.server.health_check_interval,
         health_check_timeout=cfg.server.health_check_timeout,
         health_check_failures=cfg.server.health_check_failures,
+        lora=cfg.model.lora.rank > 0,
     )
     per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
     max_prompt_len = cfg.dataset.max_prompt_len
@@ -193,6 +196,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         n_pullers=n_train,
         request_timeout=rollout.request_timeout,
         request_retries=rollout.request_retries,
+        lora=cfg.model.lora.rank > 0,
     )
 
     # One CPU thread pool per process: on a small machine, oversubscription

@@ -1,9 +1,9 @@
 """The checks that need the machine, run after `validate` and before anything
 is created (docs/design.md §10): `fileroot` writable, plugins importable,
 agent and environment types registered and their arguments accepted, the
-reward function loadable, Ray reachable, SGLang installed, generation lengths
-within the model's positions. Each failure is a one-line `ConfigError` naming
-the key.
+reward function loadable, Ray reachable, SGLang installed, LoRA target
+modules present in the model, generation lengths within the model's
+positions. Each failure is a one-line `ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -90,6 +90,33 @@ def model_positions(cfg: AsyncPPOConfig) -> int | None:
     return None
 
 
+def check_lora_targets(cfg: AsyncPPOConfig) -> None:
+    """`model.lora.target_modules` against the model's linear layers, found
+    on an empty (meta-device) instance of its architecture."""
+    if cfg.model.lora.rank == 0:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    from realrl.impl.lora import target_modules
+
+    if cfg.model.path:
+        try:
+            config = AutoConfig.from_pretrained(cfg.model.path)
+        except Exception as e:
+            raise ConfigError(f"model.path: cannot read its config: {_one_line(e)}") from None
+    else:  # the tiny kit is a Llama; one small layer has every layer name
+        config = LlamaConfig(
+            vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        target_modules(model, list(cfg.model.lora.target_modules))
+    except ValueError as e:
+        raise ConfigError(f"model.lora.target_modules: {_one_line(e)}") from None
+
+
 def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool) -> None:
     """ConfigError naming `key` when `factory` cannot take `args` (an unknown
     or missing keyword), checked from its signature without calling it."""
@@ -159,6 +186,7 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         except BackendUnavailableError as e:
             raise ConfigError(f"allocation_mode: {_one_line(e)}") from None
 
+    check_lora_targets(cfg)
     positions = model_positions(cfg)
     if positions is None:
         return None

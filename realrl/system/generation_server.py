@@ -139,7 +139,7 @@ class GenerationServer(Worker):
                 path = os.path.join(self.cfg.weights_dir, str(version))
                 t0 = time.monotonic()
                 try:
-                    await client.update_weights_from_disk(url, path, version, abort_all_requests=True)
+                    await client.load_version(url, path, version, self.cfg.lora.rank > 0)
                 except (GenerationServerError, GenerationServerUnavailable) as e:
                     # e.g. a newer version was published and this one deleted meanwhile
                     self.logger.warning(

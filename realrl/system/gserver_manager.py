@@ -25,8 +25,10 @@ whenever it may have opened, for up to `wait_s`.
 the step training starts from; admission opens with its counts),
 `model_version/actor` and `dropped_samples` every `poll_interval`. When the
 trainer's version v is newer than what the servers hold, every server loads
-`<weights_dir>/<v>` concurrently (`update_weights_from_disk`, in-flight
-requests aborted; 1 + weight_update_retries attempts per server, each within
+`<weights_dir>/<v>` concurrently (`GenerationClient.load_version`: full
+weights by `update_weights_from_disk`, a LoRA run's adapter by
+`load_lora_adapter` + `update_weight_version`; in-flight requests aborted;
+1 + weight_update_retries attempts per server, each within
 weight_update_timeout). A server that still fails stops the trial with a
 message naming it. Intermediate versions are skipped. Once all servers hold
 v, the directories `<weights_dir>/<u>` for u < v are deleted (nothing else in
@@ -80,7 +82,6 @@ from realrl.api.manager_api import (
     ServersReply,
     SuccessReply,
 )
-from realrl.api.sglang_api import UpdateWeightsFromDiskResponse
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import name_resolve, names, network
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
@@ -338,7 +339,7 @@ class GserverManager(AsyncWorker):
                 f"{len(failures)} of {len(stale)} generation servers could not load weight version {version}:\n"
                 + "\n".join(str(f) for f in failures)
             )
-        interrupted = sum(r.paused_total for r in results if r is not None)
+        interrupted = sum(r for r in results if r is not None)
         self.logger.info(
             "all servers hold weight version %d (%.2fs, %d requests interrupted)",
             version,
@@ -350,14 +351,13 @@ class GserverManager(AsyncWorker):
             if deleted:
                 self.logger.info("deleted old weights: %s", ", ".join(os.path.basename(d) for d in deleted))
 
-    async def _load_weights(self, url: str, path: str, version: int) -> UpdateWeightsFromDiskResponse:
-        """One `update_weights_from_disk`; health checks of `url` that fail
-        meanwhile are not counted (see ServerRegistry)."""
+    async def _load_weights(self, url: str, path: str, version: int) -> int:
+        """One version load (`GenerationClient.load_version`: full weights, or
+        a LoRA run's adapter); returns how many requests it aborted. Health
+        checks of `url` that fail meanwhile are not counted (see ServerRegistry)."""
         self.registry.start_loading(url)
         try:
-            return await self._client.update_weights_from_disk(
-                url, path, version, abort_all_requests=True, timeout_s=self.cfg.weight_update_timeout
-            )
+            return await self._client.load_version(url, path, version, self.cfg.lora, self.cfg.weight_update_timeout)
         finally:
             ignored = self.registry.stop_loading(url)
             if ignored:
@@ -370,8 +370,9 @@ class GserverManager(AsyncWorker):
                     version,
                 )
 
-    async def _update_server(self, url: str, path: str, version: int) -> UpdateWeightsFromDiskResponse | None:
-        """Loads `version` on `url`; None if the server left routing meanwhile.
+    async def _update_server(self, url: str, path: str, version: int) -> int | None:
+        """Loads `version` on `url`; returns how many requests it aborted,
+        None if the server left routing meanwhile.
         A failed load is retried: loading the same directory again is
         idempotent, and fixes SGLang 0.5.23's "weights updated, but the cache
         was not flushed" (`success: false` with the new weights serving and
@@ -380,7 +381,7 @@ class GserverManager(AsyncWorker):
         last_error: Exception | None = None
         for attempt in range(1, attempts + 1):
             try:
-                result = await self._load_weights(url, path, version)
+                aborted = await self._load_weights(url, path, version)
             except (GenerationServerError, GenerationServerUnavailable) as e:
                 last_error = e
                 if isinstance(e, GenerationServerUnavailable):
@@ -397,7 +398,7 @@ class GserverManager(AsyncWorker):
                     await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
                 continue
             self.router.set_loaded_version(url, version)
-            return result
+            return aborted
         if not self.router.is_up(url):
             return None
         raise WeightUpdateError(

@@ -51,9 +51,10 @@ from realrl.api.env_api import make_env
 from realrl.api.system_api import ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names, network, wire
+from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
-from realrl.impl.ppo.models import CriticModel
-from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
+from realrl.impl.ppo.models import AdapterDisabled, CriticModel
+from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
 from realrl.system.worker_base import PollResult, Worker
@@ -62,15 +63,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 ACTOR = "actor"
 
 
+def save_model(model: torch.nn.Module, path: str, max_shard_size: str = "2GB", state_dict: dict | None = None) -> None:
+    """HF safetensors of `model` (or of `state_dict` in its layout); of a LoRA
+    model, the adapter alone in peft's format (adapter_model.safetensors +
+    adapter_config.json)."""
+    if lora.is_lora(model):
+        model.save_pretrained(path, state_dict=state_dict)
+    else:
+        model.save_pretrained(path, max_shard_size=max_shard_size, state_dict=state_dict)
+
+
 def publish_weights(
     model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB", state_dict: dict | None = None
 ) -> str:
-    """Writes `model` (or `state_dict` in its layout) as HF safetensors to
-    `<weights_dir>/<version>/` atomically."""
+    """Writes `model` (`save_model`) to `<weights_dir>/<version>/` atomically."""
     final = os.path.join(weights_dir, str(version))
     tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
     os.makedirs(weights_dir, exist_ok=True)
-    model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state_dict)
+    save_model(model, tmp, max_shard_size, state_dict)
     old = None
     if os.path.exists(final):  # a re-run of this version (recovery): replace it, never leaving it half-deleted
         old = os.path.join(weights_dir, f".old-{version}-{uuid.uuid4().hex[:8]}")
@@ -104,12 +114,47 @@ def _token_staleness(trajectories: list[Trajectory], current_version: int) -> di
     return {str(k): counts[k] for k in sorted(counts)}
 
 
+def trainer_state(opt: Optimized, fsdp: bool) -> dict:
+    """What a checkpoint holds of one Optimized: the trained parameters (a
+    LoRA model: its adapters only; buffers and frozen weights come from the
+    model files), the optimizer and the schedule; full (gathered to every
+    rank, on CPU) under FSDP, where it is a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=fsdp, cpu_offload=fsdp, ignore_frozen_params=lora.is_lora(opt.model))
+    model_sd, optim_sd = get_state_dict(opt.model, opt.optimizer, options=options)
+    return {"model": model_sd, "optimizer": optim_sd, "scheduler": opt.scheduler.state_dict()}
+
+
+def load_trainer_state(opt: Optimized, state: dict, fsdp: bool) -> None:
+    """Restores `trainer_state` exactly (a LoRA model: its adapters; the frozen base is left as loaded)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    partial = lora.is_lora(opt.model)
+    if partial:  # every adapter must be there; only frozen weights may be missing
+        trainable = set(lora.trainable_state(opt.model))
+        if set(state["model"]) != trainable:
+            raise ValueError(
+                f"checkpoint adapters do not match the model: missing {sorted(trainable - set(state['model']))[:3]}, "
+                f"unexpected {sorted(set(state['model']) - trainable)[:3]}"
+            )
+    set_state_dict(
+        opt.model,
+        opt.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(full_state_dict=fsdp, strict=not partial),
+    )
+    opt.scheduler.load_state_dict(state["scheduler"])
+
+
 def _shard(model: torch.nn.Module) -> None:
     """FSDP2 over the data-parallel group: each decoder layer its own unit (one
     all-gather per layer, not one for the whole model), then the rest."""
     from torch.distributed.fsdp import fully_shard
 
-    body = getattr(model, "model", None) or getattr(model, "backbone", None)  # causal LM or CriticModel
+    inner = lora.base_model(model)
+    body = getattr(inner, "model", None) or getattr(inner, "backbone", None)  # causal LM or CriticModel
     for layer in getattr(body, "layers", []):
         fully_shard(layer)
     fully_shard(model)
@@ -142,6 +187,9 @@ class ModelWorker(Worker):
         actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
+        self.lora = config.lora.rank > 0
+        if self.lora:
+            actor = lora.wrap(actor, config.lora)
         if config.fsdp:
             _shard(actor)
         o, ppo = config.optimizer, config.ppo
@@ -160,7 +208,9 @@ class ModelWorker(Worker):
                 _shard(critic)
             self.critic = optimized(critic)
         self.ref = None
-        if ppo.kl_ctl > 0:
+        if ppo.kl_ctl > 0 and self.lora and not config.ref_model_path:
+            self.ref = AdapterDisabled(actor)  # the base under the adapters: no second copy
+        elif ppo.kl_ctl > 0:
             self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path or config.model_path, dtype=dtype).to(
                 self.device
             )
@@ -186,7 +236,9 @@ class ModelWorker(Worker):
         self.step_batch: SequenceBatch | None = None
         # A token id past an embedding table kills inference (IndexError): the puller rejects such
         # trajectories as invalid. The bound is the embedding's size (config.vocab_size), not len(tokenizer).
-        embedded = [actor, self.ref, self.critic.model.backbone if self.critic is not None else None]
+        embedded = [actor, self.critic.model.backbone if self.critic is not None else None]
+        if self.ref is not None and not isinstance(self.ref, AdapterDisabled):
+            embedded.append(self.ref)
         vocab_size = min(m.get_input_embeddings().num_embeddings for m in embedded if m is not None)
         self.dataset = PullerStreamDataset(
             self.experiment_name,
@@ -206,8 +258,12 @@ class ModelWorker(Worker):
         if self.dp_rank == 0:
             self._set_version(0)
         self.logger.info(
-            "actor with %.2fM parameters on %s; dp %d/%d",
+            "actor with %.2fM parameters (%.3fM trainable%s) on %s; dp %d/%d",
             sum(p.numel() for p in actor.parameters()) / 1e6,
+            sum(p.numel() for p in actor.parameters() if p.requires_grad) / 1e6,
+            f": LoRA rank {config.lora.rank} on {sorted(actor.peft_config['default'].target_modules)}"
+            if self.lora
+            else "",
             self.device,
             self.dp_rank,
             self.dp_size,
@@ -393,13 +449,15 @@ class ModelWorker(Worker):
         return stats
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict | None:
-        """The full (unsharded, CPU) state dict under FSDP; None for a plain
-        model, which save_pretrained reads itself."""
+        """The full (unsharded, CPU) state dict under FSDP, of a LoRA model
+        only its adapters; None for a plain model, which save_pretrained
+        reads itself."""
         if not self.cfg.fsdp:
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_lora(model))
+        return get_model_state_dict(model, options=options)
 
     def _handle_evaluate(self, data: dict) -> dict:
         """Every test prompt of this rank's share through the run's agent and
@@ -467,42 +525,21 @@ class ModelWorker(Worker):
         return bool(flags[0]), bool(flags[1])
 
     def _handle_save(self, data: dict) -> dict:
+        """The trained actor as an HF model directory (and the tokenizer). A
+        LoRA actor: its adapter in `<path>/adapter/`, and merged into the base
+        weights as a plain HF model in `<path>` (loads without peft)."""
         state_dict = self._full_state_dict(self.actor.model)
         if self.dp_rank == 0:
             path = data["path"]
             os.makedirs(path, exist_ok=True)
-            self.actor.model.save_pretrained(path, state_dict=state_dict)
+            if self.lora:
+                adapter = os.path.join(path, "adapter")
+                save_model(self.actor.model, adapter, state_dict=state_dict)
+                lora.save_merged(adapter, self.cfg.model_path, path, _DTYPES[self.cfg.dtype])
+            else:
+                save_model(self.actor.model, path, state_dict=state_dict)
             self.tokenizer.save_pretrained(path)
         return {"path": data["path"]}
-
-    def _gather(self, opt) -> dict:
-        """Model + optimizer + schedule state of one Optimized, full (gathered
-        to every rank, on CPU) under FSDP."""
-        if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-            model_sd, optim_sd = get_state_dict(
-                opt.model, opt.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            model_sd, optim_sd = opt.model.state_dict(), opt.optimizer.state_dict()
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": opt.scheduler.state_dict()}
-
-    def _restore(self, opt, state: dict) -> None:
-        if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            set_state_dict(
-                opt.model,
-                opt.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
-                options=StateDictOptions(full_state_dict=True),
-            )
-        else:
-            opt.model.load_state_dict(state["model"])
-            opt.optimizer.load_state_dict(state["optimizer"])
-        opt.scheduler.load_state_dict(state["scheduler"])
 
     def _handle_checkpoint(self, data: dict) -> dict:
         """Writes this rank's part of a recovery checkpoint into `dir` (the
@@ -511,9 +548,9 @@ class ModelWorker(Worker):
         version; every rank its buffered trajectories (so none is lost). The
         reply names the qids buffered and dropped as stale, for the data ledger."""
         directory = data["dir"]
-        state = {"actor": self._gather(self.actor)}  # every rank: a collective under FSDP
+        state = {"actor": trainer_state(self.actor, self.cfg.fsdp)}  # every rank: a collective under FSDP
         if self.critic is not None:
-            state["critic"] = self._gather(self.critic)
+            state["critic"] = trainer_state(self.critic, self.cfg.fsdp)
         buffered = self.dataset.snapshot()
         with open(os.path.join(directory, f"buffer-rank{self.dp_rank}.wire"), "wb") as f:
             f.write(wire.dumps({"trajectories": [t.to_wire() for t in buffered]}))
@@ -531,9 +568,9 @@ class ModelWorker(Worker):
         path = data["path"]
         # Our own checkpoint file; weights_only keeps it data-only.
         state = torch.load(os.path.join(path, "model_worker.pt"), map_location="cpu", weights_only=True)
-        self._restore(self.actor, state["actor"])
+        load_trainer_state(self.actor, state["actor"], self.cfg.fsdp)
         if self.critic is not None and "critic" in state:
-            self._restore(self.critic, state["critic"])
+            load_trainer_state(self.critic, state["critic"], self.cfg.fsdp)
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         version = int(meta["version"])

@@ -24,7 +24,8 @@ all answers concurrently:
    its KV cache unless that server's weights changed;
 2. `/generate` with `input_ids = prompt + output so far`,
    `max_new_tokens = min(new_tokens_per_chunk, remaining budget)` and
-   `min_new_tokens` reduced by what is already generated, `return_logprob`;
+   `min_new_tokens` reduced by what is already generated, `return_logprob`
+   (a LoRA run: `lora_path`, the adapter name of the scheduled version);
 3. append the new tokens with their logprobs and with the `weight_version` the
    server reported for that response (the weights that produced them);
 4. `/release_request`, then stop when the answer is finished: `stop`, or its
@@ -87,6 +88,7 @@ from realrl.impl.generation.client import (
     GenerationClient,
     GenerationServerError,
     GenerationServerUnavailable,
+    lora_adapter_name,
     new_rid,
 )
 from realrl.system.manager_client import GserverManagerClient, ManagerError, backoff, retryable_status
@@ -174,6 +176,7 @@ class PartialRolloutManager:
         retry_backoff_s: float = 0.5,
         eos_token_ids: Iterable[int] = (),
         server_watch_interval: float = 2.0,
+        lora: bool = False,
     ):
         if new_tokens_per_chunk < 1:
             raise ValueError(f"new_tokens_per_chunk must be >= 1, got {new_tokens_per_chunk}")
@@ -188,6 +191,7 @@ class PartialRolloutManager:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.stats = PartialRolloutStats()
         self.server_watch_interval = server_watch_interval
+        self.lora = lora  # a LoRA run: each request names the adapter of its scheduled version
         self._in_flight: collections.Counter[str] = collections.Counter()  # url -> our requests on it
         self._gone: dict[str, asyncio.Event] = {}  # url -> set once the manager took it out of routing
         self._watch_task: asyncio.Task | None = None
@@ -351,6 +355,7 @@ class PartialRolloutManager:
                         return_logprob=True,
                         rids=[i for r in chunk for i in r.rids],
                         timeout_s=self.request_timeout,
+                        lora_path=self._adapter(picks[part[0]].version),
                     ),
                 )
             except (GenerationServerUnavailable, GenerationServerError) as e:
@@ -370,6 +375,10 @@ class PartialRolloutManager:
                 requests.append(send(url, [part[j] for j in b]))
         await asyncio.gather(*requests)
         return results
+
+    def _adapter(self, version: int) -> str | None:
+        """`lora_path` of a request scheduled on `version` (docs/design.md §8)."""
+        return lora_adapter_name(version) if self.lora else None
 
     def _chunk_params(self, gconfig: GenerationHyperparameters, answer: _Answer) -> SamplingParams:
         """The sampling parameters of an answer's next request: at most one
@@ -471,6 +480,7 @@ class PartialRolloutManager:
                             return_logprob=True,
                             rid=rid,
                             timeout_s=self.request_timeout,
+                            lora_path=self._adapter(scheduled_version),
                         ),
                     )
                 finally:

@@ -343,6 +343,7 @@ class RolloutWorker(AsyncWorker):
             request_timeout=cfg.request_timeout,
             request_retries=cfg.request_retries,
             eos_token_ids=eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer),
+            lora=cfg.lora,
         )
         self._endpoint_scope = contextlib.AsyncExitStack()
         if getattr(self.agent, "uses_chat_endpoint", False):

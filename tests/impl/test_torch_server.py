@@ -480,6 +480,78 @@ def test_update_weights_without_abort_lets_requests_finish(start_server, tiny_ll
     assert after.weight_version == "7"
 
 
+def lora_versions(model_dir: str, out_dir, n: int) -> list:
+    """`n` versions of a LoRA actor over the model in model_dir, each saved in
+    peft's format to out_dir/<v> (v = 1..n): the peft models, for reference."""
+    from realrl.api.cli_args import LoraConfig
+    from realrl.impl import lora
+    from realrl.system.model_worker import save_model
+
+    models = []
+    for version in range(1, n + 1):
+        torch.manual_seed(version)
+        model = lora.wrap(load_reference(model_dir), LoraConfig(rank=4, alpha=8))
+        with torch.no_grad():  # B starts at zero: "train" it to something
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.3)
+        save_model(model, str(out_dir / str(version)))
+        models.append(model.eval())
+    return models
+
+
+def test_lora_versions_match_the_trainer_and_old_ones_are_unloaded(start_server, tiny_llama_dir, tmp_path):
+    """A LoRA run's version switch (`GenerationClient.load_version`, as the
+    manager sends it): in-flight requests end under the old version, the
+    new adapter's logprobs equal the trainer's peft forward, the previous
+    adapter stays loaded (requests naming it run on the new one and say so),
+    older ones are unloaded, and a broken adapter leaves the current one serving."""
+    server = start_server(tiny_llama_dir)
+    models = lora_versions(tiny_llama_dir, tmp_path, 3)
+    long_params = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
+    params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    prompt = PROMPTS[2]
+
+    async def go(client):
+        url = server.url
+        inflight = [asyncio.create_task(client.generate(url, p, long_params)) for p in PROMPTS]
+        await asyncio.to_thread(
+            wait_until, lambda: get_json(url, "/get_server_info")["num_running_requests"] == len(PROMPTS), 60, "running"
+        )
+        aborted_n = await client.load_version(url, str(tmp_path / "1"), 1, lora=True)
+        aborted = await asyncio.gather(*inflight)
+        v1 = await client.generate(url, prompt, params, lora_path="actor-v1")
+        await client.load_version(url, str(tmp_path / "2"), 2, lora=True)
+        after_v2 = get_json(url, "/get_server_info")
+        await client.load_version(url, str(tmp_path / "3"), 3, lora=True)
+        after_v3 = get_json(url, "/get_server_info")
+        with pytest.raises(GenerationServerError) as unloaded:
+            await client.generate(url, prompt, params, lora_path="actor-v1")
+        late = await client.generate(url, prompt, params, lora_path="actor-v2")  # scheduled on v2 before the switch
+        with pytest.raises(GenerationServerError) as broken:
+            await client.load_version(url, str(tmp_path / "missing"), 4, lora=True)
+        again = await client.load_lora_adapter(url, "actor-v3", str(tmp_path / "3"))  # a retry: no error
+        return aborted_n, aborted, v1, after_v2, after_v3, unloaded.value, late, broken.value, again
+
+    aborted_n, aborted, v1, after_v2, after_v3, unloaded, late, broken, again = run(_with_client(go))
+    assert aborted_n == len(PROMPTS)
+    assert all(r.finish_reason == "abort" and r.weight_version == "0" for r in aborted)
+    assert v1.weight_version == "1"
+    expected = forward_logprobs(models[0], prompt, v1.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(v1.output_logprobs), expected, atol=1e-4, rtol=0)
+    assert after_v2["lora_adapters"] == ["actor-v1", "actor-v2"] and after_v2["lora_adapter"] == "actor-v2"
+    assert after_v3["lora_adapters"] == ["actor-v2", "actor-v3"] and after_v3["weight_version"] == "3"
+    assert unloaded.status == 400 and "actor-v1" in unloaded.message and "not loaded" in unloaded.message
+    assert late.weight_version == "3"
+    expected = forward_logprobs(models[2], prompt, late.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(late.output_logprobs), expected, atol=1e-4, rtol=0)
+    assert broken.status == 400 and "missing" in broken.message
+    assert again == ["actor-v2", "actor-v3"]
+    info = get_json(server.url, "/get_server_info")
+    assert info["weight_version"] == "3" and info["lora_adapter"] == "actor-v3"
+    assert info["rejections"] == {"lora_not_loaded": 1}
+
+
 # --------------------------------------------------------------------------- control
 
 

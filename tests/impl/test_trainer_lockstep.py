@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps: int = 2, device: str = "cpu"
+    tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps: int = 2, device: str = "cpu", lora_rank: int = 0
 ) -> list[dict]:
     """Runs one child per entry of `data`; returns what each saved. Fails (after
     killing both) if either exits non-zero or they are not done by the deadline."""
@@ -51,6 +51,7 @@ def run_ranks(
         "mode": mode,
         "steps": steps,
         "device": device,
+        "lora_rank": lora_rank,
     }
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -156,6 +157,30 @@ def test_stats_are_global_and_match_one_rank(tmp_path, tiny_llama_dir, algorithm
     assert abs(expected["actor_loss"]) > 1e-3
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("mode", ["plain", "fsdp"])
+def test_a_lora_step_on_two_ranks_equals_one_rank(tmp_path, tiny_llama_dir, mode):
+    """LoRA adapters (KL against the base with the adapters off) trained on
+    two ranks, each with its part of the batch: the same adapters on both
+    ranks, and the same as one rank training the whole batch."""
+    ppo = {**GRPO, "ppo_n_minibatches": 1}
+    results = run_ranks(tmp_path, tiny_llama_dir, ppo, UNEVEN, mode, steps=1, lora_rank=4)
+    assert_lockstep(results, n_seqs=8)
+    torch.set_num_threads(1)
+    trainer, _ = build_trainer(tiny_llama_dir, PPOConfig(**ppo), torch.device("cpu"), lora_rank=4)
+    (expected,) = run_steps(trainer, UNEVEN[0] + UNEVEN[1], steps=1)
+    (got,) = results[0]["stats"]
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    weights = results[0]["weights"]["actor"]
+    trained = {n for n, p in trainer.actor.model.named_parameters() if p.requires_grad}
+    assert any(weights[n].abs().max() > 0 for n in trained if ".lora_B." in n)  # B starts at 0: it moved
+    for name, p in trainer.actor.model.named_parameters():
+        if name in trained:
+            torch.testing.assert_close(weights[name], p.detach(), rtol=1e-4, atol=1e-6)
+        else:  # the base is frozen on every rank
+            assert torch.equal(weights[name], p.detach()), name
 
 
 @pytest.mark.gpu

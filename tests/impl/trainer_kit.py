@@ -25,9 +25,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from realrl.api.cli_args import PPOConfig
+from realrl.api.cli_args import LoraConfig, PPOConfig
+from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
-from realrl.impl.ppo.models import CriticModel
+from realrl.impl.ppo.models import AdapterDisabled, CriticModel
 from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
 
 
@@ -90,7 +91,8 @@ def shard(model: torch.nn.Module) -> None:
     """FSDP2 per decoder layer, then the rest (as ModelWorker's `_shard`)."""
     from torch.distributed.fsdp import fully_shard
 
-    body = getattr(model, "model", None) or getattr(model, "backbone", None)
+    inner = lora.base_model(model)
+    body = getattr(inner, "model", None) or getattr(inner, "backbone", None)
     for layer in body.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -124,9 +126,12 @@ def build_trainer(
     mode: str = "plain",
     process_group=None,
     attn_implementation: str = "sdpa",
+    lora_rank: int = 0,
 ) -> tuple[PPOTrainer, collections.Counter]:
     """A trainer over the tiny model in `model_dir`, and a Counter of the
-    forward passes of each of its models ('actor', 'critic', 'ref')."""
+    forward passes of each of its models ('actor', 'critic', 'ref').
+    `lora_rank` > 0: the actor trains LoRA adapters (initialised alike on
+    every rank), the reference is its base (adapters off)."""
     from transformers import AutoModelForCausalLM
 
     world = dist.get_world_size(process_group) if process_group is not None else 1
@@ -137,8 +142,13 @@ def build_trainer(
     load = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     actor = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
     critic = CriticModel.from_pretrained(model_dir, **load).to(device) if ppo.algorithm == "ppo" else None
+    if lora_rank:
+        torch.manual_seed(0)
+        actor = lora.wrap(actor, LoraConfig(rank=lora_rank, alpha=2 * lora_rank))
     ref = None
-    if ppo.kl_ctl > 0:
+    if ppo.kl_ctl > 0 and lora_rank:
+        ref = AdapterDisabled(actor)
+    elif ppo.kl_ctl > 0:
         ref = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
         ref.requires_grad_(False).eval()
     if mode == "fsdp":
@@ -148,7 +158,7 @@ def build_trainer(
 
     forwards: collections.Counter = collections.Counter()
     for name, model in (("actor", actor), ("critic", critic), ("ref", ref)):
-        if model is None:
+        if model is None or (name == "ref" and lora_rank):  # (the reference runs the actor: counted there)
             continue
 
         def count(module, args, name=name):
@@ -213,7 +223,12 @@ def main(spec_path: str, rank: int, out_path: str) -> None:
     )
     try:
         trainer, forwards = build_trainer(
-            spec["model_dir"], PPOConfig(**spec["ppo"]), device, spec["mode"], dist.group.WORLD
+            spec["model_dir"],
+            PPOConfig(**spec["ppo"]),
+            device,
+            spec["mode"],
+            dist.group.WORLD,
+            lora_rank=spec.get("lora_rank", 0),
         )
         stats = run_steps(trainer, spec["data"][rank], spec["steps"])
         weights = {"actor": full_weights(trainer.actor.model)}

@@ -91,6 +91,7 @@ import sys
 
 from packaging.version import InvalidVersion, Version
 
+from realrl.api.cli_args import ALL_LINEAR
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base.registry import Registry
 
@@ -183,7 +184,9 @@ class SGLangBackend(GenerationBackend):
     """`python -m sglang.launch_server` with arguments computed from the config.
 
     The runtime sends token ids and reads output ids, so the server skips its
-    tokenizer (`--skip-tokenizer-init`). Flag names follow SGLang's ServerArgs
+    tokenizer (`--skip-tokenizer-init`). A LoRA run adds `--enable-lora
+    --max-lora-rank R --lora-target-modules ...` (`all` for all-linear), so
+    adapters can be loaded by name later. Flag names follow SGLang's ServerArgs
     (`tp_size` -> `--tp-size`, ...); `sglang.extra_args` are appended verbatim.
     """
 
@@ -250,6 +253,9 @@ class SGLangBackend(GenerationBackend):
             cmd += ["--max-running-requests", str(sg.max_running_requests)]
         if sg.disable_radix_cache:
             cmd.append("--disable-radix-cache")
+        if config.lora.rank > 0:  # versions after 0 are adapters, loaded by name (docs/design.md §8)
+            targets = ["all"] if list(config.lora.target_modules) == [ALL_LINEAR] else list(config.lora.target_modules)
+            cmd += ["--enable-lora", "--max-lora-rank", str(config.lora.rank), "--lora-target-modules", *targets]
         cmd += [str(a) for a in sg.extra_args]
         return cmd
 

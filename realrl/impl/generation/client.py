@@ -41,13 +41,18 @@ from realrl.api.sglang_api import (
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    LoadLoRAAdapterRequest,
     Loads,
+    LoRAUpdateResponse,
     MetaInfo,
     ModelInfo,
     PauseGenerationRequest,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightVersionRequest,
+    UpdateWeightVersionResponse,
 )
 from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
@@ -139,6 +144,20 @@ def new_rid(qid: str, index: int) -> str:
     §6); a random head of fixed length makes sure no rid is a prefix of
     another, whatever the qids look like."""
     return f"{uuid.uuid4().hex}/{qid}/{index}"
+
+
+LORA_ADAPTER_PREFIX = "actor-v"
+
+
+def lora_adapter_name(version: int) -> str | None:
+    """The name version `version` of a LoRA run is loaded under on a server
+    (`lora_path` of its requests); None for version 0, the base model."""
+    return f"{LORA_ADAPTER_PREFIX}{version}" if version > 0 else None
+
+
+def _lora_adapter_version(name: str) -> int | None:
+    suffix = name[len(LORA_ADAPTER_PREFIX) :] if name.startswith(LORA_ADAPTER_PREFIX) else ""
+    return int(suffix) if suffix.isdigit() else None
 
 
 def _normalise(url: str) -> str:
@@ -242,12 +261,15 @@ class GenerationClient:
         return_logprob: bool = True,
         rid: str | None = None,
         timeout_s: float | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
+        """`lora_path`: the name of the LoRA adapter to generate with (None: the base model)."""
         request = GenerateRequest(
             input_ids=list(input_ids),
             sampling_params=_sampling_params(sampling_params),
             return_logprob=return_logprob,
             rid=rid,
+            lora_path=lora_path,
         )
         body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
         return GenerateResult.from_response(_read(GenerateResponse, body, url, "/generate"))
@@ -260,11 +282,14 @@ class GenerationClient:
         return_logprob: bool = True,
         rids: list[str] | None = None,
         timeout_s: float | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> list[GenerateResult]:
         """One batched `/generate` (SGLang's list-of-prompts form): one result
         per prompt, in order; the response comes when every prompt is done.
-        `sampling_params`: one for all, or one per prompt."""
+        `sampling_params` and `lora_path` (an adapter name): one for all, or
+        one per prompt."""
         request = GenerateRequest(
+            lora_path=lora_path,
             input_ids=[list(p) for p in input_ids],
             sampling_params=(
                 [_sampling_params(p) for p in sampling_params]
@@ -307,6 +332,80 @@ class GenerationClient:
         if not answer.success:
             raise GenerationServerError(400, f"weight update failed: {answer.message}", url)
         return answer
+
+    async def load_lora_adapter(self, url: str, name: str, path: str, timeout_s: float | None = None) -> list[str]:
+        """Load the peft adapter directory `path` under `name`; returns the
+        names loaded now. A name that is already loaded counts as loaded
+        (version names are never reused for other weights)."""
+        body = await self._request(
+            "POST",
+            url,
+            "/load_lora_adapter",
+            to_json(LoadLoRAAdapterRequest(lora_name=name, lora_path=path)),
+            timeout_s,
+            ok_statuses=(400,),
+        )
+        answer = self._lora_answer(body)
+        if not answer.success and "already" not in (answer.error_message or ""):
+            raise GenerationServerError(400, f"loading LoRA adapter {name} failed: {answer.error_message}", url)
+        return sorted(answer.loaded_adapters or {name: path})
+
+    async def unload_lora_adapter(self, url: str, name: str, timeout_s: float | None = None) -> list[str]:
+        """Forget the adapter `name`; returns the names still loaded."""
+        body = await self._request(
+            "POST",
+            url,
+            "/unload_lora_adapter",
+            to_json(UnloadLoRAAdapterRequest(lora_name=name)),
+            timeout_s,
+            ok_statuses=(400,),
+        )
+        answer = self._lora_answer(body)
+        if not answer.success:
+            raise GenerationServerError(400, f"unloading LoRA adapter {name} failed: {answer.error_message}", url)
+        return sorted(answer.loaded_adapters or {})
+
+    @staticmethod
+    def _lora_answer(body: Any) -> LoRAUpdateResponse:
+        try:
+            return from_json(LoRAUpdateResponse, body)
+        except BodyError:
+            return LoRAUpdateResponse(success=False, error_message=str(body))
+
+    async def update_weight_version(
+        self, url: str, version: str | int, abort_all_requests: bool = True, timeout_s: float | None = None
+    ) -> UpdateWeightVersionResponse:
+        """Report `version` from now on (requests in flight aborted first when
+        asked); the torch server switches to the adapter loaded last."""
+        request = UpdateWeightVersionRequest(new_version=str(version), abort_all_requests=abort_all_requests)
+        body = await self._request(
+            "POST", url, "/update_weight_version", to_json(request), timeout_s, ok_statuses=(400,)
+        )
+        try:
+            answer = from_json(UpdateWeightVersionResponse, body)
+        except BodyError:
+            answer = UpdateWeightVersionResponse(success=False, message=str(body))
+        if not answer.success:
+            raise GenerationServerError(400, f"weight version update failed: {answer.message}", url)
+        return answer
+
+    async def load_version(self, url: str, path: str, version: int, lora: bool, timeout_s: float | None = None) -> int:
+        """Brings a server to weight `version`, published in directory `path`
+        (docs/design.md §8), aborting the requests in flight; returns how many
+        it aborted. Full weights: `/update_weights_from_disk`. A LoRA adapter:
+        `/load_lora_adapter` under `lora_adapter_name(version)`,
+        `/update_weight_version`, then `/unload_lora_adapter` of the versions
+        before the previous one (the previous stays for requests scheduled
+        on it just before the switch)."""
+        if not lora:
+            return (await self.update_weights_from_disk(url, path, version, True, timeout_s)).paused_total
+        loaded = await self.load_lora_adapter(url, lora_adapter_name(version), path, timeout_s)
+        switched = await self.update_weight_version(url, version, True, timeout_s)
+        for name in loaded:
+            old = _lora_adapter_version(name)
+            if old is not None and old < version - 1:
+                await self.unload_lora_adapter(url, name, timeout_s)
+        return switched.num_paused_requests
 
     async def pause_generation(self, url: str, mode: str = "abort") -> Any:
         """`abort`: every running and waiting request ends with `abort`;

@@ -1,6 +1,7 @@
-"""The models the trainer drives: the critic, the forward passes that give
-per-completion-token logprobs and values, and what a model supports
-(randomness in train mode; shared-prompt rows, checked on a tiny probe)."""
+"""The models the trainer drives: the critic, the base model under a LoRA
+actor (the KL reference), the forward passes that give per-completion-token
+logprobs and values, and what a model supports (randomness in train mode;
+shared-prompt rows, checked on a tiny probe)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,25 @@ class CriticModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()  # [B, T]
+
+
+class AdapterDisabled(nn.Module):
+    """The base model under a LoRA actor: the actor's forward with its
+    adapters switched off (peft's `disable_adapter`), so the KL reference
+    needs no second copy of the weights."""
+
+    def __init__(self, actor: nn.Module):
+        super().__init__()
+        self.actor = actor
+        self.train(actor.training)
+
+    @property
+    def config(self):
+        return self.actor.config
+
+    def forward(self, *args, **kwargs):
+        with self.actor.disable_adapter():
+            return self.actor(*args, **kwargs)
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:

@@ -72,7 +72,9 @@ def make_optimized(
     warmup_steps: int,
     total_steps: int,
 ) -> Optimized:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    # Only what trains holds optimizer state (a LoRA model: its adapters).
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:

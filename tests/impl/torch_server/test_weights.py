@@ -1,6 +1,6 @@
 """Reading a checkpoint directory and copying it into a model, without an
 engine: the layouts HF writes, the ways a directory can be broken, and the
-in-place copy (tied tensors included)."""
+in-place copy (tied tensors included); LoRA adapters read and merged."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from realrl.impl.generation.torch_server.weights import WeightLoadError, WeightTargets, read_weights_dir
+from realrl.impl.generation.torch_server.weights import (
+    AdapterTargets,
+    WeightLoadError,
+    WeightTargets,
+    read_adapter,
+    read_weights_dir,
+)
 
 
 class Tied(torch.nn.Module):
@@ -89,3 +95,77 @@ def test_tied_tensors_need_one_name_and_are_copied_in_place():
         targets.check(new)
     with pytest.raises(WeightLoadError, match="shape of norm.weight"):
         targets.check(dict(tensors(3), **{"norm.weight": torch.ones(5)}))
+
+
+# ---- LoRA adapters
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 6, bias=False)
+        self.down = torch.nn.Linear(6, 4, bias=False)
+
+
+def write_adapter(path, modules: dict[str, tuple[torch.Tensor, torch.Tensor]], **config) -> None:
+    """A peft-format adapter directory (the keys and config fields peft writes)."""
+    path.mkdir(parents=True)
+    rank = next(iter(modules.values()))[0].shape[0]
+    save_file(
+        {f"base_model.model.{name}.lora_{part}.weight": t for name, ab in modules.items() for part, t in zip("AB", ab)},
+        path / "adapter_model.safetensors",
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "use_dora": False, **config})
+    )
+
+
+def ab(seed: int, out_features: int, in_features: int, rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rank, in_features, generator=g), torch.randn(out_features, rank, generator=g)
+
+
+def test_adapters_merge_from_the_base_weights_every_time(tmp_path):
+    """Each version is W0 + scaling * B @ A from the same W0: nothing
+    accumulates across versions, and a layer the new adapter leaves out
+    gets its base weight back."""
+    model = TwoLayers()
+    base_up, base_down = model.up.weight.detach().clone(), model.down.weight.detach().clone()
+    targets = AdapterTargets(model)
+    write_adapter(tmp_path / "v1", {"up": ab(1, 6, 4), "down": ab(2, 4, 6)})
+    write_adapter(tmp_path / "v2", {"up": ab(3, 6, 4)}, use_rslora=True)
+    v1, v2 = read_adapter(str(tmp_path / "v1")), read_adapter(str(tmp_path / "v2"))
+    assert v1.scaling == 2.0 and v2.scaling == pytest.approx(4 / 2**0.5)  # alpha / r; rsLoRA: alpha / sqrt(r)
+    for adapter in (v1, v2, v1):
+        targets.check(adapter)
+        targets.apply(adapter)
+    a, b = v1.modules["up"]
+    torch.testing.assert_close(model.up.weight, base_up + 2.0 * b @ a, rtol=0, atol=1e-6)
+    targets.apply(v2)
+    a, b = v2.modules["up"]
+    torch.testing.assert_close(model.up.weight, base_up + v2.scaling * b @ a, rtol=0, atol=1e-6)
+    assert torch.equal(model.down.weight, base_down)  # not in v2: the base again
+    targets.apply(None)
+    assert torch.equal(model.up.weight, base_up)
+
+
+def test_adapters_that_do_not_fit_are_refused(tmp_path):
+    targets = AdapterTargets(TwoLayers())
+    with pytest.raises(WeightLoadError, match="not a LoRA adapter directory"):
+        read_adapter(str(tmp_path / "nowhere"))
+    write_adapter(tmp_path / "dora", {"up": ab(1, 6, 4)}, use_dora=True)
+    with pytest.raises(WeightLoadError, match=r"only plain LoRA .*\['use_dora'\]"):
+        read_adapter(str(tmp_path / "dora"))
+    write_adapter(tmp_path / "extra", {"up": ab(1, 6, 4)}, modules_to_save=["lm_head"])
+    with pytest.raises(WeightLoadError, match="modules_to_save"):
+        read_adapter(str(tmp_path / "extra"))
+    write_adapter(tmp_path / "elsewhere", {"mlp.up": ab(1, 6, 4)})
+    with pytest.raises(WeightLoadError, match="adapts 'mlp.up', which this model does not have"):
+        targets.check(read_adapter(str(tmp_path / "elsewhere")))
+    write_adapter(tmp_path / "shape", {"up": ab(1, 4, 6)})
+    with pytest.raises(WeightLoadError, match="up: adapter is 4 x 6, the layer 6 x 4"):
+        targets.check(read_adapter(str(tmp_path / "shape")))
+    tied = Tied()
+    write_adapter(tmp_path / "tied", {"head": ab(1, 8, 4)})
+    with pytest.raises(WeightLoadError, match="tied"):
+        AdapterTargets(tied).check(read_adapter(str(tmp_path / "tied")))

@@ -37,6 +37,14 @@ their partial output, its logprobs and the *old* weight version;
 starts), the tensors are copied into the existing parameters in place, and
 `weight_version` changes. Queued requests that had not started yet run under
 the new weights.
+
+**LoRA adapters** (docs/design.md §8). `load_adapter` registers an adapter
+under a name (read and checked off the loop); `update_weight_version` is a
+weight update whose new weights are the adapter loaded last, merged into the
+adapted matrices (`weights.AdapterTargets`), or none when no new adapter
+came. One adapter is served at a time: a request must name a loaded adapter
+(or none) in `lora_path`, and runs on the one being served, whose version it
+reports.
 """
 
 from __future__ import annotations
@@ -52,7 +60,13 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from realrl.api.sglang_api import ControlResponse, FinishReason, TorchServerInfo, UpdateWeightsFromDiskResponse
+from realrl.api.sglang_api import (
+    ControlResponse,
+    FinishReason,
+    LoRAUpdateResponse,
+    TorchServerInfo,
+    UpdateWeightsFromDiskResponse,
+)
 from realrl.base.http_body import BodyError
 from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.batch import Rows, RunningBatch
@@ -60,7 +74,13 @@ from realrl.impl.generation.torch_server.model import check_supported
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
 from realrl.impl.generation.torch_server.sampling import RowParams, sample_tokens
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
-from realrl.impl.generation.torch_server.weights import WeightTargets, read_weights_dir
+from realrl.impl.generation.torch_server.weights import (
+    AdapterTargets,
+    LoraAdapter,
+    WeightTargets,
+    read_adapter,
+    read_weights_dir,
+)
 
 logger = getLogger(__name__)
 
@@ -69,12 +89,16 @@ class EngineError(RuntimeError):
     """Generation failed inside the engine: answered with HTTP 500 and counted."""
 
 
-def _failure(name: str, message: str) -> EngineError | UpdateWeightsFromDiskResponse | ControlResponse:
+def _failure(
+    name: str, message: str
+) -> EngineError | UpdateWeightsFromDiskResponse | LoRAUpdateResponse | ControlResponse:
     """The answer to an inbox item (`name`) that failed or will never be handled."""
     if name == "generate":
         return EngineError(message)
-    if name == "update":
+    if name in ("update", "update_weight_version"):
         return UpdateWeightsFromDiskResponse(success=False, message=message)
+    if name in ("load_adapter", "unload_adapter"):
+        return LoRAUpdateResponse(success=False, error_message=message)
     return ControlResponse(success=False, message=message)
 
 
@@ -124,6 +148,11 @@ class GenerationEngine:
         )
         check_supported(model)
         self._targets = WeightTargets(model)
+        # LoRA adapters (docs/design.md §8): those loaded, by name; one at a time is merged into the weights.
+        self._adapter_targets = AdapterTargets(model)
+        self._adapters: dict[str, LoraAdapter] = {}
+        self._adapter_loaded_last: str | None = None  # served from the next update_weight_version on
+        self._adapter_serving: str | None = None
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
@@ -149,6 +178,7 @@ class GenerationEngine:
             "decode_rows": 0,
             "weight_updates": 0,
             "weight_update_failures": 0,
+            "lora_adapters_loaded": 0,
             "engine_errors": 0,  # failed engine steps (batched prefill / decode, commands)
             "requests_failed": 0,  # requests answered with an engine error (HTTP 500)
         }
@@ -199,6 +229,12 @@ class GenerationEngine:
         self._targets.check(tensors)
         return tensors
 
+    def read_adapter(self, path: str) -> LoraAdapter:
+        """Read and check a LoRA adapter (any thread; the model is not touched)."""
+        adapter = read_adapter(path)
+        self._adapter_targets.check(adapter)
+        return adapter
+
     def info(self) -> TorchServerInfo:
         batch = self._batch
         steps = max(1, self.stats["decode_steps"])
@@ -212,6 +248,8 @@ class GenerationEngine:
             avg_decode_batch_size=self.stats["decode_rows"] / steps,
             stats=dict(self.stats),
             rejections=dict(self.rejections),
+            lora_adapters=sorted(self._adapters),
+            lora_adapter=self._adapter_serving,
         )
 
     # ---- the loop (generation thread only below this line)
@@ -297,6 +335,10 @@ class GenerationEngine:
                 self.count_rejection("duplicate_rid")
                 req.reply(BodyError(f"a request with rid {req.rid!r} is already running", reason="duplicate_rid"))
                 return
+            if req.lora_name is not None and req.lora_name not in self._adapters:
+                self.count_rejection("lora_not_loaded")
+                req.reply(BodyError(f"LoRA adapter {req.lora_name!r} is not loaded", reason="lora_not_loaded"))
+                return
             self._live[req.rid] = req
             self._waiting.append(req)
         elif name == "stop":
@@ -315,8 +357,28 @@ class GenerationEngine:
         elif name == "flush_cache":
             # No prefix cache is kept across requests; nothing to drop.
             reply(ControlResponse(success=True, message="no cached prefixes to flush"))
-        elif name == "update":
-            if self.compat is not None and self._paused and self._batch is not None:
+        elif name == "load_adapter":
+            if args["name"] in self._adapters:
+                message = f"LoRA adapter {args['name']!r} is already loaded"
+                reply(LoRAUpdateResponse(success=False, error_message=message, loaded_adapters=self._loaded_adapters()))
+                return
+            self._adapters[args["name"]] = args["adapter"]
+            self._adapter_loaded_last = args["name"]
+            self.stats["lora_adapters_loaded"] += 1
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+        elif name == "unload_adapter":
+            if self._adapters.pop(args["name"], None) is None:
+                reply(_failure(name, f"LoRA adapter {args['name']!r} is not loaded"))
+                return
+            if self._adapter_loaded_last == args["name"]:
+                self._adapter_loaded_last = None
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+        elif name in ("update", "update_weight_version"):
+            if name == "update_weight_version":  # switch to the adapter loaded last, if it is new
+                last = self._adapter_loaded_last
+                if last is not None and last != self._adapter_serving:
+                    args = dict(args, adapter=(last, self._adapters[last]))
+            if name == "update" and self.compat is not None and self._paused and self._batch is not None:
                 # SGLang cannot flush the prefix cache of a batch paused in place.
                 self._apply_update(dict(args, reply=reply), num_aborted=0, flush_refused=True)
             elif args["abort_all_requests"]:
@@ -338,15 +400,26 @@ class GenerationEngine:
             return lambda r: False
         return lambda r: r.rid.startswith(rid)
 
+    def _loaded_adapters(self) -> dict[str, str]:
+        return {name: adapter.path for name, adapter in self._adapters.items()}
+
     def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False) -> None:
-        """Copies the new weights in and answers. `flush_refused` (SGLang
-        emulation): 0.5.23 keeps the new weights but answers `success: false`
-        and leaves the version; earlier releases die."""
+        """New weights: full tensors copied in (`tensors`), or a LoRA adapter
+        merged (`adapter`: (name, LoraAdapter)), or neither (a new version
+        number only); then the version switches and the caller is answered.
+        `flush_refused` (SGLang emulation): 0.5.23 keeps the new weights but
+        answers `success: false` and leaves the version; earlier releases die."""
         if flush_refused and not self.compat.refused_flush_swaps_weights:
             logger.error("SGLang %s: a refused cache flush after a weight update kills the server", self.compat.version)
             os._exit(1)
+        source = update.get("model_path")
         try:
-            self._targets.copy_in(update["tensors"])
+            if "tensors" in update:
+                self._targets.copy_in(update["tensors"])
+            elif "adapter" in update:
+                self._adapter_serving, adapter = update["adapter"]
+                self._adapter_targets.apply(adapter)
+                source = f"LoRA adapter {self._adapter_serving} ({adapter.path})"
         except Exception as e:  # the caller gets an answer; the weights may be half-copied
             logger.exception("copying new weights failed")
             self.stats["weight_update_failures"] += 1
@@ -373,7 +446,7 @@ class GenerationEngine:
         self.stats["weight_updates"] += 1
         logger.info(
             "weights updated from %s: version %s -> %s (%d requests aborted)",
-            update["model_path"],
+            source or "the same weights",
             old,
             self.weight_version,
             num_aborted,

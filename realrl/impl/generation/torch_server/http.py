@@ -13,6 +13,12 @@
   /model_info` (alias `/get_model_info`), `GET /get_server_info`, `GET
   /v1/loads` (SGLang's shape: requests per rank), `GET /get_weight_version`,
   `GET /metrics`.
+- LoRA adapters (docs/design.md §8): `POST /load_lora_adapter` `{"lora_name",
+  "lora_path"}` and `POST /unload_lora_adapter` `{"lora_name"}` -> `{"success",
+  "error_message", "loaded_adapters"}`; `POST /update_weight_version`
+  `{"new_version", "abort_all_requests"}` -> `{"success", "message",
+  "new_version", "num_paused_requests"}` (here it also switches to the
+  adapter loaded last); `/generate` takes `lora_path`, a loaded adapter's name.
 
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
 release's do (`sglang_compat`). `weight_load_gate` (`--weight-load-gate
@@ -41,12 +47,17 @@ from aiohttp import web
 from realrl.api.sglang_api import (
     AbortRequest,
     ContinueGenerationRequest,
+    LoadLoRAAdapterRequest,
     Loads,
+    LoRAUpdateResponse,
     ModelInfo,
     PauseGenerationRequest,
     RankLoad,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightVersionRequest,
+    UpdateWeightVersionResponse,
 )
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.base.logging import getLogger
@@ -95,6 +106,9 @@ class TorchGenerationServer:
         compat = self.compat
         r.add_post("/generate", self.generate)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
@@ -162,9 +176,7 @@ class TorchGenerationServer:
                 raise BodyError("only safetensors weights are supported", reason="unsupported")
         except BodyError as e:
             return self._reject(e)
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
-        async with self._update_lock:
+        async with self._lock():
             try:
                 tensors = await asyncio.to_thread(self.engine.read_weights, update.model_path)
             except Exception as e:  # WeightLoadError, or anything the filesystem throws
@@ -200,6 +212,49 @@ class TorchGenerationServer:
 
     def _sglang_status(self, what: str) -> web.Response:
         return web.json_response({"message": f"Generation {what} successfully.", "status": "ok"})
+
+    def _lock(self) -> asyncio.Lock:
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        return self._update_lock
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            load = from_json(LoadLoRAAdapterRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        async with self._lock():
+            try:
+                adapter = await asyncio.to_thread(self.engine.read_adapter, load.lora_path)
+            except Exception as e:  # WeightLoadError, or anything the filesystem throws
+                self.engine.stats["weight_update_failures"] += 1
+                logger.warning("LoRA adapter %s from %s refused: %s", load.lora_name, load.lora_path, e)
+                return _json(LoRAUpdateResponse(False, f"Failed to load LoRA adapter: {e}"), status=400)
+            result = await self._call("load_adapter", {"name": load.lora_name, "adapter": adapter})
+        return _json(result, status=200 if result.success else 400)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            unload = from_json(UnloadLoRAAdapterRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        async with self._lock():
+            result = await self._call("unload_adapter", {"name": unload.lora_name})
+        return _json(result, status=200 if result.success else 400)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            update = from_json(UpdateWeightVersionRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        version = str(update.new_version)
+        async with self._lock():
+            args = {"weight_version": version, "abort_all_requests": update.abort_all_requests, "model_path": None}
+            result = await self._call("update_weight_version", args)
+        answer = UpdateWeightVersionResponse(
+            result.success, result.message or "", version if result.success else None, result.num_paused_requests
+        )
+        return _json(answer, status=200 if result.success else 400)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:

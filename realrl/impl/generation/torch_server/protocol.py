@@ -76,6 +76,7 @@ class Request:
     min_p: float
     stop_ids: frozenset[int]
     return_logprob: bool
+    lora_name: str | None = None  # the LoRA adapter named by `lora_path` (checked by the engine)
     reply: Callable[[Any], None] = field(repr=False, default=lambda result: None)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -130,9 +131,10 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
     sampling = _per_prompt("sampling_params", body.sampling_params, batched, n)
     return_logprob = _per_prompt("return_logprob", body.return_logprob, batched, n)
     rids = _per_prompt("rid", body.rid, batched, n)
+    lora_names = _per_prompt("lora_path", body.lora_path, batched, n)
 
     requests = []
-    for prompt, params, want_logprob, rid in zip(prompts, sampling, return_logprob, rids):
+    for prompt, params, want_logprob, rid, lora_name in zip(prompts, sampling, return_logprob, rids, lora_names):
         if not prompt:
             raise BodyError("every prompt must be a non-empty list of token ids", reason="empty")
         _check_vocabulary(prompt, "input_ids", limits.vocab_size)
@@ -161,6 +163,7 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
                 input_ids=list(prompt),
                 stop_ids=frozenset(stop_ids),
                 return_logprob=bool(want_logprob),
+                lora_name=lora_name or None,
                 **p,
             )
         )

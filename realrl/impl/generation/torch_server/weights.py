@@ -1,17 +1,22 @@
-"""Reading new weights from disk and copying them into the served model.
+"""Reading new weights from disk and putting them into the served model.
 
 `read_weights_dir` reads the safetensors of an HF directory (single file or
 sharded with an index) into CPU tensors; `WeightTargets.check` compares their
 names and shapes with the model's (tied embeddings: either name of an aliased
 pair will do), and `WeightTargets.copy_in` copies them into the existing
-parameters in place. Reading and checking touch no model state, so they run
+parameters in place. LoRA adapters (docs/design.md §8): `read_adapter` reads a
+peft adapter directory, `AdapterTargets.check` compares it with the model and
+`AdapterTargets.apply` merges it into the adapted weights (from a copy of
+their base values). Reading and checking touch no model state, so they run
 on a helper thread while the engine goes on generating; a bad path or a
 mismatch raises `WeightLoadError` and the old weights keep serving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 
 import torch
@@ -81,3 +86,139 @@ class WeightTargets:
         for name, t in loaded.items():
             if name in self.tensors:
                 self.tensors[name].copy_(t)
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------
+
+_PREFIX = "base_model.model."  # peft's key prefix in adapter_model.safetensors
+
+
+@dataclasses.dataclass
+class LoraAdapter:
+    """A peft LoRA adapter: for each adapted module, its A (r x in) and B
+    (out x r); its delta weight is `scaling * B @ A`."""
+
+    path: str
+    rank: int
+    scaling: float
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path -> (A, B)
+    fan_in_fan_out: bool = False  # the base stores W transposed (GPT-2's Conv1D): the delta is too
+
+
+def read_adapter(path: str) -> LoraAdapter:
+    """A peft adapter directory (`adapter_config.json` + `adapter_model.safetensors`),
+    plain LoRA only: WeightLoadError for anything else (DoRA, extra trained
+    modules or biases, per-module ranks) or a broken file."""
+    from safetensors.torch import load_file
+
+    config_path, weights_path = (
+        os.path.join(path, "adapter_config.json"),
+        os.path.join(path, "adapter_model.safetensors"),
+    )
+    if not os.path.isfile(config_path) or not os.path.isfile(weights_path):
+        raise WeightLoadError(
+            f"{path!r} is not a LoRA adapter directory (adapter_config.json + adapter_model.safetensors)"
+        )
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+        tensors = load_file(weights_path, device="cpu")
+    except Exception as e:  # unreadable JSON, truncated file, bad header
+        raise WeightLoadError(f"cannot read the adapter in {path!r}: {e}") from e
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise WeightLoadError(f"{config_path}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
+    unsupported = [
+        key
+        for key, plain in (
+            ("use_dora", False),
+            ("bias", "none"),
+            ("lora_bias", False),
+            ("modules_to_save", None),
+            ("rank_pattern", {}),
+            ("alpha_pattern", {}),
+            ("layer_replication", None),
+        )
+        if config.get(key, plain) not in (plain, None, [], {})
+    ]
+    if unsupported:
+        raise WeightLoadError(f"{config_path}: only plain LoRA is supported; this adapter sets {unsupported}")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise WeightLoadError(f"{config_path}: r must be a positive integer and lora_alpha positive")
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        for part in ("lora_A", "lora_B"):
+            suffix = f".{part}.weight"
+            if key.startswith(_PREFIX) and key.endswith(suffix):
+                modules.setdefault(key[len(_PREFIX) : -len(suffix)], {})[part] = t
+                break
+        else:
+            raise WeightLoadError(f"{weights_path}: unexpected tensor {key!r} (only lora_A / lora_B weights)")
+    pairs = {}
+    for name, parts in sorted(modules.items()):
+        a, b = parts.get("lora_A"), parts.get("lora_B")
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise WeightLoadError(f"{weights_path}: {name} needs lora_A (r x in) and lora_B (out x r) with r = {rank}")
+        pairs[name] = (a, b)
+    if not pairs:
+        raise WeightLoadError(f"{weights_path}: no adapted module")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoraAdapter(path, rank, float(scaling), pairs, bool(config.get("fan_in_fan_out")))
+
+
+class AdapterTargets:
+    """Applies LoRA adapters to a model's resident weights by merging: each
+    adapted weight becomes `W0 + scaling * B @ A` (in float32, then cast),
+    with W0 a copy of the base weight taken the first time the module is
+    adapted. Applying a new adapter recomputes from W0, so versions never
+    accumulate rounding, and a module the new adapter leaves out gets W0 back."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        names: dict[int, list[str]] = {}
+        for name, t in model.state_dict().items():
+            names.setdefault(t.data_ptr(), []).append(name)
+        self._aliases = names
+        self._base: dict[str, torch.Tensor] = {}  # module path -> W0
+
+    def _weight(self, module_path: str) -> torch.Tensor:
+        try:
+            module = self.model.get_submodule(module_path)
+        except AttributeError:
+            raise WeightLoadError(f"the adapter adapts {module_path!r}, which this model does not have") from None
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise WeightLoadError(f"the adapter adapts {module_path!r}, which has no 2-D weight")
+        return weight
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """Names and shapes against the model (any thread; nothing is changed)."""
+        for name, (a, b) in adapter.modules.items():
+            weight = self._weight(name)
+            out_features, in_features = weight.shape[::-1] if adapter.fan_in_fan_out else weight.shape
+            if (b.shape[0], a.shape[1]) != (out_features, in_features):
+                raise WeightLoadError(
+                    f"{name}: adapter is {b.shape[0]} x {a.shape[1]}, the layer {out_features} x {in_features}"
+                )
+            if len(self._aliases.get(weight.data_ptr(), ())) > 1:
+                raise WeightLoadError(
+                    f"{name}: its weight is tied to another tensor; a merged adapter would change both"
+                )
+
+    @torch.no_grad()
+    def apply(self, adapter: LoraAdapter | None) -> None:
+        """Serve `adapter` merged into the weights (None: the base weights)."""
+        modules = adapter.modules if adapter is not None else {}
+        for name in modules:
+            if name not in self._base:
+                self._base[name] = self._weight(name).detach().clone()
+        for name, base in self._base.items():
+            weight = self._weight(name)
+            if name not in modules:
+                weight.copy_(base)
+                continue
+            a, b = modules[name]
+            delta = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
+            if adapter.fan_in_fan_out:
+                delta = delta.T
+            weight.copy_(torch.add(base.float(), delta, alpha=adapter.scaling))
