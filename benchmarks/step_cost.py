@@ -1,7 +1,7 @@
 """Where one default run spends its CPU: per process kind, per stage, per function.
 
     python benchmarks/step_cost.py [--quick] [--steps N] [--json PATH] [--profile-out PATH]
-                                   [--no-profile] [--rate HZ] [--native] [override ...]
+                                   [--no-profile] [--rate HZ] [--native] [--lora R] [override ...]
 
 Runs `training/main_async_ppo.py` once (the default config; `--steps` train
 steps, 60 by default, 24 with `--quick`; periodic evaluation off so that it
@@ -39,6 +39,12 @@ subprocess and watches its process tree with psutil:
   (`pip install -e .[dev]` or `pip install py-spy`) and ptrace permission
   (root, or kernel.yama.ptrace_scope=0); without it the run still reports CPU
   and stages and says why there is no profile.
+
+`--lora R` runs the trial a second time with `model.lora.rank=R` (and
+`optimizer.lr=--lora-lr`, no profile) and prints a row per run: bytes
+published per version (the newest version's directory), seconds publishing
+per step, the weight-sync lag, the trainer's peak RSS (psutil, every 0.2 s)
+and steps per minute.
 
 Prints the tables; `--json PATH` writes everything with a top-level "ratio" =
 CPU of the model processes (trainer + generation server) / CPU of the whole
@@ -134,6 +140,7 @@ class TreeSampler:
         self.label: dict[int, str] = {}
         self.python: dict[int, bool] = {}
         self.cpu: dict[int, float] = {}
+        self.peak_rss: dict[int, int] = {}  # bytes, the most seen in any sample
 
     def sample(self) -> None:
         try:
@@ -165,6 +172,7 @@ class TreeSampler:
             try:
                 t = p.cpu_times()
                 self.cpu[pid] = t.user + t.system
+                self.peak_rss[pid] = max(self.peak_rss.get(pid, 0), p.memory_info().rss)
             except (psutil.NoSuchProcess, psutil.ZombieProcess):
                 pass  # keep its last value
 
@@ -454,13 +462,22 @@ def summarize_profile(path: str, before: dict, after: dict, top: int = 10) -> di
 # ---- the run -----------------------------------------------------------------------------
 
 
+def newest_version_bytes(weights_dir: str) -> int | None:
+    """Size of the newest published version (every file of `<weights_dir>/<v>/`)."""
+    versions = [int(v) for v in os.listdir(weights_dir) if v.isdigit()] if os.path.isdir(weights_dir) else []
+    if not versions:
+        return None
+    newest = os.path.join(weights_dir, str(max(versions)))
+    return sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest))
+
+
 def default_cache_dir(overrides: list[str]) -> list[str]:
     if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit"):
         return []
     return ["tiny_kit.cache_dir=/tmp/kit"]
 
 
-def run(args, overrides: list[str]) -> dict:
+def run(args, overrides: list[str], profile: bool = True) -> dict:
     steps = args.steps
     run_overrides = [
         f"experiment_name={EXPERIMENT}",
@@ -476,7 +493,7 @@ def run(args, overrides: list[str]) -> dict:
     paths = trial_paths(cfg)
     shutil.rmtree(paths.log_dir, ignore_errors=True)  # a fresh stats.jsonl and logs
     warmup = max(2, steps // 10)
-    profile = not args.no_profile
+    profile = profile and not args.no_profile
     py_spy = find_py_spy() if profile else None
     profile_note = None
     if profile and py_spy is None:
@@ -599,6 +616,10 @@ def run(args, overrides: list[str]) -> dict:
         "per_process_cpu_s": per_process,
         "stages_s_per_step": stages,
         "weight_sync": weight_sync_lags(paths.log_dir, range(s0 + 1, s1 + 1)),
+        "published_bytes_per_version": newest_version_bytes(paths.weights_dir),
+        "trainer_peak_rss_mb": max(
+            (rss / 2**20 for pid, rss in sampler.peak_rss.items() if sampler.kind.get(pid) == "trainer"), default=None
+        ),
         "run_wall_s": wall,
         "launch_to_first_step_s": first_step_s,
         "log_dir": paths.log_dir,
@@ -668,6 +689,22 @@ def print_tables(r: dict) -> None:
         print(f"\nprofile: {r['profile_note']}")
 
 
+def print_lora_rows(full: dict, lora: dict, rank: int) -> None:
+    """Full fine-tuning against LoRA on the same run: what one version costs."""
+    print(f"\nfull fine-tuning vs LoRA rank {rank} (same run otherwise)")
+    print(
+        f"{'':<6}{'bytes/version':>15}{'publish s':>11}{'noticed->served s':>19}{'trainer RSS MB':>16}{'steps/min':>11}"
+    )
+    nan = float("nan")
+    for name, r in (("full", full), ("lora", lora)):
+        ws = r["weight_sync"]
+        publish = r["stages_s_per_step"].get("time/publish_s", nan)
+        lag = ws["lag_s_mean"] if ws.get("versions") else nan
+        rss = r["trainer_peak_rss_mb"] or nan
+        size = r["published_bytes_per_version"] or 0
+        print(f"{name:<6}{size:>15,}{publish:>11.3f}{lag:>19.3f}{rss:>16.0f}{r['window']['steps_per_min']:>11.1f}")
+
+
 def profile_text(r: dict) -> str:
     prof = r.get("profile")
     if not prof:
@@ -712,6 +749,10 @@ def main() -> None:
     parser.add_argument("--native", action="store_true", help="py-spy --native (C/C++ frames too; slower)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
+    parser.add_argument(
+        "--lora", type=int, default=0, help="then run again with model.lora.rank=R and print a LoRA-vs-full row"
+    )
+    parser.add_argument("--lora-lr", type=float, default=2e-3, help="optimizer.lr of the LoRA run")
     args, overrides = parser.parse_known_args()
     args.steps = args.steps or (24 if args.quick else 60)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the trial and the profilers on the way out
@@ -720,6 +761,11 @@ def main() -> None:
     result = run(args, overrides)
     result["date"] = datetime.date.today().isoformat()
     print_tables(result)
+    if args.lora:
+        lora_overrides = [*overrides, f"model.lora.rank={args.lora}", f"optimizer.lr={args.lora_lr}"]
+        result["lora"] = run(args, lora_overrides, profile=False)
+        result["lora"]["rank"] = args.lora
+        print_lora_rows(result, result["lora"], args.lora)
     text = profile_text(result)
     if args.profile_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.profile_out)), exist_ok=True)

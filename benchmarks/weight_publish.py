@@ -2,6 +2,7 @@
 
     python benchmarks/weight_publish.py [--quick] [--json PATH] [--servers N] [--repeats R]
                                         [--dtype float32|bfloat16] [--inflight K] [--models tiny,100m]
+                                        [--lora-rank R]
 
 Through the real components, for two models: the tiny kit's model (0.8M
 parameters; found or built first, by default under /tmp/kit when that exists)
@@ -23,6 +24,18 @@ untied head; built with transformers' LlamaConfig on CPU), both in
 - baseline: the same weights saved with `safetensors.torch.save_model` and
   loaded back into the model with `load_model`, in this process.
 
+With `--lora-rank R` (default 8; 0 = off), each model also runs as a LoRA
+actor (peft, rank R on every linear layer but the head) on fresh servers
+started on the same base: a version is the adapter alone, loaded with
+`/load_lora_adapter` + `/update_weight_version` (`GenerationClient.load_version`,
+what the manager sends). The LoRA table shows, full vs LoRA, the trained
+parameters, bytes per version, step end -> every server serves it, and the
+trainer's peak memory in one GRPO step (a fresh process each; peak RSS on CPU,
+peak CUDA allocation on a GPU). A last table compares the torch server's two
+ways of serving an adapter: merged into the weights (what it does) and a LoRA
+forward (peft's unmerged layers), each by the seconds to apply a version and
+per decode step.
+
 Each side runs `--repeats` times, interleaved, the weights changed a little
 before each (as a train step would); the table shows medians. The realrl path
 runs twice per repeat: with idle servers (this is the "ratio" = realrl /
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import random
@@ -219,9 +233,10 @@ class InflightLoad:
 
 @torch.no_grad()
 def nudge(model: torch.nn.Module, step: int) -> None:
-    """A stand-in for a train step: every parameter changes."""
+    """A stand-in for a train step: every trained parameter changes (a LoRA model: its adapters)."""
     for p in model.parameters():
-        p.add_(1e-4 * ((-1) ** step))
+        if p.requires_grad:
+            p.add_(1e-4 * ((-1) ** step))
 
 
 def baseline(model: torch.nn.Module, directory: str) -> dict:
@@ -237,13 +252,13 @@ def baseline(model: torch.nn.Module, directory: str) -> dict:
     return {"total_s": t2 - t0, "save_s": t1 - t0, "load_s": t2 - t1}
 
 
-async def publish_and_update(client: GenerationClient, urls: list[str], model, weights_dir: str, version: int) -> dict:
+async def publish_and_update(
+    client: GenerationClient, urls: list[str], model, weights_dir: str, version: int, lora: bool
+) -> dict:
     t0 = time.perf_counter()  # the trainer's step end
     path = await asyncio.to_thread(publish_weights, model, weights_dir, version)
     t1 = time.perf_counter()
-    results = await asyncio.gather(
-        *(client.update_weights_from_disk(u, path, version, abort_all_requests=True) for u in urls)
-    )
+    aborted = await asyncio.gather(*(client.load_version(u, path, version, lora) for u in urls))
     t2 = time.perf_counter()
     served = await asyncio.gather(*(client.weight_version(u) for u in urls))
     if any(v != str(version) for v in served):
@@ -257,13 +272,15 @@ async def publish_and_update(client: GenerationClient, urls: list[str], model, w
         "update_s": t2 - t1,
         "t_update_start": t1,
         "t_end": t2,
-        "aborted": sum(r.paused_total for r in results),
+        "aborted": sum(aborted),
+        "bytes": sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)),
     }
 
 
 async def measure(
-    model, urls: list[str], weights_dir: str, scratch: str, repeats: int, inflight: int, max_new: int
+    model, urls: list[str], weights_dir: str, scratch: str, repeats: int, inflight: int, max_new: int, lora: bool
 ) -> dict:
+    """Full weights: the baseline and realrl's path; a LoRA model: realrl's path only."""
     vocab = model.config.vocab_size
     async with GenerationClient(timeout_s=600) as client:
         for u in urls:
@@ -274,22 +291,24 @@ async def measure(
         # warm-up (first-call allocations on both sides; not counted)
         version += 1
         nudge(model, version)
-        await publish_and_update(client, urls, model, weights_dir, version)
-        baseline(model, scratch)
+        await publish_and_update(client, urls, model, weights_dir, version, lora)
+        if not lora:
+            baseline(model, scratch)
         for r in range(repeats):
+            if not lora:
+                version += 1
+                nudge(model, version)
+                base.append(baseline(model, scratch))
             version += 1
             nudge(model, version)
-            base.append(baseline(model, scratch))
-            version += 1
-            nudge(model, version)
-            idle.append(await publish_and_update(client, urls, model, weights_dir, version))
+            idle.append(await publish_and_update(client, urls, model, weights_dir, version, lora))
             if inflight:
                 version += 1
                 nudge(model, version)
                 load.start()
                 await asyncio.sleep(1.0)  # every request is decoding
                 n_before = len(load.pauses)
-                loaded.append(await publish_and_update(client, urls, model, weights_dir, version))
+                loaded.append(await publish_and_update(client, urls, model, weights_dir, version, lora))
                 deadline = time.monotonic() + 60
                 while len(load.pauses) - n_before < loaded[-1]["aborted"] and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)  # every aborted request has resumed
@@ -297,11 +316,12 @@ async def measure(
                 await load.stop()
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     out = {
-        "baseline": {k: med(base, k) for k in ("total_s", "save_s", "load_s")},
-        "realrl_idle": {k: med(idle, k) for k in ("total_s", "publish_s", "update_s")},
+        "realrl_idle": {k: med(idle, k) for k in ("total_s", "publish_s", "update_s", "bytes")},
         "runs": {"baseline": base, "realrl_idle": idle, "realrl_inflight": loaded},
     }
-    out["ratio"] = out["realrl_idle"]["total_s"] / out["baseline"]["total_s"]
+    if base:
+        out["baseline"] = {k: med(base, k) for k in ("total_s", "save_s", "load_s")}
+        out["ratio"] = out["realrl_idle"]["total_s"] / out["baseline"]["total_s"]
     if loaded:
         pauses = [p for r in loaded for p in r["pauses_s"]]
         out["realrl_inflight"] = {k: med(loaded, k) for k in ("total_s", "publish_s", "update_s")}
@@ -311,7 +331,8 @@ async def measure(
             pause_s_max=max(pauses) if pauses else None,
             pauses=len(pauses),
         )
-        out["ratio_inflight"] = out["realrl_inflight"]["total_s"] / out["baseline"]["total_s"]
+        if base:
+            out["ratio_inflight"] = out["realrl_inflight"]["total_s"] / out["baseline"]["total_s"]
     for rows in out["runs"].values():
         for row in rows:
             row.pop("t_update_start", None)
@@ -319,7 +340,12 @@ async def measure(
     return out
 
 
-def run_model(name: str, model, dtype: str, servers: int, repeats: int, inflight: int, max_new: int) -> dict:
+def run_model(
+    name: str, model, dtype: str, servers: int, repeats: int, inflight: int, max_new: int, lora_rank: int
+) -> dict:
+    """Full weights (and the baseline), then, with lora_rank > 0, the same
+    model as a LoRA actor (fresh servers on the same base): what a version
+    costs each way, and the trainer's memory each way (`train_memory`)."""
     n_params = sum(p.numel() for p in model.parameters())
     work = tempfile.mkdtemp(prefix=f"weight-publish-{name}-")
     running: list = []
@@ -329,23 +355,43 @@ def run_model(name: str, model, dtype: str, servers: int, repeats: int, inflight
         bytes_on_disk = sum(
             os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors")
         )
-        running = start_servers(model_dir, servers, dtype, work)
-        os.makedirs(os.path.join(work, "scratch"))
         t0 = time.monotonic()
-        result = asyncio.run(
-            measure(
-                model,
-                [u for _, u in running],
-                os.path.join(work, "weights"),
-                os.path.join(work, "scratch"),
-                repeats,
-                inflight,
-                max_new,
+        modes = [("full", model)]
+        if lora_rank:
+            from realrl.api.cli_args import LoraConfig
+            from realrl.impl import lora
+
+            lora_config = LoraConfig(rank=lora_rank)
+            modes.append(("lora", lora.wrap(copy.deepcopy(model), lora_config)))
+        result: dict = {}
+        for mode, trained in modes:
+            running = start_servers(model_dir, servers, dtype, work)
+            scratch = os.path.join(work, f"scratch-{mode}")
+            os.makedirs(scratch)
+            measured = asyncio.run(
+                measure(
+                    trained,
+                    [u for _, u in running],
+                    os.path.join(work, f"weights-{mode}"),
+                    scratch,
+                    repeats,
+                    inflight,
+                    max_new,
+                    lora=mode == "lora",
+                )
             )
-        )
-        for proc, url in running:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server {url} exited with {proc.returncode}")
+            for proc, url in running:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server {url} exited with {proc.returncode}")
+            stop_servers(running)
+            running = []
+            measured["trained_params"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
+            measured["trainer_memory"] = train_memory(model_dir, lora_rank if mode == "lora" else 0)
+            if mode == "full":
+                result.update(measured)
+            else:
+                result["lora"] = dict(measured, rank=lora_rank)
+                result["lora_apply"] = adapter_apply_cost(model, trained, lora_config, work)
         result.update(
             params=n_params,
             bytes=bytes_on_disk,
@@ -365,6 +411,173 @@ def run_model(name: str, model, dtype: str, servers: int, repeats: int, inflight
             time.sleep(0.5)
 
 
+# ---- LoRA: the trainer's memory, and merge vs LoRA forward on the server --------------------------
+
+
+def train_memory(model_dir: str, lora_rank: int) -> dict:
+    """Peak memory of a trainer process doing one GRPO step on `model_dir`
+    (LoRA rank `lora_rank`, 0 = full fine-tuning): a fresh process each, so
+    nothing else counts (`--train-memory`)."""
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--train-memory", model_dir, str(lora_rank)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def train_step_peak_memory(model_dir: str, lora_rank: int) -> dict:
+    """One PPOTrainer inference + train step (2 groups x 2 answers, 16 + 48
+    tokens each), as the model worker builds it; peak RSS of this process
+    (and peak CUDA allocation when a GPU is at hand)."""
+    import resource
+
+    from transformers import AutoModelForCausalLM
+
+    from realrl.api.cli_args import LoraConfig, PPOConfig
+    from realrl.impl import lora
+    from realrl.impl.ppo.batch import SequenceBatch
+    from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    if lora_rank:
+        model = lora.wrap(model, LoraConfig(rank=lora_rank))
+    trainer = PPOTrainer(
+        make_optimized(model, 1e-5, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 1), PPOConfig(group_size=2), 1.0, device
+    )
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    ids = [torch.randint(3, vocab, (64,), generator=g) for _ in range(4)]
+    batch = SequenceBatch(
+        ids,
+        [16] * 4,
+        [torch.full((48,), -5.0)] * 4,
+        torch.tensor([0.0, 1.0, 1.0, 0.0]),
+        torch.zeros(4, dtype=bool),
+        [[0, 1], [2, 3]],
+    )
+    trainer.inference(batch, decoupled=True)
+    trainer.train_step(batch)
+    peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "device": device.type}
+    if device.type == "cuda":
+        peak["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return peak
+
+
+@torch.inference_mode()
+def decode_steps_s(models: list, batch: int, context: int, repeats: int = 10) -> list[float]:
+    """Median seconds of one decode step of each model (one token for each
+    of `batch` rows after `context` cached positions; random keys and
+    values), the models' steps interleaved so a busy machine slows them alike."""
+    from transformers.cache_utils import DynamicCache
+
+    config = models[0].config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shape = (batch, kv_heads, context, head_dim)
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(repeats + 1):
+        ids = torch.randint(3, config.vocab_size, (batch, 1))
+        for model, out in zip(models, times):
+            cache = DynamicCache(config=config)
+            for layer in range(config.num_hidden_layers):
+                cache.update(torch.randn(shape), torch.randn(shape), layer)
+            t0 = time.perf_counter()
+            model(
+                input_ids=ids,
+                attention_mask=torch.ones(batch, context + 1, dtype=torch.long),
+                position_ids=torch.full((batch, 1), context),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t[1:]) for t in times]
+
+
+def adapter_apply_cost(base, lora_model, lora_config, work: str, batches=(1, 16, 64), context: int = 128) -> dict:
+    """The torch server's two ways to serve an adapter, on copies of `base`:
+    (a) merged into the weights (`AdapterTargets.apply`: what the server
+    does), (b) a LoRA forward (peft's unmerged `lora.Linear`, the adapter's
+    tensors copied in). Each: seconds to apply a new version, and seconds
+    per decode step at each batch size."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from realrl.impl import lora
+    from realrl.impl.generation.torch_server.weights import AdapterTargets, read_adapter
+    from realrl.system.model_worker import save_model
+
+    torch.set_num_threads(1)  # a server's default (server.torch.num_threads)
+    path = os.path.join(work, "adapter")
+    save_model(lora_model, path)
+    adapter = read_adapter(path)
+    merged = copy.deepcopy(base).eval()
+    targets = AdapterTargets(merged)
+    forward = lora.wrap(copy.deepcopy(base), lora_config).eval()
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    with torch.inference_mode():
+        out = {
+            "apply_merge_s": timed(lambda: targets.apply(adapter)),
+            "apply_forward_s": timed(lambda: set_peft_model_state_dict(forward, tensors)),
+        }
+        ids = torch.randint(3, base.config.vocab_size, (1, 32))
+        out["max_logit_difference"] = float((merged(ids).logits - forward(input_ids=ids).logits).abs().max())
+    out["decode"] = {}
+    for b in batches:
+        m, f = decode_steps_s([merged, forward], b, context)
+        extra = f - m
+        out["decode"][b] = {
+            "merged_s": m,
+            "forward_s": f,
+            # decode steps after which merging (a slower apply, then free steps) has cost less
+            "break_even_steps": (out["apply_merge_s"] - out["apply_forward_s"]) / extra if extra > 0 else None,
+        }
+    return out
+
+
+def print_lora_tables(results: dict, servers: int, repeats: int) -> None:
+    rank = next(iter(results.values()))["lora"]["rank"]
+    print(
+        f"\nLoRA rank {rank} vs full fine-tuning: one version, step end -> {servers} server(s) serve it "
+        f"(median of {repeats}), and the trainer's peak memory in one GRPO step"
+    )
+    print(
+        f"{'model':<7}{'mode':<6}{'trained':>10}{'bytes/version':>15}{'publish s':>10}{'update s':>9}"
+        f"{'total s':>9}{'in-flight s':>12}{'trainer peak MB':>17}"
+    )
+    for name, r in results.items():
+        for mode, m in (("full", r), ("lora", r["lora"])):
+            i, f = m["realrl_idle"], m.get("realrl_inflight")
+            memory = m["trainer_memory"]
+            peak = memory.get("cuda_peak_allocated_mb", memory["peak_rss_mb"])
+            print(
+                f"{name:<7}{mode:<6}{m['trained_params'] / 1e6:>9.2f}M{int(i['bytes']):>15,}{i['publish_s']:>10.3f}"
+                f"{i['update_s']:>9.3f}{i['total_s']:>9.3f}{f['total_s'] if f else float('nan'):>12.3f}{peak:>17.0f}"
+            )
+    device = next(iter(results.values()))["trainer_memory"]["device"]
+    print(f"trainer peak: {'peak CUDA allocation' if device == 'cuda' else 'peak RSS of the process (CPU)'}")
+    print("\nthe torch server: an adapter merged into the weights vs a LoRA forward (peft, unmerged); 1 thread")
+    print(
+        f"{'model':<7}{'apply s: merge':>15}{'forward':>9}{'|':>3}  decode step s per batch size: merged / LoRA forward"
+    )
+    for name, r in results.items():
+        a = r["lora_apply"]
+        steps = "  ".join(f"{b}: {d['merged_s']:.4f} / {d['forward_s']:.4f}" for b, d in a["decode"].items())
+        print(f"{name:<7}{a['apply_merge_s']:>15.4f}{a['apply_forward_s']:>9.4f}{'|':>3}  {steps}")
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -379,7 +592,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--inflight", type=int, default=4, help="requests generating per server (0: none)")
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
+    parser.add_argument("--lora-rank", type=int, default=8, help="the LoRA rows' rank (0: no LoRA rows)")
+    parser.add_argument("--train-memory", nargs=2, metavar=("MODEL_DIR", "RANK"), help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
+    if args.train_memory:  # the child of train_memory()
+        print(json.dumps(train_step_peak_memory(args.train_memory[0], int(args.train_memory[1]))))
+        return
     repeats = args.repeats or (2 if args.quick else 5)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the servers on the way out
     torch.set_num_threads(1)  # the trainer's default (train.num_threads=1)
@@ -394,7 +612,9 @@ def main() -> None:
             max_new = 1024
         else:
             parser.error(f"unknown model {name!r} (tiny, 100m)")
-        results[name] = run_model(name, model, args.dtype, args.servers, repeats, args.inflight, max_new)
+        results[name] = run_model(
+            name, model, args.dtype, args.servers, repeats, args.inflight, max_new, args.lora_rank
+        )
         del model
 
     print(
@@ -420,6 +640,8 @@ def main() -> None:
         "baseline = save_model + load_model; realrl = publish_weights + update_weights_from_disk on every server "
         "(idle servers; 'in-flight': with requests generating); pause = abort -> first token after resuming"
     )
+    if args.lora_rank:
+        print_lora_tables(results, args.servers, repeats)
     if args.json:
         main_ratio = results["100m"]["ratio"] if "100m" in results else next(iter(results.values()))["ratio"]
         with open(args.json, "w") as f:

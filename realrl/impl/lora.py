@@ -92,6 +92,27 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def save_adapter(model: nn.Module, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter of a LoRA model (or `state_dict`, its trainable
+    parameters, e.g. gathered under FSDP) in peft's format, as
+    `save_pretrained` writes it but without the model card (its template
+    costs more than the adapter)."""
+    import os
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    tensors = get_peft_model_state_dict(model, state_dict=trainable_state(model) if state_dict is None else state_dict)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS), {"format": "pt"})
+    config = model.peft_config["default"]
+    inference_mode, config.inference_mode = config.inference_mode, True  # as save_pretrained writes it
+    try:
+        config.save_pretrained(path)
+    finally:
+        config.inference_mode = inference_mode
+
+
 def save_merged(adapter_dir: str, base_path: str, out_dir: str, dtype: torch.dtype) -> None:
     """The base model at `base_path` with the adapter in `adapter_dir` merged
     into its weights (W + (alpha / r) B A), saved as a plain HF model that

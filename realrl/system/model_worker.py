@@ -29,7 +29,10 @@ pickle), point to point.
 Weights (docs/design.md §8): after each train step rank 0 writes the actor as HF
 safetensors into a temp directory, renames it to `<weights_dir>/<version>/`,
 and only then sets `model_version/actor`; a half-written version is never
-visible. Data parallelism uses torch.distributed (gloo on CPU, NCCL on CUDA);
+visible. With `lora.rank` > 0 the actor is wrapped with peft LoRA adapters
+(`realrl.impl.lora`): only they train, and a version, a checkpoint and the
+final model's `adapter/` hold them alone; the KL reference is the actor with
+the adapters off. Data parallelism uses torch.distributed (gloo on CPU, NCCL on CUDA);
 gradients are summed over ranks and the loss is normalised by the global token
 count, so every rank ends a step with identical weights.
 """
@@ -68,7 +71,7 @@ def save_model(model: torch.nn.Module, path: str, max_shard_size: str = "2GB", s
     model, the adapter alone in peft's format (adapter_model.safetensors +
     adapter_config.json)."""
     if lora.is_lora(model):
-        model.save_pretrained(path, state_dict=state_dict)
+        lora.save_adapter(model, path, state_dict)
     else:
         model.save_pretrained(path, max_shard_size=max_shard_size, state_dict=state_dict)
 

@@ -75,6 +75,12 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("allocation_mode=torch.d1p2m1+d1p1m1", "allocation_mode"),
         ("name_resolve.type=zookeeper", "name_resolve.type"),
         ("console.every_n_steps=0", "console.every_n_steps"),
+        ("model.lora.rank=-1", "model.lora.rank"),
+        ("model.lora.alpha=0", "model.lora.alpha"),
+        ("model.lora.dropout=1", "model.lora.dropout"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules"),
+        ("model.lora.target_modules=[all-linear,q_proj]", "model.lora.target_modules"),
+        ("model.lora.target_modules=['q proj']", "model.lora.target_modules"),
     ],
 )
 def test_validate_names_the_key_first(tmp_path, override, key):
@@ -91,6 +97,38 @@ def test_valid_edges_pass(tmp_path, value):
 def test_an_agent_registered_by_a_plugin_is_accepted(tmp_path):
     cfg = config(tmp_path, f"plugins=[{SHARD_FILTER_PLUGIN}]", "rollout.agent.type=shard-filter-agent")
     assert check_environment(cfg, validate(cfg)) == 256
+
+
+def test_lora_target_modules_must_be_layers_of_the_model(tmp_path):
+    """Checked on an empty (meta) copy of the architecture: the tiny kit's
+    Llama, or model.path's config."""
+    cfg = config(tmp_path, "model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]")
+    check_environment(cfg, validate(cfg))
+    cfg = config(tmp_path, "model.lora.rank=8", "model.lora.target_modules=[c_attn]")
+    with pytest.raises(ConfigError, match=r"^model.lora.target_modules: .*no linear layer named \['c_attn'\]"):
+        check_environment(cfg, validate(cfg))
+    model = write_model(
+        tmp_path,
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        max_position_embeddings=64,
+    )
+    cfg = config(
+        tmp_path,
+        f"model.path={model}",
+        f"dataset.train_path={write_train(tmp_path)}",
+        "model.lora.rank=4",
+        "model.lora.target_modules=[gate_proj,qkv_proj]",
+        "rollout.gconfig.max_new_tokens=8",
+    )
+    with pytest.raises(
+        ConfigError, match=r"^model.lora.target_modules: .*\['qkv_proj'\]; its linear layers: .*gate_proj"
+    ):
+        check_environment(cfg, validate(cfg))
+    assert sorted(os.listdir(tmp_path)) == ["model", "train.jsonl"]  # nothing created
 
 
 def test_unknown_types_list_what_is_registered(tmp_path):

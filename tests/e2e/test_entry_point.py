@@ -79,6 +79,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("fileroot={tmp}/a_file/runs", "fileroot"),
         ("fileroot={tmp}/a_file", "fileroot"),
         ("tiny_kit.cache_dir={tmp}/a_file/cache", "tiny_kit.cache_dir"),
+        # LoRA: a target module the model does not have
+        ("model.lora.rank=8 model.lora.target_modules=[qkv_proj]", "model.lora.target_modules"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, overrides, key):

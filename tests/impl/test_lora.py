@@ -132,6 +132,36 @@ def test_a_checkpoint_resumes_training_exactly(tiny_llama_dir, rank):
             load_trainer_state(trainer(tiny_llama_dir).actor, state, fsdp=False)
 
 
+def assert_loads_without_peft(model_dir: str, reference, tmp_path) -> None:
+    """A process in which peft cannot be imported loads `model_dir` with
+    AutoModelForCausalLM and gets the logits of `reference` (a peft model)."""
+    ids = [[0, 5, 9, 3, 17, 4]]
+    reference.eval()
+    with torch.no_grad():
+        torch.save(reference(input_ids=torch.tensor(ids)).logits, tmp_path / "expected.pt")
+    check = f"""
+import importlib.util, sys, torch
+
+sys.modules["peft"] = None  # blocked: `import peft` fails and find_spec finds nothing
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32).eval()
+assert importlib.util.find_spec("peft") is None and sys.modules["peft"] is None
+try:
+    import peft
+    raise SystemExit("peft was importable")
+except ImportError:
+    pass
+with torch.no_grad():
+    logits = model(input_ids=torch.tensor({ids!r})).logits
+expected = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
+assert torch.allclose(logits, expected, atol=1e-4), float((logits - expected).abs().max())
+print("same logits")
+"""
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "same logits" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_the_merged_final_model_loads_without_peft(tiny_llama_dir, tmp_path):
     """The adapter is saved in peft's format; merged into the base it is a
     plain HF model that a process without peft loads, with the LoRA model's
@@ -142,30 +172,5 @@ def test_the_merged_final_model_loads_without_peft(tiny_llama_dir, tmp_path):
     save_model(t.actor.model, adapter)
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(adapter))
     lora.save_merged(adapter, tiny_llama_dir, merged, torch.float32)
-    ids = [[0, 5, 9, 3, 17, 4]]
-    t.actor.model.eval()
-    with torch.no_grad():
-        expected = t.actor.model(input_ids=torch.tensor(ids)).logits
-    torch.save(expected, tmp_path / "expected.pt")
-    check = f"""
-import importlib.util, sys, torch
-
-sys.modules["peft"] = None  # blocked: `import peft` fails and find_spec finds nothing
-from transformers import AutoModelForCausalLM
-
-model = AutoModelForCausalLM.from_pretrained({merged!r}, dtype=torch.float32).eval()
-assert importlib.util.find_spec("peft") is None and sys.modules["peft"] is None
-try:
-    import peft
-    raise SystemExit("peft was importable")
-except ImportError:
-    pass
-with torch.no_grad():
-    logits = model(input_ids=torch.tensor({ids!r})).logits
-expected = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
-print("max diff", float((logits - expected).abs().max()))
-assert torch.allclose(logits, expected, atol=1e-4), float((logits - expected).abs().max())
-"""
-    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "max diff" in proc.stdout
+    assert "adapter_config.json" not in os.listdir(merged)  # (transformers would want peft for that)
+    assert_loads_without_peft(merged, t.actor.model, tmp_path)

@@ -149,6 +149,22 @@ def test_adapters_merge_from_the_base_weights_every_time(tmp_path):
     assert torch.equal(model.up.weight, base_up)
 
 
+def test_a_transposed_layer_gets_the_transposed_delta(tmp_path):
+    """GPT-2's Conv1D stores W as in x out (peft: fan_in_fan_out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = torch.nn.Module()
+    model.proj = Conv1D(6, 4)  # 4 in, 6 out; weight 4 x 6
+    base = model.proj.weight.detach().clone()
+    write_adapter(tmp_path / "v1", {"proj": ab(1, 6, 4)}, fan_in_fan_out=True)
+    adapter = read_adapter(str(tmp_path / "v1"))
+    targets = AdapterTargets(model)
+    targets.check(adapter)
+    targets.apply(adapter)
+    a, b = adapter.modules["proj"]
+    torch.testing.assert_close(model.proj.weight, base + 2.0 * (b @ a).T, rtol=0, atol=1e-6)
+
+
 def test_adapters_that_do_not_fit_are_refused(tmp_path):
     targets = AdapterTargets(TwoLayers())
     with pytest.raises(WeightLoadError, match="not a LoRA adapter directory"):

@@ -16,7 +16,8 @@ layer, each usable alone:
   (`log_softmax(logits / T)`, before filtering);
 - `batch`: the running batch and its left-padded, preallocated KV buffers;
 - `weights`: reading a safetensors directory, checking names and shapes,
-  copying it into the model in place;
+  copying it into the model in place; LoRA adapters read and merged into
+  the weights (docs/design.md §8);
 - `model`: loading the model, its eos ids, which models are supported
   (full-attention decoders only);
 - `engine`: the thread that owns the model and runs the continuous-batching

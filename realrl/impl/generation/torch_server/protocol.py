@@ -19,6 +19,9 @@ numbers only, `min_new_tokens <= max_new_tokens`, prompt + max_new_tokens
 within the model's positions, and stop tokens that leave something to sample
 before `min_new_tokens`).
 
+`lora_path` (one name for every prompt, or one per prompt) names the LoRA
+adapter a prompt asks for; the engine checks that it is loaded.
+
 `Request.response` builds the answer (`GenerateResponse`) when the engine
 finishes a request.
 """

@@ -217,8 +217,10 @@ class AdapterTargets:
             if name not in modules:
                 weight.copy_(base)
                 continue
-            a, b = modules[name]
-            delta = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
-            if adapter.fan_in_fan_out:
-                delta = delta.T
-            weight.copy_(torch.add(base.float(), delta, alpha=adapter.scaling))
+            a, b = (t.to(weight.device, torch.float32) for t in modules[name])
+            if adapter.fan_in_fan_out:  # W is stored transposed: W^T + s (B A)^T = W^T + s A^T B^T
+                a, b = b.T, a.T
+            if weight.dtype == torch.float32:  # one fused pass: weight = W0 + s B A
+                torch.addmm(base, b, a, alpha=adapter.scaling, out=weight)
+            else:
+                weight.copy_(torch.addmm(base.float(), b, a, alpha=adapter.scaling))

@@ -1,0 +1,73 @@
+"""A LoRA run of the default task, whole (docs/design.md §8): it learns,
+publishes adapters only, the servers' behaviour logprobs equal the trainer's,
+a trainer killed mid-run resumes from its adapter checkpoint, and the final
+model is saved as the adapter and merged."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from realrl.system import checkpoints
+from tests.e2e.test_faults import Trial
+from tests.impl.test_lora import assert_loads_without_peft
+
+STEPS = 8
+
+
+def test_a_lora_run_learns_publishes_adapters_and_resumes_after_a_crash(tmp_path, kit_cache):
+    trial = Trial(
+        tmp_path,
+        kit_cache,
+        "lora",
+        "model.lora.rank=8",
+        "optimizer.lr=2e-3",
+        f"total_train_steps={STEPS}",
+        # η = 0: every trained token comes from the weights the step starts with, so the
+        # importance weight exp(prox - behav) compares server and trainer logprobs directly.
+        "rollout.max_head_offpolicyness=0",
+        "eval.max_prompts=500",
+        "saver.save_final_model=true",
+        "saver.checkpoint_every_n_steps=2",
+        "recover=auto",
+        "recover_retries=1",
+    )
+    try:
+        trial.wait_for_step(3)  # after the checkpoint of step 2
+        trial.workers()["model_worker-0"].kill()
+        assert trial.wait(timeout=900) == 0, trial.console()[-4000:]
+    finally:
+        trial.kill()
+    summary = trial.summary()
+    assert summary["steps"] == STEPS and [r["why"] for r in summary["restarts"]] == ["worker model_worker/0 failed"]
+    assert summary["final_eval_accuracy"] > summary["initial_eval_accuracy"], summary["eval_history"]
+    stats = [json.loads(line) for line in open(summary["stats_path"])]
+    steps = [s for s in stats if "train/actor_loss" in s]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    # Logprobs agree (max |prox - behav| <= 1e-4), before the crash and after the resume
+    # (the servers then serve the adapter the resumed trainer republished).
+    for s in steps:
+        assert abs(s["train/behav_imp_weight_max"] - 1) <= 1e-4 and abs(s["train/behav_imp_weight_min"] - 1) <= 1e-4, s
+
+    # Published versions are adapters; a checkpoint holds the adapters and their optimizer state.
+    weights = os.path.join(tmp_path, "weights", "async-ppo-tiny", "lora", "actor")
+    for version in os.listdir(weights):
+        files = set(os.listdir(os.path.join(weights, version)))
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
+    newest = checkpoints.newest_valid(os.path.join(tmp_path, "checkpoints", "async-ppo-tiny", "lora"))
+    state = torch.load(os.path.join(newest, "model_worker.pt"), weights_only=True)["actor"]
+    assert state["model"] and all(".lora_A." in k or ".lora_B." in k for k in state["model"])
+    assert len(state["optimizer"]["state"]) == len(state["model"])
+
+    # The final model: the adapter, and merged into a plain HF model that loads without peft.
+    final = os.path.join(tmp_path, "models", "async-ppo-tiny", "lora", "final")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = os.path.join(final, "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        base_path = json.load(f)["base_model_name_or_path"]  # the model the run trained
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), adapter)
+    assert_loads_without_peft(final, model, tmp_path)
