@@ -151,13 +151,18 @@ async def evaluate_prompts(
 
     tasks = [asyncio.create_task(episode(p), name=f"eval {p.qid}") for p in prompts]
     serve = asyncio.create_task(generator.serve(lambda: done == len(tasks)))
+    episodes = asyncio.gather(*tasks)
     try:
-        results = await asyncio.gather(*tasks)
+        # A generator that fails leaves its episodes waiting: its error ends the evaluation.
+        await asyncio.wait([episodes, serve], return_when=asyncio.FIRST_EXCEPTION)
+        if serve.done() and not serve.cancelled() and serve.exception() is not None:
+            raise serve.exception()
+        results = await episodes
         await serve
     finally:
         for task in (*tasks, serve):
             task.cancel()
-        await asyncio.gather(*tasks, serve, return_exceptions=True)
+        await asyncio.gather(*tasks, serve, episodes, return_exceptions=True)
     return results
 
 

@@ -160,7 +160,7 @@ def _shard(model: torch.nn.Module) -> None:
     body = getattr(inner, "model", None) or getattr(inner, "backbone", None)  # causal LM or CriticModel
     for layer in getattr(body, "layers", []):
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(inner)  # a LoRA model's HF model is the root: generate() calls its forward, which unshards
 
 
 class ModelWorker(Worker):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from realrl.system import checkpoints
@@ -17,6 +18,7 @@ from tests.impl.test_lora import assert_loads_without_peft
 STEPS = 8
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
 def test_a_lora_run_learns_publishes_adapters_and_resumes_after_a_crash(tmp_path, kit_cache):
     trial = Trial(
         tmp_path,

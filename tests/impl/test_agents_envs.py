@@ -384,3 +384,19 @@ def test_reward_fn_env_passes_floats_and_row_fields_and_counts_failures(tmp_path
         close_runners()
     assert scores == [1.0, 0.37, 0.0, 0.0]
     assert info == {"reward_timeouts": 1, "reward_errors": 1}
+
+
+def test_an_evaluation_whose_generator_fails_raises_instead_of_waiting(tokenizer, tokenizer_path):
+    """A model that fails to generate (e.g. under FSDP) leaves every episode
+    waiting for an answer; the evaluation ends with the generator's error."""
+    from realrl.impl.evaluation import ModelGenerator, evaluate_prompts
+
+    class Broken:
+        def generate(self, **kwargs):
+            raise RuntimeError("generation failed")
+
+    generator = ModelGenerator(Broken(), tokenizer, device=None, version=0)
+    evaluating = make_agent("single-step", AgentSettings(tokenizer_path=tokenizer_path).for_evaluation(4))
+    prompts = [record(tokenizer, qid=f"q-{i}") for i in range(3)]
+    with pytest.raises(RuntimeError, match="generation failed"):
+        asyncio.run(asyncio.wait_for(evaluate_prompts(evaluating, lambda: make_env("math"), prompts, generator), 60))

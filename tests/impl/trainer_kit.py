@@ -95,7 +95,7 @@ def shard(model: torch.nn.Module) -> None:
     body = getattr(inner, "model", None) or getattr(inner, "backbone", None)
     for layer in body.layers:
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(inner)
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

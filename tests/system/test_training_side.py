@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from realrl.api.cli_args import OptimizerConfig, PPOConfig
+from realrl.api.cli_args import LoraConfig, OptimizerConfig, PPOConfig
 from realrl.api.system_api import MasterWorkerConfig, ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve
@@ -113,6 +113,8 @@ def run_trial(
     invalid_every: int = 7,
     oov_every: int = 0,
     dtype: str = "float32",
+    lora: LoraConfig | None = None,
+    kl_ctl: float = 0.0,
 ):
     """Master + `dp` model workers + synthetic rollout pushers (one per rank
     unless `pushers` says otherwise), every `stale_every`-th trajectory stale,
@@ -123,7 +125,9 @@ def run_trial(
     model_path, vocab, test_path = tiny_model_dir
     steps, B, eta = 3, 4, 1
     weights_dir = str(tmp_path / "weights")
-    ppo = PPOConfig(algorithm=algorithm, group_size=2, train_batch_size=B, ppo_n_minibatches=2, max_tokens_per_mb=64)
+    ppo = PPOConfig(
+        algorithm=algorithm, group_size=2, train_batch_size=B, ppo_n_minibatches=2, max_tokens_per_mb=64, kl_ctl=kl_ctl
+    )
     mw = ModelWorkerConfig(
         model_path=model_path,
         dp_size=dp,
@@ -137,6 +141,7 @@ def run_trial(
         device=device,
         fsdp=fsdp,
         dtype=dtype,
+        lora=lora or LoraConfig(),
     )
     master = MasterWorkerConfig(
         n_model_workers=dp,
@@ -144,6 +149,7 @@ def run_trial(
         train_batch_size=B,
         max_head_offpolicyness=eta,
         algorithm=algorithm,
+        kl_ctl=kl_ctl,
         checkpoint_every_n_steps=2,
         checkpoint_dir=str(tmp_path / "ckpt"),
         final_model_dir=str(tmp_path / "final"),
@@ -187,7 +193,8 @@ def run_trial(
     assert t["produced"] is None and "did not report" in t["note"]
     assert summary["max_staleness_trained"] <= eta
     # Published weights: the newest version is complete and loadable.
-    assert os.path.isfile(os.path.join(weights_dir, str(steps), "config.json"))
+    published = "adapter_config.json" if lora else "config.json"
+    assert os.path.isfile(os.path.join(weights_dir, str(steps), published))
     assert not [d for d in os.listdir(weights_dir) if d.startswith(".tmp")]
     assert os.path.isdir(tmp_path / "ckpt" / "step2") and os.path.isfile(tmp_path / "final" / "config.json")
     stats = [json.loads(line) for line in open(os.path.join(launcher.log_dir, "stats.jsonl"))]
@@ -233,6 +240,42 @@ def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model
     # Each puller logs its first invalid one in full: pusher 0's is vocab itself, pusher 1's is -1.
     assert f"token id {vocab} " in logs and "token id -1 " in logs
     assert "IndexError" not in logs
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
+def test_lora_model_workers_under_fsdp_publish_checkpoint_and_save_adapters(tmp_path, tiny_model_dir):
+    """Two FSDP2 ranks (gloo on CPU) training LoRA adapters with a KL
+    reference: the adapters are gathered from the shards for every version,
+    for the checkpoints (with their optimizer state) and for the final model,
+    saved as the adapter and merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    _, weights_dir, _, _ = run_trial(tmp_path, tiny_model_dir, "grpo", fsdp=True, lora=lora, kl_ctl=0.1)
+    model_path = tiny_model_dir[0]
+    versions = sorted(int(v) for v in os.listdir(weights_dir) if v.isdigit())
+    for v in versions:
+        assert sorted(os.listdir(os.path.join(weights_dir, str(v)))) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+    with open(os.path.join(weights_dir, "3", "adapter_config.json")) as f:
+        config = json.load(f)
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    state = torch.load(tmp_path / "ckpt" / "step2" / "model_worker.pt", weights_only=True)["actor"]
+    assert len(state["model"]) == 2 * 2 * 3 and all(".lora_" in k for k in state["model"])  # 2 layers, 3 modules
+    assert len(state["optimizer"]["state"]) == len(state["model"])
+    # The final model: the adapter, and the same weights merged into a plain model.
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "final" / "adapter")).merge_and_unload()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    final = merged.state_dict()
+    for name, value in adapted.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-6)
+    assert any(not torch.equal(final[k], initial[k]) for k in final if "q_proj" in k)  # trained
+    assert all(torch.equal(final[k], initial[k]) for k in final if "k_proj" in k)  # not adapted
 
 
 @pytest.mark.gpu
