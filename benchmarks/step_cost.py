@@ -80,7 +80,8 @@ from realrl.experiment.config import load_config, trial_paths  # noqa: E402
 
 KINDS = ["master", "trainer", "generation server", "manager", "rollout worker", "etcd", "launcher"]
 MODEL_KINDS = ("trainer", "generation server")
-_SPEC_KIND = {
+# A spec file's worker type -> the kind its CPU counts for (benchmarks/control_plane.py adds its own).
+SPEC_KIND = {
     "master_worker": "master",
     "model_worker": "trainer",
     "generation_server": "generation server",
@@ -122,8 +123,8 @@ def classify(proc: psutil.Process, launcher_pid: int) -> tuple[str, str] | None:
     if "--spec" in cmd:
         spec = os.path.basename(cmd[cmd.index("--spec") + 1]) if cmd.index("--spec") + 1 < len(cmd) else ""
         m = re.fullmatch(r"(.+)-(\d+)\.json", spec)
-        if m and m.group(1) in _SPEC_KIND:
-            kind = _SPEC_KIND[m.group(1)]
+        if m and m.group(1) in SPEC_KIND:
+            kind = SPEC_KIND[m.group(1)]
             suffix = "/worker" if kind == "generation server" else ""
             return kind, f"{kind}{suffix}-{m.group(2)}"
     return None

@@ -133,6 +133,7 @@ class GserverManager(AsyncWorker):
         self.router: RequestRouter | None = None
         self.registry: ServerRegistry | None = None
         self.bad_requests = 0
+        self.requests_served = 0  # HTTP requests answered (progress record: the load on the manager)
         self._refusals: collections.Counter[str] = collections.Counter()
         # Set (and replaced) whenever admission may have opened: waiting allocations try again.
         self._admission_changed = asyncio.Event()
@@ -606,6 +607,7 @@ class GserverManager(AsyncWorker):
         JSON in and out, 400 on a bad request."""
 
         async def wrapped(request: web.Request) -> web.Response:
+            self.requests_served += 1
             try:
                 args = []
                 if parse is not None:
@@ -750,6 +752,7 @@ class GserverManager(AsyncWorker):
             "admission": c.admission(),
             "version": c.version,
             "trainer_version": c.trainer_version,
+            "requests": self.requests_served,
         }
 
     # ---- logging ------------------------------------------------------------------------------

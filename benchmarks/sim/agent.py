@@ -1,0 +1,131 @@
+"""An agent with tool calls, and what it measures (a plugin: `plugins=["benchmarks.sim.agent"]`).
+
+`"sim-tool"`: an episode makes `turns` generation calls (one answer each, the
+context growing by each answer), and between two calls waits
+`tool_latency_s` (uniform in ±50 %) as if a tool ran, so most episodes are
+waiting at any moment and many are in flight. Scores are 0: nothing here is
+learned. The first `warm_episodes` episodes of the process (the initial fill
+of the rollout worker) start at a random phase of a steady state, with
+1..`turns` calls left and up to one tool wait before the first, so the load
+is steady from the start instead of one burst of first calls.
+
+Measured: the wall time of every call (`via`: through the partial-rollout
+manager, the manager's routing and the server), and, about every
+`probe_interval_s`, of a call made from the same process straight to a
+random simulated server with the same context and sampling parameters
+(`direct`; calls that a weight update interrupted are left out). Lines
+`<via|direct> <wall clock at the end> <seconds>` are appended to
+`<latency_dir>/rollout-<pid>.txt` about once a second.
+
+`"sim-null"`: an environment that is never asked anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+from realrl.api.agent_api import Agent, AgentSettings, PromptRecord, register_agent
+from realrl.api.env_api import EnvironmentService, register_environment
+from realrl.api.trajectory import Trajectory
+from realrl.base import name_resolve, names
+from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
+
+FLUSH_INTERVAL_S = 1.0
+
+
+class NullEnv(EnvironmentService):
+    async def step(self, action):
+        return None, 0.0, True, False, {}
+
+
+class ToolAgent(Agent):
+    def __init__(
+        self,
+        settings: AgentSettings | None = None,
+        turns: int = 4,
+        tool_latency_s: float = 1.0,
+        warm_episodes: int = 0,
+        latency_dir: str = "",
+        experiment: str = "",
+        trial: str = "",
+        probe_interval_s: float = 0.05,
+        seed: int = 0,
+    ):
+        super().__init__(settings)
+        if turns < 1:
+            raise ValueError(f"turns must be >= 1, got {turns}")
+        self.turns = turns
+        self.tool_latency_s = tool_latency_s
+        self.warm_episodes = warm_episodes
+        self.experiment, self.trial = experiment, trial
+        self.probe_interval_s = probe_interval_s
+        self._rng = random.Random(seed + os.getpid())
+        self._episodes = 0
+        self._last_context: list[int] | None = None
+        self._lines: list[str] = []
+        self._path = os.path.join(latency_dir, f"rollout-{os.getpid()}.txt") if latency_dir else ""
+        self._prober: asyncio.Task | None = None
+
+    def _record(self, kind: str, seconds: float) -> None:
+        self._lines.append(f"{kind} {time.time():.3f} {seconds:.6f}\n")
+
+    async def collect_trajectory(self, prompt: PromptRecord, env: EnvironmentService) -> list[Trajectory]:
+        if self._prober is None and self._path:
+            self._prober = asyncio.create_task(self._probe_loop())
+        self._episodes += 1
+        turns = self.turns
+        if self._episodes <= self.warm_episodes:
+            turns = self._rng.randint(1, self.turns)
+            await asyncio.sleep(self._rng.uniform(0, self.tool_latency_s))
+        context = list(prompt.prompt_ids)
+        results = []
+        for turn in range(turns):
+            if turn:
+                await asyncio.sleep(self.tool_latency_s * self._rng.uniform(0.5, 1.5))
+            self._last_context = context
+            t0 = time.monotonic()
+            result = await self.generate(context, n=1)
+            self._record("via", time.monotonic() - t0)
+            results.append(result)
+            context = context + list(result.output_ids[0])
+        zeros = [0.0] * len(results)
+        return [Trajectory.from_results(prompt, results, zeros, self.settings.rewards(zeros))]
+
+    async def _probe_loop(self) -> None:
+        """Calls straight to the simulated servers, one started every
+        probe_interval_s (not waiting for the previous one), and the file flushes."""
+        root = names.gen_servers(self.experiment, self.trial)
+        urls = sorted(await asyncio.to_thread(name_resolve.get_subtree, root))
+        gconfig = self.settings.gconfig
+        params = {"max_new_tokens": gconfig.max_new_tokens, "temperature": gconfig.temperature}
+        probes: set[asyncio.Task] = set()
+        last_flush = time.monotonic()
+        async with GenerationClient(timeout_s=600) as client:
+
+            async def probe(context: list[int]) -> None:
+                t0 = time.monotonic()
+                try:
+                    result = await client.generate(self._rng.choice(urls), context, params)
+                except (GenerationServerError, GenerationServerUnavailable):
+                    return  # a server going away at the end of the trial
+                if result.finish_reason != "abort":
+                    self._record("direct", time.monotonic() - t0)
+
+            while True:
+                await asyncio.sleep(self.probe_interval_s)
+                if self._last_context is not None:
+                    task = asyncio.create_task(probe(self._last_context))
+                    probes.add(task)
+                    task.add_done_callback(probes.discard)
+                if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
+                    last_flush = time.monotonic()
+                    lines, self._lines = self._lines, []
+                    with open(self._path, "a") as f:
+                        f.writelines(lines)
+
+
+register_agent("sim-tool", ToolAgent)
+register_environment("sim-null", NullEnv)
