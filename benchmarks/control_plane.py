@@ -15,8 +15,7 @@ are produced and publishes a tiny real checkpoint per version (so the
 manager's fan-out to N servers, each reading the files, is real); and an
 agent making `--turns` generation calls per episode with a tool wait between
 them, sized so that the E episodes together offer `--rate` generation calls
-per second (the wait is E / rate minus the generation time: most episodes
-wait on their tool at any moment). A train batch is what the episodes produce
+per second (most episodes wait on their tool at any moment). A train batch is what the episodes produce
 in `--version-interval` seconds, so a new version is published that often.
 
 Once all E episodes run (the manager's running count) and a version or two
@@ -38,9 +37,11 @@ has passed, a `--window` of seconds is measured:
   KV operations per second (range/put/txn/delete) and its key count, and CPU
   (cores) and memory (RSS) per process kind (psutil).
 
-`--saturation` then raises the offered rate at the largest point (x2 each
-time) until the calls served fall below 80 % of those offered, the manager
-uses a whole core, or `--max-rate` is reached. `--profile` runs py-spy on the
+`--saturation` then runs the largest point at offered rates from
+`--saturation-from` (x2 each time) until the calls served fall below 80 % of
+those offered, the manager uses a whole core, or `--max-rate` is reached: the
+manager's CPU against the rate gives its fixed cost for N servers (health
+checks, registry reads) and its cost per call. `--profile` runs py-spy on the
 manager and the master during the window of the last grid point (and of every
 saturation point) and prints their top functions. The output: a table, `--json PATH` with a top-level `rows` list
 (one row per point), and `--plot PATH` (PNG: each measure against N, one line
@@ -158,9 +159,12 @@ class Plan:
 
 def make_plan(point: Point, args) -> Plan:
     gen_s = args.output_tokens * args.token_latency_ms / 1000
-    tool = max(0.0, point.episodes / point.rate - gen_s)
-    offered = point.episodes / (tool + gen_s)
-    produced = offered / args.turns  # trajectories per second (one per episode)
+    # An episode: `turns` calls with a tool wait between two of them. E episodes offer
+    # E * turns / ((turns - 1) * tool + turns * gen) calls per second.
+    k = args.turns
+    tool = max(0.0, (point.episodes * k / point.rate - k * gen_s) / (k - 1)) if k > 1 else 0.0
+    offered = point.episodes * k / ((k - 1) * tool + k * gen_s)
+    produced = offered / k  # trajectories per second (one per episode)
     batch = max(4, round(produced * args.version_interval))
     # Episodes last turns * E / rate seconds, E / B versions: admission and the trainer's drops must allow that.
     eta = 2 * math.ceil(point.episodes / batch) + 4
@@ -342,28 +346,31 @@ def read_json(path: str) -> dict | None:
         return None
 
 
-def host_stats(trial_dir: str, hosts: int) -> dict:
-    """The simulated servers' counters summed over the hosts: requests per
-    route, engine counters, and per version the servers that loaded it and
-    when the last one finished."""
-    requests: dict[str, int] = {}
-    engine: dict[str, float] = {}
-    loads: dict[int, dict] = {}
-    times = []
-    for h in range(hosts):
-        s = read_json(os.path.join(trial_dir, "sim", f"host-{h}.json"))
-        if s is None:
+def host_stats(trial_dir: str, hosts: int) -> list[dict]:
+    """Each server host's counters (`SimServerHost.stats`, with the time it wrote them)."""
+    return [read_json(os.path.join(trial_dir, "sim", f"host-{h}.json")) or {} for h in range(hosts)]
+
+
+def host_rates(before: list[dict], after: list[dict], part: str) -> dict[str, float]:
+    """Per second, summed over the hosts (each over its own interval): requests per route or engine counters."""
+    out: dict[str, float] = {}
+    for b, a in zip(before, after):
+        if not b or not a or a["time"] <= b["time"]:
             continue
-        times.append(s["time"])
-        for k, v in s["requests"].items():
-            requests[k] = requests.get(k, 0) + v
-        for k, v in s["engine"].items():
-            engine[k] = engine.get(k, 0) + v
-        for v, load in s["loads"].items():
+        for key, value in a[part].items():
+            out[key] = out.get(key, 0.0) + (value - b[part].get(key, 0)) / (a["time"] - b["time"])
+    return out
+
+
+def version_loads(hosts: list[dict]) -> dict[int, dict]:
+    """Per weight version: how many servers loaded it and when the last one finished."""
+    loads: dict[int, dict] = {}
+    for host in hosts:
+        for v, load in host.get("loads", {}).items():
             merged = loads.setdefault(int(v), {"servers": 0, "last": 0.0})
             merged["servers"] += load["servers"]
             merged["last"] = max(merged["last"], load["last"])
-    return {"time": min(times, default=0.0), "requests": requests, "engine": engine, "loads": loads}
+    return loads
 
 
 def snapshot(trial: Trial, sampler: TreeSampler, hosts: int) -> dict:
@@ -444,6 +451,7 @@ def rate(before: dict, after: dict, key: str, dt: float) -> float:
 
 
 def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
+    """Runs one point's trial and measures it (see the module docstring); returns its row."""
     plan = make_plan(point, args)
     trial_name = f"n{point.servers}-e{point.episodes}-r{int(point.rate)}-{uuid.uuid4().hex[:6]}"
     print(
@@ -452,7 +460,7 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         f"{plan.hosts} server hosts, {plan.rollout_workers} rollout workers); trial {trial_name}",
         flush=True,
     )
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     t_launch = time.monotonic()
     trial = Trial(args.root, lambda d: build_groups(kit, point, plan, args, trial_name, d), trial_name).start()
     sampler = TreeSampler(os.getpid())
@@ -461,93 +469,33 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         startup_s = wait_steady(trial, point, STARTUP_TIMEOUT_S)
         time.sleep(args.settle)
         if profile:
-            py_spy = find_py_spy()
-            sampler.sample()
-            targets = {
-                pid: label
-                for pid, label in sampler.python_pids().items()
-                if label.split("-")[0] in ("manager", "master")
-            }
-            if py_spy and targets:
-                profs = start_profilers(
-                    py_spy, targets, os.path.join(trial.trial_dir, "pyspy"), args.profile_rate, False
-                )
-            else:
-                print("no py-spy: no profile (pip install -e .[dev])", file=sys.stderr)
+            profs = start_profiling(sampler, os.path.join(trial.trial_dir, "pyspy"), args.profile_rate)
         s0 = snapshot(trial, sampler, plan.hosts)
         time.sleep(args.window)
         s1 = snapshot(trial, sampler, plan.hosts)
-        if profs:
-            stop_profilers(profs)
+        stop_profilers(profs)
         time.sleep(args.grace)  # for the last versions of the window to reach every server
-        loads = host_stats(trial.trial_dir, plan.hosts)["loads"]
+        loads = version_loads(host_stats(trial.trial_dir, plan.hosts))
     finally:
-        if profs:
-            stop_profilers(profs)
+        stop_profilers(profs)
         trial.stop()
     if trial.error is not None:
         raise trial.error
-
-    dt = s1["mono"] - s0["mono"]
-    lat = latencies(trial.trial_dir, s0["wall"], s1["wall"])
-    m0, m1 = s0["manager"], s1["manager"]
-    m_dt = m1["time"] - m0["time"]
-    h0, h1 = s0["hosts"], s1["hosts"]
-    h_dt = h1["time"] - h0["time"]
-    e0, e1 = s0["etcd"], s1["etcd"]
-    via, direct = lat["via"], lat["direct"]
-
-    def pct(a: np.ndarray, q: float) -> float | None:
-        return float(np.percentile(a, q) * 1000) if len(a) else None
-
-    def diff(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None else a - b
-
-    cpu, rss = {k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS}
-    for pid, kind in sampler.kind.items():
-        if pid in s1["cpu"] and kind in cpu:
-            cpu[kind] += (s1["cpu"][pid] - s0["cpu"].get(pid, s1["cpu"][pid])) / dt
-            rss[kind] += s1["rss_mb"].get(pid, 0.0)
     row = {
+        "trial": trial_name,
         "series": point.series,
         "servers": point.servers,
         "episodes": point.episodes,
-        "episodes_running": m1["doing"]["running"],
         "offered_calls_per_s": plan.offered_rate,
-        "calls_per_s": len(via) / dt,
-        "requests_per_s": rate(m0["doing"], m1["doing"], "requests", m_dt),
-        "trajectories_per_s": rate(m0["doing"], m1["doing"], "accepted", m_dt),
-        "added_p50_ms": diff(pct(via, 50), pct(direct, 50)),
-        "added_p99_ms": diff(pct(via, 99), pct(direct, 99)),
-        "via_p50_ms": pct(via, 50),
-        "via_p99_ms": pct(via, 99),
-        "direct_p50_ms": pct(direct, 50),
-        "direct_p99_ms": pct(direct, 99),
-        "calls_measured": len(via),
-        "direct_calls_measured": len(direct),
+        **measure(trial.trial_dir, sampler, s0, s1),
         **fanout(trial.trial_dir, point.servers, s0["wall"], s1["wall"], loads),
-        "server_requests_per_s": {
-            route: rate(h0["requests"], h1["requests"], route, h_dt) for route in sorted(h1["requests"])
-        },
-        "health_checks_per_s": rate(h0["requests"], h1["requests"], "/health", h_dt),
-        "interrupted_per_s": rate(h0["engine"], h1["engine"], "finish_abort", h_dt),
-        "etcd_ops_per_s": sum(rate(e0, e1, k, dt) for k in ("range", "put", "txn", "delete")),
-        "etcd_ops_by_kind_per_s": {k: rate(e0, e1, k, dt) for k in ("range", "put", "txn", "delete")},
-        "etcd_keys": e1["keys"],
-        "cpu_cores": cpu,
-        "rss_mb": rss,
-        "manager_cpu": cpu["manager"],
-        "master_cpu": cpu["master"],
-        "machine_cores_busy": (s1["busy"] - s0["busy"]) / dt,
-        "load_avg_before": load_before[0],
+        "load_avg_before": load_before,
         "load_avg_after": os.getloadavg()[0],
         "startup_s": startup_s,
         "trial_s": time.monotonic() - t_launch,
         "train_batch_size": plan.train_batch_size,
         "tool_latency_s": plan.tool_latency_s,
         "generation_s": plan.gen_s,
-        "window_s": dt,
-        "trial": trial.trial_dir,
     }
     if profs:
         row["profile"] = {
@@ -560,6 +508,76 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         for d in (trial.trial_dir, trial.launcher.log_dir, trial.launcher.run_dir):
             shutil.rmtree(d, ignore_errors=True)
     return row
+
+
+def start_profiling(sampler: TreeSampler, out_dir: str, rate_hz: int) -> list[dict]:
+    """py-spy on the manager and the master (nothing without py-spy, which says so)."""
+    py_spy = find_py_spy()
+    sampler.sample()
+    targets = {
+        pid: label for pid, label in sampler.python_pids().items() if label.split("-")[0] in ("manager", "master")
+    }
+    if py_spy is None or not targets:
+        print("no py-spy: no profile (pip install -e .[dev])", file=sys.stderr)
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    return start_profilers(py_spy, targets, out_dir, rate_hz, False)
+
+
+def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict) -> dict:
+    """The window's figures from its two snapshots and the agents' latency files."""
+    dt = s1["mono"] - s0["mono"]
+    lat = latencies(trial_dir, s0["wall"], s1["wall"])
+    via, direct = lat["via"], lat["direct"]
+    calls_per_s = len(via) / dt
+    m0, m1 = s0["manager"]["doing"], s1["manager"]["doing"]
+    m_dt = s1["manager"]["time"] - s0["manager"]["time"]
+    requests_per_s = rate(m0, m1, "requests", m_dt)
+    server_requests = host_rates(s0["hosts"], s1["hosts"], "requests")
+    etcd_ops = {k: rate(s0["etcd"], s1["etcd"], k, dt) for k in ("range", "put", "txn", "delete")}
+    cpu, rss = dict.fromkeys(KINDS, 0.0), dict.fromkeys(KINDS, 0.0)
+    for pid, kind in sampler.kind.items():
+        if pid in s1["cpu"] and kind in cpu:
+            cpu[kind] += (s1["cpu"][pid] - s0["cpu"].get(pid, s1["cpu"][pid])) / dt
+            rss[kind] += s1["rss_mb"].get(pid, 0.0)
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(a, q) * 1000) if len(a) else None
+
+    def diff(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a - b
+
+    return {
+        "episodes_running": m1["running"],
+        "calls_per_s": calls_per_s,
+        "requests_per_s": requests_per_s,
+        "trajectories_per_s": rate(m0, m1, "accepted", m_dt),
+        "added_p50_ms": diff(pct(via, 50), pct(direct, 50)),
+        "added_p99_ms": diff(pct(via, 99), pct(direct, 99)),
+        "via_p50_ms": pct(via, 50),
+        "via_p99_ms": pct(via, 99),
+        "direct_p50_ms": pct(direct, 50),
+        "direct_p99_ms": pct(direct, 99),
+        "calls_measured": len(via),
+        "direct_calls_measured": len(direct),
+        "server_requests_per_s": server_requests,
+        "health_checks_per_s": server_requests.get("/health", 0.0),
+        "interrupted_per_s": host_rates(s0["hosts"], s1["hosts"], "engine").get("finish_abort", 0.0),
+        "etcd_ops_per_s": sum(etcd_ops.values()),
+        "etcd_ops_by_kind_per_s": etcd_ops,
+        "etcd_keys": s1["etcd"]["keys"],
+        "cpu_cores": cpu,
+        "rss_mb": rss,
+        "manager_cpu": cpu["manager"],
+        "master_cpu": cpu["master"],
+        # Per-request costs, steadier than latencies on a busy machine: CPU ms of each kind per
+        # generation call served, and the manager's per request it answered.
+        "cpu_ms_per_call": {k: 1000 * v / max(calls_per_s, 1e-9) for k, v in cpu.items()},
+        "manager_cpu_ms_per_request": 1000 * cpu["manager"] / max(requests_per_s, 1e-9),
+        "manager_requests_per_call": requests_per_s / max(calls_per_s, 1e-9),
+        "machine_cores_busy": (s1["busy"] - s0["busy"]) / dt,
+        "window_s": dt,
+    }
 
 
 # ---- the sweep and its output ----------------------------------------------------------------
@@ -579,6 +597,10 @@ def print_row(r: dict) -> None:
         f"{_ms(r['direct_p99_ms'])}); version to all servers {_ms(r['version_fanout_s'])} s "
         f"(max {_ms(r['version_fanout_max_s'])}, {r['versions']} versions, {r['versions_skipped']} skipped, "
         f"{r['versions_incomplete']} incomplete)\n"
+        f"   manager {r['manager_cpu_ms_per_request']:.2f} CPU ms per request, {r['manager_requests_per_call']:.2f} "
+        "requests per call; CPU ms per call: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_call"].items())
+        + "\n"
         f"   health checks {r['health_checks_per_s']:.0f}/s, etcd {r['etcd_ops_per_s']:.0f} ops/s "
         f"{r['etcd_keys']:.0f} keys; cores: "
         + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
@@ -672,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--saturation", action="store_true", help="raise the rate at the largest point until it saturates"
     )
-    parser.add_argument("--max-rate", type=float, default=3200.0)
+    parser.add_argument("--saturation-from", type=float, default=25.0, help="the first rate of --saturation")
+    parser.add_argument("--max-rate", type=float, default=3200.0, help="the last rate of --saturation")
     parser.add_argument("--profile", action="store_true", help="py-spy on the manager and master at the last point")
     parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--root", default=os.path.join("/tmp", "realrl_control_plane"))
@@ -692,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_point(kit, point, args, profile=args.profile and last))
     if args.saturation:  # (with --profile, each of these points is profiled)
         top = max(points, key=lambda p: (p.servers, p.episodes))
-        offered = args.rate * 2
+        offered = args.saturation_from
         while offered <= args.max_rate:
             row = run_point(kit, Point(top.servers, top.episodes, offered, "saturation"), args, profile=args.profile)
             rows.append(row)
