@@ -81,6 +81,7 @@ from benchmarks.step_cost import (  # noqa: E402
     start_profilers,
     stop_profilers,
     summarize_profile,
+    weight_sync_lags,
 )
 from realrl.api.agent_api import AgentSettings  # noqa: E402
 from realrl.api.cli_args import AgentConfig, EnvConfig  # noqa: E402
@@ -473,6 +474,7 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         s0 = snapshot(trial, sampler, plan.hosts)
         time.sleep(args.window)
         s1 = snapshot(trial, sampler, plan.hosts)
+        versions = [s["manager"]["doing"]["trainer_version"] for s in (s0, s1)]
         stop_profilers(profs)
         time.sleep(args.grace)  # for the last versions of the window to reach every server
         loads = version_loads(host_stats(trial.trial_dir, plan.hosts))
@@ -489,6 +491,8 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         "offered_calls_per_s": plan.offered_rate,
         **measure(trial.trial_dir, sampler, s0, s1),
         **fanout(trial.trial_dir, point.servers, s0["wall"], s1["wall"], loads),
+        # From the manager's log: noticing a version -> every server holds it, the update calls alone.
+        "weight_sync": weight_sync_lags(trial.launcher.log_dir, range(versions[0] + 1, versions[1] + 1)),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg()[0],
         "startup_s": startup_s,
@@ -588,7 +592,13 @@ def _ms(x: float | None) -> str:
 
 
 def print_row(r: dict) -> None:
-    cpu = r["cpu_cores"]
+    cpu, ws = r["cpu_cores"], r["weight_sync"]
+    sync = (
+        f"; manager: noticed -> all hold {ws['lag_s_mean']:.2f}s, update calls {ws['update_call_s_mean']:.2f}s, "
+        f"{ws['requests_interrupted_per_update']:.0f} requests interrupted per update"
+        if ws.get("versions")
+        else ""
+    )
     print(
         f"   {r['calls_per_s']:.0f}/{r['offered_calls_per_s']:.0f} calls/s served/offered, "
         f"{r['episodes_running']} episodes running; manager {r['requests_per_s']:.0f} requests/s; "
@@ -596,7 +606,7 @@ def print_row(r: dict) -> None:
         f"(via {_ms(r['via_p50_ms'])}/{_ms(r['via_p99_ms'])}, direct {_ms(r['direct_p50_ms'])}/"
         f"{_ms(r['direct_p99_ms'])}); version to all servers {_ms(r['version_fanout_s'])} s "
         f"(max {_ms(r['version_fanout_max_s'])}, {r['versions']} versions, {r['versions_skipped']} skipped, "
-        f"{r['versions_incomplete']} incomplete)\n"
+        f"{r['versions_incomplete']} incomplete{sync})\n"
         f"   manager {r['manager_cpu_ms_per_request']:.2f} CPU ms per request, {r['manager_requests_per_call']:.2f} "
         "requests per call; CPU ms per call: "
         + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_call"].items())

@@ -38,11 +38,10 @@ class SimTrainer(ModelWorker):
     def _configure(self, config: SimTrainerConfig) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.cfg = config
-        self.dp_rank, self.dp_size = self.info.worker_index, self.info.worker_count
-        if self.dp_size != 1:
+        if self.info.worker_count != 1:
             raise ValueError("the simulated trainer runs as one rank")
-        self.data_group = None
+        self.cfg = config
+        self.dp_rank, self.dp_size, self.data_group = 0, 1, None
         self.model = AutoModelForCausalLM.from_pretrained(config.model_path)
         self.step_trajectories: list = []
         self.published: list[tuple[int, float]] = []  # (version, wall clock when model_version was set)
