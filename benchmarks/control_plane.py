@@ -42,10 +42,12 @@ has passed, a `--window` of seconds is measured:
 those offered, the manager uses a whole core, or `--max-rate` is reached: the
 manager's CPU against the rate gives its fixed cost for N servers (health
 checks, registry reads) and its cost per call. `--profile` runs py-spy on the
-manager and the master during the window of the last grid point (and of every
-saturation point) and prints their top functions. The output: a table, `--json PATH` with a top-level `rows` list
-(one row per point), and `--plot PATH` (PNG: each measure against N, one line
-per episode count). `--quick`: the 256-server point with 1k and 16k episodes,
+manager and the master (`--profile-kinds`) during the window of the last grid
+point (and of every saturation point) and prints their top functions.
+
+The output: a table, `--json PATH` with a top-level `rows` list (one row per
+point), and `--plot PATH` (PNG: each measure against N, one line per episode
+count). `--quick`: the 256-server point with 1k and 16k episodes,
 short windows (a few minutes). The machine's load average is recorded per
 point: figures from a shared machine are noisy.
 """
@@ -470,7 +472,8 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         startup_s = wait_steady(trial, point, STARTUP_TIMEOUT_S)
         time.sleep(args.settle)
         if profile:
-            profs = start_profiling(sampler, os.path.join(trial.trial_dir, "pyspy"), args.profile_rate)
+            kinds = args.profile_kinds.split(",")
+            profs = start_profiling(sampler, os.path.join(trial.trial_dir, "pyspy"), args.profile_rate, kinds)
         s0 = snapshot(trial, sampler, plan.hosts)
         time.sleep(args.window)
         s1 = snapshot(trial, sampler, plan.hosts)
@@ -514,13 +517,11 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
     return row
 
 
-def start_profiling(sampler: TreeSampler, out_dir: str, rate_hz: int) -> list[dict]:
-    """py-spy on the manager and the master (nothing without py-spy, which says so)."""
+def start_profiling(sampler: TreeSampler, out_dir: str, rate_hz: int, kinds: list[str]) -> list[dict]:
+    """py-spy on the processes of `kinds` (nothing without py-spy, which says so)."""
     py_spy = find_py_spy()
     sampler.sample()
-    targets = {
-        pid: label for pid, label in sampler.python_pids().items() if label.split("-")[0] in ("manager", "master")
-    }
+    targets = {pid: label for pid, label in sampler.python_pids().items() if sampler.kind[pid] in kinds}
     if py_spy is None or not targets:
         print("no py-spy: no profile (pip install -e .[dev])", file=sys.stderr)
         return []
@@ -708,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rate", type=float, default=3200.0, help="the last rate of --saturation")
     parser.add_argument("--profile", action="store_true", help="py-spy on the manager and master at the last point")
     parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--profile-kinds", default="manager,master", help=f"which processes to profile, of {KINDS}")
     parser.add_argument("--root", default=os.path.join("/tmp", "realrl_control_plane"))
     parser.add_argument("--keep", action="store_true", help="keep each trial's directory (logs, weights)")
     parser.add_argument("--json", default=None)
