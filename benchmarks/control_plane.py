@@ -10,13 +10,14 @@ workers, as processes, around three stand-ins for what needs a model
 them per process (`realrl.impl.generation.sim_server`: the torch server's
 HTTP application over an engine that answers after `--token-latency-ms` per
 token, `--output-tokens` tokens per answer), registered under the keys real
-servers use; a trainer that takes the master's batches at 20x the rate they
-are produced and publishes a tiny real checkpoint per version (so the
-manager's fan-out to N servers, each reading the files, is real); and an
-agent making `--turns` generation calls per episode with a tool wait between
-them, sized so that the E episodes together offer `--rate` generation calls
-per second (most episodes wait on their tool at any moment). A train batch is what the episodes produce
-in `--version-interval` seconds, so a new version is published that often.
+servers use; a trainer that takes the master's batches `--train-speedup`
+(20) times as fast as they are produced and publishes a tiny real checkpoint
+per version (so the manager's fan-out to N servers, each reading the files,
+is real); and an agent making `--turns` generation calls per episode with a
+tool wait between them, sized so that the E episodes together offer `--rate`
+generation calls per second (most episodes wait on their tool at any
+moment). A train batch is what the episodes produce in `--version-interval`
+seconds, so a new version is published that often.
 
 Once all E episodes run (the manager's running count) and a version or two
 has passed, a `--window` of seconds is measured:
@@ -103,7 +104,6 @@ register_worker("sim_trainer", "benchmarks.sim.trainer:SimTrainer")
 register_worker("sim_server_host", "benchmarks.sim.server_host:SimServerHostWorker")
 SPEC_KIND.update({"sim_trainer": "trainer", "sim_server_host": "simulated servers"})
 KINDS = ["manager", "master", "rollout worker", "simulated servers", "trainer", "etcd", "launcher"]
-TRAIN_RATE_FACTOR = 20  # the trainer takes batches this much faster than they are produced
 STARTUP_TIMEOUT_S = 600.0
 SATURATION_SERVED = 0.8  # below this share of the offered calls served, the point is saturated
 
@@ -177,7 +177,7 @@ def make_plan(point: Point, args) -> Plan:
         offered_rate=offered,
         train_batch_size=batch,
         max_head_offpolicyness=eta,
-        train_rate=TRAIN_RATE_FACTOR * produced,
+        train_rate=args.train_speedup * produced,
         hosts=math.ceil(point.servers / args.servers_per_host),
         rollout_workers=min(args.rollout_workers, point.episodes),
     )
@@ -696,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=32, help="tokens per simulated answer")
     parser.add_argument("--token-latency-ms", type=float, default=10.0, help="simulated time per token")
     parser.add_argument("--version-interval", type=float, default=2.5, help="seconds of production per train batch")
+    parser.add_argument(
+        "--train-speedup", type=float, default=20.0, help="the trainer takes batches this much faster than produced"
+    )
     parser.add_argument("--window", type=float, default=30.0, help="seconds measured per point")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds between steady state and the window")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds after the window for fan-outs to end")

@@ -13,7 +13,7 @@ from benchmarks.control_plane import main
 
 def test_a_small_simulated_cluster_is_measured(tmp_path):
     root, out, png = tmp_path / "root", tmp_path / "cp.json", tmp_path / "cp.png"
-    args = ["--servers", "4", "--episodes", "32", "--rate", "40", "--version-interval", "1"]
+    args = ["--servers", "4", "--episodes", "32", "--rate", "40", "--version-interval", "1", "--rollout-workers", "1"]
     args += [
         "--window",
         "4",
