@@ -110,12 +110,21 @@ REQUESTS = [
     ("POST", "/abort_request", {"rid": "nothing-runs"}),
     ("POST", "/pause_generation", {}),
     ("POST", "/continue_generation", {}),
+    ("POST", "/pause_generation", {"mode": "in_place"}),
+    ("POST", "/continue_generation", {}),
+    ("POST", "/pause_generation", {"mode": "retract"}),
+    ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent/adapter"}),
+    ("POST", "/load_lora_adapter", {"lora_name": ""}),
+    ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
+    ("POST", "/generate", {"input_ids": [0, 5], "lora_path": "a"}),
+    ("POST", "/update_weight_version", {"new_version": "0"}),
     ("POST", "/flush_cache", None),
     ("GET", "/health", None),
     ("GET", "/model_info", None),
     ("GET", "/get_model_info", None),
     ("GET", "/get_weight_version", None),
     ("GET", "/get_server_info", None),
+    ("GET", "/v1/loads", None),
     ("GET", "/no_such_route", None),
 ]
 
@@ -136,7 +145,9 @@ def test_answers_like_the_torch_server(tiny_llama_dir):
                         {k: v for k, v in b1.items() if k != "stats"},
                         {k: v for k, v in b2.items() if k != "stats"},
                     )
-                if s1 >= 400 or route in ("/abort_request", "/update_weights_from_disk"):
+                if route == "/v1/loads":  # the time of the answer differs
+                    b1, b2 = ({k: v for k, v in b.items() if k != "timestamp"} for b in (b1, b2))
+                if s1 >= 400 or route in ("/abort_request", "/update_weights_from_disk", "/v1/loads"):
                     assert b1 == b2, (route, body)  # the same refusal, word for word
                 else:
                     assert shape(b1) == shape(b2), (route, body, b1, b2)
@@ -230,5 +241,74 @@ def test_a_host_serves_many_servers_and_counts_their_requests():
             assert stats["servers"] == 3
             assert stats["requests"] == {"/health": 6, "/generate": 3}
             assert stats["engine"]["requests_finished"] == 3 and stats["engine"]["generated_tokens"] == 6
+
+    asyncio.run(go())
+
+
+def test_a_pause_in_place_stops_answers_where_they_are_until_continue():
+    """Mode in_place keeps what runs (nothing aborted, no tokens while
+    paused); continue resumes it to its full length. Mode abort ends it."""
+    latency = 0.02
+
+    async def go():
+        async with sim_host(token_latency_s=latency, output_tokens=10) as host, GenerationClient(timeout_s=60) as c:
+            url, engine = host.urls[0], host.engines[0]
+            running = asyncio.create_task(c.generate(url, [0, 5], {"max_new_tokens": 16}))
+            while not engine.info().num_running_requests:
+                await asyncio.sleep(0.005)
+            await c.pause_generation(url, mode="in_place")
+            await asyncio.sleep(20 * latency)  # longer than the whole answer takes
+            assert not running.done() and engine.info().num_running_requests == 1
+            await c.continue_generation(url)
+            resumed = await running
+            assert (resumed.finish_reason, len(resumed.output_ids)) == ("stop", 10)
+            cut = asyncio.create_task(c.generate(url, [0, 5], {"max_new_tokens": 16}))
+            while not engine.info().num_running_requests:
+                await asyncio.sleep(0.005)
+            await c.pause_generation(url)
+            aborted = await cut
+            assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 10
+            await c.continue_generation(url)
+
+    asyncio.run(go())
+
+
+def save_adapter(path, rank: int = 2) -> int:
+    os.makedirs(path)
+    a, b = torch.ones(rank, 8), torch.zeros(8, rank)
+    tensors = {
+        "base_model.model.layer.q_proj.lora_A.weight": a,
+        "base_model.model.layer.q_proj.lora_B.weight": b,
+    }
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_lora_adapters_are_read_and_switched_to_by_name(tmp_path):
+    """A LoRA run's version switch (the manager's load_version): the adapter
+    is read for real, served from the next update_weight_version (its bytes
+    counted per version), and requests may name it; a name not loaded is
+    refused (400) and counted."""
+    nbytes = save_adapter(str(tmp_path / "v1"))
+
+    async def go():
+        async with sim_host() as host, aiohttp.ClientSession() as session:
+            url = host.urls[0]
+            status, body = await call(
+                session, "POST", url + "/load_lora_adapter", {"lora_name": "v1", "lora_path": str(tmp_path / "v1")}
+            )
+            assert status == 200 and body["loaded_adapters"] == {"v1": str(tmp_path / "v1")}
+            status, body = await call(session, "POST", url + "/update_weight_version", {"new_version": "1"})
+            assert status == 200 and body["new_version"] == "1"
+            status, info = await call(session, "GET", url + "/get_server_info")
+            assert (info["weight_version"], info["lora_adapter"], info["lora_adapters"]) == ("1", "v1", ["v1"])
+            assert host.stats()["loads"]["1"]["bytes"] == nbytes
+            body = {"input_ids": [0, 5], "sampling_params": {"max_new_tokens": 2}, "lora_path": "v1"}
+            status, answer = await call(session, "POST", url + "/generate", body)
+            assert status == 200 and answer["meta_info"]["weight_version"] == "1"
+            status, _ = await call(session, "POST", url + "/generate", dict(body, lora_path="v0"))
+            assert status == 400 and host.engines[0].rejections == {"lora_not_loaded": 1}
 
     asyncio.run(go())

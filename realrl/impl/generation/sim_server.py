@@ -20,8 +20,13 @@ weight version loaded at the time the answer ends. A weight update
 (`/update_weights_from_disk`) reads the directory it names for real (the
 torch server's `read_weights_dir`: safetensors, checked non-empty), aborts the
 requests in flight (`abort_all_requests`) with the tokens they had generated
-by then, and switches the version. Pause, continue, abort and flush behave as
-the torch engine's.
+by then, and switches the version. Pause (modes `abort` and `in_place`: the
+answers in flight stop where they are until `continue`), continue, abort and
+flush behave as the torch engine's. LoRA adapters (docs/design.md §8) are read
+for real (`read_adapter`; no model to check them against) and switched to by
+`/update_weight_version` as the torch engine does; a request naming an adapter
+that is not loaded is refused. The simulation has no SGLang emulation
+(`compat` is None).
 
 `SimServerHost.stats()` counts the requests of every route (health checks
 included) and, per weight version, how many servers loaded it and when the
@@ -42,11 +47,17 @@ from typing import Any
 
 from aiohttp import web
 
-from realrl.api.sglang_api import ControlResponse, FinishReason, TorchServerInfo, UpdateWeightsFromDiskResponse
+from realrl.api.sglang_api import (
+    ControlResponse,
+    FinishReason,
+    LoRAUpdateResponse,
+    TorchServerInfo,
+    UpdateWeightsFromDiskResponse,
+)
 from realrl.base.http_body import BodyError
 from realrl.impl.generation.torch_server.http import TorchGenerationServer
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
-from realrl.impl.generation.torch_server.weights import WeightLoadError, read_weights_dir
+from realrl.impl.generation.torch_server.weights import LoraAdapter, WeightLoadError, read_adapter, read_weights_dir
 
 
 @dataclasses.dataclass
@@ -64,13 +75,16 @@ class _Running:
     req: Request
     tokens: list[int]  # the whole answer, revealed as time passes
     reason: FinishReason  # how it ends if nothing interrupts it
-    started: float
-    timer: asyncio.TimerHandle | None = None
+    started: float  # when its first token would have begun (shifted by pauses in place)
+    timer: asyncio.TimerHandle | None = None  # None while paused in place
+    frozen_at: int = 0  # tokens generated when a pause in place stopped it
 
 
 class SimEngine:
     """What `TorchGenerationServer` needs of an engine, without a model. It
     lives on the event loop's thread: `submit` and `command` act at once."""
+
+    compat = None  # no SGLang emulation: the torch server's own behaviour
 
     def __init__(
         self,
@@ -88,6 +102,9 @@ class SimEngine:
         self._paused = False
         self._pending_update: dict | None = None  # abort_all_requests=false: applied once nothing runs
         self._stopped = False
+        self._adapters: dict[str, LoraAdapter] = {}
+        self._adapter_loaded_last: str | None = None  # served from the next update_weight_version on
+        self._adapter_serving: str | None = None
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections: dict[str, int] = {}
 
@@ -111,6 +128,10 @@ class SimEngine:
             raise WeightLoadError(f"no tensors in {path!r}")
         return tensors
 
+    def read_adapter(self, path: str) -> LoraAdapter:
+        """Reads a LoRA adapter for real (any thread); there is no model to check it against."""
+        return read_adapter(path)
+
     def submit(self, req: Request) -> None:
         self.stats["requests_received"] += 1
         if self._stopped:
@@ -118,6 +139,9 @@ class SimEngine:
         elif req.rid in self._running or any(w.rid == req.rid for w in self._waiting):
             self.count_rejection("duplicate_rid")
             req.reply(BodyError(f"a request with rid {req.rid!r} is already running", reason="duplicate_rid"))
+        elif req.lora_name is not None and req.lora_name not in self._adapters:
+            self.count_rejection("lora_not_loaded")
+            req.reply(BodyError(f"LoRA adapter {req.lora_name!r} is not loaded", reason="lora_not_loaded"))
         elif self._paused or self._pending_update is not None:
             self._waiting.append(req)
         else:
@@ -129,17 +153,42 @@ class SimEngine:
             n = self._abort(lambda r: args.get("abort_all") or r.rid == rid, include_waiting=True)
             reply(ControlResponse(success=True, num_aborted=n))
         elif name == "pause":
-            n = self._abort(lambda r: True, include_waiting=False)
+            n = 0
+            if args.get("mode", "abort") == "abort":
+                n = self._abort(lambda r: True, include_waiting=False)
+            else:  # in_place: what runs stops where it is
+                self._freeze()
             self._paused = True
             reply(ControlResponse(success=True, num_aborted=n))
         elif name == "continue":
             self._paused = False
+            self._thaw()
             self._start_waiting()
             reply(ControlResponse(success=True))
         elif name == "flush_cache":
             reply(ControlResponse(success=True, message="no cached prefixes to flush"))
-        elif name == "update":
+        elif name == "load_adapter":
+            if args["name"] in self._adapters:
+                message = f"LoRA adapter {args['name']!r} is already loaded"
+                reply(LoRAUpdateResponse(success=False, error_message=message, loaded_adapters=self._loaded_adapters()))
+                return
+            self._adapters[args["name"]] = args["adapter"]
+            self._adapter_loaded_last = args["name"]
+            self.stats["lora_adapters_loaded"] += 1
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+        elif name == "unload_adapter":
+            if self._adapters.pop(args["name"], None) is None:
+                message = f"LoRA adapter {args['name']!r} is not loaded"
+                reply(LoRAUpdateResponse(success=False, error_message=message))
+                return
+            if self._adapter_loaded_last == args["name"]:
+                self._adapter_loaded_last = None
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+        elif name in ("update", "update_weight_version"):
             update = dict(args, reply=reply)
+            last = self._adapter_loaded_last
+            if name == "update_weight_version" and last is not None and last != self._adapter_serving:
+                update["adapter"] = (last, self._adapters[last])  # switch to the adapter loaded last
             if args["abort_all_requests"]:
                 self._apply_update(update, self._abort(lambda r: True, include_waiting=False))
             elif self._running:
@@ -160,7 +209,12 @@ class SimEngine:
             avg_decode_batch_size=0.0,
             stats=dict(self.stats),
             rejections=dict(self.rejections),
+            lora_adapters=sorted(self._adapters),
+            lora_adapter=self._adapter_serving,
         )
+
+    def _loaded_adapters(self) -> dict[str, str]:
+        return {name: adapter.path for name, adapter in self._adapters.items()}
 
     # ---- requests
 
@@ -187,6 +241,29 @@ class SimEngine:
         running = self._running[req.rid] = _Running(req, tokens, reason, loop.time())
         running.timer = loop.call_later(len(tokens) * self.config.token_latency_s, self._complete, req.rid)
 
+    def _generated(self, running: _Running, now: float) -> int:
+        """How many of its tokens `running` has generated by `now`."""
+        if running.timer is None:
+            return running.frozen_at
+        return min(len(running.tokens), int((now - running.started) / self.config.token_latency_s))
+
+    def _freeze(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for running in self._running.values():
+            if running.timer is not None:
+                running.frozen_at = self._generated(running, now)
+                running.timer.cancel()
+                running.timer = None
+
+    def _thaw(self) -> None:
+        loop = asyncio.get_running_loop()
+        latency = self.config.token_latency_s
+        for rid, running in self._running.items():
+            if running.timer is None:
+                running.started = loop.time() - running.frozen_at * latency
+                left = len(running.tokens) - running.frozen_at
+                running.timer = loop.call_later(left * latency, self._complete, rid)
+
     def _start_waiting(self) -> None:
         while self._waiting and not self._paused and self._pending_update is None:
             self._start(self._waiting.popleft())
@@ -212,8 +289,9 @@ class SimEngine:
         aborted = [r for r in self._running.values() if match(r.req)]
         for running in aborted:
             del self._running[running.req.rid]
-            running.timer.cancel()
-            done = min(len(running.tokens), int((now - running.started) / self.config.token_latency_s))
+            done = self._generated(running, now)
+            if running.timer is not None:
+                running.timer.cancel()
             self._finish(running.req, running.tokens[:done], FinishReason("abort", message=message))
         n = len(aborted)
         if include_waiting:
@@ -230,10 +308,14 @@ class SimEngine:
     def _apply_update(self, update: dict, num_aborted: int) -> None:
         if update["weight_version"] is not None:
             self.weight_version = str(update["weight_version"])
+        if "adapter" in update:
+            self._adapter_serving, adapter = update["adapter"]
+            tensors = [t for pair in adapter.modules.values() for t in pair]
+        else:
+            tensors = list(update.get("tensors", {}).values())  # none: a new version number only
         self.stats["weight_updates"] += 1
         if self._on_update is not None:
-            nbytes = sum(t.numel() * t.element_size() for t in update["tensors"].values())
-            self._on_update(self.weight_version, nbytes)
+            self._on_update(self.weight_version, sum(t.numel() * t.element_size() for t in tensors))
         update["reply"](
             UpdateWeightsFromDiskResponse(
                 success=True,
