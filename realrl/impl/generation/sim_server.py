@@ -57,7 +57,13 @@ from realrl.api.sglang_api import (
 from realrl.base.http_body import BodyError
 from realrl.impl.generation.torch_server.http import TorchGenerationServer
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
-from realrl.impl.generation.torch_server.weights import LoraAdapter, WeightLoadError, read_adapter, read_weights_dir
+from realrl.impl.generation.torch_server.weights import (
+    AdapterSlots,
+    LoraAdapter,
+    WeightLoadError,
+    read_adapter,
+    read_weights_dir,
+)
 
 
 @dataclasses.dataclass
@@ -102,9 +108,7 @@ class SimEngine:
         self._paused = False
         self._pending_update: dict | None = None  # abort_all_requests=false: applied once nothing runs
         self._stopped = False
-        self._adapters: dict[str, LoraAdapter] = {}
-        self._adapter_loaded_last: str | None = None  # served from the next update_weight_version on
-        self._adapter_serving: str | None = None
+        self.adapters = AdapterSlots()  # LoRA adapters by name, and which one serves
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections: dict[str, int] = {}
 
@@ -139,7 +143,7 @@ class SimEngine:
         elif req.rid in self._running or any(w.rid == req.rid for w in self._waiting):
             self.count_rejection("duplicate_rid")
             req.reply(BodyError(f"a request with rid {req.rid!r} is already running", reason="duplicate_rid"))
-        elif req.lora_name is not None and req.lora_name not in self._adapters:
+        elif req.lora_name is not None and req.lora_name not in self.adapters.adapters:
             self.count_rejection("lora_not_loaded")
             req.reply(BodyError(f"LoRA adapter {req.lora_name!r} is not loaded", reason="lora_not_loaded"))
         elif self._paused or self._pending_update is not None:
@@ -168,27 +172,20 @@ class SimEngine:
         elif name == "flush_cache":
             reply(ControlResponse(success=True, message="no cached prefixes to flush"))
         elif name == "load_adapter":
-            if args["name"] in self._adapters:
-                message = f"LoRA adapter {args['name']!r} is already loaded"
-                reply(LoRAUpdateResponse(success=False, error_message=message, loaded_adapters=self._loaded_adapters()))
+            if (message := self.adapters.load(args["name"], args["adapter"])) is not None:
+                reply(LoRAUpdateResponse(success=False, error_message=message, loaded_adapters=self.adapters.paths()))
                 return
-            self._adapters[args["name"]] = args["adapter"]
-            self._adapter_loaded_last = args["name"]
             self.stats["lora_adapters_loaded"] += 1
-            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self.adapters.paths()))
         elif name == "unload_adapter":
-            if self._adapters.pop(args["name"], None) is None:
-                message = f"LoRA adapter {args['name']!r} is not loaded"
+            if (message := self.adapters.unload(args["name"])) is not None:
                 reply(LoRAUpdateResponse(success=False, error_message=message))
                 return
-            if self._adapter_loaded_last == args["name"]:
-                self._adapter_loaded_last = None
-            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self.adapters.paths()))
         elif name in ("update", "update_weight_version"):
             update = dict(args, reply=reply)
-            last = self._adapter_loaded_last
-            if name == "update_weight_version" and last is not None and last != self._adapter_serving:
-                update["adapter"] = (last, self._adapters[last])  # switch to the adapter loaded last
+            if name == "update_weight_version" and (switch := self.adapters.to_switch_to()) is not None:
+                update["adapter"] = switch
             if args["abort_all_requests"]:
                 self._apply_update(update, self._abort(lambda r: True, include_waiting=False))
             elif self._running:
@@ -209,12 +206,9 @@ class SimEngine:
             avg_decode_batch_size=0.0,
             stats=dict(self.stats),
             rejections=dict(self.rejections),
-            lora_adapters=sorted(self._adapters),
-            lora_adapter=self._adapter_serving,
+            lora_adapters=sorted(self.adapters.adapters),
+            lora_adapter=self.adapters.serving,
         )
-
-    def _loaded_adapters(self) -> dict[str, str]:
-        return {name: adapter.path for name, adapter in self._adapters.items()}
 
     # ---- requests
 
@@ -309,7 +303,7 @@ class SimEngine:
         if update["weight_version"] is not None:
             self.weight_version = str(update["weight_version"])
         if "adapter" in update:
-            self._adapter_serving, adapter = update["adapter"]
+            self.adapters.serving, adapter = update["adapter"]
             tensors = [t for pair in adapter.modules.values() for t in pair]
         else:
             tensors = list(update.get("tensors", {}).values())  # none: a new version number only

@@ -75,6 +75,7 @@ from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
 from realrl.impl.generation.torch_server.sampling import RowParams, sample_tokens
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from realrl.impl.generation.torch_server.weights import (
+    AdapterSlots,
     AdapterTargets,
     LoraAdapter,
     WeightTargets,
@@ -150,9 +151,7 @@ class GenerationEngine:
         self._targets = WeightTargets(model)
         # LoRA adapters (docs/design.md §8): those loaded, by name; one at a time is merged into the weights.
         self._adapter_targets = AdapterTargets(model)
-        self._adapters: dict[str, LoraAdapter] = {}
-        self._adapter_loaded_last: str | None = None  # served from the next update_weight_version on
-        self._adapter_serving: str | None = None
+        self.adapters = AdapterSlots()  # LoRA adapters by name, and which one serves
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
@@ -248,8 +247,8 @@ class GenerationEngine:
             avg_decode_batch_size=self.stats["decode_rows"] / steps,
             stats=dict(self.stats),
             rejections=dict(self.rejections),
-            lora_adapters=sorted(self._adapters),
-            lora_adapter=self._adapter_serving,
+            lora_adapters=sorted(self.adapters.adapters),
+            lora_adapter=self.adapters.serving,
         )
 
     # ---- the loop (generation thread only below this line)
@@ -335,7 +334,7 @@ class GenerationEngine:
                 self.count_rejection("duplicate_rid")
                 req.reply(BodyError(f"a request with rid {req.rid!r} is already running", reason="duplicate_rid"))
                 return
-            if req.lora_name is not None and req.lora_name not in self._adapters:
+            if req.lora_name is not None and req.lora_name not in self.adapters.adapters:
                 self.count_rejection("lora_not_loaded")
                 req.reply(BodyError(f"LoRA adapter {req.lora_name!r} is not loaded", reason="lora_not_loaded"))
                 return
@@ -358,26 +357,19 @@ class GenerationEngine:
             # No prefix cache is kept across requests; nothing to drop.
             reply(ControlResponse(success=True, message="no cached prefixes to flush"))
         elif name == "load_adapter":
-            if args["name"] in self._adapters:
-                message = f"LoRA adapter {args['name']!r} is already loaded"
-                reply(LoRAUpdateResponse(success=False, error_message=message, loaded_adapters=self._loaded_adapters()))
+            if (message := self.adapters.load(args["name"], args["adapter"])) is not None:
+                reply(LoRAUpdateResponse(success=False, error_message=message, loaded_adapters=self.adapters.paths()))
                 return
-            self._adapters[args["name"]] = args["adapter"]
-            self._adapter_loaded_last = args["name"]
             self.stats["lora_adapters_loaded"] += 1
-            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self.adapters.paths()))
         elif name == "unload_adapter":
-            if self._adapters.pop(args["name"], None) is None:
-                reply(_failure(name, f"LoRA adapter {args['name']!r} is not loaded"))
+            if (message := self.adapters.unload(args["name"])) is not None:
+                reply(_failure(name, message))
                 return
-            if self._adapter_loaded_last == args["name"]:
-                self._adapter_loaded_last = None
-            reply(LoRAUpdateResponse(success=True, loaded_adapters=self._loaded_adapters()))
+            reply(LoRAUpdateResponse(success=True, loaded_adapters=self.adapters.paths()))
         elif name in ("update", "update_weight_version"):
-            if name == "update_weight_version":  # switch to the adapter loaded last, if it is new
-                last = self._adapter_loaded_last
-                if last is not None and last != self._adapter_serving:
-                    args = dict(args, adapter=(last, self._adapters[last]))
+            if name == "update_weight_version" and (switch := self.adapters.to_switch_to()) is not None:
+                args = dict(args, adapter=switch)  # the adapter loaded last, if it is new
             if name == "update" and self.compat is not None and self._paused and self._batch is not None:
                 # SGLang cannot flush the prefix cache of a batch paused in place.
                 self._apply_update(dict(args, reply=reply), num_aborted=0, flush_refused=True)
@@ -400,9 +392,6 @@ class GenerationEngine:
             return lambda r: False
         return lambda r: r.rid.startswith(rid)
 
-    def _loaded_adapters(self) -> dict[str, str]:
-        return {name: adapter.path for name, adapter in self._adapters.items()}
-
     def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False) -> None:
         """New weights: full tensors copied in (`tensors`), or a LoRA adapter
         merged (`adapter`: (name, LoraAdapter)), or neither (a new version
@@ -417,9 +406,9 @@ class GenerationEngine:
             if "tensors" in update:
                 self._targets.copy_in(update["tensors"])
             elif "adapter" in update:
-                self._adapter_serving, adapter = update["adapter"]
+                self.adapters.serving, adapter = update["adapter"]
                 self._adapter_targets.apply(adapter)
-                source = f"LoRA adapter {self._adapter_serving} ({adapter.path})"
+                source = f"LoRA adapter {self.adapters.serving} ({adapter.path})"
         except Exception as e:  # the caller gets an answer; the weights may be half-copied
             logger.exception("copying new weights failed")
             self.stats["weight_update_failures"] += 1

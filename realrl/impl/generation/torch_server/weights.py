@@ -224,3 +224,39 @@ class AdapterTargets:
                 torch.addmm(base, b, a, alpha=adapter.scaling, out=weight)
             else:
                 weight.copy_(torch.addmm(base.float(), b, a, alpha=adapter.scaling))
+
+
+class AdapterSlots:
+    """The LoRA adapters a server holds, by name (SGLang's LoRA API):
+    `/load_lora_adapter` adds one, `/update_weight_version` then switches to
+    the one loaded last if it is not the one serving. Shared by the torch
+    server's engine and the simulated one, so both keep the same rules."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.loaded_last: str | None = None  # served from the next update_weight_version on
+        self.serving: str | None = None
+
+    def load(self, name: str, adapter: LoraAdapter) -> str | None:
+        """None, or why not (a name already loaded)."""
+        if name in self.adapters:
+            return f"LoRA adapter {name!r} is already loaded"
+        self.adapters[name] = adapter
+        self.loaded_last = name
+        return None
+
+    def unload(self, name: str) -> str | None:
+        """None, or why not (a name not loaded)."""
+        if self.adapters.pop(name, None) is None:
+            return f"LoRA adapter {name!r} is not loaded"
+        if self.loaded_last == name:
+            self.loaded_last = None
+        return None
+
+    def to_switch_to(self) -> tuple[str, LoraAdapter] | None:
+        """(name, adapter) an update_weight_version switches to, or None."""
+        last = self.loaded_last
+        return (last, self.adapters[last]) if last is not None and last != self.serving else None
+
+    def paths(self) -> dict[str, str]:
+        return {name: adapter.path for name, adapter in self.adapters.items()}
