@@ -105,13 +105,25 @@ def weights_checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _sampled_lens(t: Trajectory) -> list[int]:
+    """Per sequence, the completion tokens the policy sampled (a multi-turn
+    sequence's context tokens between its turns are not)."""
+    if t.loss_mask:
+        return [int(m.sum()) for m in t.loss_mask]
+    return [n - p for n, p in zip(t.seq_lens, t.prompt_len)]
+
+
 def _token_staleness(trajectories: list[Trajectory], current_version: int) -> dict[str, int]:
-    """How many generated tokens of `trajectories` have each staleness
-    (`current_version` minus the weight version that generated the token)."""
+    """How many generated (sampled) tokens of `trajectories` have each
+    staleness (`current_version` minus the weight version that generated the
+    token); context tokens inside a completion generated nothing."""
     counts: dict[int, int] = {}
     for t in trajectories:
-        for versions in t.versions:
-            values, n = np.unique(current_version - np.asarray(versions, dtype=np.int64), return_counts=True)
+        for i, versions in enumerate(t.versions):
+            versions = np.asarray(versions, dtype=np.int64)
+            if t.loss_mask:
+                versions = versions[t.loss_mask[i]]
+            values, n = np.unique(current_version - versions, return_counts=True)
             for v, c in zip(values.tolist(), n.tolist()):
                 counts[v] = counts.get(v, 0) + c
     return {str(k): counts[k] for k in sorted(counts)}
@@ -392,7 +404,7 @@ class ModelWorker(Worker):
             # the most generate() calls one episode had in flight at once
             "generate_in_flight": [float(t.metadata.get("max_generate_in_flight", 1)) for t in mine],
             "seq_lens": [n for t in mine for n in t.seq_lens],
-            "gen_lens": [n - p for t in mine for n, p in zip(t.seq_lens, t.prompt_len)],
+            "gen_lens": [n for t in mine for n in _sampled_lens(t)],  # sampled tokens: context inside excluded
             "n_tokens": sum(t.n_tokens for t in mine),
             "n_moved_out": sum(len(v) for v in outgoing.values()),
             "token_staleness": _token_staleness(mine, current),

@@ -6,8 +6,14 @@ lays a few of them out for the model: each row holds a prompt once, followed
 by the completions of the sequences that share it (a 4-D mask keeps each
 completion to the prompt and itself), or one sequence (which rows share is
 `realrl.impl.ppo.packing`'s choice). Per-token tensors are in completion
-layout: [n, C], row k a sequence, column j its completion token j (loss mask
-1 up to its length).
+layout: [n, C], row k a sequence, column j its completion token j.
+
+The loss mask is decided here, once (docs/design.md §5): a completion token
+is trained when the policy sampled it. A multi-turn sequence (a chain of chat
+turns) holds context between its sampled spans (tool results, user turns,
+template tokens); those have loss mask 0 in every micro-batch, so every loss,
+normaliser, statistic and advantage built on the micro-batch's `loss_mask`
+leaves them out, and `n_completion_tokens` counts sampled tokens only.
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ class SequenceBatch:
     prox_from_train_forward: bool = False
     ref_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
     values: list[torch.Tensor] | None = None  # [L_i - P_i + 1]: state values at tokens P_i-1 .. L_i-1
+    # bool [L_i - P_i]: True where the policy sampled the token; None (or a
+    # None entry) means every completion token was sampled
+    loss_masks: list[torch.Tensor | None] | None = None
 
     @staticmethod
     def from_trajectories(trajectories: list[Trajectory]) -> SequenceBatch:
-        input_ids, prompt_lens, behav, rewards, no_eos, groups = [], [], [], [], [], []
+        input_ids, prompt_lens, behav, rewards, no_eos, groups, masks = [], [], [], [], [], [], []
         for traj in trajectories:
             group = []
             for i in range(traj.group_size):
@@ -49,6 +58,7 @@ class SequenceBatch:
                 behav.append(torch.from_numpy(traj.logprobs[i].copy()))
                 rewards.append(float(traj.reward[i]))
                 no_eos.append(bool(traj.no_eos[i]))
+                masks.append(None if not traj.loss_mask else torch.from_numpy(traj.loss_mask[i].astype(bool)))
             groups.append(group)
         return SequenceBatch(
             input_ids,
@@ -57,6 +67,7 @@ class SequenceBatch:
             torch.tensor(rewards, dtype=torch.float32),
             torch.tensor(no_eos, dtype=torch.bool),
             groups,
+            loss_masks=masks if any(m is not None for m in masks) else None,
         )
 
     @property
@@ -70,9 +81,20 @@ class SequenceBatch:
     def completion_len(self, i: int) -> int:
         return len(self.input_ids[i]) - self.prompt_lens[i]
 
+    def sampled_mask(self, i: int) -> torch.Tensor:
+        """bool [L_i - P_i]: which completion tokens of sequence i the policy
+        sampled (the ones it trains on)."""
+        mask = None if self.loss_masks is None else self.loss_masks[i]
+        return torch.ones(self.completion_len(i), dtype=torch.bool) if mask is None else mask.bool()
+
+    def n_sampled(self, i: int) -> int:
+        mask = None if self.loss_masks is None else self.loss_masks[i]
+        return self.completion_len(i) if mask is None else int(mask.sum())
+
     def n_completion_tokens(self, indices: list[int] | None = None) -> int:
+        """Trained (sampled) completion tokens of these sequences (all: None)."""
         indices = range(self.n_seqs) if indices is None else indices
-        return sum(map(self.completion_len, indices))
+        return sum(map(self.n_sampled, indices))
 
 
 @dataclasses.dataclass
@@ -99,7 +121,7 @@ class MicroBatch:
     src_rows: torch.Tensor  # [n, C+1]
     src_cols: torch.Tensor  # [n, C+1]
     targets: torch.Tensor  # [n, C]: the completion tokens
-    loss_mask: torch.Tensor  # [n, C], 1.0 on completion tokens
+    loss_mask: torch.Tensor  # [n, C], 1.0 on the completion tokens the policy sampled
     batch: SequenceBatch
 
     def scatter(self, per_seq: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
@@ -134,7 +156,7 @@ def make_micro_batch(
     # Built as Python lists, one tensor each at the end (a few small tensor
     # writes per sequence cost more than the forward of a tiny model).
     ids_rows, seg_rows, pos_rows = [], [], []  # segment: 0 prompt, s + 1 completion s, -1 padding
-    src_rows, src_cols, targets = [], [], []
+    src_rows, src_cols, targets, masks = [], [], [], []
     for r, row in enumerate(rows):
         P = batch.prompt_lens[row[0]]
         ids, seg, pos = batch.input_ids[row[0]][:P].tolist(), [0] * P, list(range(P))
@@ -145,6 +167,7 @@ def make_micro_batch(
             src_cols.append([P - 1, *range(col, col + G)])
             src_rows.append(r)
             targets.append(completion)
+            masks.append(batch.sampled_mask(i).long().tolist())
             ids += completion
             seg += [s] * G
             pos += range(P, P + G)
@@ -153,6 +176,7 @@ def make_micro_batch(
         pos_rows.append(pos)
     if not rows:  # the padding micro-batch
         ids_rows, seg_rows, pos_rows, src_rows, src_cols, targets = [[pad_id] * 2], [[0, 0]], [[0, 1]], [0], [[0]], [[]]
+        masks = [[]]
     W = max(map(len, ids_rows))
     C = max(max(map(len, targets)), 0 if rows else 1)
 
@@ -163,7 +187,9 @@ def make_micro_batch(
     # Past a completion's end its source repeats its last token (any valid index: masked out).
     src_cols_t = torch.tensor([c + [c[-1]] * (C + 1 - len(c)) for c in src_cols], dtype=torch.long)
     src_rows_t = torch.tensor(src_rows, dtype=torch.long)[:, None].expand(-1, C + 1).contiguous()
-    loss_mask = padded([[1] * len(t) for t in targets], C, 0).float()
+    # The one place the trainer decides which tokens train: context tokens
+    # inside a completion (and padding) get 0.
+    loss_mask = padded(masks, C, 0).float()
     targets_t = padded(targets, C, 0)
     if all(len(row) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
         attention_mask, position_ids = (segment >= 0).long(), None

@@ -248,16 +248,21 @@ class PPOTrainer:
 
     # ---- advantages ------------------------------------------------------------------
     def _kl_token_rewards(self, batch: SequenceBatch, i: int) -> torch.Tensor:
+        """-kl_ctl * KL per completion token; 0 on context tokens (the policy sampled none of them)."""
         n = len(batch.input_ids[i]) - batch.prompt_lens[i]
         if batch.ref_logprobs is None or self.cfg.kl_ctl <= 0:
             return torch.zeros(n)
         sampled = batch.prox_logprobs[i] if batch.prox_logprobs is not None else batch.behav_logprobs[i]
-        return -self.cfg.kl_ctl * F.kl_penalty(sampled, batch.ref_logprobs[i], self.cfg.kl_estimator)
+        kl = -self.cfg.kl_ctl * F.kl_penalty(sampled, batch.ref_logprobs[i], self.cfg.kl_estimator)
+        return torch.where(batch.sampled_mask(i), kl, torch.zeros_like(kl))
 
     def advantages(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-sequence completion advantages (and PPO returns). An empty
         completion gets empty ones: it trains no token, though its reward
-        still counts in its GRPO group's mean and std."""
+        still counts in its GRPO group's mean and std. Context tokens inside a
+        completion (`SequenceBatch.sampled_mask` False) get advantage and
+        return 0; GAE puts the reward on the last sampled token and steps over
+        the context between sampled spans."""
         cfg = self.cfg
         advs: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         if cfg.algorithm == "grpo":
@@ -268,26 +273,30 @@ class PPOTrainer:
                 for a, i in zip(seq_adv.tolist(), group):
                     kl = self._kl_token_rewards(batch, i)
                     # advantage_t = A_seq + sum_{t' >= t} (-kl_ctl * KL_t')
-                    advs[i] = a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])
+                    adv = a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])
+                    advs[i] = torch.where(batch.sampled_mask(i), adv, torch.zeros_like(adv))
             return advs, None
         returns: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         for i in range(batch.n_seqs):
             G = batch.completion_len(i)
-            if G == 0:  # no completion token to put the reward on
+            sampled = batch.sampled_mask(i)
+            if G == 0 or not sampled.any():  # no sampled token to put the reward on
+                advs[i], returns[i] = torch.zeros(G), torch.zeros(G)
                 continue
             token_rewards = self._kl_token_rewards(batch, i)
-            token_rewards[-1] += batch.rewards[i]
+            token_rewards[int(sampled.nonzero()[-1])] += batch.rewards[i]  # the last sampled token
             values = batch.values[i]  # at tokens P-1 .. L-1
             bootstrap = values[-1:] if batch.no_eos[i] else torch.zeros(1)
-            mask = torch.ones(1, G)
             adv, ret = F.gae_advantages(
-                token_rewards[None], values[None, :-1], mask, cfg.discount, cfg.gae_lambda, bootstrap
+                token_rewards[None], values[None, :-1], sampled[None].float(), cfg.discount, cfg.gae_lambda, bootstrap
             )
             advs[i], returns[i] = adv[0], ret[0]
         if cfg.adv_norm:
-            # Every rank whitens (two all-reduces), also one without sequences.
+            # Every rank whitens (two all-reduces), also one without sequences,
+            # over the sampled tokens only; context tokens stay 0.
             flat = torch.cat(advs)[None] if advs else torch.zeros(1, 0)
-            white = F.masked_whiten(flat, torch.ones_like(flat), process_group=self.process_group)[0]
+            mask = torch.cat([batch.sampled_mask(i) for i in range(batch.n_seqs)])[None] if advs else flat.bool()
+            white = F.masked_whiten(flat, mask, process_group=self.process_group)[0]  # 0 where masked out
             advs = list(torch.split(white, [len(a) for a in advs])) if advs else []
         return advs, returns
 
@@ -325,20 +334,20 @@ class PPOTrainer:
             reward_sum=float(batch.rewards.sum()),
             n_seqs=float(batch.n_seqs),
             n_completion_tokens=float(batch.n_completion_tokens()),
-            adv_sum=float(sum(float(a.sum()) for a in advs)),
-            adv_count=float(sum(len(a) for a in advs)),
+            adv_sum=float(sum(float(a.sum()) for a in advs)),  # context tokens hold 0
+            adv_count=float(batch.n_completion_tokens()),
         )
         return self._global_stats(acc, n_mbs)
 
     def _normalizers(self, batch: SequenceBatch, parts: list[list[int]]) -> list[torch.Tensor]:
         """Each minibatch's loss denominator over all ranks (one all-reduce):
-        its completion tokens, or its non-empty sequences."""
+        its sampled completion tokens, or its sequences with one."""
         if not parts:
             return []
         if self.cfg.loss_aggregation == "token":
             local = [float(batch.n_completion_tokens(indices)) for indices in parts]
         else:
-            local = [float(sum(len(batch.input_ids[i]) > batch.prompt_lens[i] for i in indices)) for indices in parts]
+            local = [float(sum(batch.n_sampled(i) > 0 for i in indices)) for indices in parts]
         return list(self.all_reduce_sum(torch.tensor(local, device=self.device)).clamp(min=1.0))
 
     def _global_stats(self, acc: dict[str, float], n_mbs: int) -> dict[str, float]:
