@@ -23,7 +23,7 @@ from realrl.impl.generation.server_generator import ServerGenerator
 from realrl.impl.openai_compat.endpoint import shared_endpoint
 from realrl.impl.tiny_model import TinyModelConfig, build_tiny_model
 from tests.impl.conftest import ServerProcess
-from tests.impl.openai_compat.chat_kit import char_chat_tokenizer
+from tests.impl.openai_compat.chat_kit import ScriptedGenerator, char_chat_tokenizer
 
 AGENT = '''
 import json
@@ -31,19 +31,24 @@ import json
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
 
 
-async def run(client, row):
+async def run(client, row, max_tokens=6):
     """Two turns: ask (a tool may be called), then a tool or user message, then score."""
     messages = list(row["messages"])
-    first = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=6)
+    ask = dict(model="policy", tools=[CALC], max_tokens=max_tokens)
+    first = await client.chat.completions.create(messages=messages, **ask)
     reply = first.choices[0].message
     messages.append(reply)
     if reply.tool_calls:
         messages.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "2"})
     else:
         messages.append({"role": "user", "content": "Use the tool."})
-    second = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=6)
+    second = await client.chat.completions.create(messages=messages, **ask)
     text = second.choices[0].message.content or ""
     return {"reward": float(row["answer"] in text), "chars": len(text)}
+
+
+async def run_long(client, row):
+    return await run(client, row, max_tokens=64)
 
 
 async def fails_on_odd(client, row):
@@ -139,33 +144,62 @@ def test_an_agent_function_trains_on_exactly_what_the_server_sampled(chat_model_
             await generator.close()
 
     (traj,), results = asyncio.run(main())
-    # 3 independent episodes of 2 calls each: 6 turns, one sequence each (prompt + sampled ids).
-    assert traj.group_size == 6 and len(results) == 6
-    assert traj.metadata["episode"] == [0, 0, 1, 1, 2, 2] and traj.metadata["turn"] == [0, 1] * 3
-    # Each sequence is one call's prompt ids and what the server sampled, with its logprobs.
-    recorded = sorted(
-        (traj.input_ids[i][: traj.prompt_len[i]].tolist(), traj.completion_ids(i).tolist(), traj.logprobs[i].tolist())
-        for i in range(6)
-    )
-    sampled = sorted((r.prompt_ids, r.output_ids[0], r.output_logprobs[0]) for r in results)
-    assert [(p, o) for p, o, _ in recorded] == [(p, o) for p, o, _ in sampled]
-    for (_, _, mine), (_, _, theirs) in zip(recorded, sampled):
-        assert mine == pytest.approx(theirs)
-    assert all(0 < len(o) <= 6 for _, o, _ in sampled)  # the agent's max_tokens
+    # 3 independent episodes of 2 calls each: 6 turns. One sequence per chain
+    # of turns: a second call stitched onto the first shares its sequence.
+    assert len(results) == 6 and 3 <= traj.group_size <= 6
+    episodes = traj.metadata["episode"]
+    assert sorted(set(episodes)) == [0, 1, 2]
+    assert all(sum(n for e, n in zip(episodes, traj.metadata["turns"]) if e == k) == 2 for k in range(3))
+    # Each call's prompt ids and what the server sampled, with its logprobs, is
+    # in one sequence, where exactly the sampled ids carry the loss.
+    for r in results:
+        prompt_ids, output = r.prompt_ids, r.output_ids[0]
+        (i,) = [i for i in range(traj.group_size) if traj.input_ids[i][: len(prompt_ids) + len(output)].tolist()
+                == prompt_ids + output]  # fmt: skip
+        span = slice(len(prompt_ids) - traj.prompt_len[i], len(prompt_ids) - traj.prompt_len[i] + len(output))
+        assert traj.loss_mask[i][span].all()
+        assert traj.logprobs[i][span].tolist() == pytest.approx(r.output_logprobs[0])
+    assert sum(int(m.sum()) for m in traj.loss_mask) == sum(len(r.output_ids[0]) for r in results)
+    for i in range(traj.group_size):  # context: logprob 0, version -1
+        assert (traj.logprobs[i][~traj.loss_mask[i]] == 0).all() and (traj.versions[i][~traj.loss_mask[i]] == -1).all()
+    assert all(0 < len(r.output_ids[0]) <= 6 for r in results)  # the agent's max_tokens
     tok = agent.tokenizer
     first_prompt = tok.decode(traj.input_ids[0][: traj.prompt_len[0]].tolist())
     assert (
         first_prompt.startswith("<|im_start|>system\n# Tools\n") and "<|im_start|>user\n1+1?<|im_end|>" in first_prompt
     )
-    for k in range(3):  # the second call's prompt holds the first call's prompt and sampled ids verbatim
-        first, second = traj.input_ids[2 * k], traj.input_ids[2 * k + 1]
-        made = traj.metadata["prompt_made"][2 * k + 1]
-        if made == "stitched":
-            assert second[: len(first)].tolist() == first.tolist()
-    assert traj.scores == [s for s in traj.metadata["episode_scores"] for _ in range(2)]
+    traj_scores = [traj.metadata["episode_scores"][e] for e in episodes]
+    assert traj.scores == traj_scores
     assert traj.reward == [settings.reward(s) for s in traj.scores]
     stats = agent.pop_stats()
     assert stats["n_episodes"] == 1 and stats["turns"] == 6 and "fn/chars" in stats
+
+
+def test_a_tool_call_episode_trains_as_one_sequence_with_its_context_masked(agent_file, chat_model_dir):
+    settings = AgentSettings(tokenizer_path=chat_model_dir, group_size=1, gconfig={"max_new_tokens": 64})
+    agent = make_agent("function", settings, fn=f"{agent_file}:run_long")
+    tok = agent.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    call_ids = tok.encode('<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>', add_special_tokens=False)
+    answer_ids = tok.encode("2", add_special_tokens=False)
+    generator = ScriptedGenerator([call_ids + [end], answer_ids + [end]], frozenset({end}))
+    (traj,) = asyncio.run(agent.run_episode(prompt(), make_env("math"), generator))
+    assert traj.group_size == 1 and traj.metadata["turns"] == [2] and traj.scores == [1.0]
+    first, second = generator.requests
+    completion = traj.completion_ids(0)
+    # the tool call and the answer carry the loss; the tool result and the
+    # template's tokens between the turns are context
+    bridge = len(second.prompt_ids) - len(first.prompt_ids) - len(call_ids) - 1
+    assert traj.loss_mask[0].tolist() == [True] * (len(call_ids) + 1) + [False] * bridge + [True] * (
+        len(answer_ids) + 1
+    )
+    assert (
+        tok.decode(completion[~traj.loss_mask[0]].tolist())
+        == "\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert completion[traj.loss_mask[0]].tolist() == call_ids + [end] + answer_ids + [end]
+    assert traj.logprobs[0][~traj.loss_mask[0]].tolist() == [0.0] * bridge
+    assert (traj.versions[0][~traj.loss_mask[0]] == -1).all() and (traj.versions[0][traj.loss_mask[0]] == 3).all()
 
 
 def test_a_failing_episode_leaves_its_group_and_a_generation_failure_fails_the_episode(agent_file, chat_model_dir):

@@ -22,8 +22,12 @@ worker's endpoint), makes its chat calls at the `base_url` it got, and
 closes it with the reward (`POST /rl/episodes/<id>/close`). An episode not
 closed within `episode_timeout_s` is dropped (counted).
 
-Trajectory: one per prompt, one sequence per recorded turn (its exact prompt
-ids and sampled ids), each with its episode's score and shaped reward.
+Trajectory: one per prompt, one sequence per chain of turns of each episode
+(`EpisodeRecorder.sequences("chains")`: the turns that extend each other
+token for token; the sampled spans have loss_mask True, the tool results,
+user turns and template tokens between them are context), each with its
+episode's score and shaped reward. Metadata per sequence: `episode`, and
+`turns`, how many chat calls it holds.
 The success-rate filter counts episodes. An episode whose function raises
 scores nothing: it is left out of the group and counted (`fn_errors`,
 logged); a prompt whose every episode failed or made no call is rejected. A
@@ -62,6 +66,7 @@ from realrl.impl.openai_compat.chat import ChatConfig, ChatSession
 from realrl.impl.openai_compat.endpoint import ChatEndpoint, shared_endpoint
 from realrl.impl.openai_compat.rendering import ChatRenderer
 from realrl.impl.openai_compat.tool_calls import TOOL_PARSERS
+from realrl.impl.openai_compat.turns import RecordedSequence
 
 logger = getLogger(__name__)
 
@@ -179,16 +184,15 @@ class FunctionAgent(Agent):
         if not done or not self.settings.keep_group(success_rate):
             self.stats.n_rejected += 1
             return []
-        results, seq_scores, meta = [], [], {"episode": [], "turn": [], "prompt_made": []}
+        sequences, seq_scores, meta = [], [], {"episode": [], "turns": []}
         for k, e in enumerate(done):
-            for t, turn in enumerate(e.session.recorder.turns):
-                results.append(dataclasses.replace(turn.result, prompt_ids=turn.prompt_ids))
+            for seq in e.session.recorder.sequences("chains"):
+                sequences.append(seq)
                 seq_scores.append(e.score)
                 meta["episode"].append(k)
-                meta["turn"].append(t)
-                meta["prompt_made"].append("stitched" if turn.stitched_onto is not None else "rendered")
+                meta["turns"].append(len(seq.turns))
         meta.update(episode_scores=scores, solutions=list(prompt.solutions), success_rate=success_rate)
-        return [Trajectory.from_results(prompt, results, seq_scores, self.settings.rewards(seq_scores), meta)]
+        return [chains_trajectory(prompt, sequences, seq_scores, self.settings.rewards(seq_scores), meta)]
 
     async def _episode(self, prompt: PromptRecord, row: dict) -> _Episode:
         # The endpoint's handlers run outside this episode's task; the calls
@@ -237,6 +241,33 @@ class FunctionAgent(Agent):
                 e,
                 exc_info=self._errors == 1,
             )
+
+
+def chains_trajectory(
+    prompt: PromptRecord,
+    sequences: list[RecordedSequence],
+    scores: list[float],
+    rewards: list[float],
+    metadata: dict[str, Any],
+) -> Trajectory:
+    """One trajectory of recorded chains: per sequence its tokens, loss mask,
+    logprobs and versions as the recorder laid them out (docs/design.md §5)."""
+    return Trajectory(
+        qid=prompt.qid,
+        task=prompt.task,
+        birth_time=time.time(),
+        input_ids=[s.input_ids for s in sequences],
+        prompt_len=[s.prompt_len for s in sequences],
+        logprobs=[s.logprobs for s in sequences],
+        versions=[s.versions for s in sequences],
+        version_start=[s.version_start for s in sequences],
+        version_end=[s.version_end for s in sequences],
+        reward=[float(r) for r in rewards],
+        no_eos=[s.no_eos for s in sequences],
+        scores=[float(x) for x in scores],
+        metadata=metadata,
+        loss_mask=[s.loss_mask for s in sequences],
+    ).validate()
 
 
 def _score(value: Any) -> tuple[float, dict[str, float]]:
