@@ -6,6 +6,9 @@ module builds, from nothing:
 - a character-level tokenizer (`build_char_tokenizer`): every character is one
   token, decoding concatenates with no spaces, so `decode(encode(s)) == s` for
   any text over its alphabet; it adds no special tokens on its own;
+- a chat template (`KIT_CHAT_TEMPLATE`) and Hermes' tool-call tokens
+  (`build_kit_tokenizer`), so agents over the OpenAI chat API run on the kit;
+  a plain prompt (one user message) renders exactly as the raw prompt text;
 - a tiny Llama causal LM (`build_tiny_model`, ~0.8M parameters, fp32, seeded);
 - synthetic arithmetic train/test JSONL (`realrl.impl.math_data`);
 - a short supervised warm start so the policy already solves part of the test
@@ -60,7 +63,7 @@ from realrl.impl.warm_start import WarmStartConfig, greedy_accuracy, pass_at_k, 
 logger = getLogger("realrl.impl.tiny_model")  # not __main__ under `python -m`
 
 # Bump when the kit's layout or build procedure changes: old caches then miss.
-KIT_FORMAT_VERSION = 2  # 2: hedged warm-start demonstrations
+KIT_FORMAT_VERSION = 3  # 2: hedged warm-start demonstrations; 3: chat template and tool-call tokens
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -97,6 +100,40 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+
+
+# Hermes' tool format (Qwen2.5, Qwen3): added after the characters' ids, so
+# every id of the character tokenizer stays what it was.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# The kit's own turn boundaries: a user (or system) message is its text as
+# is, an assistant turn is its text, its tool calls and EOS, a tool result is
+# wrapped in <tool_response>; no generation prompt. So one user message renders
+# exactly as the default task's raw prompt ("Q: 12+30=?\nA:"), and a later
+# turn continues after the EOS that ended the previous answer. The tool list
+# is not rendered: the kit's model is far too small to read one.
+KIT_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- m.content if m.content is string else '' -}}"
+    "{%- for tc in (m.tool_calls or []) -%}{%- set f = tc.function -%}"
+    '{{- \'<tool_call>{"name": "\' + f.name + \'", "arguments": \' -}}'
+    "{{- f.arguments if f.arguments is string else (f.arguments | tojson) -}}"
+    "{{- '}</tool_call>' -}}{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- elif m.role == 'tool' -%}{{- '<tool_response>' + m.content + '</tool_response>' -}}"
+    "{%- else -%}{{- m.content -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def build_kit_tokenizer() -> PreTrainedTokenizerFast:
+    """The kit's tokenizer: the character tokenizer, plus `TOOL_TOKENS` and
+    `KIT_CHAT_TEMPLATE`; text without those tokens encodes as before."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_tokens(list(TOOL_TOKENS))
+    tokenizer.chat_template = KIT_CHAT_TEMPLATE
+    return tokenizer
 
 
 # ---------------------------------------------------------------- model
@@ -261,8 +298,11 @@ def _build_into(build_dir: str, recipe: TinyKitRecipe, dataset: tuple[str, str] 
         shutil.copyfile(dataset[1], test_path)
     train_records, test_records = load_math_jsonl(train_path), load_math_jsonl(test_path)
 
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, recipe.model, seed=recipe.seed)
+    tokenizer = build_kit_tokenizer()
+    # Initialised as the character tokenizer's model (the same weights as
+    # kit format 2), then rows for the tool tokens appended.
+    model = build_tiny_model(build_char_tokenizer(), recipe.model, seed=recipe.seed)
+    model.resize_token_embeddings(len(tokenizer))
     n_params = count_parameters(model)
     logger.info("tiny Llama: %.2fM parameters, vocab %d", n_params / 1e6, len(tokenizer))
 

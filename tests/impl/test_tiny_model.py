@@ -20,9 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from realrl.impl.math_data import MathDataRecipe, load_math_jsonl
 from realrl.impl.tiny_model import (
+    KIT_CHAT_TEMPLATE,
     TinyKitRecipe,
     TinyModelConfig,
     build_char_tokenizer,
+    build_kit_tokenizer,
     build_tiny_kit,
     build_tiny_model,
     count_parameters,
@@ -117,6 +119,29 @@ def test_default_model_size_and_ids():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_kit_chat_template_renders_the_default_task_as_today_and_continues_tool_turns():
+    from realrl.impl.openai_compat.rendering import ChatRenderer
+    from realrl.impl.openai_compat.tool_calls import TOOL_PARSERS
+
+    chars, tokenizer = build_char_tokenizer(), build_kit_tokenizer()
+    prompt = "Q: 12+30=?\nA:"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert rendered == chars.encode(prompt, add_special_tokens=False)
+    assert all(tokenizer.encode(t) == chars.encode(t) for t in ARITHMETIC_TEXTS)  # old ids unchanged
+    # A sampled tool call decodes to Hermes' block; the tool's answer follows the EOS that ended it.
+    call = tokenizer.encode('<tool_call>{"name": "calc", "arguments": {"expression": "12+30"}}</tool_call>')
+    assert call[0] == tokenizer.convert_tokens_to_ids("<tool_call>") and len(call) == 2 + 54
+    (parsed,) = TOOL_PARSERS.get("hermes")(tokenizer.decode(call, skip_special_tokens=True)).tool_calls
+    assert parsed.name == "calc" and parsed.arguments == '{"expression": "12+30"}'
+    bridge = ChatRenderer(tokenizer, {tokenizer.eos_token_id}).bridge(
+        [{"role": "tool", "tool_call_id": "c1", "content": "42"}], None, None
+    )
+    assert bridge.turn_end == tokenizer.eos_token_id
+    assert tokenizer.decode(bridge.ids) == "<tool_response>42</tool_response>"
+
+
 # ---------------------------------------------------------------- kit
 
 
@@ -125,8 +150,9 @@ def test_kit_reloads_with_auto_classes(mini_kit):
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert os.path.isfile(os.path.join(kit.model_path, name)), name
 
-    built_tokenizer = build_char_tokenizer()
+    built_tokenizer = build_kit_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(kit.model_path)
+    assert tokenizer.chat_template == KIT_CHAT_TEMPLATE
     assert type(tokenizer).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
     assert len(tokenizer) == len(built_tokenizer)
     for text in ARITHMETIC_TEXTS:
