@@ -488,7 +488,13 @@ class RolloutWorker(AsyncWorker):
             "reward": traj.reward,
             "no_eos": traj.no_eos,
             "completion_lens": [len(traj.completion_ids(i)) for i in range(traj.group_size)],
+            # tokens the policy sampled (trained); a multi-turn sequence's
+            # answer also shows the context between its turns
+            "sampled_lens": [int(m.sum()) for m in traj.loss_mask]
+            or [len(traj.completion_ids(i)) for i in range(traj.group_size)],
         }
+        if isinstance(traj.metadata.get("turns"), list):  # chat calls per sequence (function / external agents)
+            line["turns"] = traj.metadata["turns"]
         self._sample_file.write(json.dumps(line, ensure_ascii=False) + "\n")
         self._sample_file.flush()
 

@@ -1,0 +1,69 @@
+"""The tool-calling agent example (examples/tool_agent): its calculator, and
+the agent function trained end to end on the tiny kit (two turns per
+episode; the tool results and re-asked questions between turns are context)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from realrl.experiment.config import load_config
+from realrl.experiment.run import run_experiment
+from tests.examples.test_countdown import load_by_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT = os.path.join(REPO, "examples", "tool_agent", "agent.py")
+calc = load_by_path(__import__("pathlib").Path(AGENT), "tool_agent_under_test").calc
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("12+30", "42"),
+        ("2*3-4", "2"),
+        (" 7 ", "7"),
+        ("1/2", "error"),
+        ("__import__('os')", "error"),
+        ("1.5+1", "error"),
+    ],
+)
+def test_calc_evaluates_integer_arithmetic_only(expression, value):
+    assert calc(expression) == value
+
+
+def test_the_tool_agent_trains_end_to_end_on_the_tiny_kit(tmp_path, kit_cache):
+    steps = 3
+    cfg = load_config(
+        [
+            f"fileroot={tmp_path}",
+            "trial_name=tool-agent",
+            f"tiny_kit.cache_dir={kit_cache}",
+            "heartbeat_ttl=3",
+            f"total_train_steps={steps}",
+            f"rollout.agent_fn={AGENT}:run",
+            "eval.every_n_steps=0",
+            "eval.max_prompts=16",
+        ]
+    )
+    code, summary_path = run_experiment(cfg, timeout=900)
+    assert code == 0, f"trial failed (exit {code}); logs in {tmp_path}/logs"
+    with open(summary_path) as f:
+        summary = json.load(f)
+    assert summary["steps"] == steps and summary["trajectories"]["consumed"] == steps * 16
+    logs = os.path.join(tmp_path, "logs", "async-ppo-tiny", "tool-agent")
+    samples = [json.loads(line) for path in glob.glob(f"{logs}/samples/*.jsonl") for line in open(path)]
+    assert samples
+    sequences = [
+        (turns, sampled, total)
+        for s in samples
+        for turns, sampled, total in zip(s["turns"], s["sampled_lens"], s["completion_lens"])
+    ]
+    # every sequence trains on its sampled tokens only; a two-turn chain holds context (the re-asked question)
+    assert all(0 < sampled <= total for _, sampled, total in sequences)
+    assert all((sampled < total) == (turns == 2) for turns, sampled, total in sequences)
+    assert any(turns == 2 for turns, _, _ in sequences), sequences
+    log = open(os.path.join(logs, "rollout_worker-0.log")).read()
+    assert "prompts_stitched" in log
