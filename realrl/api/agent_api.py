@@ -196,6 +196,39 @@ class Agent(abc.ABC):
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def next_turn_prompt(
+        self, prompt_ids: list[int], output_ids: list[int], content: str, role: str = "user"
+    ) -> list[int]:
+        """The prompt of the turn after an answer, at the chat template's turn
+        boundaries (docs/custom_tasks.md, "The next turn"): the context and the
+        answer's tokens as sampled, the template's turn-end token if the answer
+        was cut by length, then the template's tokens for a new `role` message
+        with `content` up to the next generation prompt. Earlier tokens are
+        never re-encoded. A tokenizer without a chat template (or one that
+        cannot be continued so): the answer without its EOS, then `content`
+        encoded as text."""
+        from realrl.impl.openai_compat.rendering import ChatRenderer  # impl: only agents that use it load it
+
+        if "_turn_renderer" not in self.__dict__:
+            from realrl.impl.generation.eos import eos_token_ids_in_dir
+
+            path = self.settings.tokenizer_path
+            ends = set(eos_token_ids_in_dir(path, self.tokenizer)) if path else {self.tokenizer.eos_token_id}
+            ends |= set(self.settings.gconfig.stop_token_ids)
+            self._turn_renderer = ChatRenderer(self.tokenizer, ends)
+        renderer = self._turn_renderer
+        output = list(output_ids)
+        bridge = None
+        if getattr(self.tokenizer, "chat_template", None):
+            bridge = renderer.bridge([{"role": role, "content": content}], None, None)
+        if bridge is None:
+            while output and output[-1] in renderer.turn_end_ids:
+                output.pop()
+            return list(prompt_ids) + output + self.tokenizer.encode(content, add_special_tokens=False)
+        if not output or output[-1] != bridge.turn_end:
+            output.append(bridge.turn_end)  # cut by length: the turn still ends where the template ends it
+        return list(prompt_ids) + output + bridge.ids
+
     def pop_stats(self) -> dict[str, float]:
         """Counters since the last call (e.g. episodes, accuracy) for the
         rollout worker's log; agents without any return {}."""

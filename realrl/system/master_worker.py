@@ -263,6 +263,10 @@ class MasterWorker(AsyncWorker):
                 token_staleness[k] = token_staleness.get(k, 0) + n
         batch["token_staleness"] = dict(sorted(token_staleness.items(), key=lambda kv: int(kv[0])))
         batch["moved"] = sum(p["n_moved_out"] for p in parts)
+        batch["env"] = {}  # environment info numbers, summed over the step's trajectories
+        for p in parts:
+            for k, v in p.get("env", {}).items():
+                batch["env"][k] = batch["env"].get(k, 0.0) + v
         return batch
 
     async def _train_step(self) -> None:
@@ -311,6 +315,7 @@ class MasterWorker(AsyncWorker):
         if batch["scores"]:
             stats["rollout/accuracy"] = sum(x >= FULL_CREDIT for x in batch["scores"]) / len(batch["scores"])
         stats.update(summarize([float(x) for x in batch["gen_lens"]], "rollout/gen_len"))
+        stats.update({f"env/{k}": v for k, v in sorted(batch["env"].items())})
         stats.update(summarize(batch["generate_in_flight"], "rollout/generate_in_flight"))
         stats.update(summarize([float(x) for x in batch["staleness"]], "staleness"))
         stats.update(summarize([float(x) for x in batch["version_start"]], "rollout/version_start"))

@@ -113,6 +113,17 @@ def _sampled_lens(t: Trajectory) -> list[int]:
     return [n - p for n, p in zip(t.seq_lens, t.prompt_len)]
 
 
+def _env_sums(trajectories: list[Trajectory]) -> dict[str, float]:
+    """The environment `info` numbers the agents put in `metadata["env"]`, summed."""
+    sums: dict[str, float] = {}
+    for t in trajectories:
+        env = t.metadata.get("env")
+        for k, v in env.items() if isinstance(env, dict) else ():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                sums[str(k)] = sums.get(str(k), 0.0) + float(v)
+    return sums
+
+
 def _token_staleness(trajectories: list[Trajectory], current_version: int) -> dict[str, int]:
     """How many generated (sampled) tokens of `trajectories` have each
     staleness (`current_version` minus the weight version that generated the
@@ -408,6 +419,7 @@ class ModelWorker(Worker):
             "n_tokens": sum(t.n_tokens for t in mine),
             "n_moved_out": sum(len(v) for v in outgoing.values()),
             "token_staleness": _token_staleness(mine, current),
+            "env": _env_sums(mine),
         }
 
     def _exchange(self, outgoing: dict[int, list[Trajectory]], recv_from: dict[int, int]) -> list[Trajectory]:

@@ -86,6 +86,9 @@ def test_synchronous_ppo_mode_never_trains_stale_data(tmp_path, kit_cache):
     )
     assert summary["max_staleness_trained"] == 0
     assert all(s["staleness/max"] == 0 for s in stats if "staleness/max" in s)
+    # the math environment's info numbers, summed over each step's trajectories
+    train_steps = [s for s in stats if "train/n_seqs" in s]
+    assert len(train_steps) == 4 and all(s["env/n_answers"] == s["train/n_seqs"] for s in train_steps)
 
 
 def test_custom_plugin_example_trains(tmp_path, kit_cache):

@@ -400,3 +400,23 @@ def test_an_evaluation_whose_generator_fails_raises_instead_of_waiting(tokenizer
     prompts = [record(tokenizer, qid=f"q-{i}") for i in range(3)]
     with pytest.raises(RuntimeError, match="generation failed"):
         asyncio.run(asyncio.wait_for(evaluate_prompts(evaluating, lambda: make_env("math"), prompts, generator), 60))
+
+
+def test_the_next_turn_starts_at_the_chat_templates_turn_boundary(tmp_path, tokenizer_path):
+    from realrl.impl.tiny_model import build_kit_tokenizer
+
+    kit_path = str(tmp_path / "kit_tokenizer")
+    build_kit_tokenizer().save_pretrained(kit_path)
+    for path, template in ((kit_path, True), (tokenizer_path, False)):
+        agent = make_agent("single-step", AgentSettings(tokenizer_path=path))
+        tok, eos = agent.tokenizer, agent.tokenizer.eos_token_id
+        prompt, answer = tok.encode("Q: 1+2=?\nA:"), tok.encode("4?")
+        hint = tok.encode("Try again.\nA:")
+        if template:  # the kit's turn boundary is the EOS that ended the answer: kept, never re-encoded
+            assert agent.next_turn_prompt(prompt, answer + [eos], "Try again.\nA:") == prompt + answer + [eos] + hint
+            # an answer cut by length gets the turn end the template would have put there
+            assert agent.next_turn_prompt(prompt, answer, "Try again.\nA:") == prompt + answer + [eos] + hint
+            tool = agent.next_turn_prompt(prompt, answer + [eos], "3", role="tool")
+            assert tok.decode(tool[len(prompt) + len(answer) + 1 :]) == "<tool_response>3</tool_response>"
+        else:  # no chat template: no EOS mid-conversation
+            assert agent.next_turn_prompt(prompt, answer + [eos], "Try again.\nA:") == prompt + answer + hint

@@ -45,13 +45,14 @@ or > success_rate_ub.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 
 from realrl.api.agent_api import FULL_CREDIT, Agent, AgentSettings, PromptRecord, register_agent
 from realrl.api.env_api import EnvironmentService
 from realrl.api.generation_api import GenerationResult
 from realrl.api.trajectory import Trajectory
-from realrl.impl.agents.stats import AgentStats
+from realrl.impl.agents.stats import AgentStats, env_numbers
 
 DEFAULT_FEEDBACK = "\nWrong. Try again.\nA:"
 
@@ -99,19 +100,21 @@ class MathMultiTurnAgent(Agent):
             output.pop()
         return list(turn.result.prompt_ids) + output + self.feedback_ids
 
-    async def _score(self, env: EnvironmentService, turns: list[_Turn]) -> None:
+    async def _score(self, env: EnvironmentService, turns: list[_Turn], env_sums: collections.Counter) -> None:
         for t in turns:
             t.text = self.decode(t.result.output_ids[0])
         _, scores, _, _, info = await env.step([t.text for t in turns])
         for t, s in zip(turns, scores):
             t.score = float(s)
         self.stats.add_answers([t.score for t in turns], info)
+        env_sums.update(env_numbers(info))
 
     async def collect_trajectory(self, prompt: PromptRecord, env: EnvironmentService) -> list[Trajectory]:
         await env.reset(options={"prompt": prompt})
         first = await self.generate(prompt.prompt_ids)
         chains = [[_Turn(first.answer(i))] for i in range(first.group_size)]
-        await self._score(env, [chain[0] for chain in chains])
+        env_sums: collections.Counter = collections.Counter()  # numbers of env.step's info, over the episode
+        await self._score(env, [chain[0] for chain in chains], env_sums)
 
         budget = self.settings.gconfig.max_new_tokens
         for _ in range(1, self.num_turns):
@@ -128,7 +131,7 @@ class MathMultiTurnAgent(Agent):
             results = await asyncio.gather(*(self.generate(context, n=1) for context in contexts))
             for chain, result in zip(live, results):
                 chain.append(_Turn(result))
-            await self._score(env, [chain[-1] for chain in live])
+            await self._score(env, [chain[-1] for chain in live], env_sums)
 
         solved = [chain[-1].solved for chain in chains]
         solve_rate = sum(solved) / len(chains)
@@ -150,6 +153,7 @@ class MathMultiTurnAgent(Agent):
                     meta[key].append(value)
         first_turn_accuracy = sum(chain[0].solved for chain in chains) / len(chains)
         meta.update(solve_rate=solve_rate, first_turn_accuracy=first_turn_accuracy, solutions=list(prompt.solutions))
+        meta["env"] = dict(env_sums)
         return [
             Trajectory.from_results(
                 prompt, [t.result for t in turns], [t.score for t in turns], self.settings.rewards(credits), meta

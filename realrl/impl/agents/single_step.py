@@ -25,7 +25,7 @@ from __future__ import annotations
 from realrl.api.agent_api import FULL_CREDIT, Agent, AgentSettings, PromptRecord, register_agent
 from realrl.api.env_api import EnvironmentService
 from realrl.api.trajectory import Trajectory
-from realrl.impl.agents.stats import AgentStats
+from realrl.impl.agents.stats import AgentStats, env_numbers
 
 
 class SingleStepAgent(Agent):
@@ -50,6 +50,7 @@ class SingleStepAgent(Agent):
             self.stats.n_rejected += 1
             return []
         metadata = {"answers": answers, "accuracy": accuracy, "solutions": list(prompt.solutions)}
+        metadata["env"] = env_numbers(info)
         return [Trajectory.from_results(prompt, [result], scores, self.settings.rewards(scores), metadata)]
 
 

@@ -7,6 +7,15 @@ import collections
 from realrl.api.agent_api import FULL_CREDIT
 
 
+def env_numbers(info: dict | None) -> dict[str, float]:
+    """The numbers in an environment's `info` (bools and other values left
+    out). Agents sum them per episode into `Trajectory.metadata["env"]`; the
+    trainer logs each step's sums as `env/<key>` in stats.jsonl."""
+    return {
+        str(k): float(v) for k, v in (info or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
 class AgentStats:
     """Counters since the last `pop()`."""
 
@@ -24,9 +33,7 @@ class AgentStats:
         self.n_answers += len(scores)
         self.n_correct += sum(s >= FULL_CREDIT for s in scores)
         self.score_sum += sum(scores)
-        for k, v in (info or {}).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.env[k] += v
+        self.env.update(env_numbers(info))
 
     def add_episode(self, scores: list[float], info: dict | None = None) -> None:
         self.n_episodes += 1
