@@ -85,6 +85,7 @@ class RecordedSequence:
     prompt_len: int
     loss_mask: np.ndarray  # bool, one per completion token
     logprobs: np.ndarray  # float32, 0 on context tokens
+    sampling_logprobs: np.ndarray  # float32, under the distribution each token was drawn from; 0 on context tokens
     versions: np.ndarray  # int32, CONTEXT_VERSION on context tokens
     no_eos: bool  # its last turn ended by the length budget
     version_start: int
@@ -208,6 +209,7 @@ class EpisodeRecorder:
         n = len(input_ids) - prompt_len
         loss_mask = np.zeros(n, dtype=np.bool_)
         logprobs = np.zeros(n, dtype=np.float32)
+        sampling_logprobs = np.zeros(n, dtype=np.float32)
         versions = np.full(n, CONTEXT_VERSION, dtype=np.int32)
         for j in chain:
             turn = self.turns[j]
@@ -215,12 +217,15 @@ class EpisodeRecorder:
             span = slice(start, start + len(turn.output_ids))
             loss_mask[span] = True
             logprobs[span] = turn.result.output_logprobs[0]
+            filtered = turn.result.output_sampling_logprobs
+            sampling_logprobs[span] = turn.result.output_logprobs[0] if filtered is None else filtered[0]
             versions[span] = turn.result.output_versions[0]
         return RecordedSequence(
             input_ids=input_ids,
             prompt_len=prompt_len,
             loss_mask=loss_mask,
             logprobs=logprobs,
+            sampling_logprobs=sampling_logprobs,
             versions=versions,
             no_eos=bool(last.result.no_eos[0]),
             version_start=min(self.turns[j].result.version_start[0] for j in chain),
