@@ -119,7 +119,7 @@ class Trajectory:
                 no_eos.append(bool(result.no_eos[i]))
         if sampling and len(sampling) != len(input_ids):
             raise TrajectoryError(f"trajectory {prompt.qid}: some results record their sampling parameters, some not")
-        if all(a is b for a, b in zip(sampling_logprobs, logprobs)):
+        if all(a is b or np.array_equal(a, b) for a, b in zip(sampling_logprobs, logprobs)):
             sampling_logprobs = []  # nothing filtered: the same as the logprobs
         if len(scores) != len(input_ids) or len(rewards) != len(input_ids):
             raise TrajectoryError(
