@@ -533,7 +533,7 @@ class PartialRolloutManager:
                 if empty_aborts > MAX_EMPTY_ABORTS:
                     raise PartialRolloutError(
                         f"generation for qid {request.qid!r} (answer {index}): server {url} aborted "
-                        f"{empty_aborts} requests in a row without generating a token"
+                        f"{empty_aborts} requests in a row without generating a token" + _abort_message(response)
                     )
                 if empty_aborts:  # e.g. a weight update in progress: do not hammer the server
                     await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
@@ -669,6 +669,13 @@ def _per_server(picks: list[ScheduledServer], values: list[_T]) -> dict[str, lis
     for pick, value in zip(picks, values):
         out.setdefault(pick.url, []).append(value)
     return out
+
+
+def _abort_message(response: GenerateResult) -> str:
+    """The server's reason for an abort, if it gave one (SGLang: e.g. a request it refuses)."""
+    reason = response.meta_info.finish_reason if response.meta_info is not None else None
+    message = getattr(reason, "message", None)
+    return f" (the last: {message})" if message else ""
 
 
 def _parse_version(reported: str, fallback: int) -> int:

@@ -85,6 +85,7 @@ class Request:
     min_p: float
     stop_ids: frozenset[int]
     return_logprob: bool
+    return_sampling_mask: bool = False  # asked for SGLang's sampling logprobs (used when emulating it)
     lora_name: str | None = None  # the LoRA adapter named by `lora_path` (checked by the engine)
     reply: Callable[[Any], None] = field(repr=False, default=lambda result: None)
     output_ids: list[int] = field(default_factory=list)
@@ -144,9 +145,12 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
     return_logprob = _per_prompt("return_logprob", body.return_logprob, batched, n)
     rids = _per_prompt("rid", body.rid, batched, n)
     lora_names = _per_prompt("lora_path", body.lora_path, batched, n)
+    sampling_masks = _per_prompt("return_sampling_mask", body.return_sampling_mask, batched, n)
 
     requests = []
-    for prompt, params, want_logprob, rid, lora_name in zip(prompts, sampling, return_logprob, rids, lora_names):
+    for prompt, params, want_logprob, rid, lora_name, want_mask in zip(
+        prompts, sampling, return_logprob, rids, lora_names, sampling_masks
+    ):
         if not prompt:
             raise BodyError("every prompt must be a non-empty list of token ids", reason="empty")
         _check_vocabulary(prompt, "input_ids", limits.vocab_size)
@@ -175,6 +179,7 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
                 input_ids=list(prompt),
                 stop_ids=frozenset(stop_ids),
                 return_logprob=bool(want_logprob),
+                return_sampling_mask=bool(want_mask),
                 lora_name=lora_name or None,
                 **p,
             )
