@@ -86,9 +86,7 @@ def sample_tokens(
             pick_from[row, ids] = float("-inf")
             masked[row] = True
 
-    # The logprob under the distribution sampled from: the plain one, except
-    # where a filter or the ban changed that distribution.
-    sampling_logprobs = None
+    filtered_logprobs = None  # rows with a filter: the logprob under the kept tokens, renormalised
     if params.all_greedy:
         tokens = pick_from.argmax(dim=-1)
     else:
@@ -105,22 +103,25 @@ def sample_tokens(
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             choice = torch.multinomial(torch.softmax(sorted_logits, dim=-1), 1, generator=generator)
             sampled = sorted_idx.gather(1, choice).squeeze(1)
-            sampling_logprobs = torch.log_softmax(sorted_logits, dim=-1).gather(1, choice).squeeze(1)
+            filtered_logprobs = torch.log_softmax(sorted_logits, dim=-1).gather(1, choice).squeeze(1)
         else:
             sampled = torch.multinomial(torch.softmax(pick_from, dim=-1), 1, generator=generator).squeeze(1)
         if params.any_greedy:
             sampled = torch.where(temperature > 0, sampled, pick_from.argmax(dim=-1))
         tokens = sampled
     token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    if params.all_greedy:
+    if params.all_greedy:  # a point mass
         return tokens, token_logprobs, torch.zeros_like(token_logprobs)
-    if sampling_logprobs is None:
-        sampling_logprobs = token_logprobs
+    # The sampling logprob: the plain one (the same tensor: bit for bit) where
+    # nothing changed the distribution; the masked softmax's where only the
+    # ban did; the filtered one where a filter did (after the ban too); 0 for
+    # a greedy row.
+    sampling_logprobs = token_logprobs
     if bool(masked.any()):
-        # A banned row without a filter: its distribution is the masked softmax.
-        unfiltered = torch.log_softmax(pick_from, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        sampling_logprobs = torch.where(masked & ~params.filtered, unfiltered, sampling_logprobs)
-    sampling_logprobs = torch.where(params.filtered | masked, sampling_logprobs, token_logprobs)
+        banned_only = torch.log_softmax(pick_from, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        sampling_logprobs = torch.where(masked, banned_only, sampling_logprobs)
+    if filtered_logprobs is not None:
+        sampling_logprobs = torch.where(params.filtered, filtered_logprobs, sampling_logprobs)
     if params.any_greedy:
         sampling_logprobs = torch.where(temperature > 0, sampling_logprobs, torch.zeros_like(sampling_logprobs))
     return tokens, token_logprobs, sampling_logprobs
