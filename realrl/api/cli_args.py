@@ -26,7 +26,7 @@ import dataclasses
 import re
 from typing import Any
 
-from realrl.api.generation_api import GenerationHyperparameters
+from realrl.api.generation_api import GenerationHyperparameters, needs_sampling_logprobs
 from realrl.api.sglang_api import emulated_release
 from realrl.base.name_resolve import NameResolveConfig
 
@@ -629,6 +629,14 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         r.gconfig.validate("rollout.gconfig")
     except ValueError as e:
         raise ConfigError(_key_first(str(e))) from None
+    _check(
+        alloc.gen_backend != "sglang"
+        or r.gconfig.top_k > 0
+        or not needs_sampling_logprobs(r.gconfig.sampling_params()),
+        "rollout.gconfig.top_k",
+        "SGLang reports the logprobs of a filtered distribution (the decoupled loss's behaviour policy) only "
+        "with a finite top_k; set one with rollout.gconfig.top_p < 1 (e.g. rollout.gconfig.top_k=100)",
+    )
     _check(
         r.max_restarts >= 0,
         "rollout.max_restarts",

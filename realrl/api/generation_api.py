@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from realrl.api.sglang_api import SamplingParams
+from realrl.api.trajectory import Sampling
 
 # Bounds on SGLang-named sampling parameters (docs/design.md §6), shared by
 # `GenerationHyperparameters.validate` and the torch server's request check.
@@ -93,6 +94,16 @@ def check_sampling_params(params: Mapping[str, Any], prefix: str = "") -> None:
             fail("stop_token_ids", "must hold non-negative token ids")
 
 
+def needs_sampling_logprobs(params: SamplingParams) -> bool:
+    """Whether a request's tokens are drawn from a filtered distribution
+    (top-p < 1, a top-k, or min-p > 0, when not greedy), so that their
+    sampling logprobs differ from the unfiltered ones (docs/design.md §6)."""
+    if params.temperature is not None and params.temperature == 0:
+        return False
+    top_k = params.top_k if params.top_k is not None else -1
+    return (params.top_p is not None and params.top_p < 1) or top_k > 0 or bool(params.min_p)
+
+
 @dataclasses.dataclass
 class GenerationHyperparameters:
     """Sampling parameters of one generation request (SGLang's names, docs/design.md §6)."""
@@ -131,6 +142,10 @@ class GenerationHyperparameters:
         if self.max_new_tokens == 0:
             raise SamplingParamError(f"{prefix}.max_new_tokens must be positive, got 0")
 
+    def sampling(self) -> Sampling:
+        """What a sequence generated with these parameters records (docs/design.md §5)."""
+        return Sampling(temperature=0.0 if self.greedy else self.temperature, top_p=self.top_p, top_k=self.top_k)
+
     def sampling_params(self, max_new_tokens: int | None = None) -> SamplingParams:
         """SGLang-native `sampling_params` (docs/design.md §6)."""
         return SamplingParams(
@@ -153,7 +168,11 @@ class GenerationRequest:
 
 @dataclasses.dataclass
 class GenerationResult:
-    """`group_size` answers to one request; lists are per answer."""
+    """`group_size` answers to one request; lists are per answer.
+    `output_logprobs` are the unfiltered logprobs (what the trainer
+    recomputes), `output_sampling_logprobs` those under the distribution each
+    token was drawn from (None: the same as `output_logprobs`), `sampling`
+    the parameters every answer was drawn with (None: not known)."""
 
     qid: str
     prompt_ids: list[int]
@@ -163,6 +182,8 @@ class GenerationResult:
     no_eos: list[bool]  # stopped by length (or never finished), not by eos/stop
     version_start: list[int]
     version_end: list[int]
+    output_sampling_logprobs: list[list[float]] | None = None
+    sampling: Sampling | None = None
 
     @property
     def group_size(self) -> int:
@@ -179,4 +200,6 @@ class GenerationResult:
             [self.no_eos[i]],
             [self.version_start[i]],
             [self.version_end[i]],
+            None if self.output_sampling_logprobs is None else [self.output_sampling_logprobs[i]],
+            self.sampling,
         )

@@ -81,6 +81,10 @@ class GenerateRequest:
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParams | list[SamplingParams | None] | None = None
     return_logprob: bool | list[bool | None] | None = None
+    # SGLang 0.5.16+: also report each token's logprob under the filtered distribution it was drawn from
+    # (`output_token_sampling_logprobs`; SGLang refuses it without a finite top_k). The torch server
+    # reports it with every `return_logprob` and ignores this flag.
+    return_sampling_mask: bool | list[bool | None] | None = None
     rid: str | list[str | None] | None = None  # the request id (/abort_request); the server makes one if absent
     # The LoRA adapter to generate with, by the name it was loaded under (null: the base model); one for
     # every prompt or one per prompt. The torch server serves one adapter at a time (docs/design.md §8).
@@ -117,6 +121,10 @@ class MetaInfo:
     e2e_latency: float | None = None  # seconds
     # With return_logprob: (logprob, token id, token text or null) per output token.
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    # Per output token, its logprob under the distribution it was sampled from (after temperature,
+    # top-k, top-p, min-p; renormalised; 0 for greedy): the torch server with return_logprob,
+    # SGLang 0.5.16+ with return_sampling_mask (docs/design.md §6).
+    output_token_sampling_logprobs: list[float] | None = None
 
 
 @dataclasses.dataclass

@@ -9,7 +9,11 @@ optimises), `no_eos` (truncated), and optionally `scores`: the task's raw score
 per sequence before reward shaping (1.0 = full credit; accuracy and the
 success-rate filter read it), and optionally `loss_mask`: per completion token
 whether the policy sampled it (a multi-turn sequence holds tool outputs and
-user turns between its sampled spans). `Trajectory.from_results` builds one from
+user turns between its sampled spans), and optionally `sampling_logprobs` (per
+completion token, its logprob under the filtered distribution it was drawn from,
+when that differs from `logprobs`) and `sampling` (the `Sampling` parameters each
+sequence was drawn with; the trainer recomputes logprobs at its temperature).
+`Trajectory.from_results` builds one from
 generation results. `to_wire()` packs the sequences into a few flat arrays for the
 wire format (realrl.base.wire); `from_wire()` validates everything a peer sent
 that the schema alone can judge, and `check_token_ids(vocab_size)` what only the
@@ -30,6 +34,33 @@ class TrajectoryError(ValueError):
     """A trajectory that breaks the schema (and what is wrong with it)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The sampling parameters one sequence was generated with (SGLang's names)."""
+
+    temperature: float  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature its logprobs are taken at: a greedy sequence's are plain `log_softmax(logits)`."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    def as_row(self) -> list[float]:
+        return [float(self.temperature), float(self.top_p), float(self.top_k), float(self.min_p)]
+
+    @classmethod
+    def from_row(cls, row) -> Sampling:
+        temperature, top_p, top_k, min_p = (float(x) for x in row)
+        if not all(math.isfinite(x) for x in (temperature, top_p, top_k, min_p)) or temperature < 0:
+            raise TrajectoryError(f"impossible sampling parameters {list(row)}")
+        if top_k != int(top_k):
+            raise TrajectoryError(f"sampling top_k must be an integer, got {top_k}")
+        return cls(temperature, top_p, int(top_k), min_p)
+
+
 @dataclasses.dataclass
 class Trajectory:
     qid: str
@@ -48,6 +79,11 @@ class Trajectory:
     # empty (every completion token was sampled), or per sequence one bool per completion token:
     # True = sampled by the policy (trained), False = context inside the completion
     loss_mask: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # empty (the same as `logprobs`: nothing was filtered), or per sequence one float32 per completion token:
+    # the logprob under the distribution the token was drawn from (after top-k/top-p/min-p, renormalised)
+    sampling_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # empty (the run's sampling parameters), or per sequence the parameters it was drawn with
+    sampling: list[Sampling] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_results(
@@ -62,17 +98,29 @@ class Trajectory:
         order: the result's `prompt_ids` (the whole context the answer was
         generated from) + the answer, with its logprobs and weight versions.
         `prompt` is the episode's PromptRecord (for qid and task); `scores` and
-        `rewards` give one value per sequence."""
+        `rewards` give one value per sequence. Sampling logprobs and
+        parameters are kept where the results have them (all or none)."""
         input_ids, prompt_len, logprobs, versions, start, end, no_eos = [], [], [], [], [], [], []
+        sampling_logprobs, sampling = [], []
         for result in results:
             for i in range(result.group_size):
                 input_ids.append(np.asarray(list(result.prompt_ids) + list(result.output_ids[i]), dtype=np.int32))
                 prompt_len.append(len(result.prompt_ids))
                 logprobs.append(np.asarray(result.output_logprobs[i], dtype=np.float32))
+                filtered = getattr(result, "output_sampling_logprobs", None)
+                sampling_logprobs.append(
+                    logprobs[-1] if filtered is None else np.asarray(filtered[i], dtype=np.float32)
+                )
+                if getattr(result, "sampling", None) is not None:
+                    sampling.append(result.sampling)
                 versions.append(np.asarray(result.output_versions[i], dtype=np.int32))
                 start.append(int(result.version_start[i]))
                 end.append(int(result.version_end[i]))
                 no_eos.append(bool(result.no_eos[i]))
+        if sampling and len(sampling) != len(input_ids):
+            raise TrajectoryError(f"trajectory {prompt.qid}: some results record their sampling parameters, some not")
+        if all(a is b or np.array_equal(a, b) for a, b in zip(sampling_logprobs, logprobs)):
+            sampling_logprobs = []  # nothing filtered: the same as the logprobs
         if len(scores) != len(input_ids) or len(rewards) != len(input_ids):
             raise TrajectoryError(
                 f"trajectory {prompt.qid}: {len(input_ids)} sequences but {len(scores)} scores "
@@ -92,6 +140,8 @@ class Trajectory:
             no_eos=no_eos,
             scores=[float(s) for s in scores],
             metadata=dict(metadata or {}),
+            sampling_logprobs=sampling_logprobs,
+            sampling=sampling,
         ).validate()
 
     @property
@@ -105,6 +155,10 @@ class Trajectory:
     @property
     def n_tokens(self) -> int:
         return sum(self.seq_lens)
+
+    def behaviour_logprobs(self, i: int) -> np.ndarray:
+        """Sequence i's logprobs under the distributions its tokens were drawn from."""
+        return self.sampling_logprobs[i] if self.sampling_logprobs else self.logprobs[i]
 
     @property
     def min_version_start(self) -> int:
@@ -124,10 +178,12 @@ class Trajectory:
             raise TrajectoryError(f"trajectory {self.qid}: scores has {len(self.scores)} entries for {n} sequences")
         if not all(math.isfinite(x) for x in self.scores):
             raise TrajectoryError(f"trajectory {self.qid}: non-finite score")
-        if self.loss_mask and len(self.loss_mask) != n:
-            raise TrajectoryError(
-                f"trajectory {self.qid}: loss_mask has {len(self.loss_mask)} entries for {n} sequences"
-            )
+        for name in ("loss_mask", "sampling_logprobs", "sampling"):
+            values = getattr(self, name)
+            if values and len(values) != n:
+                raise TrajectoryError(f"trajectory {self.qid}: {name} has {len(values)} entries for {n} sequences")
+        if not all(isinstance(s, Sampling) for s in self.sampling):
+            raise TrajectoryError(f"trajectory {self.qid}: sampling must hold Sampling records")
         per_seq = dict(
             prompt_len=self.prompt_len,
             logprobs=self.logprobs,
@@ -152,6 +208,8 @@ class Trajectory:
             per_token = [("logprobs", self.logprobs[i], np.float32), ("versions", self.versions[i], np.int32)]
             if self.loss_mask:
                 per_token.append(("loss_mask", self.loss_mask[i], np.bool_))
+            if self.sampling_logprobs:
+                per_token.append(("sampling_logprobs", self.sampling_logprobs[i], np.float32))
             for name, arr, dtype in per_token:
                 if arr.ndim != 1 or arr.dtype != dtype or len(arr) != n_gen:
                     raise TrajectoryError(
@@ -160,6 +218,8 @@ class Trajectory:
                     )
             if n_gen and not np.all(np.isfinite(self.logprobs[i])):
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite logprobs")
+            if n_gen and self.sampling_logprobs and not np.all(np.isfinite(self.sampling_logprobs[i])):
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite sampling_logprobs")
             if self.version_start[i] > self.version_end[i]:
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: version_start > version_end")
             if not math.isfinite(self.reward[i]):
@@ -205,6 +265,8 @@ class Trajectory:
             "scores": np.asarray(self.scores, dtype=np.float32),
             "metadata": self.metadata,
             "loss_mask": _concat(self.loss_mask, np.bool_),
+            "sampling_logprobs": _concat(self.sampling_logprobs, np.float32),
+            "sampling": np.asarray([s.as_row() for s in self.sampling], dtype=np.float64).reshape(-1),
         }
 
     @staticmethod
@@ -229,6 +291,13 @@ class Trajectory:
             loss_mask = []
             if len(msg.get("loss_mask", ())):
                 loss_mask = np.split(_array(msg, "loss_mask", np.bool_, len(logprobs)), gen_ends)
+            sampling_logprobs = []
+            if len(msg.get("sampling_logprobs", ())):
+                sampling_logprobs = np.split(_array(msg, "sampling_logprobs", np.float32, len(logprobs)), gen_ends)
+            sampling = []
+            if len(msg.get("sampling", ())):
+                rows = _array(msg, "sampling", np.float64, 4 * n).reshape(n, 4)
+                sampling = [Sampling.from_row(row) for row in rows]
             meta = msg.get("metadata") or {}
             if not isinstance(meta, dict):
                 raise TrajectoryError("metadata must be a dict")
@@ -249,6 +318,8 @@ class Trajectory:
                 else [],
                 metadata=meta,
                 loss_mask=loss_mask,
+                sampling_logprobs=sampling_logprobs,
+                sampling=sampling,
             )
         except KeyError as e:
             raise TrajectoryError(f"trajectory message lacks field {e}") from None

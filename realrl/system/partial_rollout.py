@@ -26,8 +26,10 @@ all answers concurrently:
    `max_new_tokens = min(new_tokens_per_chunk, remaining budget)` and
    `min_new_tokens` reduced by what is already generated, `return_logprob`
    (a LoRA run: `lora_path`, the adapter name of the scheduled version);
-3. append the new tokens with their logprobs and with the `weight_version` the
-   server reported for that response (the weights that produced them);
+3. append the new tokens with their logprobs, their sampling logprobs (under
+   the filtered distribution they were drawn from; the logprobs themselves
+   when nothing filters) and with the `weight_version` the server reported
+   for that response (the weights that produced them);
 4. `/release_request`, then stop when the answer is finished: `stop`, or its
    last token is EOS (`eos_token_ids`) or a stop token, at or past
    `min_new_tokens`, whatever finish_reason says (SGLang checks the length
@@ -74,7 +76,12 @@ import dataclasses
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
+from realrl.api.generation_api import (
+    GenerationHyperparameters,
+    GenerationRequest,
+    GenerationResult,
+    needs_sampling_logprobs,
+)
 from realrl.api.manager_api import (
     ScheduledServer,
     ScheduleReply,
@@ -115,6 +122,7 @@ class _Answer:
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    sampling_logprobs: list[float] = dataclasses.field(default_factory=list)  # under the filtered distribution
     versions: list[int] = dataclasses.field(default_factory=list)
     scheduled_version: int | None = None  # the manager's version when first scheduled
     no_eos: bool = True
@@ -237,6 +245,8 @@ class PartialRolloutManager:
             no_eos=[a.no_eos for a in answers],
             version_start=[a.versions[0] if a.versions else a.scheduled_version for a in answers],
             version_end=[a.versions[-1] if a.versions else a.scheduled_version for a in answers],
+            output_sampling_logprobs=[a.sampling_logprobs for a in answers],
+            sampling=request.gconfig.sampling(),
         )
 
     async def _generate_group(self, request: GenerationRequest) -> list[_Answer | _Resume]:
@@ -303,7 +313,7 @@ class PartialRolloutManager:
             versions, new_tokens, still = set(), 0, []
             for i, response in zip(live, outcome):
                 version = _parse_version(response.weight_version, scheduled_version)
-                new_tokens += self._append(answers[i], response, version, request.qid, url)
+                new_tokens += self._append(answers[i], response, version, request.qid, url, request.gconfig)
                 if self._take(answers[i], response, request, url):
                     out[i] = answers[i]
                 else:
@@ -513,7 +523,7 @@ class PartialRolloutManager:
             last_error = last_server_error = ""
 
             version = _parse_version(response.weight_version, scheduled_version)
-            n_new = self._append(answer, response, version, request.qid, url)
+            n_new = self._append(answer, response, version, request.qid, url, gconfig)
             # Sticky next time: this server, as long as it still holds these weights.
             previous_url, previous_version = url, version
             if self._take(answer, response, request, url):
@@ -523,7 +533,7 @@ class PartialRolloutManager:
                 if empty_aborts > MAX_EMPTY_ABORTS:
                     raise PartialRolloutError(
                         f"generation for qid {request.qid!r} (answer {index}): server {url} aborted "
-                        f"{empty_aborts} requests in a row without generating a token"
+                        f"{empty_aborts} requests in a row without generating a token" + _abort_message(response)
                     )
                 if empty_aborts:  # e.g. a weight update in progress: do not hammer the server
                     await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
@@ -536,15 +546,39 @@ class PartialRolloutManager:
         last = answer.output_ids[-1]
         return last in self.eos_token_ids or last in gconfig.stop_token_ids
 
-    def _append(self, answer: _Answer, response: GenerateResult, version: int, qid: str, url: str) -> int:
-        """Appends a response's tokens (exactly once) with their logprobs and version."""
+    def _append(
+        self,
+        answer: _Answer,
+        response: GenerateResult,
+        version: int,
+        qid: str,
+        url: str,
+        gconfig: GenerationHyperparameters,
+    ) -> int:
+        """Appends a response's tokens (exactly once) with their logprobs,
+        sampling logprobs and version."""
         n = len(response.output_ids)
         if len(response.output_logprobs) != n:
             raise PartialRolloutError(
                 f"server {url} returned {n} tokens but {len(response.output_logprobs)} logprobs for qid {qid!r}"
             )
+        sampling_logprobs = response.output_sampling_logprobs
+        if sampling_logprobs is None:
+            # Only a request whose sampling filters asks for them (the client): without filters
+            # the tokens were drawn from the distribution the plain logprobs are of.
+            if n and needs_sampling_logprobs(gconfig.sampling_params()):
+                raise PartialRolloutError(
+                    f"server {url} reported no sampling logprobs (output_token_sampling_logprobs) for qid {qid!r}, "
+                    "though its sampling filters (SGLang >= 0.5.16 reports them with return_sampling_mask)"
+                )
+            sampling_logprobs = response.output_logprobs
+        if len(sampling_logprobs) != n:
+            raise PartialRolloutError(
+                f"server {url} returned {n} tokens but {len(sampling_logprobs)} sampling logprobs for qid {qid!r}"
+            )
         answer.output_ids.extend(response.output_ids)
         answer.logprobs.extend(response.output_logprobs)
+        answer.sampling_logprobs.extend(sampling_logprobs)
         answer.versions.extend([version] * n)
         self.stats.generated_tokens += n
         return n
@@ -635,6 +669,13 @@ def _per_server(picks: list[ScheduledServer], values: list[_T]) -> dict[str, lis
     for pick, value in zip(picks, values):
         out.setdefault(pick.url, []).append(value)
     return out
+
+
+def _abort_message(response: GenerateResult) -> str:
+    """The server's reason for an abort, if it gave one (SGLang: e.g. a request it refuses)."""
+    reason = response.meta_info.finish_reason if response.meta_info is not None else None
+    message = getattr(reason, "message", None)
+    return f" (the last: {message})" if message else ""
 
 
 def _parse_version(reported: str, fallback: int) -> int:

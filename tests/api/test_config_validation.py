@@ -89,6 +89,17 @@ def test_validate_names_the_key_first(tmp_path, override, key):
     assert "\n" not in str(e.value)
 
 
+def test_sglang_sampling_with_top_p_needs_a_top_k(tmp_path):
+    """SGLang reports sampling logprobs (`return_sampling_mask`) only with a
+    finite top_k: a nucleus without one is refused before anything starts."""
+    sglang = "allocation_mode=sglang.d1p1m1+d1p1m1"
+    with pytest.raises(ConfigError, match="^rollout.gconfig.top_k: SGLang reports the logprobs of a filtered"):
+        validate(config(tmp_path, sglang, "rollout.gconfig.top_p=0.9"))
+    validate(config(tmp_path, sglang, "rollout.gconfig.top_p=0.9", "rollout.gconfig.top_k=100"))
+    validate(config(tmp_path, sglang, "rollout.gconfig.top_p=1.0"))
+    validate(config(tmp_path, "rollout.gconfig.top_p=0.9"))  # the torch server always reports them
+
+
 @pytest.mark.parametrize("value", ["1", "0.5", "1.0"])
 def test_valid_edges_pass(tmp_path, value):
     validate(config(tmp_path, f"server.sglang.mem_fraction_static={value}", "optimizer.beta1=0", "eval.max_prompts=0"))

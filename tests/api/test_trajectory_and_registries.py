@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from realrl.api.agent_api import AGENTS, register_agent
-from realrl.api.trajectory import Trajectory, TrajectoryError
+from realrl.api.trajectory import Sampling, Trajectory, TrajectoryError
+from realrl.base import wire
 from realrl.base.registry import Registry
 
 
@@ -38,6 +39,44 @@ def test_wire_round_trip_is_exact():
         assert a.dtype == b.dtype and np.array_equal(a, b)
     assert back.reward == t.reward and back.no_eos == t.no_eos and back.n_tokens == t.n_tokens
     assert back.min_version_start == 1 and back.group_size == 3
+
+
+def with_sampling(t: Trajectory) -> Trajectory:
+    """Sampling logprobs above the logprobs (mass was cut), one temperature per sequence."""
+    t.sampling_logprobs = [lp / 2 for lp in t.logprobs]
+    t.sampling = [Sampling(0.7, top_p=0.5), Sampling(1.0), Sampling(0.0, top_k=40, min_p=0.1)][: t.group_size]
+    return t.validate()
+
+
+def test_sampling_logprobs_and_parameters_cross_the_wire_exactly():
+    t = with_sampling(make_traj())
+    back = Trajectory.from_wire(wire.decode(wire.encode(t.to_wire())))
+    assert back.sampling == t.sampling  # temperatures exactly as sent (float64 on the wire)
+    assert back.sampling[0].temperature == 0.7 and back.sampling[2].logprob_temperature == 1.0
+    for a, b in zip(t.sampling_logprobs, back.sampling_logprobs):
+        assert a.dtype == b.dtype == np.float32 and np.array_equal(a, b)
+    assert np.array_equal(back.behaviour_logprobs(1), t.sampling_logprobs[1])
+    plain = Trajectory.from_wire(make_traj().to_wire())  # recorded by neither: empty, logprobs stand in
+    assert plain.sampling == [] and plain.sampling_logprobs == []
+    assert np.array_equal(plain.behaviour_logprobs(1), plain.logprobs[1])
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda w: w.update(sampling_logprobs=w["sampling_logprobs"][:-1]), "sampling_logprobs"),
+        (lambda w: w.update(sampling=w["sampling"][:-1]), "sampling"),
+        (lambda w: w.update(sampling=w["sampling"].astype(np.float32)), "float64"),
+        (lambda w: w["sampling"].__setitem__(0, -1.0), "impossible sampling"),
+        (lambda w: w["sampling"].__setitem__(2, 2.5), "top_k"),
+        (lambda w: w["sampling_logprobs"].__setitem__(0, np.inf), "non-finite sampling_logprobs"),
+    ],
+)
+def test_malformed_sampling_fields_are_rejected(mutate, message):
+    w = with_sampling(make_traj()).to_wire()
+    mutate(w)
+    with pytest.raises(TrajectoryError, match=message):
+        Trajectory.from_wire(w)
 
 
 @pytest.mark.parametrize(

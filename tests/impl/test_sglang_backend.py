@@ -85,7 +85,10 @@ def test_sglang_command_for_a_full_config():
         "--enable-metrics": True,
     }
     # /health without a generation, which would wait behind weight updates
-    assert SGLangBackend().env(config) == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+    assert SGLangBackend().env(config) == {
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "false",
+    }
 
 
 def test_sglang_command_leaves_unset_options_to_sglang():

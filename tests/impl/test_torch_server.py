@@ -107,6 +107,36 @@ def test_logprobs_are_taken_before_top_k_top_p(shared_server, reference_model):
     assert all(tok in top3[i].tolist() for i, tok in enumerate(res.output_ids))
 
 
+def test_the_server_reports_the_logprob_of_the_distribution_it_sampled(shared_server, reference_model):
+    """Beside the unfiltered logprob, each token's logprob under the
+    distribution it was drawn from: softmax(logits / T) cut to the top-k /
+    top-p tokens and renormalised; the unfiltered one, bit for bit, without
+    filters; 0 for greedy tokens (docs/design.md §6)."""
+    temperature, prompt = 0.8, PROMPTS[2]
+    filtered = {"max_new_tokens": 30, "temperature": temperature, "top_k": 3, "top_p": 0.9, "ignore_eos": True}
+    plain = {"max_new_tokens": 30, "temperature": temperature, "ignore_eos": True}
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+    async def go(client):
+        return await asyncio.gather(*(client.generate(shared_server.url, prompt, p) for p in (filtered, plain, greedy)))
+
+    res, unfiltered, argmax = run(_with_client(go))
+    ids = torch.tensor([prompt + res.output_ids])
+    with torch.no_grad():
+        logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    probs, order = torch.softmax(logits, -1).sort(dim=-1, descending=True)
+    keep = (torch.arange(probs.shape[1]) < 3) & (probs.cumsum(-1) - probs <= 0.9)
+    kept_logits = torch.where(keep, logits.gather(1, order), torch.tensor(float("-inf")))
+    token = torch.tensor(res.output_ids)
+    rank = (order == token[:, None]).int().argmax(-1)
+    expected = torch.log_softmax(kept_logits, -1).gather(1, rank[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(res.output_sampling_logprobs), expected, atol=1e-4, rtol=0)
+    assert all(s > lp for s, lp in zip(res.output_sampling_logprobs, res.output_logprobs))  # mass was cut
+    assert len(unfiltered.output_sampling_logprobs) == 30
+    assert unfiltered.output_sampling_logprobs == unfiltered.output_logprobs
+    assert argmax.output_sampling_logprobs == [0.0] * 8
+
+
 def test_greedy_equals_hf_generate(shared_server, reference_model):
     max_new = 40
 

@@ -15,13 +15,14 @@ import os
 import time
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 
 from realrl.api.agent_api import AgentSettings
 from realrl.api.cli_args import AgentConfig
 from realrl.api.system_api import RolloutWorkerConfig
-from realrl.api.trajectory import Trajectory
+from realrl.api.trajectory import Sampling, Trajectory
 from realrl.base import names
 from realrl.impl.math_data import load_math_jsonl, write_jsonl
 from realrl.impl.tiny_model import build_tiny_model
@@ -52,10 +53,10 @@ def dataset(tiny_kit, tmp_path_factory) -> str:
     return path
 
 
-def rollout_group(tiny_kit, dataset: str, count: int, agent: str = "single-step", **kwargs) -> list:
+def rollout_group(tiny_kit, dataset: str, count: int, agent: str = "single-step", top_p: float = 1.0, **kwargs) -> list:
     from realrl.launcher.local import WorkerGroup
 
-    gconfig = {"max_new_tokens": 6, "temperature": 1.0}
+    gconfig = {"max_new_tokens": 6, "temperature": 1.0, "top_p": top_p}
     config = RolloutWorkerConfig(
         dataset_path=dataset,
         tokenizer_path=tiny_kit["model_dir"],
@@ -94,7 +95,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
             max_concurrent_rollouts=16,
             weights_dir=str(weights_dir),
         ),
-        rollout_group(tiny_kit, dataset, 2, max_concurrent_rollouts=3, sample_log_every=2),
+        rollout_group(tiny_kit, dataset, 2, top_p=0.9, max_concurrent_rollouts=3, sample_log_every=2),
     ]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     puller = None
@@ -124,6 +125,11 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
             assert traj.group_size == 2 and traj.qid.rsplit("@", 1)[1] in ("0", "1")
             assert all(v == 0 for v in traj.version_start + traj.version_end)
             assert all(len(ids) - plen <= 6 for ids, plen in zip(traj.input_ids, traj.prompt_len))
+            # what each answer was sampled with, and its logprobs under the nucleus it was drawn from
+            assert traj.sampling == [Sampling(1.0, top_p=0.9)] * 2
+            for lp, slp in zip(traj.logprobs, traj.sampling_logprobs):
+                assert len(slp) == len(lp) and np.all(slp >= lp - 1e-6)
+        assert any(np.any(s > lp) for t in first for s, lp in zip(t.sampling_logprobs, t.logprobs))
 
         # The trainer publishes version 1: the manager loads it on the server
         # and admits exactly one more batch.

@@ -54,6 +54,8 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from realrl.api.agent_api import FULL_CREDIT, Agent, AgentSettings, PromptRecord, register_agent
 from realrl.api.env_api import EnvironmentService
 from realrl.api.generation_api import GenerationHyperparameters, GenerationResult
@@ -252,6 +254,10 @@ def chains_trajectory(
 ) -> Trajectory:
     """One trajectory of recorded chains: per sequence its tokens, loss mask,
     logprobs and versions as the recorder laid them out (docs/design.md §5)."""
+    sampling_logprobs = [s.sampling_logprobs for s in sequences]
+    if all(np.array_equal(a, s.logprobs) for a, s in zip(sampling_logprobs, sequences)):
+        sampling_logprobs = []  # nothing filtered: the same as the logprobs
+    sampling = [s.sampling for s in sequences]
     return Trajectory(
         qid=prompt.qid,
         task=prompt.task,
@@ -267,6 +273,8 @@ def chains_trajectory(
         scores=[float(x) for x in scores],
         metadata=metadata,
         loss_mask=[s.loss_mask for s in sequences],
+        sampling_logprobs=sampling_logprobs,
+        sampling=sampling if all(x is not None for x in sampling) else [],
     ).validate()
 
 

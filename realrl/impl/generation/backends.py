@@ -66,6 +66,21 @@ Paths below are under `sglang/srt/`, line numbers of the version named.
   every request, waiting ones included, until none is left (v0.5.16
   `tokenizer_manager.py:1729-1743`).
 - The length limit is checked before EOS (`length_before_eos`, §6).
+- Logprobs (v0.5.16 `layers/sampler.py:95-230`): `output_token_logprobs` is
+  `log(softmax(logits / T))` of the token, before top-k/top-p/min-p, unless
+  `SGLANG_RETURN_ORIGINAL_LOGPROB` is set (then before the temperature; we
+  launch with it false). Penalizers, `min_new_tokens` among them, change the
+  logits before the sampler (`model_executor/model_runner.py:1475-1483`,
+  `sampling/penaltylib/min_new_tokens.py`), so both logprobs below see its
+  ban. `return_sampling_mask` (`managers/io_struct.py:208`) adds
+  `output_token_sampling_logprobs`: log(p_T(token) / the mass the filters
+  keep), the logprob under the distribution the token was drawn from
+  (`sampler.py:281-393`), 0.0 for a greedy token (`:310-327`). A request with
+  it and no finite `top_k` is aborted (`managers/scheduler.py:2225-2234`:
+  the support mask it returns too would be unbounded), as is one under
+  speculative decoding. The client asks for it only when the sampling filters
+  (`needs_sampling_logprobs`); realrl refuses a filtering `gconfig` without a
+  `top_k` on this backend before anything starts.
 
 The torch server reproduces these behaviours for tests
 (`server.torch.emulate_sglang`, `realrl.impl.generation.torch_server.sglang_compat`).
@@ -216,8 +231,9 @@ class SGLangBackend(GenerationBackend):
 
     def env(self, config: GenerationServerConfig) -> dict[str, str]:
         # /health answers without a generation, so it does not wait behind a
-        # weight update (see the module docstring).
-        return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+        # weight update; the logprobs are those after temperature scaling,
+        # which the trainer reproduces (see the module docstring).
+        return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 
     def command(self, config: GenerationServerConfig, host: str, port: int, base_gpu_id: int = 0) -> list[str]:
         sg = config.sglang

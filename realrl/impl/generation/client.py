@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from realrl.api.generation_api import needs_sampling_logprobs
 from realrl.api.sglang_api import (
     AbortRequest,
     ContinueGenerationRequest,
@@ -81,8 +82,10 @@ class GenerationServerUnavailable(ConnectionError):
 
 @dataclass
 class GenerateResult:
-    """One completion. `output_logprobs[i]` is the behaviour logprob of
-    `output_ids[i]` (empty if logprobs were not requested)."""
+    """One completion. `output_logprobs[i]` is the unfiltered logprob of
+    `output_ids[i]` (empty if logprobs were not requested),
+    `output_sampling_logprobs[i]` its logprob under the distribution it was
+    drawn from (None: the server did not report them; docs/design.md §6)."""
 
     output_ids: list[int]
     output_logprobs: list[float]
@@ -93,6 +96,7 @@ class GenerateResult:
     rid: str | None = None
     matched_stop: int | None = None
     meta_info: MetaInfo = field(default_factory=MetaInfo, repr=False)
+    output_sampling_logprobs: list[float] | None = None
 
     @property
     def aborted(self) -> bool:
@@ -124,6 +128,7 @@ class GenerateResult:
             rid=meta.id,
             matched_stop=matched if isinstance(matched, int) else None,
             meta_info=meta,
+            output_sampling_logprobs=meta.output_token_sampling_logprobs,
         )
 
 
@@ -171,6 +176,12 @@ T = TypeVar("T")
 def _sampling_params(params: SamplingParams | Mapping[str, Any]) -> SamplingParams:
     # A dict key that is no field of SamplingParams raises TypeError here, in the caller.
     return params if isinstance(params, SamplingParams) else SamplingParams(**params)
+
+
+def _sampling_mask(return_logprob: bool, params: list[SamplingParams]) -> bool | None:
+    """`return_sampling_mask` of a request: asked only where some prompt's
+    sampling filters (SGLang refuses it without a finite top_k)."""
+    return True if return_logprob and any(needs_sampling_logprobs(p) for p in params) else None
 
 
 def _read(cls: type[T], body: Any, url: str, route: str) -> T:
@@ -263,11 +274,15 @@ class GenerationClient:
         timeout_s: float | None = None,
         lora_path: str | None = None,
     ) -> GenerateResult:
-        """`lora_path`: the name of the LoRA adapter to generate with (None: the base model)."""
+        """`lora_path`: the name of the LoRA adapter to generate with (None:
+        the base model). With `return_logprob` and filtered sampling, also
+        asks for the sampling logprobs (`return_sampling_mask`)."""
+        params = _sampling_params(sampling_params)
         request = GenerateRequest(
             input_ids=list(input_ids),
-            sampling_params=_sampling_params(sampling_params),
+            sampling_params=params,
             return_logprob=return_logprob,
+            return_sampling_mask=_sampling_mask(return_logprob, [params]),
             rid=rid,
             lora_path=lora_path,
         )
@@ -288,15 +303,17 @@ class GenerationClient:
         per prompt, in order; the response comes when every prompt is done.
         `sampling_params` and `lora_path` (an adapter name): one for all, or
         one per prompt."""
+        params = (
+            [_sampling_params(p) for p in sampling_params]
+            if isinstance(sampling_params, list)
+            else _sampling_params(sampling_params)
+        )
         request = GenerateRequest(
             lora_path=lora_path,
             input_ids=[list(p) for p in input_ids],
-            sampling_params=(
-                [_sampling_params(p) for p in sampling_params]
-                if isinstance(sampling_params, list)
-                else _sampling_params(sampling_params)
-            ),
+            sampling_params=params,
             return_logprob=return_logprob,
+            return_sampling_mask=_sampling_mask(return_logprob, params if isinstance(params, list) else [params]),
             rid=None if rids is None else list(rids),
         )
         body = await self._request("POST", url, "/generate", to_json(request), timeout_s)

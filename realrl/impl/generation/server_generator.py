@@ -50,6 +50,11 @@ class ServerGenerator:
             no_eos=[r.finish_reason != "stop" for r in responses],
             version_start=versions,
             version_end=versions,
+            output_sampling_logprobs=[
+                list(r.output_logprobs if r.output_sampling_logprobs is None else r.output_sampling_logprobs)
+                for r in responses
+            ],
+            sampling=request.gconfig.sampling(),
         )
 
     async def close(self) -> None:

@@ -272,6 +272,7 @@ class SimEngine:
     def _finish(self, req: Request, tokens: list[int], reason: FinishReason) -> None:
         req.output_ids = tokens
         req.output_logprobs = [-2.0 * self._rng.random() for _ in tokens]
+        req.output_sampling_logprobs = list(req.output_logprobs)  # nothing is filtered here
         self.stats["requests_finished"] += 1
         self.stats[f"finish_{reason.type}"] += 1
         self.stats["generated_tokens"] += len(tokens)

@@ -76,9 +76,6 @@ class ChatConfig:
     gconfig: GenerationHyperparameters  # the run's sampling parameters (defaults for a call)
     tool_parser: ToolParser
     max_context_tokens: int | None = None  # prompt + new tokens at most (None: no limit known)
-    # The trainer recomputes logprobs at the run's temperature, so a call may
-    # not sample at another one (sequences do not record their own yet).
-    temperature_fixed: bool = True
 
 
 def check_request(request: ChatCompletionRequest, config: ChatConfig) -> None:
@@ -107,14 +104,8 @@ def check_request(request: ChatCompletionRequest, config: ChatConfig) -> None:
     if request.max_tokens is not None and request.max_completion_tokens is not None:
         if request.max_tokens != request.max_completion_tokens:
             refuse("max_tokens", "differs from max_completion_tokens; give one of them")
-    run = config.gconfig
-    allowed = {run.temperature, 0.0} if run.greedy else {run.temperature}  # evaluation is greedy
-    if config.temperature_fixed and request.temperature is not None and request.temperature not in allowed:
-        refuse(
-            "temperature",
-            f"{request.temperature} differs from the run's sampling temperature {run.temperature} "
-            "(rollout.gconfig.temperature), at which the trainer recomputes logprobs; leave it out",
-        )
+    # A call's own temperature is fine: each turn records what it was sampled
+    # with, and the trainer recomputes its logprobs at that temperature.
     if request.stop is not None and any(not s for s in _stop_strings(request)):
         refuse("stop", "stop strings must be non-empty")
 
@@ -269,6 +260,9 @@ def _truncated(result: GenerationResult, n: int) -> GenerationResult:
         result,
         output_ids=[result.output_ids[0][:n]],
         output_logprobs=[result.output_logprobs[0][:n]],
+        output_sampling_logprobs=(
+            None if result.output_sampling_logprobs is None else [result.output_sampling_logprobs[0][:n]]
+        ),
         output_versions=[versions],
         no_eos=[False],
         version_end=[versions[-1] if versions else result.version_end[0]],

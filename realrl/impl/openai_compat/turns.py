@@ -42,6 +42,7 @@ import numpy as np
 
 from realrl.api.generation_api import GenerationResult
 from realrl.api.openai_api import Message
+from realrl.api.trajectory import Sampling
 from realrl.impl.openai_compat.messages import message_key
 from realrl.impl.openai_compat.rendering import ChatRenderer
 
@@ -85,11 +86,13 @@ class RecordedSequence:
     prompt_len: int
     loss_mask: np.ndarray  # bool, one per completion token
     logprobs: np.ndarray  # float32, 0 on context tokens
+    sampling_logprobs: np.ndarray  # float32, under the distribution each token was drawn from; 0 on context tokens
     versions: np.ndarray  # int32, CONTEXT_VERSION on context tokens
     no_eos: bool  # its last turn ended by the length budget
     version_start: int
     version_end: int
     turns: list[int]  # the recorded turns it holds, in order
+    sampling: Sampling | None = None  # what its turns were drawn with (a chain's turns share it)
 
 
 class EpisodeRecorder:
@@ -208,6 +211,7 @@ class EpisodeRecorder:
         n = len(input_ids) - prompt_len
         loss_mask = np.zeros(n, dtype=np.bool_)
         logprobs = np.zeros(n, dtype=np.float32)
+        sampling_logprobs = np.zeros(n, dtype=np.float32)
         versions = np.full(n, CONTEXT_VERSION, dtype=np.int32)
         for j in chain:
             turn = self.turns[j]
@@ -215,17 +219,21 @@ class EpisodeRecorder:
             span = slice(start, start + len(turn.output_ids))
             loss_mask[span] = True
             logprobs[span] = turn.result.output_logprobs[0]
+            filtered = turn.result.output_sampling_logprobs
+            sampling_logprobs[span] = turn.result.output_logprobs[0] if filtered is None else filtered[0]
             versions[span] = turn.result.output_versions[0]
         return RecordedSequence(
             input_ids=input_ids,
             prompt_len=prompt_len,
             loss_mask=loss_mask,
             logprobs=logprobs,
+            sampling_logprobs=sampling_logprobs,
             versions=versions,
             no_eos=bool(last.result.no_eos[0]),
             version_start=min(self.turns[j].result.version_start[0] for j in chain),
             version_end=max(self.turns[j].result.version_end[0] for j in chain),
             turns=list(chain),
+            sampling=last.result.sampling,
         )
 
 

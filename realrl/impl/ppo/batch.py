@@ -32,7 +32,9 @@ class SequenceBatch:
 
     input_ids: list[torch.Tensor]  # int64 [L_i]: prompt + completion
     prompt_lens: list[int]
-    behav_logprobs: list[torch.Tensor]  # float32 [L_i - P_i], from the generation servers
+    # float32 [L_i - P_i], from the generation servers: log_softmax(logits / T), unfiltered (the
+    # PPO ratio's old policy when the loss is not decoupled)
+    behav_logprobs: list[torch.Tensor]
     rewards: torch.Tensor  # float32 [N], already shaped by the agent
     no_eos: torch.Tensor  # bool [N]
     groups: list[list[int]]  # the sequence indices of each trajectory
@@ -45,10 +47,16 @@ class SequenceBatch:
     # bool [L_i - P_i]: True where the policy sampled the token; None (or a
     # None entry) means every completion token was sampled
     loss_masks: list[torch.Tensor | None] | None = None
+    # [L_i - P_i]: under the distribution each token was drawn from (after top-k/top-p/min-p),
+    # the behaviour policy of the decoupled loss's weight (docs/design.md §9); None: behav_logprobs
+    sampling_logprobs: list[torch.Tensor] | None = None
+    # Per sequence, the temperature its logprobs are taken at (None: the run's, `rollout.gconfig`)
+    temperatures: list[float | None] | None = None
 
     @staticmethod
     def from_trajectories(trajectories: list[Trajectory]) -> SequenceBatch:
         input_ids, prompt_lens, behav, rewards, no_eos, groups, masks = [], [], [], [], [], [], []
+        sampling, temperatures = [], []
         for traj in trajectories:
             group = []
             for i in range(traj.group_size):
@@ -56,6 +64,8 @@ class SequenceBatch:
                 input_ids.append(torch.from_numpy(traj.input_ids[i].astype("int64")))
                 prompt_lens.append(int(traj.prompt_len[i]))
                 behav.append(torch.from_numpy(traj.logprobs[i].copy()))
+                sampling.append(torch.from_numpy(traj.sampling_logprobs[i].copy()) if traj.sampling_logprobs else None)
+                temperatures.append(traj.sampling[i].logprob_temperature if traj.sampling else None)
                 rewards.append(float(traj.reward[i]))
                 no_eos.append(bool(traj.no_eos[i]))
                 masks.append(None if not traj.loss_mask else torch.from_numpy(traj.loss_mask[i].astype(bool)))
@@ -68,6 +78,11 @@ class SequenceBatch:
             torch.tensor(no_eos, dtype=torch.bool),
             groups,
             loss_masks=masks if any(m is not None for m in masks) else None,
+            # a sequence that records none: its tokens were drawn from the unfiltered distribution
+            sampling_logprobs=[b if s is None else s for s, b in zip(sampling, behav)]
+            if any(s is not None for s in sampling)
+            else None,
+            temperatures=temperatures if any(t is not None for t in temperatures) else None,
         )
 
     @property

@@ -40,14 +40,15 @@ class _GatherLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+        """`temperature`: one for all rows, or an [n_rows] tensor of one per row."""
         n_rows, vocab_size = logits.shape
         chunk = _rows_per_chunk(vocab_size)
         logprobs = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         logsumexp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         for start in range(0, n_rows, chunk):
             end = min(start + chunk, n_rows)
-            x = logits[start:end].to(torch.float32, copy=True).div_(temperature)
+            x = logits[start:end].to(torch.float32, copy=True).div_(_rows(temperature, start, end))
             lse = torch.logsumexp(x, dim=-1)
             picked = x.gather(-1, labels[start:end, None]).squeeze(-1)
             logprobs[start:end] = picked - lse
@@ -69,14 +70,22 @@ class _GatherLogprobs(torch.autograd.Function):
             end = min(start + chunk, n_rows)
             g_out = grad_logprobs[start:end, None]
             # one fp32 buffer, updated in place: x -> softmax(x) -> gradient
-            g = logits[start:end].to(torch.float32, copy=True).div_(temperature)
+            t = _rows(temperature, start, end)
+            g = logits[start:end].to(torch.float32, copy=True).div_(t)
             g.sub_(logsumexp[start:end, None]).exp_()
-            g.mul_(-g_out).scatter_add_(-1, labels[start:end, None], g_out).div_(temperature)
+            g.mul_(-g_out).scatter_add_(-1, labels[start:end, None], g_out).div_(t)
             grad_logits[start:end].copy_(g)
         return grad_logits, None, None
 
 
-def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | None = 1.0) -> torch.Tensor:
+def _rows(temperature: float | torch.Tensor, start: int, end: int) -> float | torch.Tensor:
+    """The temperature of rows start..end, shaped to divide their [rows, V] logits."""
+    return temperature[start:end, None] if isinstance(temperature, torch.Tensor) else temperature
+
+
+def gather_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor | None = 1.0
+) -> torch.Tensor:
     """Log-probability of each label under softmax(logits / temperature).
 
         logp[b, t] = log_softmax(logits[b, t] / temperature)[labels[b, t]]
@@ -86,7 +95,8 @@ def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
         labels: [B, T] token ids. Negative ids (e.g. -100 at padding) give 0.0
             and no gradient.
         temperature: the sampling temperature the tokens were drawn with;
-            0 or None is treated as 1.
+            0 or None is treated as 1. A [B] float32 tensor gives each
+            sequence its own (positive) temperature.
 
     Returns:
         [B, T] fp32 log-probabilities; differentiable w.r.t. `logits`.
@@ -97,8 +107,11 @@ def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     +227 MiB, of which 125 MiB is the gradient, versus +756 MiB for
     log_softmax(logits.float()).gather).
     """
-    temperature = _effective_temperature(temperature)
     *batch_shape, vocab_size = logits.shape
+    if isinstance(temperature, torch.Tensor):  # one per sequence -> one per flattened row
+        temperature = temperature.to(torch.float32)[:, None].expand(batch_shape).reshape(-1)
+    else:
+        temperature = _effective_temperature(temperature)
     flat_logits = logits.reshape(-1, vocab_size)
     flat_labels = labels.reshape(-1).long()
     valid = flat_labels >= 0

@@ -82,8 +82,9 @@ class AdapterDisabled(nn.Module):
             return self.actor(*args, **kwargs)
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """[n, C] logprobs of each completion token (grad flows when enabled)."""
+def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float | torch.Tensor) -> torch.Tensor:
+    """[n, C] logprobs of each completion token (grad flows when enabled);
+    `temperature`: one, or an [n] tensor of one per sequence."""
     logits = model(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
     ).logits

@@ -217,7 +217,22 @@ class PPOTrainer:
     def compute_logprobs(self, model: nn.Module, batch: SequenceBatch, plan=None) -> list[torch.Tensor]:
         """Logprobs of every completion; `plan`: an agreed micro-batch plan (None: agree on one here)."""
         plan = self._padded_plans(batch, [list(range(batch.n_seqs))])[0] if plan is None else plan
-        return self._per_seq(model, batch, plan, lambda m, mb: mb.gather(forward_logprobs(m, mb, self.temperature)))
+        return self._per_seq(
+            model, batch, plan, lambda m, mb: mb.gather(forward_logprobs(m, mb, self._temperature(mb)))
+        )
+
+    def _temperature(self, mb: MicroBatch) -> float | torch.Tensor:
+        """The temperature the logprobs of `mb`'s sequences are taken at: each
+        sequence's own where it recorded one (`Trajectory.sampling`), else the
+        run's. One float when they all agree (the same arithmetic as a run
+        whose sequences record none), else one per sequence."""
+        recorded = mb.batch.temperatures
+        if recorded is None or not mb.indices:
+            return self.temperature
+        per_seq = [self.temperature if recorded[i] is None else recorded[i] for i in mb.indices]
+        if all(t == per_seq[0] for t in per_seq):
+            return per_seq[0]
+        return torch.tensor(per_seq, dtype=torch.float32, device=self.device)
 
     def inference(self, batch: SequenceBatch, decoupled: bool) -> None:
         """Fills proximal logprobs (decoupled loss), reference logprobs (KL)
@@ -306,10 +321,15 @@ class PPOTrainer:
         the same on every rank."""
         cfg = self.cfg
         advs, returns = self.advantages(batch)
+        decoupled = batch.prox_from_train_forward or batch.prox_logprobs is not None
         if batch.prox_from_train_forward:
             prox = None  # taken from the forward itself (_optimize_actor)
         else:
-            prox = batch.prox_logprobs if batch.prox_logprobs is not None else batch.behav_logprobs
+            prox = batch.prox_logprobs if decoupled else batch.behav_logprobs
+        # The behaviour policy of the decoupled weight pi_prox / mu is the distribution the tokens were
+        # drawn from (after top-k/top-p/min-p); without decoupling, the old policy is the unfiltered
+        # behaviour one and the weight is 1 (docs/design.md §9).
+        behav = batch.sampling_logprobs if decoupled and batch.sampling_logprobs is not None else batch.behav_logprobs
         # Every rank steps n_mbs times (each step all-reduces), so n_mbs comes
         # from the largest group count; a rank with fewer groups gets empty
         # minibatches and adds zero gradients. Minibatches keep each
@@ -326,7 +346,7 @@ class PPOTrainer:
         if self.critic is not None:
             old_values = [v[:-1] for v in batch.values]
         for plan, normalizer in zip(plans, normalizers):
-            self._optimize_actor(batch, plan, normalizer, prox, advs, acc)
+            self._optimize_actor(batch, plan, normalizer, prox, behav, advs, acc)
             if self.critic is not None:
                 self._optimize_critic(batch, plan, normalizer, old_values, returns, acc)
 
@@ -378,20 +398,21 @@ class PPOTrainer:
         )
         return stats
 
-    def _optimize_actor(self, batch, plan, normalizer, prox, advs, acc) -> None:
+    def _optimize_actor(self, batch, plan, normalizer, prox, behav, advs, acc) -> None:
         """One optimizer step over the micro-batches of `plan`; adds this
         rank's share of the stats to `acc`. `prox` None: the proximal
-        logprobs are this forward's own (`SequenceBatch.prox_from_train_forward`)."""
+        logprobs are this forward's own (`SequenceBatch.prox_from_train_forward`);
+        `behav`: the behaviour policy's logprobs of the importance weight."""
         cfg, actor = self.cfg, self.actor
         actor.model.train()
         actor.optimizer.zero_grad(set_to_none=False)
         for rows in plan:
             mb = self._micro_batch(batch, rows)
-            logp = forward_logprobs(actor.model, mb, self.temperature)
+            logp = forward_logprobs(actor.model, mb, self._temperature(mb))
             loss, st = F.decoupled_ppo_actor_loss(
                 logp,
                 logp.detach() if prox is None else mb.scatter(prox),
-                mb.scatter(batch.behav_logprobs),
+                mb.scatter(behav),
                 mb.scatter(advs),
                 mb.loss_mask,
                 eps_clip=cfg.eps_clip,

@@ -134,9 +134,9 @@ def byte_split(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
 @dataclasses.dataclass
 class ScriptedGenerator:
     """Answers each request's answers with the next scripted outputs (token
-    ids; logprob -0.25 - 0.01 * position, the given weight version), and keeps
-    every request it got. An output that does not end with an EOS id ended
-    by the length budget."""
+    ids; logprob -0.25 - 0.01 * position, sampling logprob -0.2 - 0.01 *
+    position, the given weight version), and keeps every request it got. An
+    output that does not end with an EOS id ended by the length budget."""
 
     outputs: list[list[int]]
     eos_ids: frozenset[int]
@@ -156,4 +156,6 @@ class ScriptedGenerator:
             no_eos=[not (o and o[-1] in self.eos_ids) for o in outs],
             version_start=[self.version] * n,
             version_end=[self.version] * n,
+            output_sampling_logprobs=[[-0.2 - 0.01 * j for j in range(len(o))] for o in outs],
+            sampling=request.gconfig.sampling(),
         )

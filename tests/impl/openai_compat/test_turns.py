@@ -9,10 +9,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from realrl.api.agent_api import PromptRecord
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.api.openai_api import ChatCompletionRequest
-from realrl.api.trajectory import Trajectory
-from realrl.base.http_body import BodyError, from_json, to_json
+from realrl.api.trajectory import Sampling, Trajectory
+from realrl.base.http_body import from_json, to_json
 from realrl.impl.openai_compat.chat import ChatConfig, ChatSession, ContextLengthExceeded
 from realrl.impl.openai_compat.rendering import ChatRenderer
 from realrl.impl.openai_compat.tool_calls import TOOL_PARSERS
@@ -251,15 +252,27 @@ def test_calls_stay_within_the_models_context():
         call(session, [{"role": "user", "content": "x" * 40}])
 
 
-def test_a_call_samples_at_the_runs_temperature_or_is_refused():
+def test_a_calls_own_temperature_is_recorded_with_its_turn():
+    """Each call samples at its own temperature (the run's when it names
+    none) and its turn records it, with its sampling logprobs, for the
+    trainer to recompute at (docs/design.md §5)."""
     tok = char_chat_tokenizer()
     user = [{"role": "user", "content": "hi"}]
-    session, policy = make_session(tok, [[tok.eos_token_id]] * 2)
-    call(session, user, temperature=1.0)
-    with pytest.raises(BodyError, match="0.5 differs from the run's sampling temperature 1.0"):
-        call(session, user, temperature=0.5)
-    with pytest.raises(BodyError, match="0 differs"):
-        call(session, user, temperature=0)  # greedy: not what the trainer recomputes
+    session, policy = make_session(tok, [[tok.eos_token_id]] * 3)
+    call(session, user, temperature=0.5, top_p=0.9)
+    call(session, user)
+    call(session, user, temperature=0)  # greedy
+    assert [r.gconfig.temperature for r in policy.requests[:2]] == [0.5, 1.0]
+    recorded = [turn.result.sampling for turn in session.recorder.turns]
+    assert recorded == [Sampling(0.5, top_p=0.9), Sampling(1.0), Sampling(0.0)]
+    traj = Trajectory.from_results(
+        PromptRecord("q@0", "hi", [1], []), [t.result for t in session.recorder.turns], [0.0] * 3, [0.0] * 3
+    )
+    assert traj.sampling == recorded
+    assert [s.logprob_temperature for s in traj.sampling] == [0.5, 1.0, 1.0]
+    assert traj.sampling_logprobs[0].tolist() == pytest.approx([-0.2])
+    sequences = session.recorder.sequences("chains")
+    assert sequences[0].sampling_logprobs.tolist() == pytest.approx([-0.2])
     evaluation, policy = make_session(tok, [[tok.eos_token_id]] * 2, greedy=True)  # evaluation is greedy
     call(evaluation, user, temperature=1.0)
     call(evaluation, user, temperature=0)

@@ -161,3 +161,40 @@ async def client_loads(url: str) -> list[tuple[int, int]]:
 
 def loads(url: str) -> list[tuple[int, int]]:
     return asyncio.run(client_loads(url))
+
+
+def test_sampling_logprobs_as_sglang_reports_them(start_server, tiny_llama_dir):
+    """From 0.5.16 SGLang reports sampling logprobs for a request with
+    `return_sampling_mask` (the client asks exactly when the sampling
+    filters) and aborts one without a finite top_k; before, never. A filtered
+    answer without them fails the partial rollout instead of training on the
+    unfiltered logprobs."""
+    from realrl.api.generation_api import GenerationHyperparameters
+    from realrl.system.partial_rollout import PartialRolloutError, PartialRolloutManager, _Answer
+
+    nucleus = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.8, "top_k": 20, "ignore_eos": True}
+    plain = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    no_top_k = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.8, "ignore_eos": True}
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 0.8, "ignore_eos": True}
+    new, old = (start_server(tiny_llama_dir, "--emulate-sglang", v) for v in ("0.5.16", "0.5.15"))
+
+    async def go(url, client):
+        return await asyncio.gather(*(client.generate(url, PROMPTS[1], p) for p in (nucleus, plain, no_top_k, greedy)))
+
+    filtered, unfiltered, refused, argmax = run(_with_client(lambda c: go(new.url, c)))
+    assert len(filtered.output_sampling_logprobs) == 8
+    assert all(s > lp for s, lp in zip(filtered.output_sampling_logprobs, filtered.output_logprobs))
+    assert unfiltered.output_sampling_logprobs is None and len(unfiltered.output_logprobs) == 8  # not asked for
+    assert refused.aborted and refused.output_ids == []
+    assert "finite top_k" in refused.meta_info.finish_reason.message
+    assert argmax.output_sampling_logprobs is None  # greedy filters nothing: not asked for
+    before = run(_with_client(lambda c: go(old.url, c)))
+    assert [r.output_sampling_logprobs for r in before] == [None] * 4 and not before[2].aborted
+
+    manager = PartialRolloutManager(manager=None, client=None)
+    answer = _Answer()
+    with pytest.raises(PartialRolloutError, match="no sampling logprobs"):
+        manager._append(answer, before[0], 0, "q", old.url, GenerationHyperparameters(top_p=0.8, top_k=20))
+    assert answer.output_ids == []  # nothing appended
+    manager._append(answer, before[1], 0, "q", old.url, GenerationHyperparameters())  # unfiltered: the logprobs
+    assert answer.sampling_logprobs == answer.logprobs == before[1].output_logprobs

@@ -554,7 +554,8 @@ class GenerationEngine:
         for req, n in zip(group, produced):
             if self._live.get(req.rid) is not req:
                 continue  # answered before the failure (finished at its first token)
-            del req.output_ids[n:], req.output_logprobs[n:]  # a token recorded before the failure
+            # a token recorded before the failure
+            del req.output_ids[n:], req.output_logprobs[n:], req.output_sampling_logprobs[n:]
             try:
                 joined = self._prefill([req])
             except Exception as e:
@@ -596,8 +597,8 @@ class GenerationEngine:
         params = RowParams.from_requests(group, self.device)
         source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
         last_logits = out.logits[:, -1, :].index_select(0, source_rows)
-        tokens, logprobs = sample_tokens(last_logits, params, self._generator, self._banned(group))
-        done = set(self._record(group, tokens.tolist(), logprobs.tolist()))
+        tokens, logprobs, sampling_logprobs = sample_tokens(last_logits, params, self._generator, self._banned(group))
+        done = set(self._record(group, tokens.tolist(), logprobs.tolist(), sampling_logprobs.tolist()))
         keep = [i for i in range(len(group)) if i not in done]
         if not keep:
             return None
@@ -619,13 +620,16 @@ class GenerationEngine:
         ]
         return banned or None
 
-    def _record(self, requests: list[Request], tokens: list[int], logprobs: list[float]) -> list[int]:
+    def _record(
+        self, requests: list[Request], tokens: list[int], logprobs: list[float], sampling_logprobs: list[float]
+    ) -> list[int]:
         """Append each row's new token; finish the rows that are done and return
         their indices."""
         done = []
-        for i, (req, tok, lp) in enumerate(zip(requests, tokens, logprobs)):
+        for i, (req, tok, lp, slp) in enumerate(zip(requests, tokens, logprobs, sampling_logprobs)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            req.output_sampling_logprobs.append(slp)
             n = len(req.output_ids)
             at_stop = tok in req.stop_ids and n >= req.min_new_tokens
             at_limit = n >= req.max_new_tokens
@@ -638,7 +642,7 @@ class GenerationEngine:
         self.stats["generated_tokens"] += len(tokens)
         return done
 
-    def _step(self, batch: RunningBatch) -> tuple[torch.Tensor, list[int], list[float]]:
+    def _step(self, batch: RunningBatch) -> tuple[torch.Tensor, list[int], list[float], list[float]]:
         """One decode forward and sampling. The new keys/values are written at
         column `end`, but the window does not advance: a step that raises can
         be run again."""
@@ -650,15 +654,15 @@ class GenerationEngine:
             past_key_values=batch.cache,
             use_cache=True,
         )
-        tokens, logprobs = sample_tokens(
+        tokens, logprobs, sampling_logprobs = sample_tokens(
             out.logits[:, -1, :], batch.params, self._generator, self._banned(batch.requests)
         )
-        return tokens, tokens.tolist(), logprobs.tolist()
+        return tokens, tokens.tolist(), logprobs.tolist(), sampling_logprobs.tolist()
 
     def _decode_step(self) -> None:
         batch = self._batch
         try:
-            tokens, token_list, logprob_list = self._step(batch)
+            tokens, token_list, logprob_list, sampling_list = self._step(batch)
         except Exception as e:
             self.stats["engine_errors"] += 1
             self._isolate_decode_fault(e)
@@ -668,7 +672,7 @@ class GenerationEngine:
         batch.positions += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += batch.size
-        self._drop_rows(self._record(batch.requests, token_list, logprob_list))
+        self._drop_rows(self._record(batch.requests, token_list, logprob_list, sampling_list))
 
     def _isolate_decode_fault(self, error: Exception) -> None:
         """A decode step raised: step each row alone, on a copy of its keys and

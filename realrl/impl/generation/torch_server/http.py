@@ -47,6 +47,7 @@ from aiohttp import web
 from realrl.api.sglang_api import (
     AbortRequest,
     ContinueGenerationRequest,
+    FinishReason,
     LoadLoRAAdapterRequest,
     Loads,
     LoRAUpdateResponse,
@@ -155,6 +156,12 @@ class TorchGenerationServer:
             fut = loop.create_future()
             req.reply = threadsafe_setter(loop, fut)
             futures.append(fut)
+            refusal = None
+            if self.compat is not None and req.return_sampling_mask:
+                refusal = self.compat.sampling_mask_refusal(req.top_k, req.is_greedy)
+            if refusal is not None:  # SGLang aborts it before it starts
+                req.reply(req.response(FinishReason("abort", message=refusal), self.engine.weight_version))
+                continue
             self.engine.submit(req)
         try:
             results = await asyncio.gather(*futures)
@@ -162,11 +169,13 @@ class TorchGenerationServer:
             for req in reqs:
                 self.engine.command("abort", {"rid": req.rid}, lambda result: None)
             raise
-        for result in results:
+        for req, result in zip(reqs, results):
             if isinstance(result, BodyError):  # refused by the engine (a rid already running)
                 return _json_error(result.status, str(result))
             if isinstance(result, Exception):  # EngineError: this request failed in the engine
                 return _json_error(500, str(result))
+            if self.compat is not None and not self.compat.reports_sampling_logprobs(req.return_sampling_mask):
+                result.meta_info.output_token_sampling_logprobs = None
         return _json(results if batched else results[0])
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:

@@ -19,6 +19,12 @@ numbers only, `min_new_tokens <= max_new_tokens`, prompt + max_new_tokens
 within the model's positions, and stop tokens that leave something to sample
 before `min_new_tokens`).
 
+**Logprobs.** With `return_logprob`, `meta_info` holds two per output token:
+`output_token_logprobs` (unfiltered) and `output_token_sampling_logprobs`
+(under the distribution the token was drawn from; `sampling`). SGLang reports
+the second only with `return_sampling_mask`, which is accepted here and
+changes nothing (this server always reports both, and no mask).
+
 `lora_path` (one name for every prompt, or one per prompt) names the LoRA
 adapter a prompt asks for; the engine checks that it is loaded.
 
@@ -79,10 +85,12 @@ class Request:
     min_p: float
     stop_ids: frozenset[int]
     return_logprob: bool
+    return_sampling_mask: bool = False  # asked for SGLang's sampling logprobs (used when emulating it)
     lora_name: str | None = None  # the LoRA adapter named by `lora_path` (checked by the engine)
     reply: Callable[[Any], None] = field(repr=False, default=lambda result: None)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_sampling_logprobs: list[float] = field(default_factory=list)  # under the filtered distribution
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -95,9 +103,10 @@ class Request:
 
     def response(self, reason: FinishReason, weight_version: str) -> GenerateResponse:
         """The answer, as it stands now."""
-        logprobs = None
+        logprobs = sampling_logprobs = None
         if self.return_logprob:
             logprobs = [(lp, tok, None) for lp, tok in zip(self.output_logprobs, self.output_ids)]
+            sampling_logprobs = list(self.output_sampling_logprobs)
         meta = MetaInfo(
             id=self.rid,
             finish_reason=reason,
@@ -107,6 +116,7 @@ class Request:
             weight_version=weight_version,
             e2e_latency=time.monotonic() - self.arrival_time,
             output_token_logprobs=logprobs,
+            output_token_sampling_logprobs=sampling_logprobs,
         )
         return GenerateResponse(output_ids=list(self.output_ids), meta_info=meta)
 
@@ -135,9 +145,12 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
     return_logprob = _per_prompt("return_logprob", body.return_logprob, batched, n)
     rids = _per_prompt("rid", body.rid, batched, n)
     lora_names = _per_prompt("lora_path", body.lora_path, batched, n)
+    sampling_masks = _per_prompt("return_sampling_mask", body.return_sampling_mask, batched, n)
 
     requests = []
-    for prompt, params, want_logprob, rid, lora_name in zip(prompts, sampling, return_logprob, rids, lora_names):
+    for prompt, params, want_logprob, rid, lora_name, want_mask in zip(
+        prompts, sampling, return_logprob, rids, lora_names, sampling_masks
+    ):
         if not prompt:
             raise BodyError("every prompt must be a non-empty list of token ids", reason="empty")
         _check_vocabulary(prompt, "input_ids", limits.vocab_size)
@@ -166,6 +179,7 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
                 input_ids=list(prompt),
                 stop_ids=frozenset(stop_ids),
                 return_logprob=bool(want_logprob),
+                return_sampling_mask=bool(want_mask),
                 lora_name=lora_name or None,
                 **p,
             )

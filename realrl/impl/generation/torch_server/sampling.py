@@ -4,12 +4,17 @@ Sampling is vectorised over the batch with per-row temperature / top-p /
 top-k / min-p tensors (`RowParams`) and the engine's `torch.Generator`, seeded
 from `--seed`.
 
-**Logprobs.** The logprob returned for each generated token is
-`log_softmax(logits / T)[token]` computed in float32, where T is the request's
-temperature (T = 0, greedy, uses T = 1, i.e. plain `log_softmax(logits)`). It is
-taken *before* top-p / top-k / min-p filtering and before the `min_new_tokens`
-stop-token mask, so the trainer reproduces it exactly from a forward pass of the
-same weights with the same temperature scaling.
+**Logprobs.** Two per generated token, both in float32 (docs/design.md §6):
+
+- the logprob, `log_softmax(logits / T)[token]`, where T is the request's
+  temperature (T = 0, greedy, uses T = 1, i.e. plain `log_softmax(logits)`). It
+  is taken *before* top-p / top-k / min-p filtering and before the
+  `min_new_tokens` stop-token mask, so the trainer reproduces it exactly from a
+  forward pass of the same weights with the same temperature scaling;
+- the sampling logprob: the token's logprob under the distribution it was
+  actually drawn from, i.e. after the filters and the stop-token mask,
+  renormalised (0.0 for a greedy row: a point mass). A row that nothing
+  filters or masks gets the logprob itself, bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class RowParams:
     all_greedy: bool
     any_greedy: bool
     any_filter: bool
+    filtered: torch.Tensor  # [B] bool: a sampled row that top-p / top-k / min-p may cut
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], device: torch.device) -> RowParams:
@@ -45,6 +51,7 @@ class RowParams:
             all_greedy=all(r.is_greedy for r in requests),
             any_greedy=any(r.is_greedy for r in requests),
             any_filter=any(r.needs_filter for r in requests),
+            filtered=torch.tensor([r.needs_filter for r in requests], dtype=torch.bool, device=device),
         )
 
 
@@ -53,9 +60,11 @@ def sample_tokens(
     params: RowParams,
     generator: torch.Generator,
     banned: list[tuple[int, list[int]]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return (tokens, logprobs) with logprob =
-    log_softmax(logits / T)[token] (T = 1 for greedy rows), before any filtering.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (tokens, logprobs, sampling_logprobs):
+    logprob = log_softmax(logits / T)[token] (T = 1 for greedy rows), before
+    any filtering; sampling logprob = the token's logprob under the filtered,
+    renormalised distribution it was drawn from (module docstring).
 
     `banned`: (row, token ids) that must not be picked (min_new_tokens)."""
     logits = logits.float()
@@ -70,11 +79,14 @@ def sample_tokens(
         raise FloatingPointError("the model produced non-finite logits (NaN or inf)")
 
     pick_from = scaled
+    masked = torch.zeros_like(params.filtered)  # rows whose stop tokens are banned
     if banned:
         pick_from = scaled.clone()
         for row, ids in banned:
             pick_from[row, ids] = float("-inf")
+            masked[row] = True
 
+    filtered_logprobs = None  # rows with a filter: the logprob under the kept tokens, renormalised
     if params.all_greedy:
         tokens = pick_from.argmax(dim=-1)
     else:
@@ -91,10 +103,25 @@ def sample_tokens(
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             choice = torch.multinomial(torch.softmax(sorted_logits, dim=-1), 1, generator=generator)
             sampled = sorted_idx.gather(1, choice).squeeze(1)
+            filtered_logprobs = torch.log_softmax(sorted_logits, dim=-1).gather(1, choice).squeeze(1)
         else:
             sampled = torch.multinomial(torch.softmax(pick_from, dim=-1), 1, generator=generator).squeeze(1)
         if params.any_greedy:
             sampled = torch.where(temperature > 0, sampled, pick_from.argmax(dim=-1))
         tokens = sampled
     token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, token_logprobs
+    if params.all_greedy:  # a point mass
+        return tokens, token_logprobs, torch.zeros_like(token_logprobs)
+    # The sampling logprob: the plain one (the same tensor: bit for bit) where
+    # nothing changed the distribution; the masked softmax's where only the
+    # ban did; the filtered one where a filter did (after the ban too); 0 for
+    # a greedy row.
+    sampling_logprobs = token_logprobs
+    if bool(masked.any()):
+        banned_only = torch.log_softmax(pick_from, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        sampling_logprobs = torch.where(masked, banned_only, sampling_logprobs)
+    if filtered_logprobs is not None:
+        sampling_logprobs = torch.where(params.filtered, filtered_logprobs, sampling_logprobs)
+    if params.any_greedy:
+        sampling_logprobs = torch.where(temperature > 0, sampling_logprobs, torch.zeros_like(sampling_logprobs))
+    return tokens, token_logprobs, sampling_logprobs

@@ -26,6 +26,10 @@ in this mode to meet what SGLang does differently, as its source says it does
   false` (the weight version unchanged); earlier releases die (an assert in
   the scheduler).
 - The length limit is checked before EOS (`length_before_eos`).
+- Sampling logprobs (`output_token_sampling_logprobs`) only from 0.5.16 and
+  only for a request with `return_sampling_mask`; such a request without a
+  finite `top_k` (and not greedy) ends at once with `abort` and SGLang's
+  message, no token generated.
 
 Data parallelism is emulated in the answers only: one engine serves, its
 counts go to rank 0 and the other ranks report nothing running.
@@ -101,6 +105,16 @@ class SGLangCompat:
         """True: a refused cache flush answers `success: false` with the new
         weights in place (0.5.23); False: the server dies."""
         return self.since("0.5.23")
+
+    def sampling_mask_refusal(self, top_k: int, greedy: bool) -> str | None:
+        """SGLang's abort message for a `return_sampling_mask` request it
+        refuses (greedy requests get top_k = 1 there), else None."""
+        if self.since("0.5.16") and top_k <= 0 and not greedy:
+            return "return_sampling_mask requires finite top_k"
+        return None
+
+    def reports_sampling_logprobs(self, asked: bool) -> bool:
+        return asked and self.since("0.5.16")
 
     def per_rank(self, value, idle):
         """`value` from rank 0 and `idle` from the others: a plain value
