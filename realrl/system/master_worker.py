@@ -54,6 +54,7 @@ from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult,
 
 _T = TypeVar("_T")
 STARVED_WARNING_S = 30.0  # warn (again) after this long without new trajectories
+REJECTION_CHECK_S = 2.0  # while a step waits, count the agent's rejections this often
 
 
 def choose_batch(inventories: list[list], batch_size: int) -> list[tuple[int, int, int]] | None:
@@ -138,6 +139,7 @@ class MasterWorker(AsyncWorker):
         self.step_logger = getLogger(STEP_LOGGER)  # one line per step: the log file; the launcher renders it
         self._gen_utilization: dict | None = None  # the manager's cumulative figures at the previous step
         self._wait_data_s = 0.0  # of the last _fetch: time the ranks held too few trajectories
+        self._rejected_groups: int | None = None  # of the last _fetch: groups the agents rejected meanwhile
         self._finished = False
 
     async def _setup_async(self) -> None:
@@ -203,7 +205,8 @@ class MasterWorker(AsyncWorker):
         n, B = self.cfg.n_model_workers, self.cfg.train_batch_size
         all_ranks = list(range(n))
         min_version = self.version - self.cfg.max_head_offpolicyness
-        started = waiting_since = last_warning = time.monotonic()
+        started = waiting_since = last_warning = last_rejection_check = time.monotonic()
+        rejected_before = await self._rejected_so_far()
         have = -1
         while True:
             replies = await self.stream.call_async(
@@ -224,7 +227,16 @@ class MasterWorker(AsyncWorker):
             elif now - waiting_since > STARVED_WARNING_S and now - last_warning > STARVED_WARNING_S:
                 last_warning = now
                 await self._warn_starved(held, B, now - waiting_since)
+            if (
+                self.cfg.max_rejected_groups
+                and rejected_before is not None
+                and now - last_rejection_check > REJECTION_CHECK_S
+            ):
+                last_rejection_check = now
+                self._check_rejections(rejected_before, await self._rejected_so_far(), held)
             await asyncio.sleep(self.cfg.fetch_poll_interval)
+        after = await self._rejected_so_far()
+        self._rejected_groups = after - rejected_before if None not in (after, rejected_before) else None
         dest = plan_batch(chosen, n)
         requests = []
         for rank in all_ranks:
@@ -272,7 +284,12 @@ class MasterWorker(AsyncWorker):
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
         t_fetch = time.monotonic()
-        if self.cfg.use_decoupled_loss or self.cfg.kl_ctl > 0 or self.cfg.algorithm == "ppo":
+        if (
+            self.cfg.use_decoupled_loss
+            or self.cfg.kl_ctl > 0
+            or self.cfg.use_kl_loss
+            or self.cfg.adv_estimator == "gae"
+        ):
             await self.stream.call_async(
                 all_ranks,
                 "inference",
@@ -319,6 +336,8 @@ class MasterWorker(AsyncWorker):
             stats["staleness/token_histogram"] = batch["token_staleness"]  # generated tokens, per staleness
         stats["time/fetch_s"] = t_fetch - t0
         stats["time/wait_data_s"] = self._wait_data_s  # part of fetch_s
+        if self._rejected_groups is not None:
+            stats["rollout/rejected_groups"] = self._rejected_groups  # dynamic sampling, success-rate filter
         stats["time/inference_s"] = t_inf - t_fetch
         stats["time/train_s"] = t_train - t_inf
         if isinstance(results[0].get("publish_seconds"), (int, float)):
@@ -392,6 +411,28 @@ class MasterWorker(AsyncWorker):
         if rs is None:
             return None
         return {k: float(getattr(rs, k)) for k in ("gen_idle_s", "gen_server_s", "gen_tokens", "gen_clock_s")}
+
+    async def _rejected_so_far(self) -> int | None:
+        """The groups the agents rejected so far (the manager's count); None when it does not answer."""
+        try:
+            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
+        except Exception as e:  # a count only: never fail the step for it
+            self.logger.debug("no rollout stats: %s", e)
+            return None
+        return None if rs is None else int(rs.rejected)
+
+    def _check_rejections(self, before: int, now: int | None, have: int) -> None:
+        """Dynamic sampling's (and the success-rate filter's) cap: a task the
+        filter rejects (almost) entirely stops the trial with the reason instead of stalling."""
+        if now is None or now - before <= self.cfg.max_rejected_groups:
+            return
+        raise RuntimeError(
+            f"step {self.step + 1}: the agent rejected {now - before} groups while this step waited "
+            f"(have {have}/{self.cfg.train_batch_size} trajectories; cap rollout.max_rejected_batches x "
+            f"ppo.train_batch_size = {self.cfg.max_rejected_groups}): the policy solves all or none of the "
+            "prompts, so dynamic sampling (rollout.dynamic_sampling) or the success-rate filter leaves no "
+            "group with a signal. Use harder or easier prompts, or turn the filter off"
+        )
 
     async def _warn_starved(self, have: int, want: int, waited: float) -> None:
         """Says why a step is waiting, so a starved run is not silent."""

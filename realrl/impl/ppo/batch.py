@@ -70,6 +70,13 @@ class SequenceBatch:
     def completion_len(self, i: int) -> int:
         return len(self.input_ids[i]) - self.prompt_lens[i]
 
+    def trained_mask(self, i: int) -> torch.Tensor:
+        """bool [C_i]: the completion tokens of sequence i that the policy
+        sampled, which the losses, advantages and their normalisers cover
+        (every completion token for now: the trajectories' `loss_mask`,
+        docs/design.md §5, is not read yet)."""
+        return torch.ones(self.completion_len(i), dtype=torch.bool)
+
     def n_completion_tokens(self, indices: list[int] | None = None) -> int:
         indices = range(self.n_seqs) if indices is None else indices
         return sum(map(self.completion_len, indices))
