@@ -134,7 +134,7 @@ class PPOConfig:
     ppo_n_minibatches: int = 1
     """Optimizer steps per train step."""
     eps_clip: float = 0.2
-    """Ratio clip ε (the lower bound): the ratio is clipped to [1 - ε, 1 + eps_clip_high]."""
+    """PPO ratio clip ε (the lower bound): the ratio is clipped to [1 - ε, 1 + eps_clip_high]."""
     eps_clip_high: float | None = None
     """The upper clip bound ε_high (DAPO's clip-higher); null = eps_clip."""
     c_clip: float | None = None
