@@ -1,7 +1,8 @@
 """Every algorithm preset on the same tasks, seeds and step budget (docs/algorithms.md).
 
     python benchmarks/algorithms.py [--quick] [--presets grpo,dapo,...] [--tasks arithmetic,countdown]
-                                    [--seeds 1,2] [--steps 40] [--json PATH] [--markdown] [override ...]
+                                    [--seeds 1,2] [--steps 40] [--minibatches 4] [--json PATH] [--markdown]
+                                    [override ...]
 
 For each task x preset x seed, one full realrl trial (`realrl train
 algorithm=<preset> seed=<seed> total_train_steps=<steps>`, greedy evaluation
@@ -13,7 +14,11 @@ at the start, half way and the end) in its own trial directory under
   once under the fileroot; 16 new tokens, 250 warm-start steps, as its README
   suggests).
 
-The tiny kit is built once per task (its seed is `tiny_kit.seed`, not the RL
+Every trial takes `--minibatches` optimizer steps per train step (default 4,
+`ppo.ppo_n_minibatches`): with one, the policy equals the proximal policy
+throughout the step's only update, every ratio is 1, no clip ever acts, and
+`ppo` and `cispo` give the same update; from the second minibatch on the
+policy losses differ. The tiny kit is built once per task (its seed is `tiny_kit.seed`, not the RL
 seed) and shared, so every preset starts from the same weights. Reported per
 trial: the greedy eval accuracy at the start, half way and the end, the
 trained answers' accuracy over the last quarter of the steps, the step's
@@ -75,6 +80,7 @@ def run_trial(task: str, preset: str, seed: int, steps: int, args, overrides: li
             f"total_train_steps={steps}",
             f"eval.every_n_steps={eval_every}",
             f"eval.max_prompts={args.eval_prompts}",
+            f"ppo.ppo_n_minibatches={args.minibatches}",
             "experiment_name=algorithms",
             f"trial_name={task}-{preset}-s{seed}",
             f"fileroot={args.fileroot}",
@@ -174,6 +180,7 @@ def main() -> int:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--steps", type=int, default=40, help="train steps per trial")
+    parser.add_argument("--minibatches", type=int, default=4, help="ppo.ppo_n_minibatches of every trial")
     parser.add_argument("--eval-prompts", type=int, default=200, help="greedy eval on the first N test prompts")
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "algorithms"))
     parser.add_argument("--json", default=None, help="write every trial's figures here")
