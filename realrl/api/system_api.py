@@ -212,3 +212,8 @@ class MasterWorkerConfig:
     rpc_receipt_timeout: float = 60.0  # ... and fail the trial after this long
     fetch_poll_interval: float = 0.05
     wandb: bool = False  # also log the stats to Weights & Biases, offline (stats.wandb)
+
+    @property
+    def needs_inference(self) -> bool:
+        """Whether a step runs `inference`: proximal logprobs, reference logprobs or values."""
+        return self.use_decoupled_loss or self.kl_ctl > 0 or self.use_kl_loss or self.adv_estimator == "gae"

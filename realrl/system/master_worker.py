@@ -49,12 +49,12 @@ from realrl.base.http_body import from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system import checkpoints
+from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
 _T = TypeVar("_T")
 STARVED_WARNING_S = 30.0  # warn (again) after this long without new trajectories
-REJECTION_CHECK_S = 2.0  # while a step waits, count the agent's rejections this often
 
 
 def choose_batch(inventories: list[list], batch_size: int) -> list[tuple[int, int, int]] | None:
@@ -227,16 +227,12 @@ class MasterWorker(AsyncWorker):
             elif now - waiting_since > STARVED_WARNING_S and now - last_warning > STARVED_WARNING_S:
                 last_warning = now
                 await self._warn_starved(held, B, now - waiting_since)
-            if (
-                self.cfg.max_rejected_groups
-                and rejected_before is not None
-                and now - last_rejection_check > REJECTION_CHECK_S
-            ):
-                last_rejection_check = now
-                self._check_rejections(rejected_before, await self._rejected_so_far(), held)
+            if self.cfg.max_rejected_groups and now - last_rejection_check > CHECK_INTERVAL_S:
+                last_rejection_check, cap = now, self.cfg.max_rejected_groups
+                check_rejections(self.step + 1, rejected_before, await self._rejected_so_far(), cap, held, B)
             await asyncio.sleep(self.cfg.fetch_poll_interval)
-        after = await self._rejected_so_far()
-        self._rejected_groups = after - rejected_before if None not in (after, rejected_before) else None
+        after = await self._rejected_so_far()  # the step's rejections, for its stats
+        self._rejected_groups = None if after is None or rejected_before is None else after - rejected_before
         dest = plan_batch(chosen, n)
         requests = []
         for rank in all_ranks:
@@ -284,12 +280,7 @@ class MasterWorker(AsyncWorker):
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
         t_fetch = time.monotonic()
-        if (
-            self.cfg.use_decoupled_loss
-            or self.cfg.kl_ctl > 0
-            or self.cfg.use_kl_loss
-            or self.cfg.adv_estimator == "gae"
-        ):
+        if self.cfg.needs_inference:
             await self.stream.call_async(
                 all_ranks,
                 "inference",
@@ -416,23 +407,9 @@ class MasterWorker(AsyncWorker):
         """The groups the agents rejected so far (the manager's count); None when it does not answer."""
         try:
             rs = await self._manager("GET", "/rollout_stats", RolloutStats)
-        except Exception as e:  # a count only: never fail the step for it
-            self.logger.debug("no rollout stats: %s", e)
+        except Exception:  # a count only (figures, the cap): never fail the step for it
             return None
         return None if rs is None else int(rs.rejected)
-
-    def _check_rejections(self, before: int, now: int | None, have: int) -> None:
-        """Dynamic sampling's (and the success-rate filter's) cap: a task the
-        filter rejects (almost) entirely stops the trial with the reason instead of stalling."""
-        if now is None or now - before <= self.cfg.max_rejected_groups:
-            return
-        raise RuntimeError(
-            f"step {self.step + 1}: the agent rejected {now - before} groups while this step waited "
-            f"(have {have}/{self.cfg.train_batch_size} trajectories; cap rollout.max_rejected_batches x "
-            f"ppo.train_batch_size = {self.cfg.max_rejected_groups}): the policy solves all or none of the "
-            "prompts, so dynamic sampling (rollout.dynamic_sampling) or the success-rate filter leaves no "
-            "group with a signal. Use harder or easier prompts, or turn the filter off"
-        )
 
     async def _warn_starved(self, have: int, want: int, waited: float) -> None:
         """Says why a step is waiting, so a starved run is not silent."""

@@ -1,28 +1,41 @@
-"""The RL algorithms of realrl as plain, stateless tensor functions.
+"""The RL algorithms of realrl as plain, stateless tensor functions
+(docs/algorithms.md has the formulas and their papers).
 
-Everything the PPO / GRPO trainer computes that is "math" rather than "model
-plumbing" lives here, one function per idea with its formula in its
-docstring, so each can be read and unit tested on hand-computed numbers.
-(Log-probabilities from logits are in `realrl.impl.ppo.logprobs`.)
+Everything the trainer computes that is "math" rather than "model plumbing"
+lives here, one function per idea with its formula in its docstring, so each
+can be read and unit tested on hand-computed numbers. (Log-probabilities
+from logits are in `realrl.impl.ppo.logprobs`.)
+
+(Over 700 lines on purpose: the whole menu -- estimators, policy losses,
+aggregations, corrections -- side by side, each a short function with its
+paper's formula, so an algorithm reads as one screen of its kind.)
 
 The file is laid out by kind; a new algorithm is one more short function
 beside its kind, with the same arguments and results:
 
 - masked statistics: `masked_sum/mean/var/whiten`;
-- rewards: from a sequence's score to per-token rewards;
-- KL to the reference model: per-token estimators and the reward penalty;
+- rewards: from a sequence's score to per-token rewards, DAPO's
+  `overlong_penalty`;
+- KL to the reference model: per-token estimators (k1, k2, k3, low-var, abs)
+  and the reward penalty;
 - advantage estimators: rewards (and values) -> advantages. Per-sequence
-  estimators take [N] rewards in consecutive groups (`group_size` answers per
-  prompt) and return [N]; per-token ones take [B, T] and return [B, T];
-- loss aggregation: a [B, T] per-token loss -> a scalar (`aggregate_loss`);
-- policy losses: (logp, prox_logp, A) [B, T] -> (per-token loss, clipped,
-  dual_clipped), before behaviour correction and aggregation;
+  estimators (`group_normalized_advantages` for grpo / dr_grpo,
+  `rloo_advantages`) take [N] rewards in consecutive groups (`group_size`
+  answers per prompt) and return [N]; per-token ones (`gae_advantages`,
+  `discounted_returns` for reinforce_plus_plus) take [B, T] and return [B, T];
+- loss aggregation: a [B, T] per-token loss -> a scalar (`aggregate_loss`,
+  verl's four `loss_agg_mode`s, exact over micro-batches and ranks);
+- policy losses (`ppo_clip_loss`, `gspo_loss`, `cispo_loss`): (logp,
+  prox_logp, A) [B, T] -> (per-token loss, {mechanism: clipped tokens}),
+  before behaviour correction and aggregation;
 - behaviour correction: the importance weight of the proximal policy over
-  the (stale) behaviour policy, and which tokens it keeps;
+  the (stale) behaviour policy, truncated or masked per token or sequence,
+  and its effective sample size;
 - the value loss.
 
-`decoupled_ppo_actor_loss` composes a policy loss, the behaviour correction
-and the aggregation, and reports the step's statistics.
+`decoupled_ppo_actor_loss` composes a policy loss, the behaviour correction,
+the aggregation and the KL and entropy terms, and reports the step's
+statistics.
 
 Data layout
 -----------
@@ -57,9 +70,9 @@ GRPO (no critic)::
 Actor loss (decoupled PPO, AReaL): `decoupled_ppo_actor_loss`; passing the
 behaviour log-probs as the proximal ones gives standard PPO exactly.
 
-Micro-batches: losses take a `normalizer` (total valid tokens, or sequences,
-of the whole batch), so summing the micro-batch losses, and their gradients,
-gives exactly the whole-batch loss.
+Micro-batches: losses take a `normalizer` (total trained tokens, or
+sequences, of the whole batch: `loss_agg_count` summed), so summing the
+micro-batch losses, and their gradients, gives exactly the whole-batch loss.
 """
 
 from __future__ import annotations
