@@ -471,5 +471,5 @@ def test_the_rejection_cap_counts_from_the_steps_start():
 
     check_rejections(3, before=10, now=26, cap=16, have=0, want=8)  # 16 rejected: at the cap, not past it
     check_rejections(3, before=None, now=99, cap=16, have=0, want=8)  # the manager did not answer: no verdict
-    with pytest.raises(TooManyRejectedGroups, match=r"^step 3: the agent rejected 17 groups .* have 2/8"):
+    with pytest.raises(TooManyRejectedGroups, match=r"^step 3: the agent rejected 17 groups .*\(have 2/8"):
         check_rejections(3, before=10, now=27, cap=16, have=2, want=8)
