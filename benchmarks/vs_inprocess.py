@@ -302,7 +302,7 @@ def run_inprocess(
     )
     temperature = 0.0 if cfg.rollout.gconfig.greedy else cfg.rollout.gconfig.temperature
     trainer = PPOTrainer(actor, ppo, temperature, torch.device(device), o.gradient_clipping)
-    if ppo.algorithm != "grpo" or ppo.kl_ctl > 0:
+    if ppo.adv_estimator != "grpo" or ppo.kl_ctl > 0:
         raise SystemExit("the in-process loop runs GRPO without a reference model (the default)")
 
     max_prompt_len = min(

@@ -79,6 +79,7 @@ class AgentSettings:
     reward_scaling: float = 1.0
     success_rate_lb: float = 0.0  # `rollout.success_rate_lb` / `_ub`, see `keep_group`
     success_rate_ub: float = 1.0
+    dynamic_sampling: bool = False  # `rollout.dynamic_sampling`, see `keep_group`
     evaluating: bool = False  # greedy, one answer per prompt, nothing filtered
     tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -117,10 +118,16 @@ class AgentSettings:
     def rewards(self, scores: list[float]) -> list[float]:
         return [self.reward(s) for s in scores]
 
-    def keep_group(self, success_rate: float) -> bool:
+    def keep_group(self, success_rate: float, scores: list[float] | None = None) -> bool:
         """The success-rate filter: keep a group whose fraction of successes
-        lies in [lb, ub]. Evaluation keeps everything."""
-        return self.evaluating or self.success_rate_lb <= success_rate <= self.success_rate_ub
+        lies in [lb, ub]; with dynamic sampling (DAPO), also drop a group whose
+        `scores` are all equal: its group-relative advantages are all zero.
+        Evaluation keeps everything."""
+        if self.evaluating:
+            return True
+        if self.dynamic_sampling and scores is not None and len(scores) > 1 and len(set(scores)) == 1:
+            return False
+        return self.success_rate_lb <= success_rate <= self.success_rate_ub
 
     def for_evaluation(self, max_new_tokens: int | None = None) -> AgentSettings:
         """Greedy, one answer per prompt, no filtering (the evaluation contract)."""

@@ -118,10 +118,15 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class PPOConfig:
-    """The RL algorithm (docs/design.md §9)."""
+    """The RL algorithm (docs/design.md §9, docs/algorithms.md). A preset sets
+    several of these at once: `algorithm=<name>` (realrl/configs/algorithm/)."""
 
-    algorithm: str = "grpo"
-    """grpo (group-normalised advantages, no critic) | ppo (critic + GAE)."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo (group mean/std) | dr_grpo (group mean, no std) | rloo (leave-one-out
+    baseline) | reinforce_plus_plus (batch-whitened returns) | gae (PPO with a critic)."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (token ratio, clipped) | gspo (sequence-level, length-normalised ratio) | cispo
+    (clipped, stop-gradient importance weight on the logprob)."""
     group_size: int = 8
     """Answers sampled per prompt."""
     train_batch_size: int = 16
@@ -129,39 +134,76 @@ class PPOConfig:
     ppo_n_minibatches: int = 1
     """Optimizer steps per train step."""
     eps_clip: float = 0.2
-    """PPO ratio clip ε: the ratio is clipped to [1 - ε, 1 + ε]."""
+    """PPO ratio clip ε (the lower bound): the ratio is clipped to [1 - ε, 1 + eps_clip_high]."""
+    eps_clip_high: float | None = None
+    """The upper clip bound ε_high (DAPO's clip-higher); null = eps_clip."""
     c_clip: float | None = None
     """Dual clip for negative advantages (> 1); null = off."""
     value_eps_clip: float = 0.2
-    """PPO: clip of the value loss."""
+    """gae: clip of the value loss."""
     use_decoupled_loss: bool = True
     """Recompute the proximal policy's logprobs and weight each token by π_prox/π_behav (docs/design.md §9);
     false = standard PPO against the behaviour policy."""
     behav_imp_weight_cap: float | None = 5.0
-    """Decoupled loss: tokens whose π_prox/π_behav exceeds this (> 1) get no loss; null = no cap."""
+    """Rollout correction: the cap (> 1) on the behaviour importance weight π_prox/π_behav; null = no cap."""
+    behav_imp_weight_mode: str = "mask"
+    """What the cap does: mask (MIS: a token or sequence above it gets no loss) | truncate (TIS: its
+    weight becomes the cap)."""
+    behav_imp_weight_level: str = "token"
+    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens)."""
     kl_ctl: float = 0.0
-    """KL penalty coefficient against a frozen reference model; > 0 loads that model."""
+    """KL in the reward: coefficient of a per-token penalty against a frozen reference model; > 0
+    loads that model."""
     kl_estimator: str = "k1"
-    """KL estimator: k1 | k2 | k3 | abs."""
+    """KL-in-reward estimator: k1 | k2 | k3 | low-var | abs."""
+    use_kl_loss: bool = False
+    """KL as a loss term against a frozen reference model (loaded), weighted by kl_loss_coef."""
+    kl_loss_coef: float = 0.001
+    """With use_kl_loss: the KL term's coefficient."""
+    kl_loss_estimator: str = "low-var"
+    """With use_kl_loss: k1 | k2 | k3 | low-var | abs (gradient through the policy's logprobs)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss -= entropy_coef · (aggregated entropy of the policy); 0 = off."""
     discount: float = 1.0
-    """PPO: GAE discount γ."""
+    """gae and reinforce_plus_plus: discount γ."""
     gae_lambda: float = 1.0
-    """PPO: GAE λ."""
+    """gae: λ."""
     reward_scaling: float = 1.0
     """reward = ((score - 0.5) * 2 - reward_bias) * reward_scaling."""
     reward_bias: float = 0.0
     """See reward_scaling."""
     adv_norm: bool = True
-    """PPO: whiten advantages over the batch (across ranks)."""
-    group_std_norm: bool = True
-    """GRPO: divide by the group's std (false: subtract the group's mean only)."""
-    loss_aggregation: str = "token"
-    """token (the summed loss over the minibatch's completion tokens) | seq (mean per sequence, then over
-    sequences)."""
+    """gae: whiten advantages over the batch (across ranks); reinforce_plus_plus always does."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one: token-mean | seq-mean-token-mean | seq-mean-token-sum |
+    seq-mean-token-sum-norm (÷ max_new_tokens), exact over micro-batches and ranks."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment: answers within this many tokens of max_new_tokens lose up to
+    overlong_penalty_factor, linearly; 0 = overlong_buffer_frac of max_new_tokens."""
+    overlong_buffer_frac: float = 0.0
+    """The overlong buffer as a fraction of rollout.gconfig.max_new_tokens (when overlong_buffer_len is 0)."""
+    overlong_penalty_factor: float = 0.0
+    """The overlong punishment's largest penalty (added to the reward); 0 = off."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: answers cut by the length budget train no token (their rewards still
+    count in their group's baseline)."""
     max_tokens_per_mb: int = 8192
     """Micro-batch token budget (first-fit-decreasing packing)."""
     share_prompts: bool = True
     """Train a prompt's answers in rows that hold the prompt once (where a FLOP estimate says it pays)."""
+
+
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low-var", "abs")
+# Keys that were replaced: using one is an error that names what to use instead.
+REPLACED_KEYS = {
+    "ppo.algorithm": "ppo.adv_estimator (grpo | dr_grpo | rloo | reinforce_plus_plus | gae; "
+    "ppo.algorithm=ppo is ppo.adv_estimator=gae) or a preset, algorithm=<name>",
+    "ppo.loss_aggregation": "ppo.loss_agg_mode (token -> token-mean, seq -> seq-mean-token-mean)",
+    "ppo.group_std_norm": "ppo.adv_estimator (group_std_norm=false is ppo.adv_estimator=dr_grpo)",
+}
 
 
 @dataclasses.dataclass
@@ -213,6 +255,12 @@ class RolloutConfig:
     "module:function" or a registered name (sets env to "reward-fn")."""
     reward_fn_timeout: float = 10.0
     """Seconds per reward function call; a call cut off scores 0."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose answers all score the same (no signal for a group
+    baseline) is rejected; it costs no staleness budget and the step waits for informative groups."""
+    max_rejected_batches: int = 20
+    """Stop the trial, saying why, when the agent rejects this many train batches' worth of groups
+    while one step waits (the task is too easy or too hard for the filter); 0 = never."""
     max_restarts: int = 3
     """A rollout worker that dies is started again (it takes over its data shard;
     its running rollouts go back to admission and are generated again), this often."""
@@ -570,9 +618,20 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(cfg.tiny_kit.warm_start_steps >= 0, "tiny_kit.warm_start_steps", "must be >= 0 (0 = default)")
 
     p = cfg.ppo
-    _check(p.algorithm in ("grpo", "ppo"), "ppo.algorithm", f"must be grpo|ppo, got {p.algorithm!r}")
+    _check(
+        p.adv_estimator in ADV_ESTIMATORS,
+        "ppo.adv_estimator",
+        f"must be {'|'.join(ADV_ESTIMATORS)}, got {p.adv_estimator!r}",
+    )
+    _check(
+        p.policy_loss in POLICY_LOSSES, "ppo.policy_loss", f"must be {'|'.join(POLICY_LOSSES)}, got {p.policy_loss!r}"
+    )
     _check(p.group_size >= 1, "ppo.group_size", "must be >= 1")
-    _check(p.algorithm != "grpo" or p.group_size >= 2, "ppo.group_size", "GRPO needs >= 2 answers per prompt")
+    _check(
+        p.adv_estimator not in ("grpo", "dr_grpo", "rloo") or p.group_size >= 2,
+        "ppo.group_size",
+        f"ppo.adv_estimator={p.adv_estimator} needs >= 2 answers per prompt",
+    )
     _check(
         p.train_batch_size >= alloc.train.dp,
         "ppo.train_batch_size",
@@ -585,20 +644,57 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         "must not exceed the trajectories per trainer per step",
     )
     _check(0 < p.eps_clip < 1, "ppo.eps_clip", "must be in (0, 1)")
+    _check(p.eps_clip_high is None or p.eps_clip_high > 0, "ppo.eps_clip_high", "must be > 0 (or null = eps_clip)")
     _check(p.value_eps_clip > 0, "ppo.value_eps_clip", f"must be > 0, got {p.value_eps_clip}")
     _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", "must be > 1 (or null)")
+    _check(
+        p.c_clip is None or p.policy_loss == "ppo",
+        "ppo.c_clip",
+        f"the dual clip is a ppo policy loss's; set it to null for policy_loss={p.policy_loss}",
+    )
     _check(
         p.behav_imp_weight_cap is None or p.behav_imp_weight_cap > 1,
         "ppo.behav_imp_weight_cap",
         "must be > 1 (or null)",
     )
-    _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
     _check(
-        p.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator", f"must be k1|k2|k3|abs, got {p.kl_estimator!r}"
+        p.behav_imp_weight_mode in ("truncate", "mask"),
+        "ppo.behav_imp_weight_mode",
+        f"must be truncate|mask, got {p.behav_imp_weight_mode!r}",
     )
+    _check(
+        p.behav_imp_weight_level in ("token", "sequence"),
+        "ppo.behav_imp_weight_level",
+        f"must be token|sequence, got {p.behav_imp_weight_level!r}",
+    )
+    _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
+    for key in ("kl_estimator", "kl_loss_estimator"):
+        value = getattr(p, key)
+        _check(value in KL_ESTIMATORS, f"ppo.{key}", f"must be {'|'.join(KL_ESTIMATORS)}, got {value!r}")
+    _check(p.kl_loss_coef >= 0, "ppo.kl_loss_coef", f"must be >= 0, got {p.kl_loss_coef}")
+    _check(p.entropy_coef >= 0, "ppo.entropy_coef", f"must be >= 0 (0 = off), got {p.entropy_coef}")
     _check(0 <= p.discount <= 1, "ppo.discount", "must be in [0, 1]")
     _check(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", "must be in [0, 1]")
-    _check(p.loss_aggregation in ("token", "seq"), "ppo.loss_aggregation", "must be token|seq")
+    _check(
+        p.loss_agg_mode in LOSS_AGG_MODES,
+        "ppo.loss_agg_mode",
+        f"must be {'|'.join(LOSS_AGG_MODES)}, got {p.loss_agg_mode!r}",
+    )
+    max_new = cfg.rollout.gconfig.max_new_tokens
+    _check(
+        0 <= p.overlong_buffer_len <= max_new,
+        "ppo.overlong_buffer_len",
+        f"must be in [0, rollout.gconfig.max_new_tokens={max_new}], got {p.overlong_buffer_len}",
+    )
+    _check(
+        0 <= p.overlong_buffer_frac <= 1, "ppo.overlong_buffer_frac", f"must be in [0, 1], got {p.overlong_buffer_frac}"
+    )
+    _check(p.overlong_penalty_factor >= 0, "ppo.overlong_penalty_factor", "must be >= 0 (0 = off)")
+    _check(
+        p.overlong_penalty_factor == 0 or p.overlong_buffer_len or round(p.overlong_buffer_frac * max_new) >= 1,
+        "ppo.overlong_penalty_factor",
+        "needs an overlong buffer: ppo.overlong_buffer_len or ppo.overlong_buffer_frac (of max_new_tokens) >= 1 token",
+    )
     _check(p.max_tokens_per_mb >= 16, "ppo.max_tokens_per_mb", "must be >= 16")
 
     o = cfg.optimizer
@@ -620,6 +716,11 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(r.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness", "must be >= 0")
     _check(r.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts", "must be >= 1")
     _check(r.new_tokens_per_chunk >= 1, "rollout.new_tokens_per_chunk", "must be >= 1")
+    _check(
+        r.max_rejected_batches >= 0,
+        "rollout.max_rejected_batches",
+        f"must be >= 0 (0 = never), got {r.max_rejected_batches}",
+    )
     _check(
         0 <= r.success_rate_lb <= r.success_rate_ub <= 1,
         "rollout.success_rate_lb",

@@ -170,6 +170,7 @@ class ModelWorkerConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     total_train_steps: int = 1  # for lr schedules
     temperature: float = 1.0  # sampling temperature: training logprobs use the same scaling
+    max_new_tokens: int = 16  # the generation budget (Dr. GRPO's constant length, DAPO's overlong buffer)
     ref_model_path: str = ""  # a frozen reference policy when ppo.kl_ctl > 0
     weights_dir: str = ""  # publish version v of the actor to <weights_dir>/<v>/
     checkpoint_dir: str = ""  # recovery checkpoints
@@ -191,7 +192,10 @@ class MasterWorkerConfig:
     total_train_steps: int = 1
     train_batch_size: int = 16
     max_head_offpolicyness: int = 4
-    algorithm: str = "grpo"
+    adv_estimator: str = "grpo"  # gae: a critic, whose values need the inference pass
+    # Stop the trial when the agent rejects this many groups while one step waits (0: never).
+    max_rejected_groups: int = 0
+    use_kl_loss: bool = False
     use_decoupled_loss: bool = True
     kl_ctl: float = 0.0
     evaluate: bool = True  # greedy evaluation before/after training (needs a test split)
@@ -208,3 +212,8 @@ class MasterWorkerConfig:
     rpc_receipt_timeout: float = 60.0  # ... and fail the trial after this long
     fetch_poll_interval: float = 0.05
     wandb: bool = False  # also log the stats to Weights & Biases, offline (stats.wandb)
+
+    @property
+    def needs_inference(self) -> bool:
+        """Whether a step runs `inference`: proximal logprobs, reference logprobs or values."""
+        return self.use_decoupled_loss or self.kl_ctl > 0 or self.use_kl_loss or self.adv_estimator == "gae"

@@ -21,7 +21,11 @@ Figures:
   batch, inference, train, publishing the weights);
 - throughput.png: tokens generated per second and tokens trained per second;
 - idle_ratios.png: the fraction of time the trainers waited for data and the
-  generation servers had no request running.
+  generation servers had no request running;
+- off_policy.png: the behaviour importance weights' effective sample size and
+  the fraction of tokens each mechanism clipped or masked, then the policy's
+  entropy and its KL to the proximal policy: an off-policy collapse shows
+  here (ESS falling, masking rising) before the reward falls.
 """
 
 from __future__ import annotations
@@ -245,12 +249,39 @@ def _plot_idle(records):
     return fig
 
 
+def _plot_off_policy(records):
+    train = _train_records(records)
+    fractions = [
+        ("train/behav_ess", "behaviour weights: ESS"),
+        ("train/clip_high_frac", "clipped high"),
+        ("train/clip_low_frac", "clipped low"),
+        ("train/dual_clip_frac", "dual-clipped"),
+        ("train/behav_capped_frac", "behaviour weight capped"),
+        ("train/truncated_masked_frac", "truncated answers masked"),
+    ]
+    if not _series(train, "train/behav_ess")[0]:
+        return None
+    fig, (frac_ax, policy_ax) = _figure(2, "off-policy diagnostics")
+    for (key, label), color in zip(fractions, _COLORS):
+        _line(frac_ax, *_series(train, key), label, color)
+    frac_ax.set_xlabel("train step")
+    frac_ax.set_ylabel("fraction (ESS: of the tokens)")
+    frac_ax.set_ylim(-0.02, 1.02)
+    frac_ax.legend(fontsize=8, loc="center right")
+    _line(policy_ax, *_series(train, "train/entropy"), "entropy (nats/token)", _COLORS[0])
+    _line(policy_ax, *_series(train, "train/approx_kl"), "KL(prox || policy), k3", _COLORS[3])
+    policy_ax.set_xlabel("train step")
+    policy_ax.legend(fontsize=8)
+    return fig
+
+
 FIGURES: dict[str, Callable] = {
     "accuracy_reward.png": _plot_accuracy_reward,
     "staleness.png": _plot_staleness,
     "step_time.png": _plot_step_time,
     "throughput.png": _plot_throughput,
     "idle_ratios.png": _plot_idle,
+    "off_policy.png": _plot_off_policy,
 }
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from realrl.api.agent_api import AgentSettings
-from realrl.api.cli_args import AgentConfig, AsyncPPOConfig, ConfigError, EnvConfig
+from realrl.api.cli_args import REPLACED_KEYS, AgentConfig, AsyncPPOConfig, ConfigError, EnvConfig
 from realrl.base.plugins import absolute_spec, is_object_spec
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -38,6 +39,10 @@ def load_config(
     from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name=SCHEMA_NODE, node=AsyncPPOConfig)
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in REPLACED_KEYS:
+            raise ConfigError(f"{key}: was replaced by {REPLACED_KEYS[key]}")
     overrides = [f"++{o}" if o.startswith(FREE_FORM_KEYS) else o for o in overrides]
     search = [CONFIG_DIR]
     if config_dir is not None:
@@ -64,10 +69,20 @@ def _error_line(e: Exception) -> str:
     text = str(cause).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if full_key in REPLACED_KEYS:  # a replaced key in a config file
+        return f"{full_key}: was replaced by {REPLACED_KEYS[full_key]}"
+    missing = re.search(r"Could not find '(algorithm/[^']*)'", text)
+    if missing:
+        return f"algorithm: no preset {missing.group(1)!r}; presets: {', '.join(algorithm_presets())}"
     message = next((ln for ln in lines if not ln.startswith(("full_key:", "object_type", "reference_type"))), text)
     if full_key and full_key not in message:
         return f"{full_key}: {message}"
     return message
+
+
+def algorithm_presets() -> list[str]:
+    """The names `algorithm=<name>` takes: realrl/configs/algorithm/*.yaml."""
+    return sorted(f[: -len(".yaml")] for f in os.listdir(os.path.join(CONFIG_DIR, "algorithm")) if f.endswith(".yaml"))
 
 
 # ---- values derived from the config ------------------------------------------------------
@@ -107,6 +122,7 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
         reward_scaling=cfg.ppo.reward_scaling,
         success_rate_lb=cfg.rollout.success_rate_lb,
         success_rate_ub=cfg.rollout.success_rate_ub,
+        dynamic_sampling=cfg.rollout.dynamic_sampling,
     )
 
 

@@ -49,6 +49,7 @@ from realrl.base.http_body import from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system import checkpoints
+from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
@@ -138,6 +139,7 @@ class MasterWorker(AsyncWorker):
         self.step_logger = getLogger(STEP_LOGGER)  # one line per step: the log file; the launcher renders it
         self._gen_utilization: dict | None = None  # the manager's cumulative figures at the previous step
         self._wait_data_s = 0.0  # of the last _fetch: time the ranks held too few trajectories
+        self._rejected_groups: int | None = None  # of the last _fetch: groups the agents rejected meanwhile
         self._finished = False
 
     async def _setup_async(self) -> None:
@@ -203,7 +205,8 @@ class MasterWorker(AsyncWorker):
         n, B = self.cfg.n_model_workers, self.cfg.train_batch_size
         all_ranks = list(range(n))
         min_version = self.version - self.cfg.max_head_offpolicyness
-        started = waiting_since = last_warning = time.monotonic()
+        started = waiting_since = last_warning = last_rejection_check = time.monotonic()
+        rejected_before = await self._rejected_so_far()
         have = -1
         while True:
             replies = await self.stream.call_async(
@@ -224,7 +227,12 @@ class MasterWorker(AsyncWorker):
             elif now - waiting_since > STARVED_WARNING_S and now - last_warning > STARVED_WARNING_S:
                 last_warning = now
                 await self._warn_starved(held, B, now - waiting_since)
+            if self.cfg.max_rejected_groups and now - last_rejection_check > CHECK_INTERVAL_S:
+                last_rejection_check, cap = now, self.cfg.max_rejected_groups
+                check_rejections(self.step + 1, rejected_before, await self._rejected_so_far(), cap, held, B)
             await asyncio.sleep(self.cfg.fetch_poll_interval)
+        after = await self._rejected_so_far()  # the step's rejections, for its stats
+        self._rejected_groups = None if after is None or rejected_before is None else after - rejected_before
         dest = plan_batch(chosen, n)
         requests = []
         for rank in all_ranks:
@@ -276,7 +284,7 @@ class MasterWorker(AsyncWorker):
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
         t_fetch = time.monotonic()
-        if self.cfg.use_decoupled_loss or self.cfg.kl_ctl > 0 or self.cfg.algorithm == "ppo":
+        if self.cfg.needs_inference:
             await self.stream.call_async(
                 all_ranks,
                 "inference",
@@ -324,6 +332,8 @@ class MasterWorker(AsyncWorker):
             stats["staleness/token_histogram"] = batch["token_staleness"]  # generated tokens, per staleness
         stats["time/fetch_s"] = t_fetch - t0
         stats["time/wait_data_s"] = self._wait_data_s  # part of fetch_s
+        if self._rejected_groups is not None:
+            stats["rollout/rejected_groups"] = self._rejected_groups  # dynamic sampling, success-rate filter
         stats["time/inference_s"] = t_inf - t_fetch
         stats["time/train_s"] = t_train - t_inf
         if isinstance(results[0].get("publish_seconds"), (int, float)):
@@ -397,6 +407,14 @@ class MasterWorker(AsyncWorker):
         if rs is None:
             return None
         return {k: float(getattr(rs, k)) for k in ("gen_idle_s", "gen_server_s", "gen_tokens", "gen_clock_s")}
+
+    async def _rejected_so_far(self) -> int | None:
+        """The groups the agents rejected so far (the manager's count); None when it does not answer."""
+        try:
+            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
+        except Exception:  # a count only (figures, the cap): never fail the step for it
+            return None
+        return None if rs is None else int(rs.rejected)
 
     async def _warn_starved(self, have: int, want: int, waited: float) -> None:
         """Says why a step is waiting, so a starved run is not silent."""

@@ -228,15 +228,16 @@ class ModelWorker(Worker):
 
         self.actor = optimized(actor)
         self.critic = None
-        if ppo.algorithm == "ppo":
+        if ppo.adv_estimator == "gae":
             critic = CriticModel.from_pretrained(config.model_path, dtype).to(self.device)
             if config.fsdp:
                 _shard(critic)
             self.critic = optimized(critic)
         self.ref = None
-        if ppo.kl_ctl > 0 and self.lora and not config.ref_model_path:
+        use_ref = ppo.kl_ctl > 0 or ppo.use_kl_loss
+        if use_ref and self.lora and not config.ref_model_path:
             self.ref = AdapterDisabled(actor)  # the base under the adapters: no second copy
-        elif ppo.kl_ctl > 0:
+        elif use_ref:
             self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path or config.model_path, dtype=dtype).to(
                 self.device
             )
@@ -255,6 +256,7 @@ class ModelWorker(Worker):
             # FSDP averages gradients over ranks; our losses are normalised by
             # the global token count and must be summed, so scale by the world size.
             loss_scale=float(self.dp_size) if config.fsdp else 1.0,
+            max_new_tokens=config.max_new_tokens,
         )
 
         self.version = 0

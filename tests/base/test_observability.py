@@ -35,6 +35,12 @@ def synthetic_stats(path, steps: int = 30, eval_every: int = 10) -> None:
             {
                 "step": s,
                 "train/actor_loss": 0.01,
+                "train/behav_ess": 0.99 - s / 200,
+                "train/clip_high_frac": 0.02,
+                "train/clip_low_frac": 0.01,
+                "train/behav_capped_frac": s / 1000,
+                "train/entropy": 1.5 - s / 100,
+                "train/approx_kl": 0.001,
                 "rollout/accuracy": 0.2 + s / 100,
                 "rollout/reward/mean": 0.1 + s / 50,
                 "staleness/mean": 1.0,

@@ -68,7 +68,7 @@ def test_a_per_call_temperature_trains_with_exact_prox_behaviour_alignment(share
     torch.set_num_threads(1)
     calls = [(PROMPTS[0], 0.5, 0.8), (PROMPTS[1], 1.6, 0.8), (PROMPTS[2], 1.0, 1.0), (PROMPTS[3], 0.7, 0.6)]
     results = sample(shared_server.url, calls)
-    ppo = PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2)  # a proximal pass of its own
+    ppo = PPOConfig(adv_estimator="grpo", group_size=2, ppo_n_minibatches=2)  # a proximal pass of its own
     trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))  # the run's temperature: 1.0
 
     batch = SequenceBatch.from_trajectories(trajectories(calls, results, record=True))
@@ -100,7 +100,7 @@ def test_top_p_1_changes_nothing(shared_server, tiny_llama_dir):
     calls = [(p, 1.0, 1.0) for p in PROMPTS]
     results = sample(shared_server.url, calls)
     assert all(r.output_sampling_logprobs == r.output_logprobs for r in results)  # the server: equal floats
-    ppo = PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2)
+    ppo = PPOConfig(adv_estimator="grpo", group_size=2, ppo_n_minibatches=2)
     outcomes = []
     for record in (True, False):
         trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
@@ -122,7 +122,7 @@ def test_without_decoupling_the_old_policy_is_the_unfiltered_one(shared_server, 
     torch.set_num_threads(1)
     calls = [(p, 1.0, 0.6) for p in PROMPTS]
     results = sample(shared_server.url, calls)
-    ppo = PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2, use_decoupled_loss=False)
+    ppo = PPOConfig(adv_estimator="grpo", group_size=2, ppo_n_minibatches=2, use_decoupled_loss=False)
     trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
     batch = SequenceBatch.from_trajectories(trajectories(calls, results, record=True))
     trainer.inference(batch, decoupled=False)

@@ -78,13 +78,13 @@ def test_trajectories_carry_their_mask_into_the_batch():
 
 def test_grpo_advantages_are_zero_on_context_tokens(tiny_llama_dir):
     torch.set_num_threads(1)
-    trainer, _ = build_trainer(tiny_llama_dir, PPOConfig(algorithm="grpo", group_size=2), CPU)
+    trainer, _ = build_trainer(tiny_llama_dir, PPOConfig(adv_estimator="grpo", group_size=2), CPU)
     advs, _ = trainer.advantages(masked_batch())
     a = 0.5 / (2**-0.5 + 1e-5)  # rewards (1, 0): (r - 0.5) / (unbiased std + eps)
     assert advs[0].tolist() == pytest.approx([a, a, 0, 0, a, 0])
     assert advs[1].tolist() == pytest.approx([-a] * 3)
     # token-mean normaliser: the sampled tokens only; seq-mean: sequences with one
-    assert float(trainer._normalizers(masked_batch(), [[0, 1]])[0]) == 6
+    assert float(trainer._normalizers(trainer.trained_masks(masked_batch()), [[0, 1]])[0]) == 6
     mb = make_micro_batch(masked_batch(), [[0, 1]], CPU)
     behav = mb.scatter(masked_batch().behav_logprobs)
     # on-policy (logp = prox = behav): ratio 1, loss = -sum(adv) / n over sampled tokens
@@ -96,7 +96,7 @@ def test_grpo_advantages_are_zero_on_context_tokens(tiny_llama_dir):
 
 def test_gae_puts_the_reward_on_the_last_sampled_token_and_steps_over_context(tiny_llama_dir):
     torch.set_num_threads(1)
-    ppo = PPOConfig(algorithm="ppo", discount=0.5, gae_lambda=1.0, adv_norm=False)
+    ppo = PPOConfig(adv_estimator="gae", discount=0.5, gae_lambda=1.0, adv_norm=False)
     trainer, _ = build_trainer(tiny_llama_dir, ppo, CPU)
     batch = masked_batch(rewards=(1.0, 0.0))
     # values at the tokens before each completion token (P-1 .. L-1)
@@ -116,13 +116,15 @@ def test_gae_puts_the_reward_on_the_last_sampled_token_and_steps_over_context(ti
     assert white[0][[2, 3, 5]].abs().sum() == 0
 
 
-@pytest.mark.parametrize("aggregation", ["token", "seq"])
+@pytest.mark.parametrize(
+    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_context_tokens_change_no_gradient(tiny_llama_dir, aggregation):
     # The same batch, once with the contract's logprob 0 on context tokens and
     # once with -30 there: a context token inside the loss would get another
     # behaviour weight (and clip) and so another update.
     torch.set_num_threads(1)
-    ppo = PPOConfig(algorithm="grpo", group_size=2, kl_ctl=0.1, loss_aggregation=aggregation)
+    ppo = PPOConfig(adv_estimator="grpo", group_size=2, kl_ctl=0.1, loss_agg_mode=aggregation)
     weights, stats = [], []
     for context_logprob in (0.0, -30.0):
         torch.manual_seed(0)

@@ -380,21 +380,23 @@ def test_token_vs_seq_aggregation_unequal_lengths():
     adv = torch.tensor([[1.0, 2.0, 3.0], [6.0, 99.0, 99.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     loss_tok, _ = F.decoupled_ppo_actor_loss(logp, logp.detach(), logp.detach(), adv, mask, 0.2)
-    loss_seq, _ = F.decoupled_ppo_actor_loss(logp, logp.detach(), logp.detach(), adv, mask, 0.2, aggregation="seq")
+    loss_seq, _ = F.decoupled_ppo_actor_loss(
+        logp, logp.detach(), logp.detach(), adv, mask, 0.2, loss_agg_mode="seq-mean-token-mean"
+    )
     assert close(loss_tok, -3.0)
     assert close(loss_seq, -4.0)
     with pytest.raises(ValueError):
-        F.decoupled_ppo_actor_loss(logp, logp, logp, adv, mask, 0.2, aggregation="batch")
+        F.decoupled_ppo_actor_loss(logp, logp, logp, adv, mask, 0.2, loss_agg_mode="batch")
 
 
-@pytest.mark.parametrize("aggregation", ["token", "seq"])
+@pytest.mark.parametrize("aggregation", F.LOSS_AGG_MODES)
 def test_micro_batches_sum_to_batch_loss(aggregation):
     logp, prox, behav, adv, mask = _random_batch(3, b=4, t=9)
-    kwargs = dict(eps_clip=0.2, behav_imp_weight_cap=2.0, c_clip=3.0, aggregation=aggregation)
+    kwargs = dict(eps_clip=0.2, behav_imp_weight_cap=2.0, c_clip=3.0, loss_agg_mode=aggregation, max_len=9.0)
     full, _ = F.decoupled_ppo_actor_loss(logp, prox, behav, adv, mask, **kwargs)
     (full_grad,) = torch.autograd.grad(full, logp)
 
-    normalizer = mask.sum() if aggregation == "token" else 4
+    normalizer = mask.sum() if aggregation == "token-mean" else 4
     total = 0.0
     for rows in ([0, 2], [1, 3]):
         # each micro-batch is trimmed to its own longest sequence, as the trainer pads

@@ -13,7 +13,7 @@ from realrl.impl.ppo.batch import make_micro_batch
 from tests.impl.trainer_kit import build_trainer, full_weights, make_batch, make_groups
 
 
-@pytest.mark.parametrize("aggregation", ["token", "seq"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_empty_completion_trains_no_token_and_crashes_nothing(tiny_llama_dir, algorithm, aggregation):
     torch.set_num_threads(1)
@@ -24,12 +24,12 @@ def test_empty_completion_trains_no_token_and_crashes_nothing(tiny_llama_dir, al
         s["ids"], s["behav"] = s["ids"][: s["prompt_len"]], []
     groups[0][1]["reward"] = 1.0
     ppo = PPOConfig(
-        algorithm=algorithm,
+        adv_estimator="gae" if algorithm == "ppo" else "grpo",
         group_size=3,
         ppo_n_minibatches=3,
         max_tokens_per_mb=32,
         kl_ctl=0.1,
-        loss_aggregation=aggregation,
+        loss_agg_mode=aggregation,
     )
     trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
     batch = make_batch(groups)
@@ -67,7 +67,7 @@ def test_padding_micro_batch_is_inert():
 
 def test_empty_batch_changes_nothing(tiny_llama_dir):
     torch.set_num_threads(1)
-    trainer, forwards = build_trainer(tiny_llama_dir, PPOConfig(algorithm="ppo", kl_ctl=0.1), torch.device("cpu"))
+    trainer, forwards = build_trainer(tiny_llama_dir, PPOConfig(adv_estimator="gae", kl_ctl=0.1), torch.device("cpu"))
     before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
     batch = make_batch([])
     trainer.inference(batch, decoupled=True)
@@ -83,7 +83,7 @@ def test_proximal_logprobs_from_the_train_forward_equal_a_separate_pass(tiny_lla
     # the one a separate proximal pass gives: same weights after, same stats.
     torch.set_num_threads(1)
     groups = make_groups(5, 4, 4, (3, 6), (2, 7))
-    ppo = PPOConfig(algorithm="grpo", group_size=4, ppo_n_minibatches=1, max_tokens_per_mb=48)
+    ppo = PPOConfig(adv_estimator="grpo", group_size=4, ppo_n_minibatches=1, max_tokens_per_mb=48)
     results = []
     for fused in (True, False):
         trainer, forwards = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
@@ -109,8 +109,8 @@ def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tin
     torch.set_num_threads(1)
     groups = make_groups(6, 4, 2, (3, 5), (2, 5))
     for ppo in (
-        PPOConfig(algorithm="grpo", group_size=2, ppo_n_minibatches=2),
-        PPOConfig(algorithm="grpo", group_size=2, kl_ctl=0.1),
+        PPOConfig(adv_estimator="grpo", group_size=2, ppo_n_minibatches=2),
+        PPOConfig(adv_estimator="grpo", group_size=2, kl_ctl=0.1),
     ):
         trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
         batch = make_batch(groups)
@@ -155,7 +155,7 @@ def test_shared_prompt_rows_train_exactly_like_separate_rows(tiny_llama_dir, att
     results = []
     for share in (True, False):
         ppo = PPOConfig(
-            algorithm=algorithm,
+            adv_estimator="gae" if algorithm == "ppo" else "grpo",
             group_size=4,
             kl_ctl=kl_ctl,
             ppo_n_minibatches=n_minibatches,

@@ -123,8 +123,8 @@ def assert_trained(results: list[dict], model_dir: str) -> None:
 # rank 0: three trajectories of long sequences (several micro-batches);
 # rank 1: one trajectory of short answers to one prompt (one shared-prompt row; fewer groups than minibatches).
 UNEVEN = [make_groups(1, 3, 2, (3, 6), (20, 28)), make_groups(2, 1, 2, (3, 5), (2, 4), shared_prompt=True)]
-PPO = dict(algorithm="ppo", group_size=2, ppo_n_minibatches=2, max_tokens_per_mb=64, kl_ctl=0.1)
-GRPO = dict(algorithm="grpo", group_size=2, ppo_n_minibatches=3, max_tokens_per_mb=64, kl_ctl=0.1)
+PPO = dict(adv_estimator="gae", group_size=2, ppo_n_minibatches=2, max_tokens_per_mb=64, kl_ctl=0.1)
+GRPO = dict(adv_estimator="grpo", group_size=2, ppo_n_minibatches=3, max_tokens_per_mb=64, kl_ctl=0.1)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])

@@ -141,14 +141,15 @@ def build_trainer(
 
     load = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     actor = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
-    critic = CriticModel.from_pretrained(model_dir, **load).to(device) if ppo.algorithm == "ppo" else None
+    critic = CriticModel.from_pretrained(model_dir, **load).to(device) if ppo.adv_estimator == "gae" else None
     if lora_rank:
         torch.manual_seed(0)
         actor = lora.wrap(actor, LoraConfig(rank=lora_rank, alpha=2 * lora_rank))
     ref = None
-    if ppo.kl_ctl > 0 and lora_rank:
+    use_ref = ppo.kl_ctl > 0 or ppo.use_kl_loss
+    if use_ref and lora_rank:
         ref = AdapterDisabled(actor)
-    elif ppo.kl_ctl > 0:
+    elif use_ref:
         ref = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
         ref.requires_grad_(False).eval()
     if mode == "fsdp":
@@ -180,6 +181,7 @@ def build_trainer(
         sync_grads=sync_grads if mode != "fsdp" and world > 1 else (lambda m: None),
         process_group=process_group,
         loss_scale=float(world) if mode == "fsdp" else 1.0,
+        max_new_tokens=16,
     )
     forwards.clear()  # the constructor's shared-prompt probe is not a step's forward
     return trainer, forwards

@@ -126,7 +126,12 @@ def run_trial(
     steps, B, eta = 3, 4, 1
     weights_dir = str(tmp_path / "weights")
     ppo = PPOConfig(
-        algorithm=algorithm, group_size=2, train_batch_size=B, ppo_n_minibatches=2, max_tokens_per_mb=64, kl_ctl=kl_ctl
+        adv_estimator="gae" if algorithm == "ppo" else "grpo",
+        group_size=2,
+        train_batch_size=B,
+        ppo_n_minibatches=2,
+        max_tokens_per_mb=64,
+        kl_ctl=kl_ctl,
     )
     mw = ModelWorkerConfig(
         model_path=model_path,
@@ -148,7 +153,7 @@ def run_trial(
         total_train_steps=steps,
         train_batch_size=B,
         max_head_offpolicyness=eta,
-        algorithm=algorithm,
+        adv_estimator="gae" if algorithm == "ppo" else "grpo",
         kl_ctl=kl_ctl,
         checkpoint_every_n_steps=2,
         checkpoint_dir=str(tmp_path / "ckpt"),

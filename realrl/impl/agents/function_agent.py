@@ -183,7 +183,7 @@ class FunctionAgent(Agent):
             for k, v in e.extras.items():
                 self.extras[k].append(v)
         success_rate = sum(s >= FULL_CREDIT for s in scores) / len(scores) if scores else 0.0
-        if not done or not self.settings.keep_group(success_rate):
+        if not done or not self.settings.keep_group(success_rate, scores):
             self.stats.n_rejected += 1
             return []
         sequences, seq_scores, meta = [], [], {"episode": [], "turns": []}

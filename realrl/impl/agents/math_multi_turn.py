@@ -138,7 +138,7 @@ class MathMultiTurnAgent(Agent):
         self.stats.n_episodes += 1
         self.stats.n_chains += len(chains)
         self.stats.n_solved += sum(solved)
-        if not self.settings.keep_group(solve_rate):
+        if not self.settings.keep_group(solve_rate, [float(s) for s in solved]):
             self.stats.n_rejected += 1
             return []
 

@@ -13,9 +13,9 @@ answer (the `"math"` environment's 0/1, a reward function's partial credit,
 4. success-rate filter: the fraction of answers with full credit (score >= 1)
    must lie in [success_rate_lb, success_rate_ub], else the group is dropped
    (returns `[]`, which uses no staleness budget): ub < 1 drops all-correct
-   groups, lb > 0 all-wrong ones. With the own argument `drop_uniform_groups`
-   (off by default) a group whose answers all score the same is dropped too:
-   with GRPO's group-normalised advantages it carries no signal.
+   groups, lb > 0 all-wrong ones. A group whose answers all score the same is
+   dropped too with `rollout.dynamic_sampling` (DAPO) or the agent's own
+   argument `drop_uniform_groups`: its group-relative advantages are all 0.
 
 Registered also as `"math-single-step"`, its name before it served any task.
 """
@@ -46,7 +46,7 @@ class SingleStepAgent(Agent):
         accuracy = sum(s >= FULL_CREDIT for s in scores) / len(scores)
         self.stats.add_episode(scores, info)
         uniform = self.drop_uniform_groups and len(set(scores)) == 1 and not self.settings.evaluating
-        if not self.settings.keep_group(accuracy) or uniform:
+        if not self.settings.keep_group(accuracy, scores) or uniform:
             self.stats.n_rejected += 1
             return []
         metadata = {"answers": answers, "accuracy": accuracy, "solutions": list(prompt.solutions)}

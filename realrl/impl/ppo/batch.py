@@ -96,9 +96,10 @@ class SequenceBatch:
     def completion_len(self, i: int) -> int:
         return len(self.input_ids[i]) - self.prompt_lens[i]
 
-    def sampled_mask(self, i: int) -> torch.Tensor:
-        """bool [L_i - P_i]: which completion tokens of sequence i the policy
-        sampled (the ones it trains on)."""
+    def trained_mask(self, i: int) -> torch.Tensor:
+        """bool [C_i]: which completion tokens of sequence i the policy sampled:
+        the ones the losses, advantages and their normalisers cover (a
+        trajectory's `loss_mask`, docs/design.md §5; all when it has none)."""
         mask = None if self.loss_masks is None else self.loss_masks[i]
         return torch.ones(self.completion_len(i), dtype=torch.bool) if mask is None else mask.bool()
 
@@ -182,7 +183,7 @@ def make_micro_batch(
             src_cols.append([P - 1, *range(col, col + G)])
             src_rows.append(r)
             targets.append(completion)
-            masks.append(batch.sampled_mask(i).long().tolist())
+            masks.append(batch.trained_mask(i).long().tolist())
             ids += completion
             seg += [s] * G
             pos += range(P, P + G)

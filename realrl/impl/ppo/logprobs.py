@@ -121,7 +121,7 @@ def gather_logprobs(
     return logprobs.view(*batch_shape)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float | None = 1.0) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, temperature: float | torch.Tensor | None = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position, in fp32.
 
         H[b, t] = logsumexp(x) - sum_j softmax(x)_j * x_j,   x = logits[b, t] / T
@@ -134,13 +134,17 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float | None = 1.0) -
     Returns:
         [B, T] entropies in nats.
     """
-    temperature = _effective_temperature(temperature)
     *batch_shape, vocab_size = logits.shape
+    if isinstance(temperature, torch.Tensor):  # one per sequence -> one per flattened row
+        temperature = temperature.to(torch.float32)[:, None].expand(batch_shape).reshape(-1, 1)
+    else:
+        temperature = _effective_temperature(temperature)
     flat_logits = logits.reshape(-1, vocab_size)
     chunk = _rows_per_chunk(vocab_size)
     pieces = []
     for start in range(0, flat_logits.shape[0], chunk):
-        x = flat_logits[start : start + chunk].float() / temperature
+        t = temperature[start : start + chunk] if isinstance(temperature, torch.Tensor) else temperature
+        x = flat_logits[start : start + chunk].float() / t
         lse = torch.logsumexp(x, dim=-1)
         probs = torch.exp(x - lse[:, None])
         pieces.append(lse - (probs * x).sum(-1))

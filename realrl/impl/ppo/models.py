@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from realrl.base.logging import getLogger
 from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
-from realrl.impl.ppo.logprobs import gather_logprobs
+from realrl.impl.ppo.logprobs import entropy_from_logits, gather_logprobs
 
 logger = getLogger("ppo")
 
@@ -89,6 +89,21 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float | torc
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
     ).logits
     return gather_logprobs(mb.at_sources(logits)[:, :-1], mb.targets, temperature)
+
+
+def forward_logprobs_and_entropy(
+    model: nn.Module, mb: MicroBatch, temperature: float | torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, C] logprobs of each completion token and the policy's entropy at
+    it (with gradient only for an entropy bonus: otherwise a statistic)."""
+    logits = model(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+    ).logits
+    logits = mb.at_sources(logits)[:, :-1]
+    logp = gather_logprobs(logits, mb.targets, temperature)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
+    return logp, entropy
 
 
 def forward_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:

@@ -38,6 +38,7 @@ from realrl.impl.ppo import functional as F
 from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
 from realrl.impl.ppo.models import (
     forward_logprobs,
+    forward_logprobs_and_entropy,
     forward_values,
     shared_prompt_mask_kind,
     shared_rows_match,
@@ -93,7 +94,7 @@ def make_optimized(
 # reduced over ranks with one all-reduce per op. Summed: losses (each rank's
 # share of a loss normalised by the global count), counts, and token-weighted
 # sums (divided by their weight at the end).
-_ACTOR_MEANS = ("clip_frac", "dual_clip_frac", "behav_imp_weight_mean", "behav_capped_frac", "approx_kl")
+_ACTOR_MEANS = F.ACTOR_MEAN_STATS
 _SUM_KEYS = (
     "actor_loss",
     "actor_tokens",
@@ -106,6 +107,7 @@ _SUM_KEYS = (
     "adv_count",
     "n_seqs",
     "n_completion_tokens",
+    "truncated_masked_seqs",
 )
 # Maxed: extremes (the minimum as the max of its negation) and the grad norms,
 # which are of the summed gradients and so already the same on every rank.
@@ -133,6 +135,7 @@ class PPOTrainer:
         sync_grads: Callable[[nn.Module], None] = lambda m: None,
         process_group=None,
         loss_scale: float = 1.0,
+        max_new_tokens: int = 0,
     ):
         self.actor, self.critic, self.ref = actor, critic, ref
         self.cfg = cfg
@@ -145,13 +148,18 @@ class PPOTrainer:
         self.all_reduce_sum = all_reduce_sum
         self.sync_grads = sync_grads
         self.loss_scale = loss_scale  # multiplies every loss before backward (see ModelWorker for FSDP)
+        # The generation budget: Dr. GRPO's constant length and the overlong buffer's end.
+        self.max_new_tokens = max_new_tokens
+        self.overlong_buffer_len = cfg.overlong_buffer_len or round(cfg.overlong_buffer_frac * max_new_tokens)
+        if cfg.overlong_penalty_factor > 0 and not (0 < self.overlong_buffer_len <= max_new_tokens):
+            raise ValueError("the overlong penalty needs 0 < buffer <= max_new_tokens")
         # Whether the actor's train-mode forward is the same function as its eval-mode one (decided once).
         config = getattr(actor.model, "config", None)
         self._deterministic_train_forward = not any(
             isinstance(m, nn.Dropout) and m.p > 0 for m in actor.model.modules()
         ) and not train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
-        if cfg.algorithm == "ppo" and critic is None:
-            raise ValueError("ppo.algorithm=ppo needs a critic")
+        if cfg.adv_estimator == "gae" and critic is None:
+            raise ValueError("ppo.adv_estimator=gae needs a critic")
         # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
         # Checked on a probe as well (every rank runs it: under FSDP a forward is a collective).
         models = [
@@ -237,7 +245,7 @@ class PPOTrainer:
     def inference(self, batch: SequenceBatch, decoupled: bool) -> None:
         """Fills proximal logprobs (decoupled loss), reference logprobs (KL)
         and values (PPO) with the current weights."""
-        use_ref = self.ref is not None and self.cfg.kl_ctl > 0
+        use_ref = self.ref is not None and (self.cfg.kl_ctl > 0 or self.cfg.use_kl_loss)
         if decoupled and self._prox_in_train_forward(use_ref):
             batch.prox_from_train_forward = True
             decoupled = False
@@ -269,58 +277,87 @@ class PPOTrainer:
             return torch.zeros(n)
         sampled = batch.prox_logprobs[i] if batch.prox_logprobs is not None else batch.behav_logprobs[i]
         kl = -self.cfg.kl_ctl * F.kl_penalty(sampled, batch.ref_logprobs[i], self.cfg.kl_estimator)
-        return torch.where(batch.sampled_mask(i), kl, torch.zeros_like(kl))
+        return torch.where(batch.trained_mask(i), kl, torch.zeros_like(kl))
 
-    def advantages(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Per-sequence completion advantages (and PPO returns). An empty
-        completion gets empty ones: it trains no token, though its reward
-        still counts in its GRPO group's mean and std. Context tokens inside a
-        completion (`SequenceBatch.sampled_mask` False) get advantage and
-        return 0; GAE puts the reward on the last sampled token and steps over
-        the context between sampled spans."""
+    def trained_masks(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Per sequence, bool [C_i]: the completion tokens the loss trains:
+        the batch's loss mask, less every token of a truncated answer with
+        `ppo.mask_truncated` (DAPO's overlong filtering)."""
+        masks = []
+        for i in range(batch.n_seqs):
+            mask = batch.trained_mask(i)
+            if self.cfg.mask_truncated and batch.no_eos[i]:
+                mask = torch.zeros_like(mask)
+            masks.append(mask)
+        return masks
+
+    def shaped_rewards(self, batch: SequenceBatch) -> torch.Tensor:
+        """[N] the sequences' rewards plus DAPO's soft overlong punishment."""
+        if self.cfg.overlong_penalty_factor <= 0:
+            return batch.rewards
+        lengths = torch.tensor([batch.completion_len(i) for i in range(batch.n_seqs)], dtype=torch.float32)
+        penalty = F.overlong_penalty(lengths, self.max_new_tokens, self.overlong_buffer_len)
+        return batch.rewards + self.cfg.overlong_penalty_factor * penalty
+
+    def advantages(
+        self, batch: SequenceBatch, masks: list[torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sequence completion advantages (and GAE's returns), by
+        `ppo.adv_estimator`. An empty completion gets empty ones: it trains no
+        token, though its reward still counts in its group's baseline.
+        Tokens outside `masks` (default: `trained_masks`) get advantage 0."""
         cfg = self.cfg
+        masks = self.trained_masks(batch) if masks is None else masks
+        rewards = self.shaped_rewards(batch)
         advs: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
-        if cfg.algorithm == "grpo":
+        if cfg.adv_estimator in ("grpo", "dr_grpo", "rloo"):
             for group in batch.groups:
-                seq_adv = F.group_normalized_advantages(
-                    batch.rewards[group], len(group), std_normalize=cfg.group_std_norm
-                )
+                if cfg.adv_estimator == "rloo":
+                    seq_adv = F.rloo_advantages(rewards[group], len(group))
+                else:
+                    std_norm = cfg.adv_estimator == "grpo"
+                    seq_adv = F.group_normalized_advantages(rewards[group], len(group), std_normalize=std_norm)
                 for a, i in zip(seq_adv.tolist(), group):
-                    kl = self._kl_token_rewards(batch, i)
+                    kl = self._kl_token_rewards(batch, i) * masks[i]
                     # advantage_t = A_seq + sum_{t' >= t} (-kl_ctl * KL_t')
-                    adv = a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])
-                    advs[i] = torch.where(batch.sampled_mask(i), adv, torch.zeros_like(adv))
+                    advs[i] = (a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])) * masks[i]
             return advs, None
         returns: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         for i in range(batch.n_seqs):
             G = batch.completion_len(i)
-            sampled = batch.sampled_mask(i)
+            sampled = batch.trained_mask(i)
             if G == 0 or not sampled.any():  # no sampled token to put the reward on
                 advs[i], returns[i] = torch.zeros(G), torch.zeros(G)
                 continue
-            token_rewards = self._kl_token_rewards(batch, i)
-            token_rewards[int(sampled.nonzero()[-1])] += batch.rewards[i]  # the last sampled token
+            if not masks[i].any():  # trains no token (e.g. a truncated answer with ppo.mask_truncated)
+                advs[i] = returns[i] = torch.zeros(G)
+                continue
+            mask = masks[i].float()[None]
+            # the reward on the last trained token, the KL penalty on every trained one
+            token_rewards = F.reward_to_token_rewards(rewards[i : i + 1], mask)
+            token_rewards = (token_rewards + self._kl_token_rewards(batch, i)[None]) * mask
+            if cfg.adv_estimator == "reinforce_plus_plus":
+                advs[i] = F.discounted_returns(token_rewards, mask, cfg.discount)[0]
+                continue
             values = batch.values[i]  # at tokens P-1 .. L-1
             bootstrap = values[-1:] if batch.no_eos[i] else torch.zeros(1)
-            adv, ret = F.gae_advantages(
-                token_rewards[None], values[None, :-1], sampled[None].float(), cfg.discount, cfg.gae_lambda, bootstrap
-            )
+            adv, ret = F.gae_advantages(token_rewards, values[None, :-1], mask, cfg.discount, cfg.gae_lambda, bootstrap)
             advs[i], returns[i] = adv[0], ret[0]
-        if cfg.adv_norm:
-            # Every rank whitens (two all-reduces), also one without sequences,
-            # over the sampled tokens only; context tokens stay 0.
+        if cfg.adv_norm or cfg.adv_estimator == "reinforce_plus_plus":
+            # Whitened over the trained tokens of every rank (two all-reduces), also on a rank without sequences.
             flat = torch.cat(advs)[None] if advs else torch.zeros(1, 0)
-            mask = torch.cat([batch.sampled_mask(i) for i in range(batch.n_seqs)])[None] if advs else flat.bool()
-            white = F.masked_whiten(flat, mask, process_group=self.process_group)[0]  # 0 where masked out
+            flat_mask = torch.cat([m.float() for m in masks])[None] if advs else torch.zeros(1, 0)
+            white = F.masked_whiten(flat, flat_mask, process_group=self.process_group)[0]
             advs = list(torch.split(white, [len(a) for a in advs])) if advs else []
-        return advs, returns
+        return advs, (returns if cfg.adv_estimator == "gae" else None)
 
     # ---- training ---------------------------------------------------------------------
     def train_step(self, batch: SequenceBatch) -> dict[str, float]:
         """One PPO/GRPO update; returns stats over the whole (all-rank) batch,
         the same on every rank."""
         cfg = self.cfg
-        advs, returns = self.advantages(batch)
+        masks = self.trained_masks(batch)
+        advs, returns = self.advantages(batch, masks)
         decoupled = batch.prox_from_train_forward or batch.prox_logprobs is not None
         if batch.prox_from_train_forward:
             prox = None  # taken from the forward itself (_optimize_actor)
@@ -339,35 +376,37 @@ class PPOTrainer:
         group_parts = partition_balanced(group_tokens, n_mbs) if n_mbs else []  # n_mbs = 0: no rank has data
         parts = [[i for g in part for i in batch.groups[g]] for part in group_parts]
         plans = self._padded_plans(batch, parts)
-        normalizers = self._normalizers(batch, parts)
+        normalizers = self._normalizers(masks, parts)
 
         acc = {**dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0), **_MAX_INIT}
         old_values = None
         if self.critic is not None:
             old_values = [v[:-1] for v in batch.values]
         for plan, normalizer in zip(plans, normalizers):
-            self._optimize_actor(batch, plan, normalizer, prox, behav, advs, acc)
+            self._optimize_actor(batch, plan, normalizer, prox, behav, advs, masks, acc)
             if self.critic is not None:
-                self._optimize_critic(batch, plan, normalizer, old_values, returns, acc)
+                self._optimize_critic(batch, plan, normalizer, old_values, returns, masks, acc)
 
         acc.update(
             reward_sum=float(batch.rewards.sum()),
             n_seqs=float(batch.n_seqs),
             n_completion_tokens=float(batch.n_completion_tokens()),
-            adv_sum=float(sum(float(a.sum()) for a in advs)),  # context tokens hold 0
-            adv_count=float(batch.n_completion_tokens()),
+            adv_sum=float(sum(float(a[m].sum()) for a, m in zip(advs, masks))),
+            adv_count=float(sum(int(m.sum()) for m in masks)),
+            truncated_masked_seqs=float(sum(bool(cfg.mask_truncated and x) for x in batch.no_eos.tolist())),
         )
         return self._global_stats(acc, n_mbs)
 
-    def _normalizers(self, batch: SequenceBatch, parts: list[list[int]]) -> list[torch.Tensor]:
+    def _normalizers(self, masks: list[torch.Tensor], parts: list[list[int]]) -> list[torch.Tensor]:
         """Each minibatch's loss denominator over all ranks (one all-reduce):
-        its sampled completion tokens, or its sequences with one."""
+        its trained tokens (token-mean), or its sequences with a trained
+        token (`F.aggregate_loss`)."""
         if not parts:
             return []
-        if self.cfg.loss_aggregation == "token":
-            local = [float(batch.n_completion_tokens(indices)) for indices in parts]
+        if self.cfg.loss_agg_mode == "token-mean":
+            local = [float(sum(int(masks[i].sum()) for i in indices)) for indices in parts]
         else:
-            local = [float(sum(batch.n_sampled(i) > 0 for i in indices)) for indices in parts]
+            local = [float(sum(bool(masks[i].any()) for i in indices)) for indices in parts]
         return list(self.all_reduce_sum(torch.tensor(local, device=self.device)).clamp(min=1.0))
 
     def _global_stats(self, acc: dict[str, float], n_mbs: int) -> dict[str, float]:
@@ -380,6 +419,9 @@ class PPOTrainer:
         stats = {"actor_loss": sums["actor_loss"] / per_step, "actor_grad_norm": maxes["actor_grad_norm"] / per_step}
         for key in _ACTOR_MEANS:
             stats[key] = sums[key] / max(sums["actor_tokens"], 1.0)
+        # ESS = (sum w)^2 / (n sum w^2) over every trained token of the step (F.effective_sample_size)
+        mean_sq = stats.pop("behav_imp_weight_sq_mean")
+        stats["behav_ess"] = stats["behav_imp_weight_mean"] ** 2 / mean_sq if mean_sq > 0 else 0.0
         if math.isfinite(maxes["behav_imp_weight_max"]):  # some rank trained a token
             stats["behav_imp_weight_max"] = maxes["behav_imp_weight_max"]
             stats["behav_imp_weight_min"] = -maxes["neg_behav_imp_weight_min"]
@@ -394,11 +436,12 @@ class PPOTrainer:
             adv_mean=sums["adv_sum"] / max(sums["adv_count"], 1.0),
             n_seqs=sums["n_seqs"],
             n_completion_tokens=sums["n_completion_tokens"],
+            truncated_masked_frac=sums["truncated_masked_seqs"] / max(sums["n_seqs"], 1.0),
             lr=float(self.actor.scheduler.get_last_lr()[0]),
         )
         return stats
 
-    def _optimize_actor(self, batch, plan, normalizer, prox, behav, advs, acc) -> None:
+    def _optimize_actor(self, batch, plan, normalizer, prox, behav, advs, masks, acc) -> None:
         """One optimizer step over the micro-batches of `plan`; adds this
         rank's share of the stats to `acc`. `prox` None: the proximal
         logprobs are this forward's own (`SequenceBatch.prox_from_train_forward`);
@@ -408,18 +451,30 @@ class PPOTrainer:
         actor.optimizer.zero_grad(set_to_none=False)
         for rows in plan:
             mb = self._micro_batch(batch, rows)
-            logp = forward_logprobs(actor.model, mb, self._temperature(mb))
+            logp, entropy = forward_logprobs_and_entropy(
+                actor.model, mb, self._temperature(mb), entropy_grad=cfg.entropy_coef > 0
+            )
             loss, st = F.decoupled_ppo_actor_loss(
                 logp,
                 logp.detach() if prox is None else mb.scatter(prox),
                 mb.scatter(behav),
                 mb.scatter(advs),
-                mb.loss_mask,
+                mb.loss_mask * mb.scatter(masks),
                 eps_clip=cfg.eps_clip,
                 behav_imp_weight_cap=cfg.behav_imp_weight_cap,
                 c_clip=cfg.c_clip,
-                aggregation=cfg.loss_aggregation,
+                loss_agg_mode=cfg.loss_agg_mode,
                 normalizer=normalizer,
+                policy_loss=cfg.policy_loss,
+                eps_clip_high=cfg.eps_clip_high,
+                behav_imp_weight_mode=cfg.behav_imp_weight_mode,
+                behav_imp_weight_level=cfg.behav_imp_weight_level,
+                max_len=float(max(self.max_new_tokens, 1)),
+                ref_logprobs=mb.scatter(batch.ref_logprobs) if cfg.use_kl_loss else None,
+                kl_loss_coef=cfg.kl_loss_coef,
+                kl_estimator=cfg.kl_loss_estimator,
+                entropy=entropy,
+                entropy_coef=cfg.entropy_coef,
             )
             # A padding micro-batch has an all-zero loss mask: loss and gradients are exactly 0.
             (loss * self.loss_scale).backward()
@@ -436,7 +491,7 @@ class PPOTrainer:
         actor.optimizer.step()
         actor.scheduler.step()
 
-    def _optimize_critic(self, batch, plan, normalizer, old_values, returns, acc) -> None:
+    def _optimize_critic(self, batch, plan, normalizer, old_values, returns, masks, acc) -> None:
         cfg, critic = self.cfg, self.critic
         critic.model.train()
         critic.optimizer.zero_grad(set_to_none=False)
@@ -447,10 +502,11 @@ class PPOTrainer:
                 values,
                 mb.scatter(old_values),
                 mb.scatter(returns),
-                mb.loss_mask,
+                mb.loss_mask * mb.scatter(masks),
                 cfg.value_eps_clip,
-                cfg.loss_aggregation,
+                cfg.loss_agg_mode,
                 normalizer,
+                float(max(self.max_new_tokens, 1)),
             )
             (loss * self.loss_scale).backward()
             acc["critic_loss"] += float(loss.detach())
