@@ -237,8 +237,9 @@ class ModelWorker(Worker):
         self.version = 0
         self.step_trajectories: list = []
         self.step_batch: SequenceBatch | None = None
-        # A token id past an embedding table kills inference (IndexError): the puller rejects such
-        # trajectories as invalid. The bound is the embedding's size (config.vocab_size), not len(tokenizer).
+        # A token id past an embedding table kills inference (IndexError), a sequence past the model's
+        # positions stalls a step: the puller rejects such trajectories as invalid (check_trainable).
+        # The vocabulary bound is the embedding's size (config.vocab_size), not len(tokenizer).
         embedded = [actor, self.critic.model.backbone if self.critic is not None else None]
         if self.ref is not None and not isinstance(self.ref, AdapterDisabled):
             embedded.append(self.ref)
@@ -250,6 +251,8 @@ class ModelWorker(Worker):
             config.max_buffered_trajectories,
             vocab_size=vocab_size,
             host=self.bind_host,
+            max_positions=getattr(actor.config.get_text_config(decoder=True), "max_position_embeddings", None),
+            newest_version=lambda: self.version,
         )
         self.server = NameResolvingReplyServer(
             self.experiment_name, self.trial_name, self.info.worker_index, interrupt=self.raise_if_exiting

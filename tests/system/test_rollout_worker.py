@@ -93,6 +93,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
             max_head_offpolicyness=0,
             max_concurrent_rollouts=16,
             weights_dir=str(weights_dir),
+            n_rollout_workers=2,
         ),
         rollout_group(tiny_kit, dataset, 2, max_concurrent_rollouts=3, sample_log_every=2),
     ]
