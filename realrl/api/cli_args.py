@@ -111,9 +111,10 @@ class OptimizerConfig:
     gradient_clipping: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup over this many optimizer steps (0 = none)."""
+    """Linear learning-rate warmup over this many train steps (0 = none); the schedule advances once per train
+    step, however many minibatches the step runs."""
     lr_scheduler: str = "constant"
-    """The learning rate after warmup: constant | linear | cosine (decay to 0 at the last step)."""
+    """The learning rate after warmup: constant | linear | cosine (decay to 0 at the last train step)."""
 
 
 @dataclasses.dataclass

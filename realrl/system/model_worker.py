@@ -196,7 +196,8 @@ class ModelWorker(Worker):
         if config.fsdp:
             _shard(actor)
         o, ppo = config.optimizer, config.ppo
-        n_opt_steps = config.total_train_steps * ppo.ppo_n_minibatches
+        # The LR schedule advances once per train step (a step may run fewer minibatches than ppo_n_minibatches).
+        n_opt_steps = config.total_train_steps
 
         def optimized(model):
             return make_optimized(

@@ -42,7 +42,7 @@ from realrl.impl.ppo.models import (
     shared_prompt_mask_kind,
     shared_rows_match,
     text_config,
-    train_mode_noise,
+    train_forward_is_deterministic,
 )
 from realrl.impl.ppo.packing import plan_micro_batches
 
@@ -145,11 +145,11 @@ class PPOTrainer:
         self.all_reduce_sum = all_reduce_sum
         self.sync_grads = sync_grads
         self.loss_scale = loss_scale  # multiplies every loss before backward (see ModelWorker for FSDP)
-        # Whether the actor's train-mode forward is the same function as its eval-mode one (decided once).
+        # Whether the actor's train-mode forward is the same function as its eval-mode one: decided once,
+        # on a probe every rank runs (under FSDP a forward is a collective), alike on every rank.
         config = getattr(actor.model, "config", None)
-        self._deterministic_train_forward = not any(
-            isinstance(m, nn.Dropout) and m.p > 0 for m in actor.model.modules()
-        ) and not train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
+        deterministic = train_forward_is_deterministic(actor.model, self._probe_logprobs, device)
+        self._deterministic_train_forward = self._max_over_ranks([0 if deterministic else 1])[0] == 0
         if cfg.algorithm == "ppo" and critic is None:
             raise ValueError("ppo.algorithm=ppo needs a critic")
         # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
@@ -320,6 +320,10 @@ class PPOTrainer:
             self._optimize_actor(batch, plan, normalizer, prox, advs, acc)
             if self.critic is not None:
                 self._optimize_critic(batch, plan, normalizer, old_values, returns, acc)
+        if n_mbs:  # the LR schedule advances per train step, however many minibatches the step took
+            for optimized in (self.actor, self.critic):
+                if optimized is not None:
+                    optimized.scheduler.step()
 
         acc.update(
             reward_sum=float(batch.rewards.sum()),
@@ -404,7 +408,6 @@ class PPOTrainer:
         self.sync_grads(actor.model)
         acc["actor_grad_norm"] += self._clip(actor.model)
         actor.optimizer.step()
-        actor.scheduler.step()
 
     def _optimize_critic(self, batch, plan, normalizer, old_values, returns, acc) -> None:
         cfg, critic = self.cfg, self.critic
@@ -429,7 +432,6 @@ class PPOTrainer:
         self.sync_grads(critic.model)
         acc["critic_grad_norm"] += self._clip(critic.model)
         critic.optimizer.step()
-        critic.scheduler.step()
 
     def _clip(self, model: nn.Module) -> float:
         """Clips and returns the global gradient norm (under FSDP a collective
