@@ -242,6 +242,7 @@ def build_groups(kit: Kit, point: Point, plan: Plan, args, trial: str, trial_dir
         max_head_offpolicyness=plan.max_head_offpolicyness,
         max_concurrent_rollouts=point.episodes,
         weights_dir=weights_dir,
+        n_rollout_workers=plan.rollout_workers,
     )
     rollout = RolloutWorkerConfig(
         dataset_path=kit.dataset_path,

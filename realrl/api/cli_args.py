@@ -111,9 +111,10 @@ class OptimizerConfig:
     gradient_clipping: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup over this many optimizer steps (0 = none)."""
+    """Linear learning-rate warmup over this many train steps (0 = none); the schedule advances once per train
+    step, however many minibatches the step runs."""
     lr_scheduler: str = "constant"
-    """The learning rate after warmup: constant | linear | cosine (decay to 0 at the last step)."""
+    """The learning rate after warmup: constant | linear | cosine (decay to 0 at the last train step)."""
 
 
 @dataclasses.dataclass
@@ -268,6 +269,9 @@ class RolloutConfig:
     """Seconds a generation request may take before it is retried."""
     request_retries: int = 3
     """Failures in a row before an answer's generation fails (backoff 0.5, 1, 2, ... s)."""
+    no_server_timeout: float = 300.0
+    """Seconds an answer waits while no generation server is up (e.g. the only one is being restarted) before
+    its generation fails; such waiting does not count against request_retries."""
 
 
 @dataclasses.dataclass
@@ -756,6 +760,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     )
     _check(r.request_timeout > 0, "rollout.request_timeout", f"must be > 0 seconds, got {r.request_timeout}")
     _check(r.request_retries >= 0, "rollout.request_retries", f"must be >= 0 (0 = no retry), got {r.request_retries}")
+    _check(r.no_server_timeout > 0, "rollout.no_server_timeout", f"must be > 0 seconds, got {r.no_server_timeout}")
 
     _check(cfg.train.device in ("cpu", "cuda"), "train.device", f"must be cpu|cuda, got {cfg.train.device!r}")
     _check(not cfg.train.fsdp or cfg.train.device == "cuda", "train.fsdp", "needs train.device=cuda")

@@ -30,6 +30,9 @@ from realrl.base.http_body import BodyError, from_json, rule
 
 # The longest allocate_rollout long poll a client may ask for, in seconds.
 MAX_ALLOCATE_WAIT_S = 10.0
+# What one rollout may hold scheduled at once (a group's answers, or an agent's
+# parallel calls, are far fewer); it bounds one schedule's `n`, and so its `parts`.
+MAX_REQUESTS_PER_ROLLOUT = 4096
 
 _field = dataclasses.field
 
@@ -132,13 +135,13 @@ class SuccessReply:
 
 @dataclasses.dataclass
 class ScheduleRequest:
-    """A server for `n` requests of prompt `qid`: sticky to
+    """A server for `n` requests of prompt `qid` (a running rollout's): sticky to
     `previous_server_url` while it holds `previous_version`; `avoid_urls`: servers
     that just failed for the caller. `parts`: the sizes of several callers'
     requests (summing to `n`), each routed as if it came alone."""
 
     qid: str = _field(metadata=rule(nonempty=True))
-    n: int = _field(default=1, metadata=rule(min=1))
+    n: int = _field(default=1, metadata=rule(min=1, max=MAX_REQUESTS_PER_ROLLOUT))
     previous_server_url: str | None = None
     previous_version: int | None = None
     avoid_urls: list[str] = _field(default_factory=list)
@@ -162,10 +165,12 @@ class ScheduleReply:
     """`url` null: no server is up (`reason` says why). `parts`: one
     ScheduledServer per requested part (only when parts were asked for).
     `down`: the `avoid_urls` the manager has taken out of routing (only when
-    some were named)."""
+    some were named). `ticket`: what the release of these requests names
+    (null when no server is up)."""
 
     version: int
     url: str | None = _field(default=None, metadata=rule(keep_null=True))
+    ticket: int | None = None
     parts: list[ScheduledServer] | None = None
     down: list[str] | None = None
     reason: str | None = None
@@ -173,10 +178,13 @@ class ScheduleReply:
 
 @dataclasses.dataclass
 class ReleaseRequest:
-    """`n` requests on server `url` ended, having generated `n_tokens` together."""
+    """`n` requests of schedule `ticket` on server `url` ended, having
+    generated `n_tokens` together. The manager gives back at most what the
+    ticket still holds there."""
 
     url: str
-    n: int = _field(default=1, metadata=rule(min=1))
+    ticket: int = _field(metadata=rule(min=1))
+    n: int = _field(default=1, metadata=rule(min=1, max=MAX_REQUESTS_PER_ROLLOUT))
     n_tokens: int = _field(default=0, metadata=rule(min=0))
 
 

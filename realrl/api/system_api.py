@@ -131,6 +131,7 @@ class GserverManagerConfig:
     health_check_timeout: float = 5.0
     health_check_failures: int = 3
     lora: bool = False  # versions after 0 are LoRA adapters (loaded with /load_lora_adapter)
+    n_rollout_workers: int = 1  # /reset_rollout_worker refuses any other index
 
 
 @dataclasses.dataclass
@@ -150,6 +151,7 @@ class RolloutWorkerConfig:
     n_pullers: int = 1  # trainer data-parallel size (pushers are grouped onto pullers)
     request_timeout: float = 600.0
     request_retries: int = 3
+    no_server_timeout: float = 300.0  # seconds an answer waits while no generation server is up
     sample_log_every: int = 20  # write every N-th finished trajectory's text to the log dir
     lora: bool = False  # each request names the LoRA adapter of the version it is scheduled on
 

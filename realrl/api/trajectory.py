@@ -16,8 +16,9 @@ sequence was drawn with; the trainer recomputes logprobs at its temperature).
 `Trajectory.from_results` builds one from
 generation results. `to_wire()` packs the sequences into a few flat arrays for the
 wire format (realrl.base.wire); `from_wire()` validates everything a peer sent
-that the schema alone can judge, and `check_token_ids(vocab_size)` what only the
-receiver can: that every token id fits its model's vocabulary.
+that the schema alone can judge, and `check_trainable(...)` what only the
+receiver can: that every token id fits its model's vocabulary, every sequence
+its model's positions, every weight version the trainer's history.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import time
 from typing import Any
 
 import numpy as np
+
+# Rounding slack for "a logprob is <= 0" (servers compute in bf16 or fp16).
+LOGPROB_SLACK = 1e-3
 
 
 class TrajectoryError(ValueError):
@@ -244,6 +248,35 @@ class Trajectory:
                     f"trajectory {self.qid} seq {i}: token id {bad} at position {where} ({part}) "
                     f"outside the vocabulary 0..{vocab_size - 1}"
                 )
+        return self
+
+    def check_trainable(
+        self, vocab_size: int | None, max_positions: int | None = None, newest_version: int | None = None
+    ) -> Trajectory:
+        """Raises TrajectoryError unless a trainer can take this trajectory as
+        it is: what `validate` checks (shapes, finite rewards and logprobs),
+        plus what only the receiver knows: token ids within its vocabulary
+        (`check_token_ids`), every sequence within its model's `max_positions`
+        (a longer one cannot be trained and stalls a step or exhausts memory),
+        weight versions within 0..`newest_version` (the trainer's newest: a
+        server never held a later one, and a later one would never go stale),
+        and logprobs <= 0. None checks nothing of that bound."""
+        self.check_token_ids(vocab_size)
+        for i, ids in enumerate(self.input_ids):
+            if max_positions is not None and len(ids) > max_positions:
+                raise TrajectoryError(
+                    f"trajectory {self.qid} seq {i}: {len(ids)} tokens, more than the model's {max_positions} positions"
+                )
+            bounds = [self.version_start[i], self.version_end[i]]
+            if self.versions[i].size:
+                bounds += [int(self.versions[i].min()), int(self.versions[i].max())]
+            if min(bounds) < 0 or (newest_version is not None and max(bounds) > newest_version):
+                raise TrajectoryError(
+                    f"trajectory {self.qid} seq {i}: weight versions {min(bounds)}..{max(bounds)} outside "
+                    f"0..{'' if newest_version is None else newest_version} (the trainer's newest)"
+                )
+            if self.logprobs[i].size and float(self.logprobs[i].max()) > LOGPROB_SLACK:
+                raise TrajectoryError(f"trajectory {self.qid} seq {i}: a logprob above 0")
         return self
 
     # ---- wire ------------------------------------------------------------------

@@ -172,6 +172,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         health_check_timeout=cfg.server.health_check_timeout,
         health_check_failures=cfg.server.health_check_failures,
         lora=cfg.model.lora.rank > 0,
+        n_rollout_workers=rollout.n_workers,
     )
     per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
     max_prompt_len = cfg.dataset.max_prompt_len
@@ -199,6 +200,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         n_pullers=n_train,
         request_timeout=rollout.request_timeout,
         request_retries=rollout.request_retries,
+        no_server_timeout=rollout.no_server_timeout,
         lora=cfg.model.lora.rank > 0,
     )
 

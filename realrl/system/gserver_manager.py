@@ -86,7 +86,7 @@ from realrl.api.system_api import GserverManagerConfig
 from realrl.base import name_resolve, names, network
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
-from realrl.system.router import NoServerUp, RequestRouter
+from realrl.system.router import NoServerUp, RequestRouter, Reservations
 from realrl.system.server_registry import Server, ServerRegistry
 from realrl.system.staleness import StalenessController
 from realrl.system.worker_base import IDLE, AsyncWorker, PollResult
@@ -131,6 +131,7 @@ class GserverManager(AsyncWorker):
             config.train_batch_size, config.max_head_offpolicyness, config.max_concurrent_rollouts
         )
         self.router: RequestRouter | None = None
+        self.reservations = Reservations()  # who holds which scheduled requests
         self.registry: ServerRegistry | None = None
         self.bad_requests = 0
         self.requests_served = 0  # HTTP requests answered (progress record: the load on the manager)
@@ -660,8 +661,15 @@ class GserverManager(AsyncWorker):
     def _reset_rollout_worker(self, request: ResetRolloutWorkerRequest) -> ResetRolloutWorkerReply:
         """A rollout worker (re)starting: its earlier process's running
         rollouts are gone. Their slots go back to admission; their qids go to
-        the new process, which generates them again."""
+        the new process, which generates them again, and the requests they
+        had scheduled leave the servers' in-flight counts."""
+        if request.worker_index >= self.cfg.n_rollout_workers:
+            raise BodyError(
+                f"field 'worker_index': {request.worker_index} is not a rollout worker of this trial "
+                f"(0..{self.cfg.n_rollout_workers - 1})"
+            )
         qids, furthest = self.controller.release_worker(request.worker_index)
+        self._release_reservations(qids)
         self._wake_allocations()
         if qids:
             self.logger.warning(
@@ -672,17 +680,37 @@ class GserverManager(AsyncWorker):
         return ResetRolloutWorkerReply(qids=qids, furthest=list(furthest) if furthest else None)
 
     def _finish_rollout(self, request: FinishRolloutRequest) -> SuccessReply:
+        qids = [self.controller.qid_of(r.rollout_id) for r in request.rollouts]
         try:  # all or none: a rejected call changes nothing
             self.controller.finish_many([(r.rollout_id, r.n_trajectories, r.n_tokens) for r in request.rollouts])
         except KeyError as e:
             raise BodyError(str(e.args[0])) from None
+        self._release_reservations([q for q in qids if q is not None])
         self._wake_allocations()
         return SuccessReply()
+
+    def _release_reservations(self, qids: list[str]) -> None:
+        """What the schedules of these ended rollouts still hold goes back to
+        the servers' in-flight counts (a qid another running rollout shares
+        keeps its tickets)."""
+        for qid in dict.fromkeys(qids):
+            if not self.controller.runs_qid(qid):
+                for url, n in self.reservations.release_qid(qid).items():
+                    self.router.release(url, n)
 
     async def _schedule_request(self, request: ScheduleRequest) -> ScheduleReply:
         """A server for `n` requests; with `parts`, a server for each part in
         turn (the requests of several groups sent at once: each part is
-        routed as if it came alone, so they spread over the servers)."""
+        routed as if it came alone, so they spread over the servers). Only
+        for a running rollout's qid, within what one rollout may hold
+        (`Reservations`): the reply's ticket names what its release gives back."""
+        if not self.controller.runs_qid(request.qid):
+            raise BodyError(f"field 'qid': no running rollout has qid {request.qid!r}", status=409)
+        if request.n > self.reservations.room(request.qid):
+            raise BodyError(
+                f"field 'n': qid {request.qid!r} would hold more than {self.reservations.max_per_qid} requests",
+                status=409,
+            )
         avoid = request.avoid_urls
         # Servers that just failed for the caller: check them now (a dead one
         # answers at once; a slow one does not hold the caller up for long).
@@ -706,19 +734,28 @@ class GserverManager(AsyncWorker):
                 server.first_request_version,
                 self.controller.trainer_version,
             )
+        counts: collections.Counter[str] = collections.Counter()
+        for (u, _), k in zip(picks, request.parts or [request.n]):
+            counts[u] += k
+        ticket = self.reservations.reserve(request.qid, counts)
         url, version = picks[0]
         return ScheduleReply(
             url=url,
             version=version,
+            ticket=ticket,
             parts=[ScheduledServer(u, v) for u, v in picks] if request.parts is not None else None,
             down=down if avoid else None,
         )
 
     def _release_request(self, request: ReleaseRequest) -> SuccessReply:
-        try:
-            self.router.release(request.url, request.n, request.n_tokens)
+        if request.url not in self.router.in_flight:
+            raise BodyError(f"field 'url': unknown server {request.url!r}")
+        try:  # at most what the ticket still holds there: a repeated or invented release lowers nothing
+            released = self.reservations.release(request.ticket, request.url, request.n)
         except KeyError as e:
-            raise BodyError(str(e.args[0])) from None
+            raise BodyError(f"field 'ticket': {e.args[0]}") from None
+        if released:
+            self.router.release(request.url, released, request.n_tokens)
         return SuccessReply()
 
     def _stop_rollouts(self) -> SuccessReply:

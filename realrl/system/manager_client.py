@@ -137,10 +137,11 @@ class GserverManagerClient:
         return await self._typed_call("POST", "/schedule_request", ScheduleReply, request)
 
     async def release_request(
-        self, url: str, n: int = 1, retries: int | None = None, n_tokens: int = 0
+        self, url: str, ticket: int, n: int = 1, retries: int | None = None, n_tokens: int = 0
     ) -> SuccessReply:
-        """`n_tokens`: what the released requests generated (the manager's tokens/s)."""
-        request = ReleaseRequest(url, n, n_tokens)
+        """`ticket`: the schedule's (`ScheduleReply.ticket`); `n_tokens`: what
+        the released requests generated (the manager's tokens/s)."""
+        request = ReleaseRequest(url, ticket, n, n_tokens)
         return await self._typed_call("POST", "/release_request", SuccessReply, request, retries=retries)
 
     async def get_model_version(self) -> int:

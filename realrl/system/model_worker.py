@@ -219,7 +219,8 @@ class ModelWorker(Worker):
         if config.fsdp:
             _shard(actor)
         o, ppo = config.optimizer, config.ppo
-        n_opt_steps = config.total_train_steps * ppo.ppo_n_minibatches
+        # The LR schedule advances once per train step (a step may run fewer minibatches than ppo_n_minibatches).
+        n_opt_steps = config.total_train_steps
 
         def optimized(model):
             return make_optimized(
@@ -262,8 +263,9 @@ class ModelWorker(Worker):
         self.version = 0
         self.step_trajectories: list = []
         self.step_batch: SequenceBatch | None = None
-        # A token id past an embedding table kills inference (IndexError): the puller rejects such
-        # trajectories as invalid. The bound is the embedding's size (config.vocab_size), not len(tokenizer).
+        # A token id past an embedding table kills inference (IndexError), a sequence past the model's
+        # positions stalls a step: the puller rejects such trajectories as invalid (check_trainable).
+        # The vocabulary bound is the embedding's size (config.vocab_size), not len(tokenizer).
         embedded = [actor, self.critic.model.backbone if self.critic is not None else None]
         if self.ref is not None and not isinstance(self.ref, AdapterDisabled):
             embedded.append(self.ref)
@@ -275,6 +277,8 @@ class ModelWorker(Worker):
             config.max_buffered_trajectories,
             vocab_size=vocab_size,
             host=self.bind_host,
+            max_positions=getattr(actor.config.get_text_config(decoder=True), "max_position_embeddings", None),
+            newest_version=lambda: self.version,
         )
         self.server = NameResolvingReplyServer(
             self.experiment_name, self.trial_name, self.info.worker_index, interrupt=self.raise_if_exiting

@@ -58,8 +58,10 @@ reports taken out of routing (`down`), when it routes the retry to another
 server, does not count against `request_retries` (at most
 MAX_UNCOUNTED_FAILURES such in a row): a dead server cannot use up the
 retries while healthy ones exist. A manager answer without a server (none is
-up) counts, so with no healthy server an answer still fails after
-`request_retries` failures in a row. The tokens, logprobs and versions an
+up, e.g. the only one is being restarted by its launcher) does not count
+either: the answer waits, asking again every NO_SERVER_POLL_S at most, for up
+to `no_server_timeout` seconds in a row, then fails naming
+`rollout.no_server_timeout`. The tokens, logprobs and versions an
 answer already has are kept across all of this; only the chunk that was being
 generated on the lost server is generated again. A request in flight on a
 server that the manager takes out of routing (it stopped answering) is
@@ -73,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import time
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -110,6 +113,7 @@ MAX_EMPTY_ABORTS = 50
 # in a row: servers that keep dying and coming back must not loop forever.
 MAX_UNCOUNTED_FAILURES = 20
 MAX_ANSWERS_PER_REQUEST = 256  # answers of several groups' rounds sent as one /generate, at most
+NO_SERVER_POLL_S = 2.0  # while no server is up, an answer asks the manager again at least this often
 
 
 class PartialRolloutError(RuntimeError):
@@ -162,6 +166,7 @@ class PartialRolloutStats:
     chunk_continuations: int = 0  # resubmissions after a chunk ended by length
     retries: int = 0  # server errors retried
     server_losses: int = 0  # failures on servers the manager took out of routing (not counted against the retries)
+    no_server_waits: int = 0  # schedules answered "no server is up" (waited for, not counted)
     generated_tokens: int = 0
 
     def pop(self) -> dict[str, int]:
@@ -182,6 +187,7 @@ class PartialRolloutManager:
         request_timeout: float = 600.0,
         request_retries: int = 3,
         retry_backoff_s: float = 0.5,
+        no_server_timeout: float = 300.0,
         eos_token_ids: Iterable[int] = (),
         server_watch_interval: float = 2.0,
         lora: bool = False,
@@ -195,6 +201,7 @@ class PartialRolloutManager:
         self.new_tokens_per_chunk = new_tokens_per_chunk
         self.request_timeout = request_timeout
         self.request_retries = request_retries
+        self.no_server_timeout = no_server_timeout
         self.retry_backoff_s = retry_backoff_s
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.stats = PartialRolloutStats()
@@ -279,8 +286,8 @@ class PartialRolloutManager:
                 reason = scheduled.reason or "no generation server is up"
                 logger.warning("qid %s: %s; each answer retries", request.qid, reason)
                 await asyncio.sleep(backoff(1, self.retry_backoff_s))
-                for i in live:
-                    out[i] = _Resume(answers[i], last_error=reason, failures=1)
+                for i in live:  # (not counted: each answer waits for a server in its own loop)
+                    out[i] = _Resume(answers[i], last_error=reason)
                 return out  # type: ignore[return-value]
             url, scheduled_version = scheduled.url, scheduled.version
             for i in live:
@@ -372,7 +379,7 @@ class PartialRolloutManager:
                 outcome = e
             finally:
                 generated = sum(len(r.output_ids) for r in responses) if responses is not None else 0
-                await self._release(url, generated, n=n)
+                await self._release(url, scheduled.ticket, generated, n=n)
             offset = 0
             for k in part:
                 mine = outcome[offset : offset + sizes[k]] if isinstance(outcome, list) else outcome
@@ -438,6 +445,8 @@ class PartialRolloutManager:
         failed_url = start.failed_url  # where the previous attempt failed
         failures = start.failures
         empty_aborts = uncounted = 0
+        no_server_since: float | None = None  # since when no server has been up for this answer
+        waits = 0  # schedules answered "no server is up" since then
         avoid: list[str] = [failed_url] if failed_url else []  # servers that failed in the current run of failures
         last_error = last_server_error = start.last_error  # why the last attempt failed; the last failure on a server
         while True:
@@ -454,25 +463,36 @@ class PartialRolloutManager:
                     uncounted += 1
                     self.stats.server_losses += 1
                 failed_url = None
-            if scheduled.url is None:  # no server is up: counted
-                failures += 1
-                last_error = scheduled.reason or "no generation server is up"
-                if last_server_error:
-                    last_error += f"; {last_server_error}"
+            if scheduled.url is None:  # no server is up: wait for one (not counted), up to no_server_timeout
+                now = time.monotonic()
+                reason = scheduled.reason or "no generation server is up"
+                if no_server_since is None:
+                    no_server_since, waits = now, 0
+                    logger.warning(
+                        "qid %s answer %d: %s; waiting up to %.0f s (rollout.no_server_timeout) for one",
+                        request.qid,
+                        index,
+                        reason,
+                        self.no_server_timeout,
+                    )
+                if now - no_server_since >= self.no_server_timeout:
+                    raise PartialRolloutError(
+                        f"generation for qid {request.qid!r} (answer {index}): no generation server was up for "
+                        f"{now - no_server_since:.0f} s (rollout.no_server_timeout={self.no_server_timeout:g}); "
+                        f"{reason}" + (f"; {last_server_error}" if last_server_error else "")
+                    )
+                self.stats.no_server_waits += 1
+                waits += 1
+                await asyncio.sleep(min(NO_SERVER_POLL_S, backoff(waits, self.retry_backoff_s)))
+                continue
+            no_server_since = None
             if failures > self.request_retries:
                 if scheduled.url is not None:
-                    await self._release(scheduled.url)
+                    await self._release(scheduled.url, scheduled.ticket)
                 raise PartialRolloutError(
                     f"generation for qid {request.qid!r} (answer {index}) failed {failures} times in a row; "
                     f"{last_error}"
                 )
-            if scheduled.url is None:
-                self.stats.retries += 1
-                logger.warning(
-                    "qid %s answer %d: %s; retry %d/%d", request.qid, index, last_error, failures, self.request_retries
-                )
-                await asyncio.sleep(backoff(failures, self.retry_backoff_s))
-                continue
             url, scheduled_version = scheduled.url, scheduled.version
             if answer.scheduled_version is None:
                 answer.scheduled_version = scheduled_version
@@ -494,7 +514,7 @@ class PartialRolloutManager:
                         ),
                     )
                 finally:
-                    await self._release(url, len(response.output_ids) if response is not None else 0)
+                    await self._release(url, scheduled.ticket, len(response.output_ids) if response is not None else 0)
             except (GenerationServerUnavailable, GenerationServerError) as e:
                 self._raise_if_final(e, request.qid, f"answer {index}", url)
                 # Counted now; not counted after all if the manager reports the server
@@ -607,7 +627,7 @@ class PartialRolloutManager:
                 if scheduled.url is not None:
                     counts = _per_server(scheduled.parts, parts) if scheduled.parts else {scheduled.url: [n]}
                     for url, count in counts.items():
-                        await self._release(url, n=sum(count))
+                        await self._release(url, scheduled.ticket, n=sum(count))
             except Exception:  # the manager never answered: nothing was counted for us
                 pass
             raise
@@ -654,11 +674,14 @@ class PartialRolloutManager:
                 if gone is not None and server.state in ("down", "retired") and self._in_flight[server.url]:
                     gone.set()
 
-    async def _release(self, url: str, n_tokens: int = 0, n: int = 1) -> None:
+    async def _release(self, url: str, ticket: int | None, n_tokens: int = 0, n: int = 1) -> None:
         # One quick attempt: an in-flight count that is off by a few only skews
-        # routing, and teardown (cancellation) must not wait on retries.
+        # routing until the rollout ends (the manager then gives back what its
+        # tickets still hold), and teardown (cancellation) must not wait on retries.
+        if ticket is None:  # nothing was scheduled
+            return
         try:
-            await self.manager.release_request(url, n, retries=0, n_tokens=n_tokens)
+            await self.manager.release_request(url, ticket, n, retries=0, n_tokens=n_tokens)
         except ManagerError as e:
             logger.warning("could not release a request on %s: %s", url, e)
 

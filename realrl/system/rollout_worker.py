@@ -342,6 +342,7 @@ class RolloutWorker(AsyncWorker):
             new_tokens_per_chunk=cfg.new_tokens_per_chunk,
             request_timeout=cfg.request_timeout,
             request_retries=cfg.request_retries,
+            no_server_timeout=cfg.no_server_timeout,
             eos_token_ids=eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer),
             lora=cfg.lora,
         )

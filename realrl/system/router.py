@@ -10,8 +10,11 @@ HTTP handlers and tells it which servers are in routing
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterable
+
+from realrl.api.manager_api import MAX_REQUESTS_PER_ROLLOUT
 
 
 class NoServerUp(RuntimeError):
@@ -178,3 +181,76 @@ class RequestRouter:
 
     def set_loaded_version(self, url: str, version: int) -> None:
         self.loaded_version[url] = version
+
+
+class Reservations:
+    """Who holds which scheduled requests (docs/design.md §6, "Tickets").
+
+    Each schedule is one ticket, owned by the qid of a running rollout and
+    holding `{url: n}`. A release names its ticket and gives back at most
+    what the ticket still holds on that server, so a repeated, invented or
+    oversized release cannot lower another caller's count. What a ticket
+    still holds when its rollout ends (finished, or released because its
+    rollout worker restarted) is given back then (`release_qid`), so a dead
+    caller's requests do not stay in flight. A qid holds at most
+    `max_per_qid` requests. Plain synchronous state, like the router."""
+
+    def __init__(self, max_per_qid: int = MAX_REQUESTS_PER_ROLLOUT):
+        self.max_per_qid = max_per_qid
+        self._tickets: dict[int, tuple[str, collections.Counter[str]]] = {}  # ticket -> (qid, {url: n})
+        self._by_qid: dict[str, set[int]] = collections.defaultdict(set)
+        self._held: collections.Counter[str] = collections.Counter()  # qid -> requests held
+        self._issued = 0  # tickets are numbered 1, 2, ...
+
+    def room(self, qid: str) -> int:
+        """How many more requests `qid` may hold."""
+        return self.max_per_qid - self._held[qid]
+
+    def reserve(self, qid: str, counts: dict[str, int]) -> int:
+        """A new ticket of `qid` holding `counts` ({url: n}); ValueError past `max_per_qid`."""
+        n = sum(counts.values())
+        if n > self.room(qid):
+            raise ValueError(f"qid {qid!r} would hold {self._held[qid] + n} requests, more than {self.max_per_qid}")
+        self._issued += 1
+        ticket = self._issued
+        self._tickets[ticket] = (qid, collections.Counter(counts))
+        self._by_qid[qid].add(ticket)
+        self._held[qid] += n
+        return ticket
+
+    def release(self, ticket: int, url: str, n: int) -> int:
+        """Gives back up to `n` of `ticket`'s requests on `url`: how many it
+        held there (0 for a ticket already given back). KeyError for a ticket
+        never issued."""
+        if not 0 < ticket <= self._issued:
+            raise KeyError(f"unknown ticket {ticket}")
+        if ticket not in self._tickets:
+            return 0
+        qid, counts = self._tickets[ticket]
+        released = min(n, counts[url])
+        counts[url] -= released
+        self._held[qid] -= released
+        if not +counts:
+            self._forget(ticket)
+        return released
+
+    def release_qid(self, qid: str) -> dict[str, int]:
+        """Ends every ticket of `qid`: what they still held, per server."""
+        out: collections.Counter[str] = collections.Counter()
+        for ticket in list(self._by_qid.get(qid, ())):
+            out.update(+self._tickets[ticket][1])
+            self._forget(ticket)
+        return dict(out)
+
+    def held(self) -> int:
+        """Requests held over all tickets."""
+        return sum(self._held.values())
+
+    def _forget(self, ticket: int) -> None:
+        qid, counts = self._tickets.pop(ticket)
+        self._held[qid] -= sum(counts.values())
+        tickets = self._by_qid[qid]
+        tickets.discard(ticket)
+        if not tickets:
+            del self._by_qid[qid]
+            del self._held[qid]

@@ -142,6 +142,14 @@ class StalenessController:
             worker, epoch, position = (int(p) for p in parts[:3])
             self._furthest[worker] = max(self._furthest.get(worker, (epoch, position)), (epoch, position))
 
+    def qid_of(self, rollout_id: str) -> str | None:
+        """The qid of running rollout `rollout_id` (None if it is not running)."""
+        return self._running.get(rollout_id)
+
+    def runs_qid(self, qid: str) -> bool:
+        """Whether some running rollout is of prompt `qid`."""
+        return qid in self._running.values()
+
     def is_known(self, rollout_id: str) -> bool:
         """Running, or finished recently enough for a repeated finish to be a no-op."""
         return rollout_id in self._running or rollout_id in self._finished

@@ -8,12 +8,14 @@ rank). The master builds a step's batch from what all ranks hold together:
 than the bound and describes the oldest ones left; `take(keys)` removes the
 chosen ones (to train on here or to send to another rank).
 
-A trajectory is invalid if it breaks the schema (`Trajectory.from_wire`) or,
-when the dataset knows its model's `vocab_size`, carries a token id outside
-`0..vocab_size-1` (`Trajectory.check_token_ids`): such an id would index past
-the embedding table and kill the trainer. Invalid ones are dropped, counted in
-`n_invalid` (the master adds these to its `dropped_invalid` and gives their
-budget back) and logged, rate-limited.
+A trajectory is invalid if it breaks the schema (`Trajectory.from_wire`) or
+what the trainer relies on (`Trajectory.check_trainable`): a token id outside
+`0..vocab_size-1` (it would index past the embedding table and kill the
+trainer), a sequence longer than the model's `max_positions` (it would stall a
+step or exhaust memory), a weight version outside 0..the trainer's newest (a
+later one would never go stale), a positive logprob. Invalid ones are dropped,
+counted in `n_invalid` (the master adds these to its `dropped_invalid`) and
+logged, rate-limited.
 
 Accounting (docs/design.md §5): every message that reaches the puller, and
 every trajectory restored from a checkpoint, is either rejected (wire format),
@@ -28,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections.abc import Callable
 
 from realrl.api.trajectory import Trajectory, TrajectoryError
 from realrl.base.logging import getLogger
@@ -45,14 +48,20 @@ class PullerStreamDataset:
         max_buffered: int = 100000,
         vocab_size: int | None = None,
         host: str | None = None,
+        max_positions: int | None = None,
+        newest_version: Callable[[], int] | None = None,
     ):
         """`vocab_size`: token ids must lie in 0..vocab_size-1 (the size of the
-        model's input embedding); None checks no ids. `host`: the address the
-        puller binds (None: 127.0.0.1)."""
+        model's input embedding); None checks no ids. `max_positions`: the
+        longest sequence the model takes (None: unchecked). `newest_version`:
+        the trainer's newest weight version, asked per trajectory (None:
+        unchecked). `host`: the address the puller binds (None: 127.0.0.1)."""
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.max_buffered = max_buffered
         self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self._newest_version = newest_version
         self._invalid_log = RateLimitedLog(log=logger)
         self._lock = threading.Lock()
         self._heap: list[tuple[int, float, int, Trajectory]] = []  # (version_start, birth_time, key, traj)
@@ -105,7 +114,8 @@ class PullerStreamDataset:
 
     def _add(self, msg) -> None:
         try:
-            traj = Trajectory.from_wire(msg).check_token_ids(self.vocab_size)
+            newest = self._newest_version() if self._newest_version is not None else None
+            traj = Trajectory.from_wire(msg).check_trainable(self.vocab_size, self.max_positions, newest)
         except TrajectoryError as e:
             with self._lock:
                 self.n_received += 1

@@ -92,6 +92,9 @@ def test_schedule_request_and_reply():
     "body, field",
     [
         ({"qid": "q1", "n": 0}, "field 'n' must be >= 1"),
+        ({"qid": "q1", "n": 2**70}, "field 'n' is out of range"),
+        ({"qid": "q1", "n": 4097}, "field 'n' must be <= 4096"),
+        ({"qid": "q1", "n": 10_000, "parts": [1] * 10_000}, "field 'n' must be <= 4096"),
         ({"qid": "q1", "previous_version": "0"}, "field 'previous_version' must be int"),
         ({"qid": "q1", "avoid_urls": ["a", 1]}, "field 'avoid_urls[1]' must be a string"),
         ({"qid": "q1", "n": 3, "parts": [1, 1]}, "field 'parts' must be a non-empty list of counts >= 1 that sum"),
@@ -107,9 +110,13 @@ def test_bad_schedule_bodies_name_the_field(body, field):
 
 
 def test_release_and_reset():
-    assert from_json(api.ReleaseRequest, {"url": "a"}) == api.ReleaseRequest("a", 1, 0)
+    assert from_json(api.ReleaseRequest, {"url": "a", "ticket": 3}) == api.ReleaseRequest("a", 3, 1, 0)
     assert "field 'n' must be an integer" in refused(
-        lambda b: from_json(api.ReleaseRequest, b), {"url": "a", "n": True}
+        lambda b: from_json(api.ReleaseRequest, b), {"url": "a", "ticket": 3, "n": True}
+    )
+    assert "missing field 'ticket'" in refused(lambda b: from_json(api.ReleaseRequest, b), {"url": "a"})
+    assert "field 'n' must be <= 4096" in refused(
+        lambda b: from_json(api.ReleaseRequest, b), {"url": "a", "ticket": 3, "n": 4097}
     )
     assert "missing field 'worker_index'" in refused(lambda b: from_json(api.ResetRolloutWorkerRequest, b), {})
     assert "must be >= 0" in refused(lambda b: from_json(api.ResetRolloutWorkerRequest, b), {"worker_index": -1})

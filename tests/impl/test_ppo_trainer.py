@@ -10,7 +10,8 @@ import torch
 from realrl.api.cli_args import PPOConfig
 from realrl.impl.ppo import functional as F
 from realrl.impl.ppo.batch import make_micro_batch
-from tests.impl.trainer_kit import build_trainer, full_weights, make_batch, make_groups
+from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
+from tests.impl.trainer_kit import build_trainer, full_weights, make_batch, make_groups, run_steps
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
@@ -118,16 +119,29 @@ def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tin
         assert not batch.prox_from_train_forward and len(batch.prox_logprobs) == batch.n_seqs
 
 
-def test_configs_with_train_mode_noise_keep_their_proximal_pass():
-    from transformers import LlamaConfig, MixtralConfig
+def test_a_random_train_forward_keeps_its_proximal_pass_whatever_its_config_says(tiny_llama_dir):
+    """Issue 24 item 5: whether the proximal logprobs may come from the train
+    forward is decided from what the model does (a probe of two train
+    forwards against an eval one), not from its config's key names: Llama's
+    functional `attention_dropout` is noise; a key that merely says "dropout"
+    (read by nothing) is not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from realrl.impl.ppo.models import train_mode_noise
+    torch.set_num_threads(1)
 
-    assert not train_mode_noise(LlamaConfig().to_dict())  # attention_dropout 0.0
-    assert train_mode_noise(LlamaConfig(attention_dropout=0.1).to_dict())
-    assert train_mode_noise(MixtralConfig(router_jitter_noise=0.01).to_dict())
-    assert train_mode_noise({"text_config": {"hidden_dropout": 0.1}, "use_cache": True})
-    assert not train_mode_noise({"text_config": {"hidden_dropout": 0.0}, "dropout_on": False})
+    def trainer_for(**overrides):
+        config = AutoConfig.from_pretrained(tiny_llama_dir)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, config=config, dtype=torch.float32)
+        optimized = make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "constant", 0, 10)
+        return PPOTrainer(optimized, PPOConfig(adv_estimator="grpo"), 1.0, torch.device("cpu"), 1.0)
+
+    state = torch.random.get_rng_state()
+    assert trainer_for()._deterministic_train_forward
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe leaves the RNG as it was
+    assert not trainer_for(attention_dropout=0.5)._deterministic_train_forward
+    assert trainer_for(summary_dropout_unused=0.5, jitter_note=1.0)._deterministic_train_forward
 
 
 def _shared_prompt_groups() -> list[list[dict]]:
@@ -274,3 +288,17 @@ def test_shared_prompt_rows_only_for_models_that_give_them_the_same_outputs(arch
     ).compute_logprobs(model, batch)
     for a, b in zip(trainer.compute_logprobs(model, batch), expected):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_lr_schedule_ends_where_it_should_whatever_the_minibatches_take(tiny_llama_dir):
+    """Issue 24 item 5: the schedule advances once per train step, so a
+    linear decay over 3 steps reaches 0 at the third, also when a step runs
+    fewer minibatches (2 groups) than ppo_n_minibatches (4)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    optimized = make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "linear", 0, 3)
+    trainer = PPOTrainer(optimized, PPOConfig(adv_estimator="grpo", ppo_n_minibatches=4), 1.0, torch.device("cpu"), 1.0)
+    stats = run_steps(trainer, make_groups(0, 2, 2, (3, 4), (2, 3)), 3)
+    assert [round(s["lr"] / 1e-3, 6) for s in stats] == [round(2 / 3, 6), round(1 / 3, 6), 0.0]

@@ -179,6 +179,19 @@ class Manager:
         """One rollout of prompt `qid`, whose rollout id is the qid itself."""
         return await self.post("/allocate_rollout", {"rollout_id": qid, "qid": qid})
 
+    async def schedule(self, body: dict) -> dict:
+        """`/schedule_request` for a running rollout of `body["qid"]` (admitted
+        first if it is not running, rollout id = qid), ticket left out of the reply."""
+        await self.post("/allocate_rollout", {"rollout_id": body["qid"], "qid": body["qid"], "wait_s": 10})
+        reply = await self.post("/schedule_request", body)
+        self.tickets = getattr(self, "tickets", {})
+        self.tickets[body["qid"]] = reply.pop("ticket")
+        return reply
+
+    async def release(self, qid: str, url: str, n: int = 1) -> dict:
+        """Releases `n` requests on `url` of the last schedule of `qid`."""
+        return await self.post("/release_request", {"url": url, "ticket": self.tickets[qid], "n": n})
+
     async def finish(self, qid: str, accepted: bool) -> dict:
         return await self.post("/finish_rollout", {"rollout_id": qid, "n_trajectories": int(accepted), "n_tokens": 3})
 
@@ -381,12 +394,10 @@ def test_cap_stop_bad_requests_and_failed_weight_update(tmp_path, etcd_server, s
         assert (await m.allocate("q5"))["success"]
 
         # Routing with one server, and the version it holds.
-        reply = await m.post(
-            "/schedule_request", {"qid": "q1", "n": 2, "previous_server_url": None, "previous_version": None}
-        )
+        reply = await m.schedule({"qid": "q1", "n": 2, "previous_server_url": None, "previous_version": None})
         assert reply["url"] == shared_server and isinstance(reply["version"], int)
         assert (await m.get("/rollout_stats"))["server_in_flight"] == {shared_server: 2}
-        assert await m.post("/release_request", {"url": shared_server, "n": 2}) == {"success": True}
+        assert await m.release("q1", shared_server, 2) == {"success": True}
         assert (await m.get("/get_model_version"))["version"] == reply["version"]
 
         bad = [
@@ -506,6 +517,62 @@ def test_batched_allocate_and_finish(tmp_path, etcd_server, shared_server):
         trial.close()
 
 
+def test_schedules_belong_to_running_rollouts_and_release_exactly_what_they_hold(tmp_path, etcd_server, shared_server):
+    """Junk cannot bend routing (issue 33 items 3, 5; issue 24 item 5): a
+    schedule needs a running rollout's qid and stays within what one rollout
+    may hold; a release gives back at most what its ticket holds; a rollout
+    that ends, or whose worker restarts, gives back what its tickets still
+    hold; a worker index the trial does not have is refused."""
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, n_rollout_workers=2)
+    s = shared_server
+
+    async def in_flight(m: Manager) -> int:
+        return (await m.get("/rollout_stats"))["server_in_flight"][s]
+
+    async def scenario(m: Manager):
+        for rollout_id, qid in (("0:0:1:aa", "qa"), ("1:0:2:bb", "qb")):
+            assert (await m.post("/allocate_rollout", {"rollout_id": rollout_id, "qid": qid}))["admitted"] == 1
+        refused = [
+            ({"qid": "nobody"}, 409),  # no running rollout
+            ({"qid": "qa", "n": 2**62}, 400),
+            ({"qid": "qa", "n": 10_000, "parts": [1] * 10_000}, 400),
+        ]
+        for body, status in refused:
+            got, reply = await m.call("POST", "/schedule_request", body)
+            assert got == status and "field" in reply["error"], (body, got, reply)
+        ta = (await m.post("/schedule_request", {"qid": "qa", "n": 3}))["ticket"]
+        tb = (await m.post("/schedule_request", {"qid": "qb", "n": 2}))["ticket"]
+        assert await in_flight(m) == 5
+        await m.post("/release_request", {"url": s, "ticket": ta, "n": 100})
+        assert await in_flight(m) == 2  # qa's 3, not 100
+        await m.post("/release_request", {"url": s, "ticket": ta, "n": 1})
+        assert await in_flight(m) == 2  # a repeated release lowers nothing
+        got, reply = await m.call("POST", "/release_request", {"url": s, "ticket": 999, "n": 1})
+        assert got == 400 and "ticket" in reply["error"]
+        # What one rollout may hold: 4096 requests.
+        await m.post("/schedule_request", {"qid": "qa", "n": 4096})
+        got, _ = await m.call("POST", "/schedule_request", {"qid": "qa", "n": 1})
+        assert got == 409 and await in_flight(m) == 4098
+        await m.finish("0:0:1:aa", accepted=False)  # its schedules end with it
+        assert await in_flight(m) == 2
+        # Worker 1 restarts: its running rollout is released, and so are its schedules.
+        reply = await m.post("/reset_rollout_worker", {"worker_index": 1})
+        assert reply["qids"] == ["qb"] and await in_flight(m) == 0
+        await m.post("/release_request", {"url": s, "ticket": tb, "n": 2})  # the dead worker's late release
+        assert await in_flight(m) == 0
+        for index in (2, 999, 2**70):
+            got, reply = await m.call("POST", "/reset_rollout_worker", {"worker_index": index})
+            assert got == 400 and "worker_index" in reply["error"], (index, got, reply)
+        stats = await m.get("/rollout_stats")
+        assert stats["bad_requests"] == len(refused) + 2 + 3 and stats["running"] == 0
+
+    try:
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+    finally:
+        trial.close()
+
+
 @pytest.mark.parametrize("mode", SERVER_MODES)
 def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, tiny_model, mode):
     from realrl.system.model_worker import publish_weights
@@ -523,27 +590,29 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         WorkerGroup("gserver_manager", 1, manager_cfg),
     ]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
+    trial.start_training()
 
     async def scenario(m: Manager):
         a, b = (trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
         # Least requests spreads load over both servers.
-        picks = [await m.post("/schedule_request", {"qid": f"q{i}"}) for i in range(4)]
+        picks = [await m.schedule({"qid": f"q{i}"}) for i in range(4)]
         assert sorted(p["url"] for p in picks) == sorted([a, a, b, b]) and {p["version"] for p in picks} == {0}
         assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 2, b: 2}
-        for p in picks:
-            await m.post("/release_request", {"url": p["url"], "n": 1})
+        for i, p in enumerate(picks):
+            await m.release(f"q{i}", p["url"])
+            await m.finish(f"q{i}", accepted=False)
         # Sticky while the version is unchanged, even onto the busier server.
         for _ in range(3):
-            reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 0})
+            reply = await m.schedule({"qid": "s", "previous_server_url": a, "previous_version": 0})
             assert reply == {"url": a, "version": 0}
-        assert (await m.post("/schedule_request", {"qid": "t"}))["url"] == b  # least requests
+        assert (await m.schedule({"qid": "t"}))["url"] == b  # least requests
         assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 3, b: 1}
         # Several groups in one call: each part is routed as if alone (least requests, in turn).
-        reply = await m.post("/schedule_request", {"qid": "u", "n": 7, "parts": [3, 2, 2]})
+        reply = await m.schedule({"qid": "u", "n": 7, "parts": [3, 2, 2]})
         assert [p["url"] for p in reply["parts"]] == [b, a, b] and reply["url"] == b
         assert (await m.get("/rollout_stats"))["server_in_flight"] == {a: 5, b: 6}
-        await m.post("/release_request", {"url": a, "n": 2})
-        await m.post("/release_request", {"url": b, "n": 5})
+        await m.release("u", a, 2)
+        await m.release("u", b, 5)
 
         # The trainer publishes version 1: every server loads it.
         _, new_model = build_tiny_model(seed=2)
@@ -568,10 +637,10 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         assert sorted(os.listdir(weights_dir)) == [".tmp-2-abcd", "1", "notes.txt"]
 
         # Stickiness to the old version is released: least requests picks b.
-        reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 0})
+        reply = await m.schedule({"qid": "s", "previous_server_url": a, "previous_version": 0})
         assert reply == {"url": b, "version": 1}
         # ... and holds again under the new version.
-        reply = await m.post("/schedule_request", {"qid": "s", "previous_server_url": a, "previous_version": 1})
+        reply = await m.schedule({"qid": "s", "previous_server_url": a, "previous_version": 1})
         assert reply == {"url": a, "version": 1}
 
         # Server a's process dies: out of routing at once (a client names it in avoid_urls), restarted
@@ -581,14 +650,14 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         assert in_flight_a > 0
         (server_a,) = psutil.Process(trial.launcher.worker_pids[0]).children()
         server_a.kill()
-        reply = await m.post("/schedule_request", {"qid": "f", "avoid_urls": [a]})
+        reply = await m.schedule({"qid": "f", "avoid_urls": [a]})
         assert reply["url"] == b  # another server while one is up
         seen_versions, rejoined = set(), None
         for _ in range(2400):
             seen_versions.add((await m.get("/get_model_version"))["version"])
             servers = (await m.get("/servers"))["servers"]
             if any(s["url"] == a and s["state"] != "up" for s in servers):
-                assert (await m.post("/schedule_request", {"qid": "g"}))["url"] != a  # never to a down server
+                assert (await m.schedule({"qid": "g"}))["url"] != a  # never to a down server
             rejoined = next((s for s in servers if s["index"] == 0 and s["url"] != a and s["state"] == "up"), None)
             if rejoined:
                 break
@@ -598,8 +667,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         assert next(s for s in servers if s["url"] == a)["state"] in ("down", "retired")
         async with GenerationClient(timeout_s=60) as client:
             assert await client.weight_version(rejoined["url"]) == "1"
-        for _ in range(in_flight_a):  # releases of requests a had: absorbed
-            await m.post("/release_request", {"url": a, "n": 1})
+        await m.finish("s", accepted=False)  # its schedules on a end with it: absorbed
         stats = await m.get("/rollout_stats")
         assert stats["server_in_flight"][a] == 0 and stats["n_servers"] == 2 and stats["loaded_version"] == 1
         assert stats["server_events"]["rejoined"] == 1

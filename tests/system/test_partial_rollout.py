@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import urllib.request
+import uuid
 
 import pytest
 import torch
@@ -117,6 +118,7 @@ def trial(request, tmp_path_factory, etcd_server, tiny_kit):
     t = TrialThread(tmp_path_factory.mktemp("prm_trial"), etcd_server.addr, groups, EXP)
     try:
         t.start()
+        t.start_training()
         t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
         t.server_url = t.get(names.gen_server(EXP, t.trial, 0))
         t.mode = request.param
@@ -166,16 +168,24 @@ def forward_logprobs(model, prompt: list[int], output: list[int], temperature: f
 
 
 class ObservedManagerClient(GserverManagerClient):
-    """The real manager client, keeping a log of what it scheduled."""
+    """The real manager client, keeping a log of what it scheduled. The
+    manager schedules only for a running rollout: as a rollout worker would,
+    it has each qid admitted first (under a rollout id of its own), and
+    `end_rollouts` ends them as rejected (their budget goes back)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.scheduled: list[dict] = []
+        self.admitted: dict[str, str] = {}  # qid -> rollout id
 
     async def schedule_request(
         self, qid, n=1, previous_server_url=None, previous_version=None, avoid_urls=None, parts=None
     ):
         """Logs one entry per part (a group's round), numbered by the call ("call")."""
+        if qid not in self.admitted:
+            rollout_id = f"{qid}@{uuid.uuid4().hex[:8]}"
+            assert (await self.allocate_rollouts([(rollout_id, qid)], wait_s=10)).admitted == 1
+            self.admitted[qid] = rollout_id
         reply = await super().schedule_request(qid, n, previous_server_url, previous_version, avoid_urls, parts)
         call = len({s["call"] for s in self.scheduled})
         for size, pick in zip(parts or [n], reply.parts or [reply]):
@@ -192,6 +202,11 @@ class ObservedManagerClient(GserverManagerClient):
             )
         return reply
 
+    async def end_rollouts(self) -> None:
+        if self.admitted:
+            await self.finish_rollouts([(rollout_id, 0, 0) for rollout_id in self.admitted.values()])
+            self.admitted.clear()
+
 
 async def with_prm(manager_url: str, fn, **prm_kwargs):
     manager = ObservedManagerClient(manager_url, retries=1, retry_backoff_s=0.01)
@@ -199,6 +214,7 @@ async def with_prm(manager_url: str, fn, **prm_kwargs):
         try:
             return await fn(PartialRolloutManager(manager, client, **prm_kwargs), manager)
         finally:
+            await manager.end_rollouts()
             await manager.close()
 
 
@@ -411,11 +427,14 @@ def test_request_the_server_refuses_fails_at_once(trial):
 
 
 def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
-    """The manager routes to a server that went away after start-up."""
+    """The manager routes to a server that went away after start-up: the
+    answer waits for a server for `no_server_timeout`, then fails naming it
+    and the last server's error."""
     fake = HealthOnlyServer()
     t = TrialThread(tmp_path, etcd_server.addr, [manager_group(n_servers=1)], EXP)
     try:
         t.start()
+        t.start_training()
         t.set(names.gen_server(EXP, t.trial, 0), fake.url)
         manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
         fake.stop()  # nothing listens there any more
@@ -426,11 +445,13 @@ def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
                 await prm.generate(request)
             return info.value, prm.stats.pop()
 
-        error, stats = asyncio.run(with_prm(manager_url, go, request_retries=2, retry_backoff_s=0.01))
+        error, stats = asyncio.run(
+            with_prm(manager_url, go, request_retries=2, retry_backoff_s=0.01, no_server_timeout=1.0)
+        )
         message = str(error)
-        assert fake.url in message and "dead-0" in message and "3 times in a row" in message
-        assert "unavailable" in message  # the cause
-        assert stats["retries"] >= 2  # retried before giving up
+        assert fake.url in message and "dead-0" in message and "rollout.no_server_timeout=1" in message
+        assert "no generation server was up for 1 s" in message and "unavailable" in message  # the cause
+        assert stats["retries"] >= 1 and stats["no_server_waits"] >= 2  # waited for a server before giving up
         assert set(manager_stats(manager_url)["server_in_flight"].values()) == {0}
     finally:
         fake.stop()

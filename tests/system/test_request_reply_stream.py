@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
+import signal
 import subprocess
 import time
 import uuid
@@ -252,8 +254,9 @@ def test_malformed_messages_are_rejected_and_both_ends_keep_serving(cluster):
     context.term()
     # To a worker, through its request socket.
     (stats_before,) = call(client, [0], "stats", timeout=30)
-    client._send_sockets[0].send(b"\x00garbage")
-    client._send_sockets[0].send_multipart([b"a", b"b"])
+    worker0 = client._routing_ids[0]
+    client._send_sockets[0].send_multipart([worker0, b"\x00garbage"])
+    client._send_sockets[0].send_multipart([worker0, b"a", b"b"])
     assert call(client, [0], "whoami", timeout=30)[0]["worker"] == 0
     (stats_after,) = call(client, [0], "stats", timeout=30)
     assert stats_after["n_rejected"] == stats_before["n_rejected"] + 2
@@ -264,26 +267,20 @@ def test_malformed_messages_are_rejected_and_both_ends_keep_serving(cluster):
 
 
 def test_a_request_nobody_confirms_is_warned_about_then_fails(tmp_path, etcd_server, realrl_caplog):
-    """A stray process connected to worker 0's request socket takes every
-    other request (PUSH round-robins): the master names the lost request after
-    `warn_after` and fails the call at `receipt_timeout`, while a long request
-    that its worker confirmed may run past both."""
+    """Worker 0 stalls (SIGSTOP) with a request on its way: the master names
+    the unconfirmed request after `warn_after` and fails the call at
+    `receipt_timeout`, while a long request that its worker confirmed may run
+    past both."""
     config = make_nr_config("etcd3", tmp_path, etcd_server)
     name_resolve.reconfigure(config)
     c = start_cluster(config, 2, warn_after=0.3, receipt_timeout=1.5)
-    context = zmq.Context()
-    stray = context.socket(zmq.PULL)
-    stray.setsockopt(zmq.LINGER, 0)
+    stalled = c.workers[0]
     try:
         client = c.client
 
         async def lose_a_request():
             (blocked,) = await client.request_async([1], "block")  # confirmed, then runs until released
-            stray.connect(f"tcp://{_master_send_address(c)}")
-            deadline = time.monotonic() + 30
-            while not stray.poll(100):  # until the stray is connected and takes its share
-                assert time.monotonic() < deadline, "the stray never got a request"
-                await client.request_async([0], "whoami")
+            os.kill(stalled.pid, signal.SIGSTOP)
             with pytest.raises(RequestLost) as info:
                 await client.call_async([0, 0, 0, 0], "long_echo", ["a", "b", "c", "d"], timeout=60)
             # The confirmed long request was never counted as lost.
@@ -292,7 +289,7 @@ def test_a_request_nobody_confirms_is_warned_about_then_fails(tmp_path, etcd_ser
             return str(info.value), slow.value
 
         text, slow = asyncio.run(lose_a_request())
-        assert "'long_echo' request" in text and "model worker 0" in text and "another process" in text
+        assert "'long_echo' request" in text and "model worker 0" in text and "gone or stalled" in text
         warnings = [r.getMessage() for r in realrl_caplog.records if "unanswered for" in r.getMessage()]
         assert warnings and all("'long_echo' request" in w and "to model worker 0" in w for w in warnings)
         assert any("not confirmed by the worker yet" in w for w in warnings)
@@ -300,7 +297,34 @@ def test_a_request_nobody_confirms_is_warned_about_then_fails(tmp_path, etcd_ser
         assert any(lost_id in w for w in warnings)
         assert not isinstance(slow, RequestLost)
     finally:
-        stray.close()
+        os.kill(stalled.pid, signal.SIGCONT)
+        stop_cluster(c)
+        name_resolve.reconfigure(name_resolve.NameResolveConfig())
+
+
+def test_a_stray_connection_to_a_request_socket_takes_no_request(tmp_path, etcd_server):
+    """Issue 33 item 4: a stray PULL (refused at the handshake) and a stray
+    DEALER (never addressed) connect to worker 0's request socket; every
+    request still reaches worker 0 and is answered, and neither stray gets
+    one. (With a PUSH request socket the PULL took every other request and
+    the call failed as RequestLost.)"""
+    config = make_nr_config("etcd3", tmp_path, etcd_server)
+    name_resolve.reconfigure(config)
+    c = start_cluster(config, 1, warn_after=0.3, receipt_timeout=2.0)
+    context = zmq.Context()
+    strays = [context.socket(zmq.PULL), context.socket(zmq.DEALER)]
+    strays[1].setsockopt(zmq.ROUTING_ID, b"stray")
+    try:
+        for stray in strays:
+            stray.setsockopt(zmq.LINGER, 0)
+            stray.connect(f"tcp://{_master_send_address(c)}")
+        time.sleep(0.5)  # both connected (or refused) before the requests go out
+        replies = call(c.client, [0] * 20, "echo", [f"m{i}" for i in range(20)], timeout=30)
+        assert replies == [f"m{i}" for i in range(20)]
+        assert [stray.poll(200) for stray in strays] == [0, 0]
+    finally:
+        for stray in strays:
+            stray.close()
         context.term()
         stop_cluster(c)
         name_resolve.reconfigure(name_resolve.NameResolveConfig())

@@ -94,6 +94,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
             max_head_offpolicyness=0,
             max_concurrent_rollouts=16,
             weights_dir=str(weights_dir),
+            n_rollout_workers=2,
         ),
         rollout_group(tiny_kit, dataset, 2, top_p=0.9, max_concurrent_rollouts=3, sample_log_every=2),
     ]
@@ -181,7 +182,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
 
 def test_failing_episode_fails_the_worker_loudly(tmp_path, etcd_server, tiny_kit, dataset, capfd):
     fake = HealthOnlyServer()  # the manager accepts it at start-up; then it goes away
-    groups = [manager_group(n_servers=1), rollout_group(tiny_kit, dataset, 1, request_retries=1)]
+    groups = [manager_group(n_servers=1), rollout_group(tiny_kit, dataset, 1, request_retries=1, no_server_timeout=2)]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     puller = None
     try:
@@ -195,7 +196,8 @@ def test_failing_episode_fails_the_worker_loudly(tmp_path, etcd_server, tiny_kit
         assert trial.launcher.failed_worker == "rollout_worker/0"
         err = capfd.readouterr().err
         assert "worker rollout_worker/0 failed" in err
-        assert "PartialRolloutError" in err and fake.url in err and "2 times in a row" in err
+        # The only server is gone for good: after waiting rollout.no_server_timeout for one, the episode fails.
+        assert "PartialRolloutError" in err and fake.url in err and "rollout.no_server_timeout=2" in err
         assert puller.pull(timeout=0.2) == []
     finally:
         fake.stop()

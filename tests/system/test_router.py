@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from realrl.system.router import NoServerUp, RequestRouter
+from realrl.system.router import NoServerUp, RequestRouter, Reservations
 
 
 def test_router_least_requests_ties_and_stickiness():
@@ -84,3 +84,23 @@ def test_router_version_never_goes_back_when_servers_leave_and_join():
         r.add_server("d", 0)
     r.add_server("d", 4)
     assert r.version == 4
+
+
+def test_reservations_release_exactly_what_was_scheduled():
+    res = Reservations(max_per_qid=10)
+    t1 = res.reserve("q", {"a": 3, "b": 2})
+    t2 = res.reserve("p", {"a": 1})
+    assert (t1, t2) == (1, 2) and res.room("q") == 5 and res.held() == 6
+    assert res.release(t1, "a", 100) == 3  # at most what the ticket holds there
+    assert res.release(t1, "a", 1) == 0  # a repeated release lowers nothing
+    assert res.release(t1, "c", 1) == 0  # a server the ticket never had
+    assert res.release(t2, "a", 1) == 1
+    assert res.release(t2, "a", 1) == 0  # a ticket given back in full
+    with pytest.raises(KeyError, match="unknown ticket 3"):
+        res.release(3, "a", 1)  # never issued
+    with pytest.raises(ValueError, match="more than 10"):
+        res.reserve("q", {"a": 9})  # q holds 2 (on b): 11 > 10
+    # The rollout ends: what its tickets still hold goes back, once.
+    t3 = res.reserve("q", {"a": 4})
+    assert res.release_qid("q") == {"b": 2, "a": 4}
+    assert res.release_qid("q") == {} and res.release(t3, "a", 4) == 0 and res.held() == 0 and res.room("q") == 10

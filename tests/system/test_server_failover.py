@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -90,6 +91,7 @@ def two_server_trial(tmp_path, etcd_server, tiny_kit, fake_url: str, mode: str, 
     ]
     t = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     t.start()
+    t.start_training()
     t.set(names.gen_server(EXP, t.trial, 1), fake_url)
     t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
     t.server_url = t.get(names.gen_server(EXP, t.trial, 0))
@@ -207,4 +209,43 @@ def test_a_server_that_cannot_batch_gets_its_answers_one_by_one(tmp_path, etcd_s
         assert manager_stats(t.manager_url)["server_in_flight"] == {t.server_url: 0, fake.url: 0}
     finally:
         fake.stop()
+        t.close()
+
+
+def test_answers_wait_for_the_only_server_while_it_restarts(tmp_path, etcd_server, tiny_kit):
+    """Issue 33 item 6: the only server dies; its worker restarts it. An
+    answer asked for meanwhile, with no retry allowed, waits for the server
+    to come back (the manager answers "no server is up" in between) instead
+    of failing, and comes back complete."""
+    import psutil
+
+    groups = [server_group(tiny_kit["model_dir"]), manager_group(n_servers=1, health_check_interval=0.2)]
+    t = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
+    try:
+        t.start()
+        t.start_training()
+        t.manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
+        old_url = t.get(names.gen_server(EXP, t.trial, 0))
+        (server,) = psutil.Process(t.launcher.worker_pids[0]).children()
+        server.kill()
+        for _ in range(600):  # until the manager has taken it out of routing
+            if manager_servers(t.manager_url)[old_url]["state"] != "up":
+                break
+            time.sleep(0.05)
+        assert manager_servers(t.manager_url)[old_url]["state"] != "up"
+        request = GenerationRequest("wait-0", [5, 6, 7], 2, GenerationHyperparameters(max_new_tokens=4))
+
+        async def go(prm, manager):
+            result = await prm.generate(request)
+            return result, prm.stats.pop()
+
+        result, stats = asyncio.run(
+            with_prm(t.manager_url, go, request_retries=0, retry_backoff_s=0.05, no_server_timeout=120)
+        )
+        assert [len(o) for o in result.output_ids] == [4, 4]
+        assert stats["no_server_waits"] >= 1 and stats["retries"] == 0
+        servers = manager_servers(t.manager_url)
+        assert servers[old_url]["state"] in ("down", "retired")
+        assert [s["index"] for s in servers.values() if s["state"] == "up"] == [0]
+    finally:
         t.close()

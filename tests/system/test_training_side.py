@@ -101,6 +101,63 @@ def test_puller_drops_out_of_vocabulary_trajectories_as_invalid(tmp_path, etcd_s
     assert "(3 so far)" in summary[0] and "token id 10" in summary[0]
 
 
+def test_puller_sorts_out_what_a_trainer_must_not_take(tmp_path, etcd_server):
+    """Issue 33 item 2: beyond the vocabulary, the puller checks what the
+    trainer relies on: length within the model's positions (8 tokens here),
+    weight versions within 0..the trainer's newest (asked per trajectory, so
+    a newer version admits what it did not before), logprobs <= 0."""
+    name_resolve.reconfigure(make_nr_config("etcd3", tmp_path, etcd_server))
+    trial = uuid.uuid4().hex[:8]
+    newest = [2]
+    dataset = PullerStreamDataset("fit", trial, 0, vocab_size=10, max_positions=8, newest_version=lambda: newest[0])
+    pusher = NameResolvingZmqPusher("fit", trial, 0, 1, 1, timeout=30)
+
+    def traj(qid, prompt, completion, version=0, logprob=-1.0):
+        t = _trajectory(qid, prompt, completion)
+        t.versions[0][:] = version
+        t.version_start, t.version_end = [version], [version]
+        t.logprobs[0][:] = logprob
+        return t
+
+    try:
+        sent = [
+            traj("ok-8-positions", [1, 2, 3, 4], [5, 6, 7, 8]),
+            traj("too-long", [1, 2, 3, 4], [5, 6, 7, 8, 9]),
+            traj("too-long-40k", [1] * 5000, [2] * 35_000),
+            traj("ok-newest", [1, 2], [3], version=2),
+            traj("version-from-the-future", [1, 2], [3], version=3),
+            traj("negative-version", [1, 2], [3], version=-1),
+            traj("positive-logprob", [1, 2], [3], logprob=0.5),
+            traj("ok-zero-logprob", [1, 2], [3], logprob=0.0),
+        ]
+        for t in sent:
+            pusher.push(t.to_wire(), timeout=10)
+
+        def wait_received(n):
+            give_up = time.monotonic() + 30
+            while dataset.stats()["received"] < n and time.monotonic() < give_up:
+                time.sleep(0.02)
+            return dataset.stats()
+
+        stats = wait_received(len(sent))
+        assert stats["invalid"] == 5 and stats["buffered"] == 3, stats
+        newest[0] = 3  # the trainer published version 3
+        pusher.push(traj("now-current", [1, 2], [3], version=3).to_wire(), timeout=10)
+        stats = wait_received(len(sent) + 1)
+        assert stats["invalid"] == 5 and stats["buffered"] == 4, stats
+        items, _ = dataset.inventory(0, 10)
+        assert sorted(t.qid for t in dataset.take([k for k, *_ in items])) == [
+            "now-current",
+            "ok-8-positions",
+            "ok-newest",
+            "ok-zero-logprob",
+        ]
+    finally:
+        pusher.close()
+        dataset.close()
+        name_resolve.reconfigure(NameResolveConfig())
+
+
 def run_trial(
     tmp_path,
     tiny_model_dir,

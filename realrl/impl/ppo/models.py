@@ -1,7 +1,7 @@
 """The models the trainer drives: the critic, the base model under a LoRA
 actor (the KL reference), the forward passes that give per-completion-token
-logprobs and values, and what a model supports (randomness in train mode;
-shared-prompt rows, checked on a tiny probe)."""
+logprobs and values, and what a model supports (randomness in train mode,
+shared-prompt rows: each checked on a tiny probe)."""
 
 from __future__ import annotations
 
@@ -15,22 +15,39 @@ from realrl.impl.ppo.logprobs import entropy_from_logits, gather_logprobs
 logger = getLogger("ppo")
 
 
-def train_mode_noise(config: dict) -> bool:
-    """Whether a model config turns on randomness in train mode: any positive
-    dropout / pdrop / jitter setting (e.g. `attention_dropout`, `resid_pdrop`,
-    MoE `router_jitter_noise`), nested configs included."""
-    for key, value in config.items():
-        if isinstance(value, dict):
-            if train_mode_noise(value):
-                return True
-        elif (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value > 0
-            and any(word in key for word in ("dropout", "pdrop", "jitter"))
-        ):
-            return True
-    return False
+def train_forward_is_deterministic(model: nn.Module, fn, device: torch.device) -> bool:
+    """Whether `model`'s train-mode forward is the same function as its eval
+    one, decided from what it does, not from its config's key names: no
+    dropout module with p > 0, and on a tiny probe two train-mode forwards
+    (`fn(model, micro_batch)`) are bit-equal and match an eval-mode one. A
+    dropout applied functionally (e.g. Llama's `attention_dropout`) or MoE
+    router jitter shows in the probe. The RNG state is left as it was. False
+    errs on the safe side (a separate proximal pass)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return False
+    ids = torch.randint(0, int(text_config(model.config).vocab_size), (12,), generator=torch.Generator().manual_seed(1))
+    batch = SequenceBatch(
+        [ids[:6], ids[6:]],
+        [3, 3],
+        [torch.zeros(3), torch.zeros(3)],
+        torch.zeros(2),
+        torch.zeros(2, dtype=torch.bool),
+        [[0], [1]],
+    )
+    mb = make_micro_batch(batch, [[0], [1]], device)
+    was_training = model.training
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.train()
+            first, second = fn(model, mb).float(), fn(model, mb).float()
+            model.eval()
+            evaluated = fn(model, mb).float()
+    finally:
+        model.train(was_training)
+    if not torch.equal(first, second):
+        return False
+    return bool(torch.allclose(first, evaluated, rtol=1e-3, atol=1e-3))
 
 
 class CriticModel(nn.Module):

@@ -43,7 +43,7 @@ from realrl.impl.ppo.models import (
     shared_prompt_mask_kind,
     shared_rows_match,
     text_config,
-    train_mode_noise,
+    train_forward_is_deterministic,
 )
 from realrl.impl.ppo.packing import plan_micro_batches
 
@@ -153,11 +153,11 @@ class PPOTrainer:
         self.overlong_buffer_len = cfg.overlong_buffer_len or round(cfg.overlong_buffer_frac * max_new_tokens)
         if cfg.overlong_penalty_factor > 0 and not (0 < self.overlong_buffer_len <= max_new_tokens):
             raise ValueError("the overlong penalty needs 0 < buffer <= max_new_tokens")
-        # Whether the actor's train-mode forward is the same function as its eval-mode one (decided once).
+        # Whether the actor's train-mode forward is the same function as its eval-mode one: decided once,
+        # on a probe every rank runs (under FSDP a forward is a collective), alike on every rank.
         config = getattr(actor.model, "config", None)
-        self._deterministic_train_forward = not any(
-            isinstance(m, nn.Dropout) and m.p > 0 for m in actor.model.modules()
-        ) and not train_mode_noise(config.to_dict() if hasattr(config, "to_dict") else {})
+        deterministic = train_forward_is_deterministic(actor.model, self._probe_logprobs, device)
+        self._deterministic_train_forward = self._max_over_ranks([0 if deterministic else 1])[0] == 0
         if cfg.adv_estimator == "gae" and critic is None:
             raise ValueError("ppo.adv_estimator=gae needs a critic")
         # Shared-prompt rows (`share_prompt_rows`) when every model's attention takes their mask.
@@ -386,6 +386,10 @@ class PPOTrainer:
             self._optimize_actor(batch, plan, normalizer, prox, behav, advs, masks, acc)
             if self.critic is not None:
                 self._optimize_critic(batch, plan, normalizer, old_values, returns, masks, acc)
+        if n_mbs:  # the LR schedule advances per train step, however many minibatches the step took
+            for optimized in (self.actor, self.critic):
+                if optimized is not None:
+                    optimized.scheduler.step()
 
         acc.update(
             reward_sum=float(batch.rewards.sum()),
@@ -489,7 +493,6 @@ class PPOTrainer:
         self.sync_grads(actor.model)
         acc["actor_grad_norm"] += self._clip(actor.model)
         actor.optimizer.step()
-        actor.scheduler.step()
 
     def _optimize_critic(self, batch, plan, normalizer, old_values, returns, masks, acc) -> None:
         cfg, critic = self.cfg, self.critic
@@ -515,7 +518,6 @@ class PPOTrainer:
         self.sync_grads(critic.model)
         acc["critic_grad_norm"] += self._clip(critic.model)
         critic.optimizer.step()
-        critic.scheduler.step()
 
     def _clip(self, model: nn.Module) -> float:
         """Clips and returns the global gradient norm (under FSDP a collective

@@ -6,13 +6,17 @@ workers (docs/design.md §4).
 from its asyncio loop), `reply_server` a model worker's
 (`NameResolvingReplyServer`).
 
-Sockets. The master (`NameResolvingRequestClient`) binds one PUSH socket per
-model worker (`master_send_{i}`) and one PULL socket for all replies
+Sockets. The master (`NameResolvingRequestClient`) binds one ROUTER socket
+per model worker (`master_send_{i}`) and one PULL socket for all replies
 (`master_recv`), and registers their addresses under
 `names.request_reply_stream(exp, trial, ...)`. Each worker
-(`NameResolvingReplyServer`) connects a PULL to its `master_send_{i}` and a
-PUSH to `master_recv`, then adds itself to the `barrier` subtree; the master
-waits until every worker is there. Messages are `realrl.base.wire` buffers of
+(`NameResolvingReplyServer`) connects a DEALER with a random routing id to its
+`master_send_{i}` and a PUSH to `master_recv`, then adds `<i>:<routing id>`
+to the `barrier` subtree; the master waits until every worker is there and
+sends each request to that routing id only (ROUTER_MANDATORY: never dropped,
+never to another peer). A stray connection to a request socket therefore
+takes no request: a PULL is refused at the ZMTP handshake (PULL cannot talk
+to ROUTER), a DEALER is never addressed. Messages are `realrl.base.wire` buffers of
 a `Payload` (never pickle) with one of four kinds:
 
     master -> worker: "request", "ack", "cancel"      worker -> master: "syn", "received", "reply"
@@ -39,8 +43,7 @@ master raises it as `RemoteError`. Malformed messages are dropped, counted in
 
 Lost requests. A worker confirms every request it takes: a cheap one by its
 reply, a long one by "received" as it queues it (a SYN/ACK one by its syn).
-A request that nobody confirms (its worker died, or a stray process connected
-to the worker's request socket took it) is warned about after `warn_after`
+A request that nobody confirms (its worker died or stalled) is warned about after `warn_after`
 seconds, naming the worker and the request, and fails the call after
 `receipt_timeout`; a confirmed one may run up to the call's own timeout (a
 train step of a large model takes minutes), with a warning every

@@ -98,6 +98,34 @@ def send_within(socket: zmq.Socket, message: bytes, timeout: float, what: str) -
                 continue
 
 
+def send_routed_within(socket: zmq.Socket, routing_id: bytes, message: bytes, timeout: float, what: str) -> bool:
+    """Queues `message` on a ROUTER socket (ROUTER_MANDATORY) for the peer
+    `routing_id`, waiting up to `timeout` for room or for that peer to be
+    connected (it may still be completing its handshake, or reconnecting).
+    Never sends to anyone else. Returns True if it had to wait."""
+    deadline = time.monotonic() + timeout
+    waited = False
+    while True:
+        try:
+            socket.send_multipart([routing_id, message], zmq.NOBLOCK, copy=False)
+            return waited
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"could not send {what} within {timeout}s (peer not connected or not reading)")
+        waited = True
+        time.sleep(0.01)
+
+
+def new_routing_id() -> bytes:
+    """A model worker process's identity on its request socket: random, so a
+    stray connection cannot be addressed by the master by chance."""
+    return uuid.uuid4().hex.encode()
+
+
 class Receiver:
     """Receive side shared by both ends: decodes, validates and counts rejects."""
 

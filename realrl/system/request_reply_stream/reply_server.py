@@ -1,7 +1,8 @@
 """A model worker's end of the request-reply stream: `NameResolvingReplyServer`.
 
-It connects a PULL to the master's `master_send_<i>` and a PUSH to
-`master_recv`, joins the barrier, and answers requests from the thread that
+It connects a DEALER (with a random routing id) to the master's
+`master_send_<i>` and a PUSH to `master_recv`, joins the barrier (under
+`<i>:<routing id>`), and answers requests from the thread that
 calls `serve()`, the only one that touches its sockets (zmq sockets are not
 thread-safe). Handlers are registered as:
 
@@ -44,6 +45,7 @@ from realrl.system.request_reply_stream.protocol import (
     Payload,
     Receiver,
     master_send,
+    new_routing_id,
     send_within,
 )
 
@@ -95,7 +97,11 @@ class NameResolvingReplyServer:
                         interrupt()
         requests_address, replies_address = addresses
         self._context = zmq.Context()
-        recv_socket = self._context.socket(zmq.PULL)
+        # A DEALER with a random identity: the master's ROUTER sends only to the
+        # identity this worker registers in the barrier (docs/design.md §4).
+        self.routing_id = new_routing_id()
+        recv_socket = self._context.socket(zmq.DEALER)
+        recv_socket.setsockopt(zmq.ROUTING_ID, self.routing_id)
         recv_socket.setsockopt(zmq.LINGER, 0)
         recv_socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes)
         recv_socket.connect(f"tcp://{requests_address}")
@@ -121,7 +127,7 @@ class NameResolvingReplyServer:
         self._awaiting_ack: dict[str, Payload] = {}
         self.n_handled = 0
         self._closed = False
-        self._barrier_key = name_resolve.add_subentry(key(BARRIER), str(worker_index))
+        self._barrier_key = name_resolve.add_subentry(key(BARRIER), f"{worker_index}:{self.routing_id.decode()}")
         logger.info("model worker %d connected to the master (%s, %s)", worker_index, requests_address, replies_address)
 
     @property

@@ -1,11 +1,14 @@
 """The master's end of the request-reply stream: `NameResolvingRequestClient`.
 
-It binds a PUSH socket per model worker and one PULL for every reply,
+It binds a ROUTER socket per model worker and one PULL for every reply,
 registers them in name_resolve and waits until each worker has joined the
-barrier. Requests are routed by handler (a worker index, `"__data<dp>__"` or
-a shard id) and awaited on the master's asyncio loop: one pump task per loop
-drains the reply socket and wakes the waiting calls. Every wait has a
-timeout; a request no worker confirms is warned about and then fails as
+barrier, naming the routing id of its connection: requests go to that
+connection only, so a stray one to a request socket gets none (a PULL is
+refused at the handshake, a DEALER is never addressed). Requests are
+routed by handler (a worker index, `"__data<dp>__"` or a shard id) and
+awaited on the master's asyncio loop: one pump task per loop drains the
+reply socket and wakes the waiting calls. Every wait has a timeout; a
+request no worker confirms is warned about and then fails as
 `RequestLost`, and a handler's exception is raised here as `RemoteError`.
 """
 
@@ -34,7 +37,7 @@ from realrl.system.request_reply_stream.protocol import (
     Payload,
     Receiver,
     master_send,
-    send_within,
+    send_routed_within,
 )
 
 logger = getLogger("request_reply_stream")
@@ -120,11 +123,17 @@ class NameResolvingRequestClient:
         name_resolve.clear_subtree(key(BARRIER))
         self._context = zmq.Context()
         self._send_sockets: list[zmq.Socket] = []
+        self._routing_ids: dict[int, bytes] = {}  # worker -> the routing id of its request connection
+        self._barrier_read_at = 0.0
         self._keys: list[str] = []
         try:
             for i in range(n_subscribers):
-                sock = self._context.socket(zmq.PUSH)
+                sock = self._context.socket(zmq.ROUTER)
                 sock.setsockopt(zmq.LINGER, 0)  # nothing to flush: an unsent request is a failed request
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer not connected fails, never drops
+                # Workers never send on it: what a stray peer sends is bounded, then dropped.
+                sock.setsockopt(zmq.MAXMSGSIZE, 4096)
+                sock.setsockopt(zmq.RCVHWM, 16)
                 self._send_sockets.append(sock)
                 address = _bind_claimed_port(sock, host, experiment_name, trial_name)
                 name_resolve.add(key(master_send(i)), address, replace=True)
@@ -137,7 +146,8 @@ class NameResolvingRequestClient:
             self._keys.append(key(MASTER_RECV))
             self._receiver = Receiver(recv_socket, f"master {self.recv_address}", max_message_bytes)
             self._recv_socket = recv_socket
-            self._wait_for_workers(key(BARRIER), connect_timeout)
+            self._barrier = key(BARRIER)
+            self._wait_for_workers(self._barrier, connect_timeout)
         except BaseException:
             self._context.destroy(linger=0)  # closes every socket made so far
             for k in self._keys:
@@ -175,11 +185,8 @@ class NameResolvingRequestClient:
     def _wait_for_workers(self, barrier: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            present = set()
-            for value in name_resolve.get_subtree(barrier):
-                if value.isdigit():
-                    present.add(int(value))
-            missing = sorted(set(range(self.n_subscribers)) - present)
+            self._read_barrier(barrier)
+            missing = sorted(set(range(self.n_subscribers)) - set(self._routing_ids))
             if not missing:
                 return
             if time.monotonic() >= deadline:
@@ -187,6 +194,14 @@ class NameResolvingRequestClient:
             if self._interrupt is not None:
                 self._interrupt()
             time.sleep(0.05)
+
+    def _read_barrier(self, barrier: str) -> None:
+        """The routing id each worker registered ("<worker index>:<routing
+        id>"); a restarted worker registers a new one."""
+        for value in name_resolve.get_subtree(barrier):
+            index, _, routing_id = value.partition(":")
+            if index.isdigit() and int(index) < self.n_subscribers and routing_id:
+                self._routing_ids[int(index)] = routing_id.encode()
 
     # ---- sending ------------------------------------------------------------------
     def _route(self, handler: int | str) -> int:
@@ -220,17 +235,20 @@ class NameResolvingRequestClient:
         prepared = self._prepare_requests(handlers, handle_name, datas, no_syn)
         for payload, message, worker in prepared:
             self._track(payload, worker)
-            socket, what = self._send_sockets[worker], f"{handle_name!r} to model worker {worker}"
+            what = f"{handle_name!r} to model worker {worker}"
             deadline = time.monotonic() + self.send_timeout
             while True:
-                try:
-                    socket.send(message, zmq.NOBLOCK, copy=False)
+                try:  # (one non-blocking try; the waiting happens here, off the event loop's back)
+                    send_routed_within(self._send_sockets[worker], self._routing_ids[worker], message, 0, what)
                     break
-                except zmq.Again:
+                except TimeoutError:
                     if time.monotonic() > deadline:
                         raise TimeoutError(
                             f"could not send {what} within {self.send_timeout}s (peer not connected or not reading)"
                         ) from None
+                    if time.monotonic() - self._barrier_read_at > 1.0:  # the worker may have restarted
+                        self._barrier_read_at = time.monotonic()
+                        await asyncio.to_thread(self._read_barrier, self._barrier)
                     await asyncio.sleep(0.02)
         return [p.request_id for p, _, _ in prepared]
 
@@ -238,8 +256,9 @@ class NameResolvingRequestClient:
         for rid in request_ids:
             handler, handle_name, worker = self._inflight[rid]
             message = wire.dumps(Payload(handler, handle_name, request_id=rid, kind=kind).to_wire())
-            send_within(
+            send_routed_within(
                 self._send_sockets[worker],
+                self._routing_ids[worker],
                 message,
                 self.send_timeout,
                 f"{kind} of {handle_name!r} to model worker {worker}",
@@ -322,8 +341,7 @@ class NameResolvingRequestClient:
             what = "; ".join(self._describe(rid) for rid in lost)
             self._forget(ids)  # late replies are dropped when they come
             raise RequestLost(
-                f"no model worker confirmed {what} within {self.receipt_timeout:.0f}s: the worker is gone, or "
-                "another process is connected to its request socket and took the request"
+                f"no model worker confirmed {what} within {self.receipt_timeout:.0f}s: the worker is gone or stalled"
             )
         for rid, age, received in slow:
             state = "received and still running" if received else "not confirmed by the worker yet"
