@@ -48,6 +48,15 @@ class Trajectory:
     # empty (every completion token was sampled), or per sequence one bool per completion token:
     # True = sampled by the policy (trained), False = context inside the completion
     loss_mask: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # Which admitted rollout this is, and which of its trajectories (docs/design.md §13): the key
+    # the trainers acknowledge and drop second copies by. Set by the rollout worker; "" = none.
+    rollout_id: str = ""
+    index: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(rollout_id, index): one trajectory of one admitted rollout, the same in every copy."""
+        return self.rollout_id, self.index
 
     @classmethod
     def from_results(
@@ -118,6 +127,7 @@ class Trajectory:
         n = len(self.input_ids)
         if not isinstance(self.qid, str) or not self.qid:
             raise TrajectoryError(f"qid must be a non-empty str, got {self.qid!r}")
+        self.check_key()
         if n == 0:
             raise TrajectoryError(f"trajectory {self.qid} has no sequences")
         if self.scores and len(self.scores) != n:
@@ -166,6 +176,14 @@ class Trajectory:
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite reward")
         return self
 
+    def check_key(self) -> Trajectory:
+        """The rollout key's types (a missing one is "" and 0: a trajectory of no admitted rollout)."""
+        if not isinstance(self.rollout_id, str) or isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise TrajectoryError(f"trajectory {self.qid}: rollout_id must be a str and index an int")
+        if self.index < 0:
+            raise TrajectoryError(f"trajectory {self.qid}: index {self.index} < 0")
+        return self
+
     def check_token_ids(self, vocab_size: int | None) -> Trajectory:
         """Raises TrajectoryError if a token id lies outside `0..vocab_size-1`
         (it would index past the model's embedding table); `None` checks
@@ -205,6 +223,8 @@ class Trajectory:
             "scores": np.asarray(self.scores, dtype=np.float32),
             "metadata": self.metadata,
             "loss_mask": _concat(self.loss_mask, np.bool_),
+            "rollout_id": self.rollout_id,
+            "index": int(self.index),
         }
 
     @staticmethod
@@ -249,6 +269,8 @@ class Trajectory:
                 else [],
                 metadata=meta,
                 loss_mask=loss_mask,
+                rollout_id=msg.get("rollout_id", ""),
+                index=msg.get("index", 0),
             )
         except KeyError as e:
             raise TrajectoryError(f"trajectory message lacks field {e}") from None
