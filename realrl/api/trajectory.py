@@ -48,7 +48,7 @@ class Trajectory:
     # empty (every completion token was sampled), or per sequence one bool per completion token:
     # True = sampled by the policy (trained), False = context inside the completion
     loss_mask: list[np.ndarray] = dataclasses.field(default_factory=list)
-    # Which admitted rollout this is, and which of its trajectories (docs/design.md §13): the key
+    # Which admitted rollout this is, and which of its trajectories (docs/design.md §12): the key
     # the trainers acknowledge and drop second copies by. Set by the rollout worker; "" = none.
     rollout_id: str = ""
     index: int = 0

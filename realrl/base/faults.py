@@ -10,7 +10,9 @@ the launcher passes to every worker:
 Actions: `kill` (SIGKILL this process), `exit` (os._exit(1)), `hold:<s>`
 (sleep s seconds), `fail:<s>` (the point returns True, "fail now", on every
 hit during the s seconds after its first; what failing means is the
-caller's: the manager answers 503, say). Each point fires once per trial,
+caller's: the manager answers 503, say). `<action>;after=<other>` arms a
+point only once point `<other>` has fired, so a test orders its faults.
+Each point fires once per trial,
 whatever restarts happen: its first hit creates `<dir>/<name>` atomically
 (O_EXCL), and a later hit, in this process or any other, finds the marker.
 Without `REALRL_FAULTS_DIR` nothing fires (no marker, no once-only promise).
@@ -68,6 +70,13 @@ def point(name: str) -> bool:
     directory = os.environ.get(FAULTS_DIR_ENV)
     if action is None or not directory:
         return False
+    action, _, condition = action.partition(";")
+    if condition:
+        key, _, other = condition.partition("=")
+        if key != "after" or not other:
+            raise ValueError(f"{FAULTS_ENV}: {name}: {condition!r} is not after=<point>")
+        if not os.path.exists(os.path.join(directory, other)):
+            return False
     kind, _, arg = action.partition(":")
     if kind == "fail":
         started = _first_hit(directory, name)

@@ -1,4 +1,4 @@
-"""The data ledger: which rollouts of which epoch are done (docs/design.md §13).
+"""The data ledger: which rollouts of which epoch are done (docs/design.md §12).
 
 A rollout worker's rollout id is `<worker>:<epoch>:<row>`, `row` the prompt's
 position in the dataset file; the id names one prompt of one epoch, so a

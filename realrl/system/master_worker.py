@@ -121,11 +121,11 @@ class MasterWorker(AsyncWorker):
         self.consumed = 0
         self.dropped_stale = 0
         # Refused at the pullers (schema; no rollout of ours; a second copy): counted apart from the
-        # ledger, and never handed back as admission budget (they were never accepted: §13).
+        # ledger, and never handed back as admission budget (they were never accepted: §12).
         self.dropped_invalid = 0
         self._invalid_seen = 0  # the pullers' own invalid count (since they started)
         self.filtered_at_checkpoint = 0  # episodes the agent had rejected by the checkpoint we resume from
-        # The data ledger (docs/design.md §13): the rollouts trained, dropped as stale or rejected by
+        # The data ledger (docs/design.md §12): the rollouts trained, dropped as stale or rejected by
         # the agent, as per-epoch bitmaps; and at a resume, where each rollout worker's cursor stood.
         self.ledger = Ledger()
         self.regenerated_before = 0  # prompts generated again after earlier resumes (from the checkpoint)
@@ -511,7 +511,7 @@ class MasterWorker(AsyncWorker):
         after the buffers were saved covers every prompt they hold; whatever
         was issued before it and is not in the ledger (trained, buffered,
         rejected, dropped: `ledger.npz`) is generated again by a resumed trial
-        (exactly once, docs/design.md §13)."""
+        (exactly once, docs/design.md §12)."""
         n = self.cfg.n_model_workers
         temp = checkpoints.new_temp_dir(self.cfg.checkpoint_dir, self.step)
         parts = await self.stream.call_async(

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from realrl.api.env_api import make_env
 from realrl.api.system_api import ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve, names, network, wire
+from realrl.base import faults, name_resolve, names, network, wire
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel
@@ -435,6 +435,8 @@ class ModelWorker(Worker):
         return {"seconds": time.monotonic() - t0}
 
     def _handle_train_step(self, data: dict) -> dict:
+        if self.dp_rank == 0 and getattr(self, "_checkpointed", False):  # a test's trainer dying after a checkpoint
+            faults.point("model_worker.step_after_checkpoint")
         t0 = time.monotonic()
         if self.step_batch is None:
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
@@ -563,6 +565,7 @@ class ModelWorker(Worker):
             with open(os.path.join(directory, "meta.json"), "w") as f:
                 json.dump({"version": self.version, "step": int(data["step"]), "dp_size": self.dp_size}, f)
         dropped, self.dataset.dropped_rollout_ids = self.dataset.dropped_rollout_ids, []
+        self._checkpointed = True
         return {"buffered_rollout_ids": [t.rollout_id for t in buffered], "dropped_rollout_ids": dropped}
 
     def _handle_load(self, data: dict) -> dict:

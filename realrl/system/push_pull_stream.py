@@ -4,7 +4,7 @@
 - `ZMQPuller` binds a ROUTER socket (127.0.0.1 in local mode; a free port when
   none is given) and `pull(timeout)` returns a batch of decoded messages;
   `pull_with_senders` also says who sent each, and `acknowledge(sender, obj)`
-  answers that sender (docs/design.md §13: a trajectory counts as delivered
+  answers that sender (docs/design.md §12: a trajectory counts as delivered
   only once the puller acknowledged it).
 - `ZMQPusher` connects a DEALER socket; `push(obj, timeout)` blocks when the
   high-water marks (sender's + receiver's, plus the kernel's socket buffers)

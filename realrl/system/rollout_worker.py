@@ -21,11 +21,18 @@ Each rollout worker owns a shard of the prompt data set
    (`uses_chat_endpoint`: agent functions, external agents) reaches it through
    the worker's OpenAI-compatible endpoint, which the worker serves for its
    whole life on its node's address and registers as `chat_endpoint/<index>`;
-3. every returned trajectory is pushed (`traj.to_wire()`) to this worker's
-   trainer puller, from a dedicated thread so that back-pressure (a full
-   high-water mark) never blocks the event loop; then `/finish_rollout` with
-   the number of trajectories pushed (0: the agent rejected the prompt, which
-   uses no staleness budget), one call for the episodes that end together.
+3. every returned trajectory, stamped with the rollout's id and its index
+   (docs/design.md §12), is pushed (`traj.to_wire()`) to this worker's
+   trainer puller and acknowledged by it, from a dedicated thread so that
+   back-pressure (a full high-water mark) never blocks the event loop; then
+   `/finish_rollout` with the number of trajectories the trainer holds (0:
+   the agent rejected the prompt, which uses no staleness budget), one call
+   for the episodes that end together.
+
+A rollout id is `<worker>:<epoch>:<row>`, the same when the rollout is
+generated again. A resumed trial's worker, and one the launcher restarted,
+first generate again what they issued before their cursor and the ledger
+does not hold as done (`_read_training_start`).
 
 An episode that fails (e.g. generation failed after the PartialRolloutManager's
 retries) fails the worker: the exception propagates out of `_poll_async`, the
@@ -124,6 +131,7 @@ class RolloutWorker(AsyncWorker):
         self._position = 0
         self._pending: list[PromptRecord] = []  # prompts offered and not admitted yet, offered again first
         self._redo: collections.deque[PromptRecord] = collections.deque()  # a resumed trial's unfinished prompts
+        self._ledger = Ledger()  # what is done (docs/design.md §12), as training_start and the manager say
         self.n_regenerated = 0
         self._cursor_published = 0
         self._training_started = False
@@ -162,7 +170,7 @@ class RolloutWorker(AsyncWorker):
             )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         prompts, skipped = [], 0
-        rows = []  # each prompt's row in the dataset file (its rollout ids name it: docs/design.md §13)
+        rows = []  # each prompt's row in the dataset file (its rollout ids name it: docs/design.md §12)
         seen: collections.Counter = collections.Counter()
         for k, r in enumerate(shard):
             ids = list(self.tokenizer.encode(r["prompt"], add_special_tokens=False))
@@ -218,16 +226,20 @@ class RolloutWorker(AsyncWorker):
             record = self._redo.popleft()
             record.metadata["redo"] = True
             return record
-        if self._position == len(self._order):
-            self.epoch += 1
-            self._order = self._epoch_order(self.epoch)
-            self._position = self._cursor_published = 0
-            self.logger.info("starting epoch %d", self.epoch)
-        record = self._record(self.epoch, self._position)
-        self._position += 1
-        if self._position > self._cursor_published:
-            self._publish_cursor(ahead=CURSOR_AHEAD)
-        return record
+        while True:
+            if self._position == len(self._order):
+                self.epoch += 1
+                self._order = self._epoch_order(self.epoch)
+                self._position = self._cursor_published = 0
+                self.logger.info("starting epoch %d", self.epoch)
+            record = self._record(self.epoch, self._position)
+            self._position += 1
+            if self._position > self._cursor_published:
+                self._publish_cursor(ahead=CURSOR_AHEAD)
+            # Past the cursor, the ledger may still hold a rollout (one finished between the
+            # cursor's reading and the checkpoint's end): done is done.
+            if not self._ledger.is_done(record.metadata["rollout_id"]):
+                return record
 
     def _record(self, epoch: int, position: int) -> PromptRecord:
         order = self._order if epoch == self.epoch else self._epoch_order(epoch)
@@ -242,7 +254,7 @@ class RolloutWorker(AsyncWorker):
             solutions=list(base.solutions),
             task=base.task,
             row=base.row,
-            # One id per prompt and epoch, the same when generated again (docs/design.md §13):
+            # One id per prompt and epoch, the same when generated again (docs/design.md §12):
             # the manager's calls are idempotent per id, the trainers drop a second copy by it,
             # and its prefix names this worker (a restarted one releases its predecessor's).
             metadata=dict(
@@ -280,7 +292,7 @@ class RolloutWorker(AsyncWorker):
 
     def _read_training_start(self) -> bool:
         """Waits (non-blocking) for the master's training_start, then takes up
-        the ledger (docs/design.md §13): every prompt this worker index issued
+        the ledger (docs/design.md §12): every prompt this worker index issued
         before its cursor that is not done is generated again, once, before
         the shard goes on from the cursor. A resumed trial's training_start
         names the checkpoint's ledger and cursor; a restarted worker (the
@@ -308,6 +320,7 @@ class RolloutWorker(AsyncWorker):
                 len(reply.rollout_ids),
                 len(reply.done),
             )
+        self._ledger = ledger
         if cursors:
             epoch, position = max((int(c["epoch"]), int(c["position"])) for c in cursors)
             self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), position
@@ -443,7 +456,7 @@ class RolloutWorker(AsyncWorker):
 
         # Each trajectory is pushed and acknowledged by the trainer's puller
         # before the next; the rollout is reported finished only once all are
-        # (docs/design.md §13). A copy the puller already had (this rollout
+        # (docs/design.md §12). A copy the puller already had (this rollout
         # was delivered by a predecessor that died before its finish) is in the
         # trainer's hands as well: it counts.
         n_tokens = held = 0

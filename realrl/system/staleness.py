@@ -174,7 +174,7 @@ class StalenessController:
         ids start with `<index>:`): (their ids, their qids, the ids of the
         worker's rollouts finished in this process). A restarted worker
         generates the released ones again, under the same ids, and never the
-        finished ones (docs/design.md §13)."""
+        finished ones (docs/design.md §12)."""
         gone = [rid for rid in self._running if rid.split(":", 1)[0] == str(worker_index)]
         qids = [self._running.pop(rid) for rid in gone]
         return gone, qids, sorted(self._done_by_worker.get(str(worker_index), ()))

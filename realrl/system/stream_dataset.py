@@ -12,10 +12,11 @@ A trajectory is invalid if it breaks the schema (`Trajectory.from_wire`) or,
 when the dataset knows its model's `vocab_size`, carries a token id outside
 `0..vocab_size-1` (`Trajectory.check_token_ids`): such an id would index past
 the embedding table and kill the trainer. Invalid ones are dropped, counted in
-`n_invalid` (the master adds these to its `dropped_invalid` and gives their
-budget back) and logged, rate-limited.
+`n_invalid` (the master reports them as `dropped_invalid`, apart from the
+ledger: they were never accepted, so no budget comes back) and logged,
+rate-limited.
 
-Exactly once (docs/design.md §13): a trajectory's key is `(rollout_id,
+Exactly once (docs/design.md §12): a trajectory's key is `(rollout_id,
 index)`. One without a rollout id of the form `<worker>:<epoch>:<row>` belongs
 to no admitted rollout: it is dropped and counted `foreign`. A second copy of
 a key this puller already took (a rollout generated again after its worker
@@ -47,7 +48,7 @@ from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLo
 
 logger = getLogger("stream_dataset")
 
-# A rollout worker's rollout id (docs/design.md §13): worker index, epoch, dataset row.
+# A rollout worker's rollout id (docs/design.md §12): worker index, epoch, dataset row.
 ROLLOUT_ID = re.compile(r"\d{1,9}:\d{1,9}:\d{1,12}")
 
 

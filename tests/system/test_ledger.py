@@ -1,4 +1,4 @@
-"""The data ledger (docs/design.md §13): per-epoch bitmaps on disk, a pointer
+"""The data ledger (docs/design.md §12): per-epoch bitmaps on disk, a pointer
 in the name service, and the redo list a resumed trial or a restarted rollout
 worker computes from it."""
 

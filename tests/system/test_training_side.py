@@ -192,7 +192,7 @@ def run_trial(
     if stale_every:
         assert t["dropped_stale"] >= 1  # every 5th pushed trajectory is 100 versions old
     # Every 7th breaks the schema (or every `oov_every`-th holds a token id outside the vocabulary):
-    # rejected at the puller and counted apart: never accepted, so no budget comes back (§13).
+    # rejected at the puller and counted apart: never accepted, so no budget comes back (§12).
     assert t["dropped_invalid"] >= 1 and t["dropped"] == t["dropped_stale"]
     # No manager in this trial: nobody counted what was produced, and the summary says so.
     assert t["produced"] is None and "did not report" in t["note"]
