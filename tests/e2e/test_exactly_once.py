@@ -55,7 +55,7 @@ def test_kills_at_the_bad_moments_train_every_prompt_exactly_once(tmp_path, kit_
         "rollout.max_restarts=8",
     )
     try:
-        assert trial.wait(timeout=1200) == 0, trial.console()[-4000:]
+        assert trial.wait(timeout=540) == 0, trial.console()[-4000:]
     finally:
         trial.kill()
     console = trial.console()
