@@ -541,6 +541,7 @@ class MasterWorker(AsyncWorker):
             "filtered": filtered,
             "max_staleness_trained": self.max_staleness_trained,
             "eval_history": self.eval_history,
+            "buffered": len(buffered),
             "ledger": LEDGER_FILE,
             "rollout_cursors": cursors,
             "regenerated": self.regenerated_before + sum(c.get("regenerated", 0) for c in cursors.values()),
