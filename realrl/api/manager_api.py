@@ -118,11 +118,13 @@ class ResetRolloutWorkerRequest:
 
 @dataclasses.dataclass
 class ResetRolloutWorkerReply:
-    """Its earlier process's running rollouts, released (their qids, to
-    generate again) and the furthest [epoch, position] it got admitted."""
+    """Its earlier processes' running rollouts, released (`rollout_ids` and
+    their `qids`: generated again under the same ids), and `done`: the ids of
+    its rollouts this manager saw finished (never generated again)."""
 
     qids: list[str]
-    furthest: list[int] | None = _field(default=None, metadata=rule(keep_null=True))
+    rollout_ids: list[str] = _field(default_factory=list)
+    done: list[str] = _field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -226,9 +228,11 @@ class RolloutStats:
 
 @dataclasses.dataclass
 class RejectedQidsReply:
-    """The qids of the episodes the agent rejected (this manager process): the recovery ledger."""
+    """The episodes the agent rejected (this manager process): their qids and
+    rollout ids (the recovery ledger)."""
 
     qids: list[str]
+    rollout_ids: list[str] = _field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -88,6 +88,15 @@ class Trajectory:
     sampling_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
     # empty (the run's sampling parameters), or per sequence the parameters it was drawn with
     sampling: list[Sampling] = dataclasses.field(default_factory=list)
+    # Which admitted rollout this is, and which of its trajectories (docs/design.md §12): the key
+    # the trainers acknowledge and drop second copies by. Set by the rollout worker; "" = none.
+    rollout_id: str = ""
+    index: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(rollout_id, index): one trajectory of one admitted rollout, the same in every copy."""
+        return self.rollout_id, self.index
 
     @classmethod
     def from_results(
@@ -176,6 +185,7 @@ class Trajectory:
         n = len(self.input_ids)
         if not isinstance(self.qid, str) or not self.qid:
             raise TrajectoryError(f"qid must be a non-empty str, got {self.qid!r}")
+        self.check_key()
         if n == 0:
             raise TrajectoryError(f"trajectory {self.qid} has no sequences")
         if self.scores and len(self.scores) != n:
@@ -228,6 +238,14 @@ class Trajectory:
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: version_start > version_end")
             if not math.isfinite(self.reward[i]):
                 raise TrajectoryError(f"trajectory {self.qid} seq {i}: non-finite reward")
+        return self
+
+    def check_key(self) -> Trajectory:
+        """The rollout key's types (a missing one is "" and 0: a trajectory of no admitted rollout)."""
+        if not isinstance(self.rollout_id, str) or isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise TrajectoryError(f"trajectory {self.qid}: rollout_id must be a str and index an int")
+        if self.index < 0:
+            raise TrajectoryError(f"trajectory {self.qid}: index {self.index} < 0")
         return self
 
     def check_token_ids(self, vocab_size: int | None) -> Trajectory:
@@ -300,6 +318,8 @@ class Trajectory:
             "loss_mask": _concat(self.loss_mask, np.bool_),
             "sampling_logprobs": _concat(self.sampling_logprobs, np.float32),
             "sampling": np.asarray([s.as_row() for s in self.sampling], dtype=np.float64).reshape(-1),
+            "rollout_id": self.rollout_id,
+            "index": int(self.index),
         }
 
     @staticmethod
@@ -353,6 +373,8 @@ class Trajectory:
                 loss_mask=loss_mask,
                 sampling_logprobs=sampling_logprobs,
                 sampling=sampling,
+                rollout_id=msg.get("rollout_id", ""),
+                index=msg.get("index", 0),
             )
         except KeyError as e:
             raise TrajectoryError(f"trajectory message lacks field {e}") from None

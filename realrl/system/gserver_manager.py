@@ -83,7 +83,7 @@ from realrl.api.manager_api import (
     SuccessReply,
 )
 from realrl.api.system_api import GserverManagerConfig
-from realrl.base import name_resolve, names, network
+from realrl.base import faults, name_resolve, names, network
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.system.router import NoServerUp, RequestRouter, Reservations
@@ -668,7 +668,7 @@ class GserverManager(AsyncWorker):
                 f"field 'worker_index': {request.worker_index} is not a rollout worker of this trial "
                 f"(0..{self.cfg.n_rollout_workers - 1})"
             )
-        qids, furthest = self.controller.release_worker(request.worker_index)
+        rollout_ids, qids, done = self.controller.release_worker(request.worker_index)
         self._release_reservations(qids)
         self._wake_allocations()
         if qids:
@@ -677,9 +677,11 @@ class GserverManager(AsyncWorker):
                 request.worker_index,
                 len(qids),
             )
-        return ResetRolloutWorkerReply(qids=qids, furthest=list(furthest) if furthest else None)
+        return ResetRolloutWorkerReply(qids=qids, rollout_ids=rollout_ids, done=done)
 
     def _finish_rollout(self, request: FinishRolloutRequest) -> SuccessReply:
+        if faults.point("gserver_manager.finish_rollout"):  # a test's manager that cannot finish rollouts
+            raise BodyError("finish_rollout is failing (fault point)", status=503)
         qids = [self.controller.qid_of(r.rollout_id) for r in request.rollouts]
         try:  # all or none: a rejected call changes nothing
             self.controller.finish_many([(r.rollout_id, r.n_trajectories, r.n_tokens) for r in request.rollouts])
@@ -769,7 +771,9 @@ class GserverManager(AsyncWorker):
         return ModelVersionReply(version=self.router.version)
 
     def _rejected_qids(self) -> RejectedQidsReply:
-        return RejectedQidsReply(qids=list(self.controller.rejected_qids))
+        return RejectedQidsReply(
+            qids=list(self.controller.rejected_qids), rollout_ids=list(self.controller.rejected_rollout_ids)
+        )
 
     def _rollout_stats(self) -> RolloutStats:
         # utilization() changes with the clock: not in _stats(), whose changes trigger a log line

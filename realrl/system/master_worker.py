@@ -49,6 +49,7 @@ from realrl.base.http_body import from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.system import checkpoints
+from realrl.system.ledger import LEDGER_FILE, Ledger, resume_info
 from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
@@ -120,13 +121,14 @@ class MasterWorker(AsyncWorker):
         self.version = 0
         self.consumed = 0
         self.dropped_stale = 0
-        self.dropped_invalid = 0  # rejected at the pullers (schema): their budget is given back too
+        # Refused at the pullers (schema; no rollout of ours; a second copy): counted apart from the
+        # ledger, and never handed back as admission budget (they were never accepted: §12).
+        self.dropped_invalid = 0
         self._invalid_seen = 0  # the pullers' own invalid count (since they started)
         self.filtered_at_checkpoint = 0  # episodes the agent had rejected by the checkpoint we resume from
-        # The data ledger (for exactly-once resumes): qids trained, in order; and at a resume, what the
-        # checkpoint says was done and where each rollout worker's data cursor stood.
-        self.trained_qids: list[str] = []
-        self.dropped_qids: list[str] = []  # dropped as stale by the trainers
+        # The data ledger (docs/design.md §12): the rollouts trained, dropped as stale or rejected by
+        # the agent, as per-epoch bitmaps; and at a resume, where each rollout worker's cursor stood.
+        self.ledger = Ledger()
         self.regenerated_before = 0  # prompts generated again after earlier resumes (from the checkpoint)
         self.resume: dict = {}
         self._last_checkpoint = time.monotonic()
@@ -213,7 +215,8 @@ class MasterWorker(AsyncWorker):
                 all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n, timeout=self.cfg.rpc_timeout
             )
             dropped_stale = sum(r["n_dropped"] for r in replies)
-            if self._count_invalid(sum(r["invalid"] for r in replies)) or dropped_stale:
+            self._count_invalid(sum(r["invalid"] for r in replies))
+            if dropped_stale:
                 self.dropped_stale += dropped_stale
                 self._publish_counters()  # give the dropped rollouts' budget back now
             chosen = choose_batch([r["items"] for r in replies], B)
@@ -262,6 +265,7 @@ class MasterWorker(AsyncWorker):
                 "gen_lens",
                 "generate_in_flight",
                 "qids",
+                "rollout_ids",
             )
         }
         batch["rank_tokens"] = [p["n_tokens"] for p in parts]
@@ -299,7 +303,7 @@ class MasterWorker(AsyncWorker):
         self.version += 1
         self.step += 1
         self.consumed += len(batch["staleness"])
-        self.trained_qids += batch["qids"]
+        self.ledger.mark_ids(batch["rollout_ids"])
         self.max_staleness_trained = max([self.max_staleness_trained] + batch["staleness"])
         self._publish_counters()
 
@@ -442,7 +446,8 @@ class MasterWorker(AsyncWorker):
 
     @property
     def dropped(self) -> int:
-        return self.dropped_stale + self.dropped_invalid
+        """Accepted trajectories the trainers dropped (stale): their budget goes back (§7)."""
+        return self.dropped_stale
 
     def _publish_counters(self) -> None:
         name_resolve.add(
@@ -525,27 +530,31 @@ class MasterWorker(AsyncWorker):
     async def _checkpoint(self) -> None:
         """A recovery checkpoint (realrl/system/checkpoints.py), in this order:
         the trainers write models and buffered trajectories, then the rollout
-        cursors are read, then the manager's rejected qids. A cursor read after
-        the buffers were saved covers every prompt they hold; whatever was
-        issued before it and is neither trained, buffered, rejected nor dropped
-        is generated again by a resumed trial (exactly once)."""
+        cursors are read, then the manager's rejected rollouts. A cursor read
+        after the buffers were saved covers every prompt they hold; whatever
+        was issued before it and is not in the ledger (trained, buffered,
+        rejected, dropped: `ledger.npz`) is generated again by a resumed trial
+        (exactly once, docs/design.md §12)."""
         n = self.cfg.n_model_workers
         temp = checkpoints.new_temp_dir(self.cfg.checkpoint_dir, self.step)
         parts = await self.stream.call_async(
             list(range(n)), "checkpoint", [{"step": self.step, "dir": temp}] * n, timeout=self.cfg.rpc_timeout
         )
-        self.dropped_qids += [q for p in parts for q in p["dropped_qids"]]
+        self.ledger.mark_ids(q for p in parts for q in p["dropped_rollout_ids"])
         cursors = await asyncio.to_thread(self._read_rollout_cursors)
-        filtered, rejected_qids = self.filtered_at_checkpoint, list(self.resume.get("rejected_qids", []))
+        filtered = self.filtered_at_checkpoint
         try:  # the agent-filtered count keeps the whole-trial accounting after a resume
             rs = await self._manager("GET", "/rollout_stats", RolloutStats)
             rq = await self._manager("GET", "/rejected_qids", RejectedQidsReply)
             if rs is not None and rq is not None:
-                filtered, rejected_qids = rs.rejected, rejected_qids + rq.qids
+                filtered = rs.rejected
+                self.ledger.mark_ids(rq.rollout_ids)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.logger.warning("checkpoint without the manager's rejected episodes: %s", e)
-        oldest_epoch = min((c["epoch"] for c in cursors.values()), default=0) - 1  # the ledger needs no older qids
-        recent = [q for q in self.trained_qids if _epoch_of(q) >= oldest_epoch]
+        done = self.ledger.copy()
+        buffered = [q for p in parts for q in p["buffered_rollout_ids"]]
+        done.mark_ids(buffered)
+        await asyncio.to_thread(done.save, os.path.join(temp, LEDGER_FILE))
         state = {
             "step": self.step,
             "version": self.version,
@@ -555,10 +564,8 @@ class MasterWorker(AsyncWorker):
             "filtered": filtered,
             "max_staleness_trained": self.max_staleness_trained,
             "eval_history": self.eval_history,
-            "trained_qids": recent,
-            "buffered_qids": [q for p in parts for q in p["buffered_qids"]],
-            "rejected_qids": rejected_qids,
-            "dropped_qids": self.dropped_qids,
+            "buffered": len(buffered),
+            "ledger": LEDGER_FILE,
             "rollout_cursors": cursors,
             "regenerated": self.regenerated_before + sum(c.get("regenerated", 0) for c in cursors.values()),
             "elapsed_s": time.monotonic() - self.started,
@@ -568,7 +575,11 @@ class MasterWorker(AsyncWorker):
         path = checkpoints.commit(temp, self.cfg.checkpoint_dir, self.step)
         self._last_checkpoint = time.monotonic()
         self.logger.info(
-            "checkpoint at step %d: %s (%d trajectories buffered)", self.step, path, len(state["buffered_qids"])
+            "checkpoint at step %d: %s (%d trajectories buffered, %d rollouts done in the ledger)",
+            self.step,
+            path,
+            len(buffered),
+            done.count(),
         )
 
     def _read_rollout_cursors(self) -> dict[str, dict]:
@@ -598,17 +609,9 @@ class MasterWorker(AsyncWorker):
         self.max_staleness_trained = state["max_staleness_trained"]
         self.eval_history = state["eval_history"]
         self.started = time.monotonic() - float(state.get("elapsed_s", 0.0))  # time/elapsed_s goes on from here
-        self.trained_qids = list(state.get("trained_qids", []))
-        self.dropped_qids = list(state.get("dropped_qids", []))
         self.regenerated_before = int(state.get("regenerated", 0))
         restored = sum(r["restored"] for r in replies)
-        done = set(self.trained_qids) | set(state.get("buffered_qids", [])) | set(state.get("rejected_qids", []))
-        self.resume = {
-            "buffered": restored,
-            "rollout_cursors": state.get("rollout_cursors", {}),
-            "done_qids": sorted(done | set(self.dropped_qids)),
-            "rejected_qids": state.get("rejected_qids", []),
-        }
+        self.ledger, self.resume = await asyncio.to_thread(resume_info, path, state, restored, self.cfg.checkpoint_dir)
         self.logger.info(
             "recovered at step %d (weight version %d) from %s: %d buffered trajectories restored",
             self.step,
@@ -680,7 +683,10 @@ class MasterWorker(AsyncWorker):
                 "dropped_invalid": self.dropped_invalid,
                 "filtered_by_agent": None if ledger is None else ledger.rejected,
                 "buffered": sum(s["buffered"] for s in buf),
-                "rejected_frames": sum(s["wire_rejected"] for s in buf),  # not trajectories of ours: not in the ledger
+                # Refused by the pullers, counted apart from the ledger (never accepted, no budget back):
+                "rejected_frames": sum(s["wire_rejected"] for s in buf),
+                "foreign": sum(s["foreign"] for s in buf),  # no rollout of ours
+                "duplicates_dropped": sum(s["duplicates_dropped"] for s in buf),  # a second copy of one taken
                 **({} if ledger is not None else {"note": "the gserver manager did not report: produced unknown"}),
             },
             "rollouts": to_json(ledger),  # the manager's counts (admitted: episodes admitted by this run's manager)
@@ -711,14 +717,6 @@ class MasterWorker(AsyncWorker):
         self._finished = True
         set_experiment_status(self.experiment_name, self.trial_name, ExperimentStatus.COMPLETE)
         self.request_exit("training complete")
-
-
-def _epoch_of(qid: str) -> int:
-    """`<query_id>@<epoch>` (the rollout workers' episode ids) -> epoch."""
-    try:
-        return int(qid.rsplit("@", 1)[1])
-    except (IndexError, ValueError):
-        return 0
 
 
 def _fmt(value, spec: str) -> str:

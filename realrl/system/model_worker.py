@@ -53,7 +53,7 @@ import torch.distributed as dist
 from realrl.api.env_api import make_env
 from realrl.api.system_api import ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve, names, network, wire
+from realrl.base import faults, name_resolve, names, network, wire
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel
@@ -416,7 +416,8 @@ class ModelWorker(Worker):
             "staleness": [current - t.min_version_start for t in mine],
             "version_start": [t.min_version_start for t in mine],
             "rewards": [r for t in mine for r in t.reward],
-            "qids": [t.qid for t in mine],  # the master's data ledger
+            "qids": [t.qid for t in mine],  # the stats' record of what trained
+            "rollout_ids": [t.rollout_id for t in mine],  # the master's data ledger
             "scores": [float(x) for t in mine for x in t.scores],
             # the most generate() calls one episode had in flight at once
             "generate_in_flight": [float(t.metadata.get("max_generate_in_flight", 1)) for t in mine],
@@ -464,6 +465,8 @@ class ModelWorker(Worker):
         return {"seconds": time.monotonic() - t0}
 
     def _handle_train_step(self, data: dict) -> dict:
+        if self.dp_rank == 0 and getattr(self, "_checkpointed", False):  # a test's trainer dying after a checkpoint
+            faults.point("model_worker.step_after_checkpoint")
         t0 = time.monotonic()
         if self.step_batch is None:
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
@@ -579,7 +582,7 @@ class ModelWorker(Worker):
         master's temporary directory, which it renames once every part and the
         manifest are there): rank 0 the models, optimizers, schedules and
         version; every rank its buffered trajectories (so none is lost). The
-        reply names the qids buffered and dropped as stale, for the data ledger."""
+        reply names the rollouts buffered and dropped as stale, for the data ledger."""
         directory = data["dir"]
         state = {"actor": trainer_state(self.actor, self.cfg.fsdp)}  # every rank: a collective under FSDP
         if self.critic is not None:
@@ -591,8 +594,9 @@ class ModelWorker(Worker):
             torch.save(state, os.path.join(directory, "model_worker.pt"))
             with open(os.path.join(directory, "meta.json"), "w") as f:
                 json.dump({"version": self.version, "step": int(data["step"]), "dp_size": self.dp_size}, f)
-        dropped, self.dataset.dropped_qids = self.dataset.dropped_qids, []
-        return {"buffered_qids": [t.qid for t in buffered], "dropped_qids": dropped}
+        dropped, self.dataset.dropped_rollout_ids = self.dataset.dropped_rollout_ids, []
+        self._checkpointed = True
+        return {"buffered_rollout_ids": [t.rollout_id for t in buffered], "dropped_rollout_ids": dropped}
 
     def _handle_load(self, data: dict) -> dict:
         """Restores a checkpoint the master has verified: models, version, and

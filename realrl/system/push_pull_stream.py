@@ -1,11 +1,15 @@
 """Push-pull stream: rollout workers push trajectories to the trainers' pullers
 (docs/design.md §4).
 
-- `ZMQPuller` binds a PULL socket (127.0.0.1 in local mode; a free port when
-  none is given) and `pull(timeout)` returns a batch of decoded messages.
-- `ZMQPusher` connects a PUSH socket; `push(obj, timeout)` blocks when the
+- `ZMQPuller` binds a ROUTER socket (127.0.0.1 in local mode; a free port when
+  none is given) and `pull(timeout)` returns a batch of decoded messages;
+  `pull_with_senders` also says who sent each, and `acknowledge(sender, obj)`
+  answers that sender (docs/design.md §12: a trajectory counts as delivered
+  only once the puller acknowledged it).
+- `ZMQPusher` connects a DEALER socket; `push(obj, timeout)` blocks when the
   high-water marks (sender's + receiver's, plus the kernel's socket buffers)
-  are full, which is how a slow trainer slows the rollout workers down.
+  are full, which is how a slow trainer slows the rollout workers down;
+  `wait_ack(timeout)` returns the puller's next acknowledgement.
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
@@ -125,12 +129,13 @@ def puller_of(pusher_index: int, num_pushers: int, num_pullers: int) -> int:
 
 
 class ZMQPusher:
-    """Connects a PUSH socket to a puller at `host:port`."""
+    """Connects a DEALER socket to a puller at `host:port` (one peer: every
+    message goes to that puller, and its acknowledgements come back here)."""
 
     def __init__(self, host: str, port: int, hwm: int = DEFAULT_HWM) -> None:
         self.address = f"{host}:{port}"
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUSH)
+        self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
         self._socket.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))  # zmq's default waits forever
         self._socket.connect(f"tcp://{self.address}")
@@ -161,6 +166,13 @@ class ZMQPusher:
                     self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLOUT)
         self.n_pushed += 1
 
+    def wait_ack(self, timeout: float) -> Any:
+        """The puller's next acknowledgement (decoded), waiting up to `timeout`
+        seconds; TimeoutError if none came. A malformed one raises WireFormatError."""
+        if not self._socket.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+            raise TimeoutError(f"no acknowledgement from the puller at {self.address} within {timeout}s")
+        return wire.loads(self._socket.recv(copy=False))
+
     def close(self, linger: float = CLOSE_LINGER_S) -> None:
         """Closes the socket, first trying for up to `linger` seconds to
         deliver what is still queued (bounded, so close never hangs)."""
@@ -170,8 +182,8 @@ class ZMQPusher:
 
 
 class ZMQPuller:
-    """Binds a PULL socket on `host:port` (a free port chosen by the OS when
-    `port` is None) and decodes what arrives."""
+    """Binds a ROUTER socket on `host:port` (a free port chosen by the OS when
+    `port` is None) and decodes what arrives; it may answer each sender."""
 
     def __init__(
         self,
@@ -184,7 +196,7 @@ class ZMQPuller:
         if host in ("0.0.0.0", "*", ""):
             raise ValueError(f"refusing to bind {host!r}: bind a concrete address (127.0.0.1 in local mode)")
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PULL)
+        self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.RCVHWM, hwm)
         self._socket.setsockopt(zmq.LINGER, 0)  # a puller has nothing to flush
         # Memory backstop: zmq drops a peer whose message exceeds twice the limit before
@@ -211,6 +223,10 @@ class ZMQPuller:
         """Waits up to `timeout` seconds for a message, then also takes every
         message already queued (up to `max_count`, default `max_pull`).
         Returns the decoded messages, [] if none arrived in time."""
+        return [msg for _, msg in self.pull_with_senders(timeout, max_count)]
+
+    def pull_with_senders(self, timeout: float = 1.0, max_count: int | None = None) -> list[tuple[bytes, Any]]:
+        """`pull`, each message with its sender's routing id (for `acknowledge`)."""
         limit = self.max_pull if max_count is None else max_count
         socket = self._socket
         # Wait in a blocking recv with a receive timeout, then look at EVENTS before each
@@ -220,31 +236,41 @@ class ZMQPuller:
         if timeout_ms != self._rcvtimeo_ms:
             socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo_ms = timeout_ms
-        out: list = []
+        out: list[tuple[bytes, Any]] = []
         try:
-            frame = socket.recv(copy=False)
+            sender = socket.recv(copy=True)  # ROUTER: the peer's routing id, then its frames
         except zmq.Again:
             self._reject_log.maybe_flush()
             return out
         while True:
-            if frame.more:  # streams send one frame per message: a multipart one is not ours
+            frame = socket.recv(copy=False) if socket.getsockopt(zmq.RCVMORE) else None
+            if frame is None:
+                self._reject("an empty message")
+            elif frame.more:  # streams send one frame per message: a multipart one is not ours
                 while socket.recv(copy=False).more:  # the rest of a multipart message is already here
                     pass
                 self._reject("a multipart message (realrl streams send single frames)")
             else:
                 try:
-                    out.append(wire.loads(frame, self.max_message_bytes))
+                    out.append((sender, wire.loads(frame, self.max_message_bytes)))
                 except wire.WireFormatError as e:
                     self._reject(str(e))
             if len(out) >= limit or not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break
             try:
-                frame = socket.recv(zmq.NOBLOCK, copy=False)
+                sender = socket.recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
         self.n_received += len(out)
         self._reject_log.maybe_flush()
         return out
+
+    def acknowledge(self, sender: bytes, obj: Any) -> None:
+        """Sends `obj` back to `sender` (dropped if that peer is gone or not reading)."""
+        try:
+            self._socket.send_multipart([sender, wire.dumps(obj)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
 
     def _reject(self, reason: str) -> None:
         self.n_rejected += 1

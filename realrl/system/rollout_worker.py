@@ -21,11 +21,18 @@ Each rollout worker owns a shard of the prompt data set
    (`uses_chat_endpoint`: agent functions, external agents) reaches it through
    the worker's OpenAI-compatible endpoint, which the worker serves for its
    whole life on its node's address and registers as `chat_endpoint/<index>`;
-3. every returned trajectory is pushed (`traj.to_wire()`) to this worker's
-   trainer puller, from a dedicated thread so that back-pressure (a full
-   high-water mark) never blocks the event loop; then `/finish_rollout` with
-   the number of trajectories pushed (0: the agent rejected the prompt, which
-   uses no staleness budget), one call for the episodes that end together.
+3. every returned trajectory, stamped with the rollout's id and its index
+   (docs/design.md §12), is pushed (`traj.to_wire()`) to this worker's
+   trainer puller and acknowledged by it, from a dedicated thread so that
+   back-pressure (a full high-water mark) never blocks the event loop; then
+   `/finish_rollout` with the number of trajectories the trainer holds (0:
+   the agent rejected the prompt, which uses no staleness budget), one call
+   for the episodes that end together.
+
+A rollout id is `<worker>:<epoch>:<row>`, the same when the rollout is
+generated again. A resumed trial's worker, and one the launcher restarted,
+first generate again what they issued before their cursor and the ledger
+does not hold as done (`_read_training_start`).
 
 An episode that fails (e.g. generation failed after the PartialRolloutManager's
 retries) fails the worker: the exception propagates out of `_poll_async`, the
@@ -47,7 +54,6 @@ import json
 import os
 import re
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -57,13 +63,14 @@ from realrl.api.env_api import make_env
 from realrl.api.manager_api import ResetRolloutWorkerReply, ResetRolloutWorkerRequest
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve, names, network
+from realrl.base import faults, name_resolve, names, network
 from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import dataset_row_fields
 from realrl.impl.openai_compat.endpoint import shared_endpoint
+from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
@@ -124,6 +131,7 @@ class RolloutWorker(AsyncWorker):
         self._position = 0
         self._pending: list[PromptRecord] = []  # prompts offered and not admitted yet, offered again first
         self._redo: collections.deque[PromptRecord] = collections.deque()  # a resumed trial's unfinished prompts
+        self._ledger = Ledger()  # what is done (docs/design.md §12), as training_start and the manager say
         self.n_regenerated = 0
         self._cursor_published = 0
         self._training_started = False
@@ -162,8 +170,9 @@ class RolloutWorker(AsyncWorker):
             )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         prompts, skipped = [], 0
+        rows = []  # each prompt's row in the dataset file (its rollout ids name it: docs/design.md §12)
         seen: collections.Counter = collections.Counter()
-        for r in shard:
+        for k, r in enumerate(shard):
             ids = list(self.tokenizer.encode(r["prompt"], add_special_tokens=False))
             if not ids or len(ids) > cfg.max_prompt_len:
                 skipped += 1
@@ -182,6 +191,8 @@ class RolloutWorker(AsyncWorker):
                     row=dataset_row_fields(r),
                 )
             )
+            rows.append(self.info.worker_index + k * self.info.worker_count)
+        self.rows = np.asarray(rows, dtype=np.int64)
         if not prompts:
             raise ValueError(
                 f"rollout worker {self.info.worker_index}: all {len(shard)} prompts of its shard of "
@@ -212,23 +223,30 @@ class RolloutWorker(AsyncWorker):
         again, then the shard in this epoch's order. The cursor is published
         before the prompt can be offered (the recovery ledger relies on it)."""
         if self._redo:
-            return self._redo.popleft()
-        if self._position == len(self._order):
-            self.epoch += 1
-            self._order = self._epoch_order(self.epoch)
-            self._position = self._cursor_published = 0
-            self.logger.info("starting epoch %d", self.epoch)
-        record = self._record(self.epoch, self._position)
-        self._position += 1
-        if self._position > self._cursor_published:
-            self._publish_cursor(ahead=CURSOR_AHEAD)
-        return record
+            record = self._redo.popleft()
+            record.metadata["redo"] = True
+            return record
+        while True:
+            if self._position == len(self._order):
+                self.epoch += 1
+                self._order = self._epoch_order(self.epoch)
+                self._position = self._cursor_published = 0
+                self.logger.info("starting epoch %d", self.epoch)
+            record = self._record(self.epoch, self._position)
+            self._position += 1
+            if self._position > self._cursor_published:
+                self._publish_cursor(ahead=CURSOR_AHEAD)
+            # Past the cursor, the ledger may still hold a rollout (one finished between the
+            # cursor's reading and the checkpoint's end): done is done.
+            if not self._ledger.is_done(record.metadata["rollout_id"]):
+                return record
 
     def _record(self, epoch: int, position: int) -> PromptRecord:
         order = self._order if epoch == self.epoch else self._epoch_order(epoch)
-        return self._make_record(self.prompts[int(order[position])], epoch, f"{position + 1}")
+        return self._make_record(int(order[position]), epoch)
 
-    def _make_record(self, base: PromptRecord, epoch: int, tag: str) -> PromptRecord:
+    def _make_record(self, index: int, epoch: int) -> PromptRecord:
+        base = self.prompts[index]
         return PromptRecord(
             qid=f"{base.qid}@{epoch}",
             prompt=base.prompt,
@@ -236,36 +254,14 @@ class RolloutWorker(AsyncWorker):
             solutions=list(base.solutions),
             task=base.task,
             row=base.row,
-            # The manager's calls are retried; this id makes them idempotent there
-            # (and its prefix names this worker: a restarted one releases its predecessor's).
+            # One id per prompt and epoch, the same when generated again (docs/design.md §12):
+            # the manager's calls are idempotent per id, the trainers drop a second copy by it,
+            # and its prefix names this worker (a restarted one releases its predecessor's).
             metadata=dict(
                 query_id=base.qid,
                 epoch=epoch,
-                rollout_id=f"{self.info.worker_index}:{epoch}:{tag}:{uuid.uuid4().hex[:8]}",
+                rollout_id=rollout_id(self.info.worker_index, epoch, int(self.rows[index])),
             ),
-        )
-
-    def _take_over(self) -> None:
-        """This process replaces one of the trial that died (the launcher
-        restarted it). The manager releases its predecessor's running rollouts
-        (generated again here) and says how far it had got admitted; this
-        process continues right after that."""
-        reply = self._reset_at_manager()
-        if reply.furthest:
-            epoch, issued = reply.furthest  # the position tag counts prompts issued
-            self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), issued
-        by_qid = {p.qid: p for p in self.prompts}
-        for qid in reply.qids:
-            base, _, epoch = qid.rpartition("@")
-            if base in by_qid:
-                self._redo.append(self._make_record(by_qid[base], int(epoch), "redo"))
-        self.n_regenerated += len(self._redo)
-        self.logger.info(
-            "took over from a failed rollout worker %d: epoch %d position %d, %d running rollouts generated again",
-            self.info.worker_index,
-            self.epoch,
-            self._position,
-            len(self._redo),
         )
 
     def _reset_at_manager(self) -> ResetRolloutWorkerReply:
@@ -295,39 +291,59 @@ class RolloutWorker(AsyncWorker):
         )
 
     def _read_training_start(self) -> bool:
-        """Waits (non-blocking) for the master's training_start; a resumed
-        trial's carries this worker's cursor and the qids already trained,
-        buffered, rejected or dropped: every prompt issued before the cursor
-        and not among them was in flight (or not yet offered) at the
-        checkpoint, and is generated again, once."""
+        """Waits (non-blocking) for the master's training_start, then takes up
+        the ledger (docs/design.md §12): every prompt this worker index issued
+        before its cursor that is not done is generated again, once, before
+        the shard goes on from the cursor. A resumed trial's training_start
+        names the checkpoint's ledger and cursor; a restarted worker (the
+        launcher replaced one that died) adds what the manager saw finished
+        since and its predecessor's published cursor, and the manager releases
+        its predecessor's running rollouts (generated again under their ids)."""
         try:
             start = json.loads(name_resolve.get(names.training_start(self.experiment_name, self.trial_name)))
         except name_resolve.NameEntryNotFoundError:
             return False
-        if self.restarts:
-            self._take_over()
-            self._publish_cursor()
-            return True
+        ledger = Ledger.load(start["ledger"]) if start.get("ledger") else Ledger()
         cursor = (start.get("rollout_cursors") or {}).get(str(self.info.worker_index))
-        if cursor:
-            done = set(start.get("done_qids", []))
-            epoch, position = int(cursor["epoch"]), int(cursor["position"])
-            self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), position
-            for e in range(max(0, epoch - 1), epoch + 1):
-                for pos in range(len(self.prompts) if e < epoch else position):
-                    record = self._record(e, pos)
-                    if record.qid not in done:
-                        self._redo.append(record)
-            self.n_regenerated = len(self._redo)
+        cursors = [cursor] if cursor else []
+        regenerated_before = 0
+        if self.restarts:
+            reply = self._reset_at_manager()
+            ledger.mark_ids(reply.done)
+            published = self._published_cursor()
+            if published:
+                cursors.append(published)
+                regenerated_before = int(published.get("regenerated", 0))
             self.logger.info(
-                "resuming at epoch %d position %d: %d prompts issued before the checkpoint are "
-                "generated again (in flight or not yet offered then)",
+                "took over from a failed rollout worker %d: %d of its running rollouts released, %d finished",
+                self.info.worker_index,
+                len(reply.rollout_ids),
+                len(reply.done),
+            )
+        self._ledger = ledger
+        if cursors:
+            epoch, position = max((int(c["epoch"]), int(c["position"])) for c in cursors)
+            self.epoch, self._order, self._position = epoch, self._epoch_order(epoch), position
+            self._redo.extend(
+                self._make_record(i, e) for e, i in undone(ledger, self._epoch_order, self.rows, epoch, position)
+            )
+            self.n_regenerated = regenerated_before + len(self._redo)
+            self.logger.info(
+                "resuming at epoch %d position %d: %d prompts issued before are generated again "
+                "(in flight, or not yet offered, when the ledger was written)",
                 epoch,
                 position,
                 len(self._redo),
             )
         self._publish_cursor()
         return True
+
+    def _published_cursor(self) -> dict | None:
+        try:
+            key = names.rollout_cursor(self.experiment_name, self.trial_name, self.info.worker_index)
+            return json.loads(name_resolve.get(key))
+        except name_resolve.NameEntryNotFoundError:
+            return None
 
     # ---- the event loop ---------------------------------------------------------
     async def _setup_async(self) -> None:
@@ -432,15 +448,29 @@ class RolloutWorker(AsyncWorker):
         return len(done)
 
     async def _run_episode(self, record: PromptRecord) -> None:
+        redo = record.metadata.get("redo", False)
         env = make_env(self.cfg.env.type, **self.cfg.env.args)
         try:
             trajectories = await self.agent.run_episode(record, env, self.partial_rollout)
         finally:
             await env.close()
 
-        n_tokens = 0
-        for traj in trajectories:
-            await asyncio.get_running_loop().run_in_executor(self._push_thread, self._push_blocking, traj.to_wire())
+        # Each trajectory is pushed and acknowledged by the trainer's puller
+        # before the next; the rollout is reported finished only once all are
+        # (docs/design.md §12). A copy the puller already had (this rollout
+        # was delivered by a predecessor that died before its finish) is in the
+        # trainer's hands as well: it counts.
+        n_tokens = held = 0
+        for index, traj in enumerate(trajectories):
+            traj.rollout_id, traj.index = record.metadata["rollout_id"], index
+            verdict = await asyncio.get_running_loop().run_in_executor(
+                self._push_thread, self._push_blocking, traj.to_wire(), traj.key
+            )
+            self.counters[f"trajectories_{verdict}"] += 1
+            if verdict not in ("taken", "duplicate"):
+                self.logger.error("the trainer refused trajectory %s of %s: %s", index, traj.qid, verdict)
+                continue
+            held += 1
             n_tokens += traj.n_tokens
             self.counters["trajectories_pushed"] += 1
             self.counters["tokens_pushed"] += traj.n_tokens
@@ -449,21 +479,32 @@ class RolloutWorker(AsyncWorker):
                 and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0
             ):
                 self._write_sample(record, traj)
-        await self._finishes.submit(None, (record.metadata["rollout_id"], len(trajectories), n_tokens))
-        self.counters["episodes_accepted" if trajectories else "episodes_rejected"] += 1
+        await asyncio.to_thread(faults.point, "rollout_worker.acknowledged")  # delivered, not finished
+        await self._finishes.submit(None, (record.metadata["rollout_id"], held, n_tokens))
+        self.counters["episodes_accepted" if held else "episodes_rejected"] += 1
+        if redo:
+            await asyncio.to_thread(faults.point, "rollout_worker.redo_finished")
 
     async def _send_finishes(self, _key, finished: list[tuple[str, int, int]]) -> list[None]:
         await self.manager.finish_rollouts(finished)
         return [None] * len(finished)
 
-    def _push_blocking(self, message: dict[str, Any]) -> None:
-        """Runs on the push thread (the only thread that touches the socket).
-        Blocks under back-pressure, re-checking for exit every PUSH_POLL_S."""
+    def _push_blocking(self, message: dict[str, Any], key: tuple[str, int]) -> str:
+        """Runs on the push thread (the only thread that touches the socket):
+        sends one trajectory and waits for its acknowledgement; returns the
+        puller's verdict. Blocks under back-pressure, re-checking for exit
+        every PUSH_POLL_S."""
         waited = 0.0
+        sent = False
         while True:
             try:
-                self.pusher.push(message, timeout=PUSH_POLL_S)
-                return
+                if not sent:
+                    self.pusher.push(message, timeout=PUSH_POLL_S)
+                    sent = True
+                ack = self.pusher.wait_ack(timeout=PUSH_POLL_S)
+                if isinstance(ack, dict) and (ack.get("rollout_id"), ack.get("index")) == key:
+                    return str(ack.get("verdict"))
+                self.logger.warning("ignoring an acknowledgement for another trajectory: %s", ack)
             except TimeoutError:
                 if self.exiting:
                     raise RuntimeError("worker exiting while a trajectory push was blocked") from None

@@ -69,13 +69,15 @@ class StalenessController:
         self.dropped = 0  # trajectories the trainer dropped (whole trial, from the master)
         self.accepted = 0  # trajectories finished and accepted (whole trial)
         self.rejected = 0  # episodes the agent rejected (whole trial)
-        self.rejected_qids: list[str] = []  # their qids (this process), for the recovery ledger
+        self.rejected_qids: list[str] = []  # their qids (this process)
+        self.rejected_rollout_ids: list[str] = []  # and rollout ids (this process), for the recovery ledger
         self.admitted = 0  # episodes admitted by this process
         self.n_tokens = 0
         self.stopped = False
         self._running: dict[str, str] = {}  # rollout_id -> qid
         self._finished: collections.OrderedDict[str, int] = collections.OrderedDict()  # rollout_id -> trajectories
-        self._furthest: dict[int, tuple[int, int]] = {}  # rollout worker -> furthest (epoch, position) admitted
+        # rollout worker index -> ids of its rollouts finished in this process (done: never generated again)
+        self._done_by_worker: dict[str, set[str]] = collections.defaultdict(set)
 
     @property
     def running(self) -> int:
@@ -120,7 +122,6 @@ class StalenessController:
             return False, closed[1]
         self._running[rollout_id] = qid
         self.admitted += 1
-        self._note_position(rollout_id)
         return True, None
 
     def allocate_many(self, rollouts: Iterable[tuple[str, str]]) -> tuple[int, str | None]:
@@ -133,14 +134,6 @@ class StalenessController:
                 return admitted, reason
             admitted += 1
         return admitted, None
-
-    def _note_position(self, rollout_id: str) -> None:
-        """Rollout ids `<worker>:<epoch>:<position>:<nonce>` (rollout workers'):
-        the furthest (epoch, position) admitted per worker, for `release_worker`."""
-        parts = rollout_id.split(":")
-        if len(parts) == 4 and all(p.isdigit() for p in parts[:3]):
-            worker, epoch, position = (int(p) for p in parts[:3])
-            self._furthest[worker] = max(self._furthest.get(worker, (epoch, position)), (epoch, position))
 
     def qid_of(self, rollout_id: str) -> str | None:
         """The qid of running rollout `rollout_id` (None if it is not running)."""
@@ -164,6 +157,7 @@ class StalenessController:
             raise KeyError(f"no running rollout with id {rollout_id!r}")
         qid = self._running.pop(rollout_id)
         self._finished[rollout_id] = n_trajectories
+        self._done_by_worker[rollout_id.split(":", 1)[0]].add(rollout_id)
         if len(self._finished) > FINISHED_IDS_KEPT:
             self._finished.popitem(last=False)
         if n_trajectories:
@@ -171,6 +165,7 @@ class StalenessController:
         else:
             self.rejected += 1
             self.rejected_qids.append(qid)
+            self.rejected_rollout_ids.append(rollout_id)
         self.n_tokens += n_tokens
 
     def finish_many(self, rollouts: list[tuple[str, int, int]]) -> None:
@@ -182,12 +177,15 @@ class StalenessController:
         for rollout_id, n_trajectories, n_tokens in rollouts:
             self.finish(rollout_id, n_trajectories, n_tokens)
 
-    def release_worker(self, worker_index: int) -> tuple[list[str], tuple[int, int] | None]:
+    def release_worker(self, worker_index: int) -> tuple[list[str], list[str], list[str]]:
         """Forgets the running rollouts of rollout worker `worker_index` (rollout
-        ids start with `<index>:`): (their qids, the furthest (epoch, position)
-        it had admitted, or None)."""
+        ids start with `<index>:`): (their ids, their qids, the ids of the
+        worker's rollouts finished in this process). A restarted worker
+        generates the released ones again, under the same ids, and never the
+        finished ones (docs/design.md §12)."""
         gone = [rid for rid in self._running if rid.split(":", 1)[0] == str(worker_index)]
-        return [self._running.pop(rid) for rid in gone], self._furthest.get(worker_index)
+        qids = [self._running.pop(rid) for rid in gone]
+        return gone, qids, sorted(self._done_by_worker.get(str(worker_index), ()))
 
     def stop(self) -> None:
         self.stopped = True

@@ -14,13 +14,25 @@ what the trainer relies on (`Trajectory.check_trainable`): a token id outside
 trainer), a sequence longer than the model's `max_positions` (it would stall a
 step or exhaust memory), a weight version outside 0..the trainer's newest (a
 later one would never go stale), a positive logprob. Invalid ones are dropped,
-counted in `n_invalid` (the master adds these to its `dropped_invalid`) and
+counted in `n_invalid` (the master reports them as `dropped_invalid`, apart
+from the ledger: they were never accepted, so no budget comes back) and
 logged, rate-limited.
+
+Exactly once (docs/design.md §12): a trajectory's key is `(rollout_id,
+index)`. One without a rollout id of the form `<worker>:<epoch>:<row>` belongs
+to no admitted rollout: it is dropped and counted `foreign`. A second copy of
+a key this puller already took (a rollout generated again after its worker
+died between delivery and finish) is dropped and counted
+`duplicates_dropped`. Every decoded message is acknowledged to its sender
+with its verdict (`taken`, `duplicate`, `invalid`, `foreign`): a rollout
+worker reports a rollout finished only once all of its trajectories were
+acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands.
 
 Accounting (docs/design.md §5): every message that reaches the puller, and
 every trajectory restored from a checkpoint, is either rejected (wire format),
-invalid (schema or vocabulary), taken (consumed), dropped as stale, or still
-buffered: `received_total + restored == n_wire_rejected + n_invalid + n_taken +
+invalid (schema or vocabulary), foreign, a duplicate, taken (consumed),
+dropped as stale, or still buffered: `received_total + restored ==
+n_wire_rejected + n_invalid + n_foreign + n_duplicates + n_taken +
 n_dropped_stale + buffered`. `snapshot()` / `restore()` carry the buffer
 across a recovery checkpoint.
 """
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import re
 import threading
 from collections.abc import Callable
 
@@ -37,6 +50,9 @@ from realrl.base.logging import getLogger
 from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog
 
 logger = getLogger("stream_dataset")
+
+# A rollout worker's rollout id (docs/design.md §12): worker index, epoch, dataset row.
+ROLLOUT_ID = re.compile(r"\d{1,9}:\d{1,9}:\d{1,12}")
 
 
 class PullerStreamDataset:
@@ -74,8 +90,11 @@ class PullerStreamDataset:
         self.n_invalid = 0
         self.n_taken = 0
         self.n_dropped_stale = 0
+        self.n_foreign = 0  # no rollout id of ours: never buffered, never in the ledger
+        self.n_duplicates = 0  # a second copy of a key already taken
+        self._seen: set[tuple[str, int]] = set()  # every key taken (buffered, trained or dropped since)
         self.n_restored = 0  # put back from a checkpoint (recovery)
-        self.dropped_qids: list[str] = []  # of the stale drops: a resumed trial must not generate them again
+        self.dropped_rollout_ids: list[str] = []  # of the stale drops: a resumed trial must not generate them again
         self.address = ""
         # zmq sockets are not thread-safe: the puller lives entirely in the thread.
         self._thread = threading.Thread(
@@ -101,10 +120,10 @@ class PullerStreamDataset:
                 if len(self) >= self.max_buffered:  # back-pressure: stop reading, pushers block
                     self._stop.wait(0.05)
                     continue
-                messages = puller.pull(timeout=0.05)
+                messages = puller.pull_with_senders(timeout=0.05)
                 self.n_wire_rejected = puller.n_rejected
-                for msg in messages:
-                    self._add(msg)
+                for sender, msg in messages:
+                    puller.acknowledge(sender, self._add(msg))
         except BaseException as e:  # surfaced on the next take()
             self._error = e
             logger.error("stream dataset thread failed: %s", e)
@@ -112,7 +131,9 @@ class PullerStreamDataset:
             self._invalid_log.flush()
             puller.close()
 
-    def _add(self, msg) -> None:
+    def _add(self, msg) -> dict:
+        """Buffers one decoded message if it is a new trajectory of an admitted
+        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}."""
         try:
             newest = self._newest_version() if self._newest_version is not None else None
             traj = Trajectory.from_wire(msg).check_trainable(self.vocab_size, self.max_positions, newest)
@@ -122,10 +143,23 @@ class PullerStreamDataset:
                 self.n_invalid += 1
                 n_invalid = self.n_invalid
             self._invalid_log.warning("dropped an invalid trajectory (%d so far): %s", n_invalid, e)
-            return
+            key = (msg.get("rollout_id"), msg.get("index")) if isinstance(msg, dict) else (None, None)
+            return _ack(key, "invalid")
         with self._lock:
             self.n_received += 1
-            heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
+            if not ROLLOUT_ID.fullmatch(traj.rollout_id):
+                self.n_foreign += 1
+                verdict = "foreign"
+            elif traj.key in self._seen:
+                self.n_duplicates += 1
+                verdict = "duplicate"
+            else:
+                self._seen.add(traj.key)
+                heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
+                verdict = "taken"
+        if verdict != "taken":
+            self._invalid_log.warning("dropped a %s trajectory %s %s", verdict, traj.qid, traj.key)
+        return _ack(traj.key, verdict)
 
     def __len__(self) -> int:
         with self._lock:
@@ -143,7 +177,7 @@ class PullerStreamDataset:
         dropped = 0
         with self._lock:  # the heap is ordered by version_start: the stale ones are on top
             while self._heap and self._heap[0][0] < min_version:
-                self.dropped_qids.append(heapq.heappop(self._heap)[3].qid)
+                self.dropped_rollout_ids.append(heapq.heappop(self._heap)[3].rollout_id)
                 dropped += 1
             self.n_dropped_stale += dropped
             oldest = heapq.nsmallest(limit, self._heap)
@@ -173,6 +207,7 @@ class PullerStreamDataset:
         """Buffers trajectories saved by `snapshot` (resuming a trial)."""
         with self._lock:
             for traj in trajectories:
+                self._seen.add(traj.key)
                 heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
             self.n_restored += len(trajectories)
 
@@ -183,6 +218,8 @@ class PullerStreamDataset:
                 "received": self.n_received + self.n_wire_rejected,
                 "wire_rejected": self.n_wire_rejected,
                 "invalid": self.n_invalid,
+                "foreign": self.n_foreign,
+                "duplicates_dropped": self.n_duplicates,
                 "taken": self.n_taken,
                 "dropped_stale": self.n_dropped_stale,
                 "buffered": len(self._heap),
@@ -191,3 +228,12 @@ class PullerStreamDataset:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _ack(key: tuple, verdict: str) -> dict:
+    rollout_id, index = key
+    return {
+        "rollout_id": rollout_id if isinstance(rollout_id, str) else None,
+        "index": index if isinstance(index, int) and not isinstance(index, bool) else None,
+        "verdict": verdict,
+    }

@@ -212,12 +212,8 @@ def test_recover_after_a_kill_keeps_the_bound_and_the_accounting(tmp_path, kit_c
     # run's consumption admits up to 3 batches too many here.
     r = summary["rollouts"]
     accepted_after_resume = r["admitted"] - (r["rejected"] - checkpoint["filtered"])  # one trajectory per episode
-    before = (
-        checkpoint["consumed"]
-        + checkpoint["dropped_stale"]
-        + checkpoint["dropped_invalid"]
-        + len(checkpoint["buffered_qids"])
-    )  # restored into the trainers: accepted before the crash
+    # restored into the trainers: accepted before the crash (invalid ones never were: §12)
+    before = checkpoint["consumed"] + checkpoint["dropped_stale"] + checkpoint["buffered"]
     assert before + accepted_after_resume - r["dropped"] <= (eta + steps + 1) * 16, (checkpoint, r)
 
     # A fresh run of the same trial (recover off) starts its stats anew.

@@ -167,7 +167,7 @@ def _raw_message(structure, *frames: bytes) -> bytes:
 def test_garbage_oversized_and_bad_arrays_are_rejected_and_the_puller_keeps_going():
     puller = ZMQPuller(max_message_bytes=1 << 20)
     context = zmq.Context()
-    raw = context.socket(zmq.PUSH)
+    raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"tcp://{puller.address}")
     try:
@@ -241,7 +241,7 @@ def test_rate_limited_log_maybe_flush_reports_once_the_interval_passed(realrl_ca
 def test_puller_reports_its_suppressed_rejects_at_close(realrl_caplog):
     puller = ZMQPuller()
     context = zmq.Context()
-    raw = context.socket(zmq.PUSH)
+    raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"tcp://{puller.address}")
     try:

@@ -69,13 +69,24 @@ def rollout_group(tiny_kit, dataset: str, count: int, agent: str = "single-step"
     return WorkerGroup("rollout_worker", count, config, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
+def pull_acked(puller, timeout: float) -> list[Trajectory]:
+    """What arrives within `timeout`, each acknowledged as the trainer's puller does
+    (a rollout worker reports a rollout finished only once its trajectories are)."""
+    got = []
+    for sender, message in puller.pull_with_senders(timeout=timeout):
+        traj = Trajectory.from_wire(message)
+        puller.acknowledge(sender, {"rollout_id": traj.rollout_id, "index": traj.index, "verdict": "taken"})
+        got.append(traj)
+    return got
+
+
 def pull_all(puller, want: int, timeout: float = 180.0) -> list[Trajectory]:
     got: list[Trajectory] = []
     deadline = time.monotonic() + timeout
     while len(got) < want:
         if time.monotonic() > deadline:
             pytest.fail(f"only {len(got)} of {want} trajectories arrived")
-        got += [Trajectory.from_wire(m) for m in puller.pull(timeout=0.1)]
+        got += pull_acked(puller, 0.1)
     return got
 
 
@@ -119,7 +130,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
 
         first = pull_all(puller, batch)
         stats = quiet_at(batch)
-        first += [Trajectory.from_wire(m) for m in puller.pull(timeout=0.5)]
+        first += pull_acked(puller, 0.5)
         assert len(first) == batch, "the staleness bound let more than one batch through at version 0"
         assert stats["rejected"] == 0 and stats["trainer_version"] == 0
         for traj in first:
@@ -138,12 +149,17 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
         trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
         second = pull_all(puller, batch)
         stats = quiet_at(2 * batch)
-        second += [Trajectory.from_wire(m) for m in puller.pull(timeout=0.5)]
+        second += pull_acked(puller, 0.5)
         assert len(second) == batch and stats["trainer_version"] == stats["version"] == 1
         wait_until(lambda: manager_stats(manager_url)["loaded_version"] == 1, 60, "the server to load version 1")
         everything = first + second
         qids = [t.qid for t in everything]
         assert len(set(qids)) == len(qids), f"episode qids repeat across epochs: {qids}"
+        # Every trajectory names its rollout: `<worker>:<epoch>:<dataset row>`, one per prompt and epoch.
+        for traj in everything:
+            worker, epoch, row = (int(x) for x in traj.rollout_id.split(":"))
+            assert traj.index == 0 and traj.qid.rsplit("@", 1)[1] == str(epoch) and row % 2 == worker
+        assert len({t.rollout_id for t in everything}) == len(everything)
         assert any(q.endswith("@1") for q in qids)  # 6 usable prompts, 8 episodes: epochs cycle
         for traj in everything:
             assert all(set(v.tolist()) <= {0, 1} for v in traj.versions)

@@ -118,18 +118,21 @@ def test_admission_names_why_it_is_closed():
     assert c.admission() == "stopped"
 
 
-def test_release_worker_frees_its_rollouts_and_says_how_far_it_got():
-    """Rollout ids `<worker>:<epoch>:<position>:<nonce>`: a restarted rollout
-    worker gets its predecessor's running qids back and the furthest (epoch,
-    position) it was admitted at; other workers' rollouts stay."""
+def test_release_worker_frees_its_rollouts_and_done_says_what_it_finished():
+    """Rollout ids `<worker>:<epoch>:<row>`: a restarted rollout worker gets
+    its predecessor's running rollouts back (ids and qids, generated again
+    under the same ids) and the ids of those it finished (rejected ones
+    too), never to be generated again; other workers' rollouts stay."""
     c = started(100, 0, 100)
-    for rid, qid in [("0:1:5:x", "p5"), ("0:2:1:x", "p1"), ("0:1:9:x", "p9"), ("1:3:3:x", "o"), ("free-form", "f")]:
+    for rid, qid in [("0:1:5", "p5"), ("0:2:1", "p1"), ("0:1:9", "p9"), ("0:1:7", "p7"), ("1:3:3", "o"), ("f", "f")]:
         assert c.allocate(rid, qid)[0]
-    c.finish("0:1:9:x", 1)
-    assert c.release_worker(0) == (["p5", "p1"], (2, 1))
-    assert c.running == 2 and c.allocate("0:2:2:y", "p2")[0]  # slots back; admission goes on
-    assert c.release_worker(1) == (["o"], (3, 3))
-    assert c.release_worker(7) == ([], None)  # never admitted anything
+    c.finish("0:1:9", 1)
+    c.finish("0:1:7", 0)  # rejected by the agent: done as well
+    assert c.release_worker(0) == (["0:1:5", "0:2:1"], ["p5", "p1"], ["0:1:7", "0:1:9"])
+    assert c.running == 2 and c.allocate("0:1:5", "p5")[0]  # the slot is back; the same id is admitted again
+    assert c.release_worker(1) == (["1:3:3"], ["o"], [])
+    assert c.release_worker(7) == ([], [], [])  # never admitted anything
+    assert c.rejected_rollout_ids == ["0:1:7"]
 
 
 def test_finished_ids_are_remembered_up_to_a_bound(monkeypatch):

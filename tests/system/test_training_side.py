@@ -3,6 +3,7 @@ synthetic trajectories through the real push-pull stream."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -43,6 +44,9 @@ def tiny_model_dir(tmp_path_factory):
     return path, len(tok), test
 
 
+_ROWS = itertools.count()  # each test trajectory its own admitted rollout
+
+
 def _trajectory(qid: str, prompt: list[int], completion: list[int]) -> Trajectory:
     ids = np.array(prompt + completion, dtype=np.int32)
     n_gen = len(completion)
@@ -58,6 +62,7 @@ def _trajectory(qid: str, prompt: list[int], completion: list[int]) -> Trajector
         version_end=[0],
         reward=[1.0],
         no_eos=[False],
+        rollout_id=f"0:0:{next(_ROWS)}",
     )
 
 
@@ -249,8 +254,8 @@ def run_trial(
     if stale_every:
         assert t["dropped_stale"] >= 1  # every 5th pushed trajectory is 100 versions old
     # Every 7th breaks the schema (or every `oov_every`-th holds a token id outside the vocabulary):
-    # rejected at the puller, counted as dropped (its budget comes back).
-    assert t["dropped_invalid"] >= 1 and t["dropped"] == t["dropped_stale"] + t["dropped_invalid"]
+    # rejected at the puller and counted apart: never accepted, so no budget comes back (§12).
+    assert t["dropped_invalid"] >= 1 and t["dropped"] == t["dropped_stale"]
     # No manager in this trial: nobody counted what was produced, and the summary says so.
     assert t["produced"] is None and "did not report" in t["note"]
     assert summary["max_staleness_trained"] <= eta
@@ -297,7 +302,7 @@ def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model
     # However the 12 trained ones split over the two pushers, the pushers had pushed at least 2 bad
     # ones before them (a pusher's pushes reach its puller in order).
     assert t["dropped_invalid"] >= 2
-    assert t["dropped"] == t["dropped_stale"] + t["dropped_invalid"]
+    assert t["dropped"] == t["dropped_stale"] == 0
     logs = "".join(open(os.path.join(log_dir, f"model_worker-{i}.log")).read() for i in range(2))
     # Each puller logs its first invalid one in full: pusher 0's is vocab itself, pusher 1's is -1.
     assert f"token id {vocab} " in logs and "token id -1 " in logs

@@ -61,6 +61,7 @@ class SyntheticRolloutWorker(Worker):
             reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)],
             no_eos=[False] * g,
             scores=[0.0] * g,
+            rollout_id=f"{self.info.worker_index}:0:{self.produced}",  # one admitted rollout each
         )
         message = traj.validate().to_wire()
         invalid_every = self.cfg.get("invalid_every", 0)

@@ -1,0 +1,155 @@
+"""Exactly once at the trainer's puller (docs/design.md §12), through real
+sockets and a real etcd: a trajectory counts as delivered only once the
+puller acknowledged it; a second copy of a rollout's trajectory is dropped
+and counted; a trajectory of no admitted rollout is foreign; and the fault
+points fire once per trial."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from realrl.api.trajectory import Trajectory
+from realrl.base import faults, name_resolve
+from realrl.base.name_resolve import NameResolveConfig
+from realrl.system.push_pull_stream import NameResolvingZmqPusher
+from realrl.system.stream_dataset import PullerStreamDataset
+from tests.conftest import make_nr_config
+
+_BIRTH = itertools.count()
+
+
+def trajectory(rollout_id: str, index: int = 0, qid: str = "q@0") -> Trajectory:
+    return Trajectory(
+        qid=qid,
+        task="math",
+        birth_time=float(next(_BIRTH)),
+        input_ids=[np.array([3, 4, 5, 6], np.int32)],
+        prompt_len=[2],
+        logprobs=[np.full(2, -1.0, np.float32)],
+        versions=[np.zeros(2, np.int32)],
+        version_start=[0],
+        version_end=[0],
+        reward=[1.0],
+        no_eos=[False],
+        rollout_id=rollout_id,
+        index=index,
+    )
+
+
+@pytest.fixture
+def stream(tmp_path, etcd_server):
+    name_resolve.reconfigure(make_nr_config("etcd3", tmp_path, etcd_server))
+    trial = uuid.uuid4().hex[:8]
+    dataset = PullerStreamDataset("once", trial, 0, vocab_size=10)
+    pusher = NameResolvingZmqPusher("once", trial, 0, 1, 1, timeout=30)
+    try:
+        yield dataset, pusher
+    finally:
+        pusher.close(linger=0)
+        dataset.close()
+        name_resolve.reconfigure(NameResolveConfig())
+
+
+def push_acked(pusher, message) -> dict:
+    pusher.push(message, timeout=10)
+    return pusher.wait_ack(timeout=10)
+
+
+def test_a_message_counts_as_delivered_only_once_the_puller_acknowledged_it(stream):
+    """While the puller does not read (its buffer is full: back-pressure), a
+    queued trajectory gets no acknowledgement; once it is buffered, it does."""
+    dataset, pusher = stream
+    dataset.max_buffered = 1
+    assert push_acked(pusher, trajectory("0:0:1").to_wire()) == {"rollout_id": "0:0:1", "index": 0, "verdict": "taken"}
+    pusher.push(trajectory("0:0:2").to_wire(), timeout=10)  # queued: the puller stopped reading
+    with pytest.raises(TimeoutError):
+        pusher.wait_ack(timeout=1.0)
+    assert dataset.stats()["buffered"] == 1
+    items, _ = dataset.inventory(0, 10)
+    dataset.take([k for k, *_ in items])
+    dataset.max_buffered = 10
+    assert pusher.wait_ack(timeout=10) == {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"}
+    assert dataset.stats()["buffered"] == 1
+
+
+def test_trajectory_keys_and_their_verdicts(stream):
+    """A second copy of a key taken (trained since, or still buffered) is a
+    duplicate; another index of the same rollout is not; no rollout id, or
+    one that is not `<worker>:<epoch>:<row>`, is foreign; a schema break is
+    invalid. None of those is buffered, each is acknowledged and counted, and
+    the puller's accounting adds up."""
+    dataset, pusher = stream
+    first = push_acked(pusher, trajectory("0:1:7").to_wire())
+    items, _ = dataset.inventory(0, 10)
+    assert [t.key for t in dataset.take([k for k, *_ in items])] == [("0:1:7", 0)]  # trained
+    verdicts = [
+        push_acked(pusher, trajectory("0:1:7").to_wire())["verdict"],  # generated again: a second copy
+        push_acked(pusher, trajectory("0:1:7", index=1).to_wire())["verdict"],
+        push_acked(pusher, trajectory("0:1:7", index=1).to_wire())["verdict"],  # still buffered: a copy too
+        push_acked(pusher, trajectory("").to_wire())["verdict"],
+        push_acked(pusher, trajectory("0:1:7:nonce").to_wire())["verdict"],
+        push_acked(pusher, {"hello": "world"})["verdict"],
+        push_acked(pusher, 42)["verdict"],
+    ]
+    assert first["verdict"] == "taken"
+    assert verdicts == ["duplicate", "taken", "duplicate", "foreign", "foreign", "invalid", "invalid"]
+    s = dataset.stats()
+    assert (s["duplicates_dropped"], s["foreign"], s["invalid"], s["taken"], s["buffered"]) == (2, 2, 2, 1, 1)
+    assert (
+        s["received"]
+        == s["wire_rejected"]
+        + s["invalid"]
+        + s["foreign"]
+        + s["duplicates_dropped"]
+        + s["taken"]
+        + s["dropped_stale"]
+        + s["buffered"]
+    )
+    # A checkpoint's buffer restored into a new puller: its keys are known there too.
+    dataset.restore([trajectory("0:2:3")])
+    assert push_acked(pusher, trajectory("0:2:3").to_wire())["verdict"] == "duplicate"
+
+
+_FAULT_CHILD = """
+import sys
+from realrl.base import faults
+print(faults.point(sys.argv[1]), flush=True)
+"""
+
+
+def test_fault_points_fire_once_per_trial_across_processes(tmp_path, monkeypatch):
+    """Armed through the environment, as the launcher passes it to workers:
+    `kill` SIGKILLs the first process that reaches the point and no later
+    one; `fail:<s>` fails every hit during s seconds from the first, in any
+    process, then never again; unarmed points do nothing."""
+    env = {
+        **os.environ,
+        faults.FAULTS_ENV: "a.kill=kill,b.fail=fail:2,c.hold=hold:0.01",
+        faults.FAULTS_DIR_ENV: str(tmp_path),
+    }
+
+    def child(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _FAULT_CHILD, name], env=env, capture_output=True, text=True)
+
+    first, second = child("a.kill"), child("a.kill")
+    assert first.returncode == -9 and second.returncode == 0 and second.stdout.strip() == "False"
+    assert faults.fired("a.kill") is False  # not armed in this process's environment
+    t0 = time.time()
+    assert [child("b.fail").stdout.strip() for _ in range(2)] == ["True", "True"]
+    time.sleep(max(0.0, 2.2 - (time.time() - t0)))
+    assert child("b.fail").stdout.strip() == "False"
+    assert child("unarmed").stdout.strip() == "False" and child("c.hold").stdout.strip() == "False"
+    assert sorted(os.listdir(tmp_path)) == ["a.kill", "b.fail", "c.hold"]
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(tmp_path))
+    assert faults.fired("a.kill") and not faults.fired("unarmed")
+    monkeypatch.setenv(faults.FAULTS_ENV, "broken")
+    with pytest.raises(ValueError, match="REALRL_FAULTS"):
+        faults.point("x")
