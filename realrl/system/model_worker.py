@@ -468,26 +468,17 @@ class ModelWorker(Worker):
         realrl/impl/evaluation.py). The master sums the ranks' counts."""
         import asyncio
 
-        from realrl.api.agent_api import PromptRecord, make_agent
+        from realrl.api.agent_api import make_agent
+        from realrl.impl import datasets
         from realrl.impl.evaluation import ModelGenerator, evaluate_prompts, summarize_scores
-        from realrl.impl.math_data import dataset_row_fields, load_math_jsonl
 
         t0 = time.monotonic()
-        records = load_math_jsonl(self.cfg.eval_dataset_path)
+        records = datasets.load_records(self.cfg.eval_dataset_path, self.cfg.dataset)
         if self.cfg.eval_max_prompts:
             records = records[: self.cfg.eval_max_prompts]
-        mine = records[self.dp_rank :: self.dp_size]
-        prompts = [
-            PromptRecord(
-                qid=f"eval-{r['query_id']}",
-                prompt=r["prompt"],
-                solutions=r["solutions"],
-                prompt_ids=list(self.tokenizer.encode(r["prompt"], add_special_tokens=False)),
-                task=r.get("task", "math"),
-                row=dataset_row_fields(r),
-            )
-            for r in mine
-        ]
+        prompts, _ = datasets.prompt_records(records[self.dp_rank :: self.dp_size], self.tokenizer, self.cfg.dataset)
+        for p in prompts:
+            p.qid = f"eval-{p.qid}"
         if self._eval_agent is None:
             settings = dataclasses.replace(self.cfg.agent_settings, tokenizer=self.tokenizer)
             self._eval_agent = make_agent(

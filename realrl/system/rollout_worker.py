@@ -62,7 +62,6 @@ from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
-from realrl.impl.math_data import dataset_row_fields
 from realrl.impl.openai_compat.endpoint import shared_endpoint
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
@@ -148,12 +147,12 @@ class RolloutWorker(AsyncWorker):
         )
 
     def _load_prompts(self, cfg: RolloutWorkerConfig) -> tuple[list[PromptRecord], int]:
-        """This worker's shard, tokenized the way warm start and evaluation do."""
+        """This worker's shard, rendered the way evaluation renders it (realrl/impl/datasets.py)."""
         from transformers import AutoTokenizer
 
-        from realrl.impl.math_data import load_math_jsonl
+        from realrl.impl import datasets
 
-        records = load_math_jsonl(cfg.dataset_path)
+        records = datasets.load_records(cfg.dataset_path, cfg.dataset)
         shard = records[self.info.worker_index :: self.info.worker_count]
         if not shard:
             raise ValueError(
@@ -161,31 +160,13 @@ class RolloutWorker(AsyncWorker):
                 f"{cfg.dataset_path} holds only {len(records)} records"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        prompts, skipped = [], 0
-        seen: collections.Counter = collections.Counter()
-        for r in shard:
-            ids = list(self.tokenizer.encode(r["prompt"], add_special_tokens=False))
-            if not ids or len(ids) > cfg.max_prompt_len:
-                skipped += 1
-                continue
-            query_id = r["query_id"]
-            seen[query_id] += 1
-            if seen[query_id] > 1:  # keep episode qids unique even if the data set repeats an id
-                query_id = f"{query_id}#{seen[query_id] - 1}"
-            prompts.append(
-                PromptRecord(
-                    qid=query_id,
-                    prompt=r["prompt"],
-                    prompt_ids=ids,
-                    solutions=list(r["solutions"]),
-                    task=r.get("task", "math"),
-                    row=dataset_row_fields(r),
-                )
-            )
+        if self.info.worker_index == 0:
+            datasets.warn_unused_template(self.tokenizer, cfg.dataset)
+        prompts, skipped = datasets.prompt_records(shard, self.tokenizer, cfg.dataset, cfg.max_prompt_len)
         if not prompts:
             raise ValueError(
                 f"rollout worker {self.info.worker_index}: all {len(shard)} prompts of its shard of "
-                f"{cfg.dataset_path} are longer than max_prompt_len={cfg.max_prompt_len} tokens"
+                f"{cfg.dataset_path} are empty or longer than max_prompt_len={cfg.max_prompt_len} tokens"
             )
         return prompts, skipped
 
