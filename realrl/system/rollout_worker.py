@@ -163,6 +163,13 @@ class RolloutWorker(AsyncWorker):
         if self.info.worker_index == 0:
             datasets.warn_unused_template(self.tokenizer, cfg.dataset)
         prompts, skipped = datasets.prompt_records(shard, self.tokenizer, cfg.dataset, cfg.max_prompt_len)
+        if prompts:
+            templated = "messages" in prompts[0].row and cfg.dataset.chat_template
+            self.logger.info(
+                "prompts as %s, e.g. %r",
+                "the chat template renders them" if templated else "raw text",
+                prompts[0].prompt[:300],
+            )
         if not prompts:
             raise ValueError(
                 f"rollout worker {self.info.worker_index}: all {len(shard)} prompts of its shard of "
@@ -317,13 +324,19 @@ class RolloutWorker(AsyncWorker):
             self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S, retries=cfg.request_retries
         )
         self.client = GenerationClient(timeout_s=cfg.request_timeout)
+        # The answers' stop ids: every eos id of generation_config.json, config.json and the tokenizer.
+        self.stop_ids = eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer)
+        self.logger.info(
+            "stop ids (eos of generation_config.json, config.json, tokenizer): %s",
+            ", ".join(f"{i} {self.tokenizer.convert_ids_to_tokens(i)!r}" for i in sorted(self.stop_ids)),
+        )
         self.partial_rollout = PartialRolloutManager(
             self.manager,
             self.client,
             new_tokens_per_chunk=cfg.new_tokens_per_chunk,
             request_timeout=cfg.request_timeout,
             request_retries=cfg.request_retries,
-            eos_token_ids=eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer),
+            eos_token_ids=self.stop_ids,
             lora=cfg.lora,
         )
         self._endpoint_scope = contextlib.AsyncExitStack()
