@@ -460,6 +460,7 @@ class ModelWorker(Worker):
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
+        stats["completion_tokens"] = float(self.step_batch.n_completion_tokens())
         # Answers cut by max_new_tokens (no EOS): most of them means the budget is too small.
         stats["length_cut_frac"] = float(self.step_batch.no_eos.float().mean()) if len(self.step_batch.no_eos) else 0.0
         if stats["length_cut_frac"] > 0.5 and not self._warned_length_cut:

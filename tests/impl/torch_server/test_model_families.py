@@ -80,3 +80,20 @@ def test_attention_it_cannot_serve_is_refused_naming_the_architecture():
     odd.layer_types = ["linear_attention", "full_attention"]
     with pytest.raises(ValueError, match="linear_attention"):
         attention_layout(odd)
+
+
+def test_a_moe_checkpoint_loads_into_the_served_model_through_transformers_conversion(family_dirs, tmp_path):
+    """transformers 5 fuses MoE experts in memory but saves them one by one: the
+    trainer's published versions still load, with the trained values."""
+    path = family_dirs["qwen3-moe"]
+    served = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    trained.save_pretrained(tmp_path / "v1")
+    engine = torch_server.GenerationEngine(served, device=torch.device("cpu"))  # thread not started
+    tensors = engine.read_weights(str(tmp_path / "v1"))
+    engine._targets.copy_in(tensors)
+    for name, value in trained.state_dict().items():
+        assert torch.equal(served.state_dict()[name], value), name

@@ -80,6 +80,7 @@ from realrl.impl.generation.torch_server.weights import (
     LoraAdapter,
     WeightTargets,
     read_adapter,
+    read_weights_converted,
     read_weights_dir,
 )
 
@@ -227,6 +228,10 @@ class GenerationEngine:
     def read_weights(self, path: str) -> dict[str, torch.Tensor]:
         """Read and check new weights (any thread; the model is not touched)."""
         tensors = read_weights_dir(path)
+        if self._targets.needs_conversion(tensors) and os.path.isfile(os.path.join(path, "config.json")):
+            # A checkpoint layout that differs from the loaded model's (transformers 5 fuses
+            # MoE experts on load): transformers' own loading converts it.
+            tensors = read_weights_converted(path, type(self.model))
         self._targets.check(tensors)
         return tensors
 
