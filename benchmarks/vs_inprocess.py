@@ -5,7 +5,7 @@
 
 `--model DIR` runs both sides on a model directory of your own (e.g. a ~100M
 random Qwen2.5: `python -m realrl.impl.random_models qwen2.5 DIR
---hidden-size 768 --layers 12 --vocab-size 32000`) with its chat template, on
+--hidden-size 768 --layers 12 --intermediate-size 3072`) with its chat template, on
 `dataset.train_path` or, when not given, the synthetic arithmetic written
 next to the runs. Both sides report steps/min and generated tokens/s.
 

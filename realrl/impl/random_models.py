@@ -16,7 +16,9 @@ trained tokenizer from its vocabulary with the family's own pre-tokenizer and
 specials, which is not the tokenizer trained here.
 
 CLI: `python -m realrl.impl.random_models FAMILY OUT_DIR [--hidden-size H
---layers L --vocab-size V]`, e.g. a ~100M Qwen2.5 for benchmarks/vs_inprocess.py.
+--layers L --intermediate-size I --vocab-size V]`; `qwen2.5 DIR --hidden-size
+768 --layers 12 --intermediate-size 3072` is a ~100M Qwen2.5 for
+benchmarks/vs_inprocess.py.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ FAMILIES: dict[str, Family] = {
 SLIDING_WINDOW = 16  # small, so test prompts and answers cross it
 
 
-def _model_config(family: str, vocab_size: int, hidden: int, layers: int, token_ids: dict):
+def _model_config(family: str, vocab_size: int, hidden: int, layers: int, intermediate: int, token_ids: dict):
     from transformers import (
         Gemma3TextConfig,
         LlamaConfig,
@@ -163,7 +165,7 @@ def _model_config(family: str, vocab_size: int, hidden: int, layers: int, token_
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
@@ -181,7 +183,11 @@ def _model_config(family: str, vocab_size: int, hidden: int, layers: int, token_
         return Qwen3Config(**common, head_dim=hidden // heads)
     if family == "qwen3-moe":
         return Qwen3MoeConfig(
-            **common, head_dim=hidden // heads, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden
+            **common,
+            head_dim=hidden // heads,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=(intermediate or 2 * hidden) // 2,
         )
     if family == "mistral":
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW)
@@ -239,7 +245,14 @@ def train_tokenizer(family: Family, vocab_size: int = 512, seed: int = 1) -> Pre
 
 
 def build_random_model(
-    family: str, out_dir: str, *, hidden_size: int = 64, layers: int = 2, vocab_size: int = 512, seed: int = 1
+    family: str,
+    out_dir: str,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    intermediate_size: int = 0,
+    vocab_size: int = 512,
+    seed: int = 1,
 ) -> str:
     """Write a random-weight `family` model with its tokenizer into `out_dir`."""
     spec = FAMILIES[family] if family in FAMILIES else None
@@ -252,7 +265,7 @@ def build_random_model(
         eos_token_id=ids(spec.eos[0]),
         pad_token_id=ids(spec.pad) if spec.pad else None,
     )
-    config = _model_config(family, len(tokenizer), hidden_size, layers, token_ids)
+    config = _model_config(family, len(tokenizer), hidden_size, layers, intermediate_size, token_ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if type(model).__name__ != spec.architecture:
@@ -281,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--intermediate-size", type=int, default=0, help="MLP width (0 = 2 x hidden size)")
+    parser.add_argument("--vocab-size", type=int, default=512, help="BPE merges stop here or when the corpus runs out")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     build_random_model(
@@ -289,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out_dir,
         hidden_size=args.hidden_size,
         layers=args.layers,
+        intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size,
         seed=args.seed,
     )
