@@ -1,7 +1,13 @@
 """realrl against a synchronous loop of its own trainer code in one process.
 
-    python benchmarks/vs_inprocess.py [--quick] [--steps N] [--eval-every N] [--target ACC]
+    python benchmarks/vs_inprocess.py [--quick] [--steps N] [--eval-every N] [--target ACC] [--model DIR]
                                       [--json PATH] [--no-prox-recompute] [--device cuda] [override ...]
+
+`--model DIR` runs both sides on a model directory of your own (e.g. a ~100M
+random Qwen2.5: `python -m realrl.impl.random_models qwen2.5 DIR
+--hidden-size 768 --layers 12 --intermediate-size 3072`) with its chat template, on
+`dataset.train_path` or, when not given, the synthetic arithmetic written
+next to the runs. Both sides report steps/min and generated tokens/s.
 
 The in-process loop is the floor that orchestration has to beat: the same
 model (the tiny kit, found or built first, by default under /tmp/kit when that
@@ -194,26 +200,11 @@ class PromptStream:
     """Prompts as rollout worker 0 of 1 offers them: the shard in a per-epoch
     permutation seeded by (seed, 0, epoch); qids `<query_id>@<epoch>`."""
 
-    def __init__(self, path: str, tokenizer, max_prompt_len: int, seed: int, shuffle: bool):
-        from realrl.impl.math_data import dataset_row_fields, load_math_jsonl
+    def __init__(self, path: str, tokenizer, max_prompt_len: int, seed: int, shuffle: bool, dataset_cfg):
+        from realrl.impl import datasets
 
-        self.prompts, seen = [], collections.Counter()
-        for r in load_math_jsonl(path):
-            ids = list(tokenizer.encode(r["prompt"], add_special_tokens=False))
-            if not ids or len(ids) > max_prompt_len:
-                continue
-            seen[r["query_id"]] += 1
-            qid = r["query_id"] if seen[r["query_id"]] == 1 else f"{r['query_id']}#{seen[r['query_id']] - 1}"
-            self.prompts.append(
-                PromptRecord(
-                    qid=qid,
-                    prompt=r["prompt"],
-                    prompt_ids=ids,
-                    solutions=list(r["solutions"]),
-                    task=r.get("task", "math"),
-                    row=dataset_row_fields(r),
-                )
-            )
+        records = datasets.load_records(path, dataset_cfg)
+        self.prompts, _ = datasets.prompt_records(records, tokenizer, dataset_cfg, max_prompt_len)
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.position = 0, 0
         self.order = self._order(0)
@@ -270,7 +261,8 @@ def run_inprocess(
 
     import realrl.impl.agents  # noqa: F401  (registers the built-in agents and environments)
     import realrl.impl.environments  # noqa: F401
-    from realrl.impl.math_data import dataset_row_fields, load_math_jsonl
+    from realrl.impl import datasets
+    from realrl.impl.generation.eos import eos_token_ids_in_dir
     from realrl.impl.ppo.batch import SequenceBatch
     from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
 
@@ -308,25 +300,17 @@ def run_inprocess(
     max_prompt_len = min(
         cfg.dataset.max_prompt_len, model.config.max_position_embeddings - cfg.rollout.gconfig.max_new_tokens
     )
-    stream = PromptStream(train_path, tokenizer, max_prompt_len, cfg.seed, cfg.dataset.shuffle)
-    test = load_math_jsonl(test_path)
+    stream = PromptStream(train_path, tokenizer, max_prompt_len, cfg.seed, cfg.dataset.shuffle, cfg.dataset)
+    test = datasets.load_records(test_path, cfg.dataset)
     if cfg.eval.max_prompts:
         test = test[: cfg.eval.max_prompts]
-    test_records = [
-        PromptRecord(
-            qid=f"eval-{r['query_id']}",
-            prompt=r["prompt"],
-            solutions=r["solutions"],
-            prompt_ids=list(tokenizer.encode(r["prompt"], add_special_tokens=False)),
-            task=r.get("task", "math"),
-            row=dataset_row_fields(r),
-        )
-        for r in test
-    ]
+    test_records, _ = datasets.prompt_records(test, tokenizer, cfg.dataset)
+    for r in test_records:
+        r.qid = f"eval-{r.qid}"
     settings = dataclasses.replace(agent_settings(cfg, model_path), tokenizer=tokenizer)
     agent = make_agent(cfg.rollout.agent.type, settings, **cfg.rollout.agent.args)
     env = env_config(cfg)
-    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    stop_ids = set(eos_token_ids_in_dir(model_path, tokenizer))  # as the servers stop
 
     evals = [{"step": 0, "accuracy": greedy_eval(model, tokenizer, cfg, model_path, test_records, 0), "train_s": 0.0}]
     per_step, train_s = [], 0.0
@@ -357,6 +341,7 @@ def run_inprocess(
                 "episodes_s": t_gen - t0,
                 "inference_s": t_inf - t_gen,
                 "train_s": t_train - t_inf,
+                "completion_tokens": batch.n_completion_tokens(),
                 "accuracy": sum(s >= 1.0 - 1e-6 for s in scores) / max(len(scores), 1),
                 "reward_mean": stats["reward_mean"],
                 "actor_loss": stats["actor_loss"],
@@ -378,6 +363,7 @@ def run_inprocess(
         "steps": steps,
         "train_loop_s": train_s,
         "steps_per_min": 60 * steps / train_s,
+        "tokens_per_s": sum(s["completion_tokens"] for s in per_step) / train_s,
         "seconds_per_step": {
             "generate (model.generate)": mean("generate_s"),
             "episodes (generate + decode + reward)": mean("episodes_s"),
@@ -416,6 +402,7 @@ def run_realrl(cfg) -> dict:
         "steps": len(steps),
         "train_loop_s": total,
         "steps_per_min": 60 * len(steps) / total,
+        "tokens_per_s": sum(s.get("train/completion_tokens", 0.0) for s in steps) / total,
         "seconds_per_step": {
             "fetch (waiting for rollouts)": mean("time/fetch_s"),
             "inference (proximal logprobs)": mean("time/inference_s"),
@@ -458,6 +445,7 @@ def main() -> None:
         "--device", default="cpu", help="cpu | cuda: the loop's device, and the realrl run's trainer and server"
     )
     parser.add_argument("--only", choices=["inprocess"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help="a model directory for both sides (default: the tiny kit)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
     args, overrides = parser.parse_known_args()
@@ -468,6 +456,13 @@ def main() -> None:
         if any(o.startswith("tiny_kit.cache_dir=") for o in overrides) or not os.path.isdir("/tmp/kit")
         else ["tiny_kit.cache_dir=/tmp/kit"]
     )
+    if args.model:
+        overrides = [f"model.path={os.path.abspath(args.model)}", *overrides]
+        if not any(o.startswith("dataset.train_path=") for o in overrides):
+            from realrl.impl.math_data import MathDataRecipe, write_math_dataset
+
+            train, test = write_math_dataset(os.path.join(args.fileroot, "vs-inprocess-data"), MathDataRecipe())
+            overrides += [f"dataset.train_path={train}", f"dataset.test_path={test}"]
     cfg = load_config(
         [
             "experiment_name=vs-inprocess",
@@ -505,7 +500,7 @@ def main() -> None:
         f"{'as the trainer takes them (PPOTrainer.inference)' if inproc['prox_recompute'] else 'taken from behaviour'}"
     )
     print(
-        f"{'side':<11}{'steps/min':>10}{'train s':>9}{'command s':>10}"
+        f"{'side':<11}{'steps/min':>10}{'tokens/s':>9}{'train s':>9}{'command s':>10}"
         f"{'to ' + format(args.target, '.2f') + ' (s @ step)':>22}"
         f"  eval accuracy"
     )
@@ -514,7 +509,8 @@ def main() -> None:
         reach = f"{t['train_s']:.1f} @ {t['step']}" if t else "not reached"
         curve = " ".join(f"{e['accuracy']:.2f}" for e in r["eval_history"])
         print(
-            f"{name:<11}{r['steps_per_min']:>10.1f}{r['train_loop_s']:>9.1f}{r['command_wall_s']:>10.1f}"
+            f"{name:<11}{r['steps_per_min']:>10.1f}{r['tokens_per_s']:>9.1f}{r['train_loop_s']:>9.1f}"
+            f"{r['command_wall_s']:>10.1f}"
             f"{reach:>22}  {curve}"
         )
     print(f"eval steps: {' '.join(str(e['step']) for e in realrl['eval_history'])}")

@@ -82,12 +82,23 @@ class TinyKitConfig:
 
 @dataclasses.dataclass
 class DatasetConfig:
-    """The prompts: JSONL rows `{query_id, prompt, answer|solutions, task}` (docs/custom_tasks.md)."""
+    """The prompts: rows of a JSONL or Parquet file or a `datasets.save_to_disk`
+    directory (docs/models_and_data.md, docs/design.md §13)."""
 
     train_path: str = ""
-    """Training prompts (JSONL); "" = the tiny kit's synthetic arithmetic."""
+    """Training prompts (.jsonl, .parquet or a save_to_disk directory); "" = the tiny kit's synthetic arithmetic."""
     test_path: str = ""
     """Held-out prompts for greedy evaluation; "" = no evaluation (with train_path set)."""
+    prompt_key: str = "prompt"
+    """The row field holding the prompt text (dotted = nested); a row may carry `messages` instead."""
+    answer_key: str = "answer"
+    """The row field holding the answer, or a list of accepted answers (`... #### 42` and `\\boxed{}` verify)."""
+    id_key: str = "query_id"
+    """The row field holding its id; ids are generated when absent."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template, when it has one (false = raw text)."""
+    system_prompt: str = ""
+    """A system message before each plain prompt rendered with the chat template ("" = none)."""
     max_prompt_len: int = 256
     """Prompts longer than this many tokens are skipped (and counted)."""
     shuffle: bool = True

@@ -109,7 +109,8 @@ class GenerationHyperparameters:
     """Sampling parameters of one generation request (SGLang's names, docs/design.md §6)."""
 
     max_new_tokens: int = 16
-    """New tokens per answer at most."""
+    """New tokens per answer at most (`rollout.gconfig`: 0 = sized from the model, 8 for the tiny kit, else 1024
+    within half its positions)."""
     min_new_tokens: int = 0
     """EOS and stop tokens do not end an answer before this many new tokens."""
     temperature: float = 1.0

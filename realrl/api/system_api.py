@@ -84,6 +84,7 @@ def from_plain(config_cls: type, raw: Any) -> Any:
 from realrl.api.agent_api import AgentSettings  # noqa: E402
 from realrl.api.cli_args import (  # noqa: E402
     AgentConfig,
+    DatasetConfig,
     EnvConfig,
     LoraConfig,
     OptimizerConfig,
@@ -137,6 +138,7 @@ class GserverManagerConfig:
 @dataclasses.dataclass
 class RolloutWorkerConfig:
     dataset_path: str = ""
+    dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)  # keys and rendering (§13)
     tokenizer_path: str = ""
     max_prompt_len: int = 256
     shuffle: bool = True
@@ -180,6 +182,7 @@ class ModelWorkerConfig:
     # evaluation: the rollout's agent and environment on the test split, greedy,
     # on this trainer's weights (each data-parallel rank scores its share)
     eval_dataset_path: str = ""
+    dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)  # keys and rendering (§13)
     eval_max_new_tokens: int = 16
     eval_batch_size: int = 256
     eval_max_prompts: int = 0

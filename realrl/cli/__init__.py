@@ -6,6 +6,8 @@
         every config key with its type, default and help (docs/config.md)
     realrl status [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--stacks] [--config-name NAME]
         what every worker of a trial is doing (realrl/cli/status.py)
+    realrl eval model.path=DIR dataset.test_path=FILE [KEY=VALUE ...] [--output FILE]
+        score a model directory as training evaluates (realrl/cli/eval.py)
     realrl add-server [EXPERIMENT [TRIAL]] [KEY=VALUE ...] [--config-name NAME] [--timeout S]
         one more generation server for a running local trial (realrl/cli/add_server.py)
 
@@ -23,6 +25,7 @@ COMMANDS = {
     "config": "realrl.cli.config",
     "status": "realrl.cli.status",
     "add-server": "realrl.cli.add_server",
+    "eval": "realrl.cli.eval",
 }
 
 

@@ -44,8 +44,8 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
     if model_path and not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path!r} is not a Hugging Face model directory (no config.json)")
     for key, path in (("dataset.train_path", train_path), ("dataset.test_path", test_path)):
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"{key}: no such file {path!r}")
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{key}: no such file or directory {path!r}")
     if not model_path or not train_path:
         from realrl.impl.tiny_model import TinyKitRecipe, build_tiny_kit, dataset_recipe
 
@@ -140,6 +140,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         weights_dir=paths.weights_dir,
         checkpoint_dir=paths.checkpoint_dir,
         eval_dataset_path=test_path,
+        dataset=cfg.dataset,
         eval_max_new_tokens=cfg.eval.max_new_tokens or rollout.gconfig.max_new_tokens,
         eval_batch_size=cfg.eval.batch_size,
         eval_max_prompts=cfg.eval.max_prompts,
@@ -188,6 +189,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         )
     rollout_worker = RolloutWorkerConfig(
         dataset_path=train_path,
+        dataset=cfg.dataset,
         tokenizer_path=model_path,
         max_prompt_len=max_prompt_len,
         shuffle=cfg.dataset.shuffle,

@@ -117,6 +117,47 @@ def check_lora_targets(cfg: AsyncPPOConfig) -> None:
         raise ConfigError(f"model.lora.target_modules: {_one_line(e)}") from None
 
 
+def check_torch_server_serves(cfg: AsyncPPOConfig) -> None:
+    """A ConfigError naming the architecture when the torch server cannot serve
+    the model's attention exactly (realrl/impl/generation/torch_server/model.py)."""
+    if not cfg.model.path:
+        return
+    from transformers import AutoConfig
+
+    from realrl.impl.generation.torch_server.model import attention_layout
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path)
+    except Exception:  # an unreadable config is reported by model_positions / the loader
+        return
+    try:
+        attention_layout(config)
+    except ValueError as e:
+        raise ConfigError(f"model.path: {_one_line(e)}") from None
+
+
+def check_datasets(cfg: AsyncPPOConfig) -> None:
+    """ConfigError naming the dataset key for a file or row the workers could
+    not read, or (with model.path's tokenizer) a prompt they could not render."""
+    from realrl.impl import datasets
+
+    tokenizer = None
+    if cfg.model.path and os.path.exists(os.path.join(cfg.model.path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    for key in ("train_path", "test_path"):
+        path = getattr(cfg.dataset, key)
+        if not path:
+            continue
+        try:
+            records = datasets.load_records(path, cfg.dataset)
+            if tokenizer is not None:
+                datasets.prompt_records(records, tokenizer, cfg.dataset)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"dataset.{key}: {_one_line(e)}") from None
+
+
 def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool) -> None:
     """ConfigError naming `key` when `factory` cannot take `args` (an unknown
     or missing keyword), checked from its signature without calling it."""
@@ -187,8 +228,11 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
             raise ConfigError(f"allocation_mode: {_one_line(e)}") from None
 
     check_lora_targets(cfg)
+    if alloc.gen_backend == "torch":
+        check_torch_server_serves(cfg)
     positions = model_positions(cfg)
     if positions is None:
+        check_datasets(cfg)
         return None
     limit = positions
     if alloc.gen_backend == "sglang" and cfg.server.sglang.context_length:
@@ -207,4 +251,5 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
             f"{key}: must be < {positions} (the model's max_position_embeddings, used by evaluation; "
             f"a prompt takes at least one position), got {eval_tokens}"
         )
+    check_datasets(cfg)  # after the cheap checks: it reads the files and may load the tokenizer
     return limit

@@ -13,6 +13,7 @@ OmegaConf error becomes a `ConfigError` whose one-line message names the key.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -59,9 +60,38 @@ def load_config(
     try:
         with initialize_config_dir(config_dir=primary, version_base=None):
             cfg = compose(config_name=config_name, overrides=overrides)
-        return OmegaConf.to_object(cfg)
+        typed = OmegaConf.to_object(cfg)
     except Exception as e:  # Hydra / OmegaConf errors: keep the line that says what and where
         raise ConfigError(_error_line(e)) from None
+    size_new_tokens(typed)
+    return typed
+
+
+# rollout.gconfig.max_new_tokens=0: the tiny kit's answers are a few digits; a
+# real model's reasoning takes hundreds of tokens (half its positions at most).
+TINY_KIT_NEW_TOKENS, MODEL_NEW_TOKENS = 8, 1024
+
+
+def size_new_tokens(cfg: AsyncPPOConfig) -> None:
+    """Replaces rollout.gconfig.max_new_tokens=0 with a size for the model."""
+    gconfig = cfg.rollout.gconfig
+    if gconfig.max_new_tokens != 0:
+        return
+    if not cfg.model.path:
+        gconfig.max_new_tokens = TINY_KIT_NEW_TOKENS
+        return
+    positions = None
+    try:  # an unreadable config.json is reported by the checks, not here
+        with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        config = config.get("text_config") or config
+        positions = config.get("max_position_embeddings") or config.get("n_positions")
+    except (OSError, ValueError, AttributeError):
+        pass
+    sized = MODEL_NEW_TOKENS
+    if isinstance(positions, int) and positions > 1:
+        sized = min(sized, positions // 2)
+    gconfig.max_new_tokens = sized
 
 
 def _error_line(e: Exception) -> str:

@@ -33,6 +33,7 @@ from realrl.api.agent_api import FULL_CREDIT, Agent, PromptRecord
 from realrl.api.env_api import EnvironmentService
 from realrl.api.generation_api import GenerationRequest, GenerationResult
 from realrl.base.logging import getLogger
+from realrl.impl.generation.eos import token_ids
 
 logger = getLogger(__name__)
 
@@ -61,7 +62,10 @@ class ModelGenerator:
         self.version = version
         self.batch_size = batch_size
         self.all_ranks_busy = all_ranks_busy
-        self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        # Every eos id, as the generation servers stop (generation_config.json, config.json, tokenizer).
+        self.eos_ids = token_ids(getattr(tokenizer, "eos_token_id", None))
+        for source in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+            self.eos_ids |= token_ids(getattr(source, "eos_token_id", None))
         self._pending: list[_Pending] = []
         self.n_batches = 0
 

@@ -76,6 +76,26 @@ def save_model(model: torch.nn.Module, path: str, max_shard_size: str = "2GB", s
         model.save_pretrained(path, max_shard_size=max_shard_size, state_dict=state_dict)
 
 
+# What save_pretrained writes of the model itself; every other file of the
+# model directory (tokenizer, chat template, generation config, ...) is the user's.
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def copy_tokenizer_files(source: str, path: str) -> None:
+    """The user's tokenizer files, chat template and generation config, copied
+    unchanged from the model directory the run started from (a tokenizer saved
+    by transformers may change class or gain tokens)."""
+    for name in sorted(os.listdir(source)):
+        src = os.path.join(source, name)
+        if (
+            name in _MODEL_FILES
+            or not os.path.isfile(src)
+            or name.endswith((".safetensors", ".bin", ".pt", ".index.json"))
+        ):
+            continue
+        shutil.copyfile(src, os.path.join(path, name))
+
+
 def publish_weights(
     model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB", state_dict: dict | None = None
 ) -> str:
@@ -210,6 +230,7 @@ class ModelWorker(Worker):
         dtype = _DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         self._eval_agent = None  # made at the first evaluation (the agent may load things)
+        self._warned_length_cut = False
         actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
@@ -472,6 +493,16 @@ class ModelWorker(Worker):
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
+        stats["completion_tokens"] = float(self.step_batch.n_completion_tokens())
+        # Answers cut by max_new_tokens (no EOS): most of them means the budget is too small.
+        stats["length_cut_frac"] = float(self.step_batch.no_eos.float().mean()) if len(self.step_batch.no_eos) else 0.0
+        if stats["length_cut_frac"] > 0.5 and not self._warned_length_cut:
+            self._warned_length_cut = True
+            self.logger.warning(
+                "%.0f%% of this step's answers hit rollout.gconfig.max_new_tokens without an EOS: "
+                "raise it if the answers are cut (train/length_cut_frac in stats.jsonl; warned once)",
+                100 * stats["length_cut_frac"],
+            )
         self.step_trajectories, self.step_batch = [], None
         new_version = int(data["version"])
         t1 = time.monotonic()
@@ -501,26 +532,17 @@ class ModelWorker(Worker):
         realrl/impl/evaluation.py). The master sums the ranks' counts."""
         import asyncio
 
-        from realrl.api.agent_api import PromptRecord, make_agent
+        from realrl.api.agent_api import make_agent
+        from realrl.impl import datasets
         from realrl.impl.evaluation import ModelGenerator, evaluate_prompts, summarize_scores
-        from realrl.impl.math_data import dataset_row_fields, load_math_jsonl
 
         t0 = time.monotonic()
-        records = load_math_jsonl(self.cfg.eval_dataset_path)
+        records = datasets.load_records(self.cfg.eval_dataset_path, self.cfg.dataset)
         if self.cfg.eval_max_prompts:
             records = records[: self.cfg.eval_max_prompts]
-        mine = records[self.dp_rank :: self.dp_size]
-        prompts = [
-            PromptRecord(
-                qid=f"eval-{r['query_id']}",
-                prompt=r["prompt"],
-                solutions=r["solutions"],
-                prompt_ids=list(self.tokenizer.encode(r["prompt"], add_special_tokens=False)),
-                task=r.get("task", "math"),
-                row=dataset_row_fields(r),
-            )
-            for r in mine
-        ]
+        prompts, _ = datasets.prompt_records(records[self.dp_rank :: self.dp_size], self.tokenizer, self.cfg.dataset)
+        for p in prompts:
+            p.qid = f"eval-{p.qid}"
         if self._eval_agent is None:
             settings = dataclasses.replace(self.cfg.agent_settings, tokenizer=self.tokenizer)
             self._eval_agent = make_agent(
@@ -574,7 +596,7 @@ class ModelWorker(Worker):
                 lora.save_merged(adapter, self.cfg.model_path, path, _DTYPES[self.cfg.dtype])
             else:
                 save_model(self.actor.model, path, state_dict=state_dict)
-            self.tokenizer.save_pretrained(path)
+            copy_tokenizer_files(self.cfg.tokenizer_path or self.cfg.model_path, path)
         return {"path": data["path"]}
 
     def _handle_checkpoint(self, data: dict) -> dict:

@@ -68,7 +68,6 @@ from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
-from realrl.impl.math_data import dataset_row_fields
 from realrl.impl.openai_compat.endpoint import shared_endpoint
 from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
@@ -156,12 +155,12 @@ class RolloutWorker(AsyncWorker):
         )
 
     def _load_prompts(self, cfg: RolloutWorkerConfig) -> tuple[list[PromptRecord], int]:
-        """This worker's shard, tokenized the way warm start and evaluation do."""
+        """This worker's shard, rendered the way evaluation renders it (realrl/impl/datasets.py)."""
         from transformers import AutoTokenizer
 
-        from realrl.impl.math_data import load_math_jsonl
+        from realrl.impl import datasets
 
-        records = load_math_jsonl(cfg.dataset_path)
+        records = datasets.load_records(cfg.dataset_path, cfg.dataset)
         shard = records[self.info.worker_index :: self.info.worker_count]
         if not shard:
             raise ValueError(
@@ -169,34 +168,28 @@ class RolloutWorker(AsyncWorker):
                 f"{cfg.dataset_path} holds only {len(records)} records"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        if self.info.worker_index == 0:
+            datasets.warn_unused_template(self.tokenizer, cfg.dataset)
         prompts, skipped = [], 0
         rows = []  # each prompt's row in the dataset file (its rollout ids name it: docs/design.md §12)
-        seen: collections.Counter = collections.Counter()
         for k, r in enumerate(shard):
-            ids = list(self.tokenizer.encode(r["prompt"], add_special_tokens=False))
-            if not ids or len(ids) > cfg.max_prompt_len:
-                skipped += 1
-                continue
-            query_id = r["query_id"]
-            seen[query_id] += 1
-            if seen[query_id] > 1:  # keep episode qids unique even if the data set repeats an id
-                query_id = f"{query_id}#{seen[query_id] - 1}"
-            prompts.append(
-                PromptRecord(
-                    qid=query_id,
-                    prompt=r["prompt"],
-                    prompt_ids=ids,
-                    solutions=list(r["solutions"]),
-                    task=r.get("task", "math"),
-                    row=dataset_row_fields(r),
-                )
+            kept, n_skipped = datasets.prompt_records([r], self.tokenizer, cfg.dataset, cfg.max_prompt_len)
+            skipped += n_skipped
+            if kept:
+                prompts += kept
+                rows.append(self.info.worker_index + k * self.info.worker_count)
+        if prompts:
+            templated = "messages" in prompts[0].row and cfg.dataset.chat_template
+            self.logger.info(
+                "prompts as %s, e.g. %r",
+                "the chat template renders them" if templated else "raw text",
+                prompts[0].prompt[:300],
             )
-            rows.append(self.info.worker_index + k * self.info.worker_count)
         self.rows = np.asarray(rows, dtype=np.int64)
         if not prompts:
             raise ValueError(
                 f"rollout worker {self.info.worker_index}: all {len(shard)} prompts of its shard of "
-                f"{cfg.dataset_path} are longer than max_prompt_len={cfg.max_prompt_len} tokens"
+                f"{cfg.dataset_path} are empty or longer than max_prompt_len={cfg.max_prompt_len} tokens"
             )
         return prompts, skipped
 
@@ -352,6 +345,12 @@ class RolloutWorker(AsyncWorker):
             self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S, retries=cfg.request_retries
         )
         self.client = GenerationClient(timeout_s=cfg.request_timeout)
+        # The answers' stop ids: every eos id of generation_config.json, config.json and the tokenizer.
+        self.stop_ids = eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer)
+        self.logger.info(
+            "stop ids (eos of generation_config.json, config.json, tokenizer): %s",
+            ", ".join(f"{i} {self.tokenizer.convert_ids_to_tokens(i)!r}" for i in sorted(self.stop_ids)),
+        )
         self.partial_rollout = PartialRolloutManager(
             self.manager,
             self.client,
@@ -359,7 +358,7 @@ class RolloutWorker(AsyncWorker):
             request_timeout=cfg.request_timeout,
             request_retries=cfg.request_retries,
             no_server_timeout=cfg.no_server_timeout,
-            eos_token_ids=eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer),
+            eos_token_ids=self.stop_ids,
             lora=cfg.lora,
         )
         self._endpoint_scope = contextlib.AsyncExitStack()

@@ -290,3 +290,31 @@ def test_trainer_threads_auto_takes_the_cores_generation_leaves(tmp_path):
     assert trainer("server.torch.num_threads=64") == 1  # never below one
     assert trainer("train.num_threads=3") == 3  # an explicit count wins
     assert trainer("allocation_mode=torch.d1p1m1+d2p1m1", "ppo.train_batch_size=2") == max(1, (cores - 1) // 2)
+
+
+def test_dataset_files_rows_and_attention_are_checked_before_start(tmp_path):
+    """A dataset the workers could not read, a row without the configured key,
+    and attention the torch server cannot serve: one line naming the key."""
+    model = write_model(tmp_path, max_position_embeddings=64)
+    train = write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}"]
+    cfg = config(tmp_path, *base, "dataset.prompt_key=question")
+    with pytest.raises(ConfigError, match=r"^dataset.train_path: .*train.jsonl: row 1: prompt key 'question' missing"):
+        check_environment(cfg, validate(cfg))
+    (tmp_path / "test.parquet").write_bytes(b"PAR1 not really")
+    cfg = config(tmp_path, *base, f"dataset.test_path={tmp_path / 'test.parquet'}")
+    with pytest.raises(ConfigError, match=r"^dataset.test_path: .*test.parquet: not a readable Parquet file"):
+        check_environment(cfg, validate(cfg))
+    (tmp_path / "model" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama4_text",
+                "architectures": ["Llama4ForCausalLM"],
+                "attention_chunk_size": 64,
+                "max_position_embeddings": 64,
+            }
+        )
+    )
+    cfg = config(tmp_path, *base)
+    with pytest.raises(ConfigError, match=r"^model.path: Llama4ForCausalLM: .*chunked"):
+        check_environment(cfg, validate(cfg))

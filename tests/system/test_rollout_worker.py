@@ -60,7 +60,7 @@ def rollout_group(tiny_kit, dataset: str, count: int, agent: str = "single-step"
     config = RolloutWorkerConfig(
         dataset_path=dataset,
         tokenizer_path=tiny_kit["model_dir"],
-        max_prompt_len=MAX_PROMPT_LEN,
+        max_prompt_len=kwargs.pop("max_prompt_len", MAX_PROMPT_LEN),
         agent=AgentConfig(type=agent),
         agent_settings=AgentSettings(tokenizer_path=tiny_kit["model_dir"], group_size=2, gconfig=gconfig),
         n_pullers=1,
@@ -263,7 +263,8 @@ def test_external_agents_drive_episodes_through_the_workers_endpoint(tmp_path, e
     groups = [
         server_group(chat_kit["model_dir"]),
         manager_group(n_servers=1, train_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=4),
-        rollout_group(chat_kit, dataset, 1, agent="external", max_concurrent_rollouts=4),
+        # (prompts go through the kit's chat template: longer than the raw text)
+        rollout_group(chat_kit, dataset, 1, agent="external", max_concurrent_rollouts=4, max_prompt_len=256),
     ]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP)
     puller = None

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from realrl.base.logging import configure, getLogger
+from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
 from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model
@@ -73,17 +74,19 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         weight_version=args.weight_version,
-        eos_token_ids=eos_token_ids_of(model),
+        # Stops at every eos id of generation_config.json, config.json and the tokenizer.
+        eos_token_ids=eos_token_ids_of(model) | eos_token_ids_in_dir(args.model_path),
         length_before_eos=args.length_before_eos,
         compat=compat,
     )
     engine.start()
     logger.info(
-        "loaded %s on %s (%s), weight version %s%s",
+        "loaded %s on %s (%s), weight version %s, stop ids %s%s",
         args.model_path,
         args.device,
         args.dtype,
         engine.weight_version,
+        sorted(engine.limits.eos_token_ids),
         f", emulating SGLang {args.emulate_sglang}: {compat}" if compat else "",
     )
     server = TorchGenerationServer(engine, args.model_path, args.device, args.dtype, args.weight_load_gate)

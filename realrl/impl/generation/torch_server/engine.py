@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from realrl.api.sglang_api import (
     ControlResponse,
@@ -70,7 +70,7 @@ from realrl.api.sglang_api import (
 from realrl.base.http_body import BodyError
 from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.batch import Rows, RunningBatch
-from realrl.impl.generation.torch_server.model import check_supported
+from realrl.impl.generation.torch_server.model import attention_layout
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
 from realrl.impl.generation.torch_server.sampling import RowParams, sample_tokens
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
@@ -80,6 +80,7 @@ from realrl.impl.generation.torch_server.weights import (
     LoraAdapter,
     WeightTargets,
     read_adapter,
+    read_weights_converted,
     read_weights_dir,
 )
 
@@ -142,12 +143,14 @@ class GenerationEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = str(weight_version)
         text_config = self.config.get_text_config(decoder=True)
+        self.n_layers = int(text_config.num_hidden_layers)
         self.limits = GenerateLimits(
             vocab_size=model.get_input_embeddings().num_embeddings,
             max_positions=getattr(text_config, "max_position_embeddings", None),
             eos_token_ids=eos_token_ids,
         )
-        check_supported(model)
+        # Refuses attention it cannot serve exactly; the masks of a decode step (model.py).
+        self.layout = attention_layout(self.config)
         self._targets = WeightTargets(model)
         # LoRA adapters (docs/design.md §8): those loaded, by name; one at a time is merged into the weights.
         self._adapter_targets = AdapterTargets(model)
@@ -225,6 +228,10 @@ class GenerationEngine:
     def read_weights(self, path: str) -> dict[str, torch.Tensor]:
         """Read and check new weights (any thread; the model is not touched)."""
         tensors = read_weights_dir(path)
+        if self._targets.needs_conversion(tensors) and os.path.isfile(os.path.join(path, "config.json")):
+            # A checkpoint layout that differs from the loaded model's (transformers 5 fuses
+            # MoE experts on load): transformers' own loading converts it.
+            tensors = read_weights_converted(path, type(self.model))
         self._targets.check(tensors)
         return tensors
 
@@ -585,7 +592,10 @@ class GenerationEngine:
         self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
+        # Full layers also for sliding ones: the running batch keeps every column
+        # and windows by mask (model.py), so nothing may be dropped here.
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in range(self.n_layers)]
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -649,7 +659,7 @@ class GenerationEngine:
         batch.reserve(1)
         out = self.model(
             input_ids=batch.last_tokens[:, None],
-            attention_mask=batch.decode_mask(),
+            attention_mask=self.layout.decode_masks(batch.decode_mask()),
             position_ids=batch.positions[:, None],
             past_key_values=batch.cache,
             use_cache=True,

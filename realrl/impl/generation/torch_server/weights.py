@@ -1,7 +1,9 @@
 """Reading new weights from disk and putting them into the served model.
 
 `read_weights_dir` reads the safetensors of an HF directory (single file or
-sharded with an index) into CPU tensors; `WeightTargets.check` compares their
+sharded with an index) into CPU tensors (`read_weights_converted` through
+transformers' loading, for a checkpoint whose layout differs from the model's
+in memory, e.g. MoE experts fused on load); `WeightTargets.check` compares their
 names and shapes with the model's (tied embeddings: either name of an aliased
 pair will do), and `WeightTargets.copy_in` copies them into the existing
 parameters in place. LoRA adapters (docs/design.md §8): `read_adapter` reads a
@@ -56,6 +58,17 @@ def read_weights_dir(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_weights_converted(path: str, model_class: type) -> dict[str, torch.Tensor]:
+    """The tensors of an HF directory as `model_class.from_pretrained` lays
+    them out in memory (its checkpoint conversions applied, e.g. MoE experts
+    fused), on CPU in the file's dtype."""
+    try:
+        model = model_class.from_pretrained(path, dtype="auto", device_map="cpu")
+    except Exception as e:
+        raise WeightLoadError(f"cannot load {path!r} with {model_class.__name__}: {e}") from e
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
 class WeightTargets:
     """The model's state-dict tensors (sharing storage with its parameters) and
     which names are aliases of one another (tied embeddings)."""
@@ -66,6 +79,10 @@ class WeightTargets:
         for name, t in self.tensors.items():
             groups.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
         self.groups = list(groups.values())
+
+    def needs_conversion(self, loaded: dict[str, torch.Tensor]) -> bool:
+        """Whether the file names tensors the model does not have (another layout)."""
+        return any(k not in self.tensors and not k.endswith("rotary_emb.inv_freq") for k in loaded)
 
     def check(self, loaded: dict[str, torch.Tensor]) -> None:
         loaded = {k: v for k, v in loaded.items() if not k.endswith("rotary_emb.inv_freq")}
