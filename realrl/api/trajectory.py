@@ -278,7 +278,7 @@ class Trajectory:
         (a longer one cannot be trained and stalls a step or exhausts memory),
         weight versions within 0..`newest_version` (the trainer's newest: a
         server never held a later one, and a later one would never go stale),
-        and logprobs <= 0. None checks nothing of that bound."""
+        and logprobs (behaviour and sampling ones) <= 0. None checks nothing of that bound."""
         self.check_token_ids(vocab_size)
         for i, ids in enumerate(self.input_ids):
             if max_positions is not None and len(ids) > max_positions:
@@ -293,8 +293,9 @@ class Trajectory:
                     f"trajectory {self.qid} seq {i}: weight versions {min(bounds)}..{max(bounds)} outside "
                     f"0..{'' if newest_version is None else newest_version} (the trainer's newest)"
                 )
-            if self.logprobs[i].size and float(self.logprobs[i].max()) > LOGPROB_SLACK:
-                raise TrajectoryError(f"trajectory {self.qid} seq {i}: a logprob above 0")
+            for name, logprobs in (("logprob", self.logprobs), ("sampling logprob", self.sampling_logprobs)):
+                if logprobs and logprobs[i].size and float(logprobs[i].max()) > LOGPROB_SLACK:
+                    raise TrajectoryError(f"trajectory {self.qid} seq {i}: a {name} above 0")
         return self
 
     # ---- wire ------------------------------------------------------------------

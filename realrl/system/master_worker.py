@@ -7,9 +7,10 @@ Each step, over the request-reply stream to the model workers:
    `train_batch_size` trajectories together; the oldest B of all of them
    (`choose_batch`) are split across the ranks balanced by tokens
    (`plan_batch`), and `assemble` moves them there. No rank has a quota of
-   its own, so trajectories that arrive unevenly never stall a step. Drops
-   (stale, or invalid at the puller) are published under `dropped_samples` at
-   once so the GserverManager gives their staleness budget back;
+   its own, so trajectories that arrive unevenly never stall a step. Stale
+   drops are published under `dropped_samples` at once so the
+   GserverManager gives their staleness budget back (what the pullers refuse
+   was never admitted and returns none: docs/design.md §12);
 2. `inference`: proximal logprobs (decoupled loss), reference logprobs
    (KL), values (PPO);
 3. `train_step` on every rank; rank 0 publishes the new weights (version
@@ -27,6 +28,10 @@ bar or periodic lines: realrl/base/console.py), greedy evaluation on the test
 split before training, every `eval_every_n_steps`, and at the end, each
 followed by the PNGs of `<log_dir>/plots/` (realrl/base/plots.py), recovery
 checkpoints, and finally `summary.json` and `experiment_status` COMPLETE.
+
+Over 700 lines on purpose: it is the one place a step's dataflow, its
+accounting (the ledger, §12) and the trial's end are read together; the
+pure parts live beside it (checkpoints.py, ledger.py, rejections.py).
 """
 
 from __future__ import annotations
