@@ -69,16 +69,18 @@ INVALID = [
     _trajectory("fuzz-positive@0", 4, 3, logprob=0.5),
 ]
 REJECTED_FRAMES = [[b"not a realrl message"], [b"two", b"frames"]]
+# A well-formed trajectory of no admitted rollout (no rollout id): foreign.
+FOREIGN = [_trajectory("fuzz-foreign@0", 4, 3)]
 
 
 def _send_junk(tmp_path, trial: str, context: zmq.Context, strays: list) -> dict[str, list[int]]:
     repo = _repository(tmp_path, trial)
     key = lambda stream: names.request_reply_stream(EXP, trial, stream)  # noqa: E731
     puller = repo.get(names.push_pull_stream(EXP, trial, "puller0"))
-    push = context.socket(zmq.PUSH)
+    push = context.socket(zmq.DEALER)  # the puller is a ROUTER that acknowledges (docs/design.md §4)
     push.setsockopt(zmq.LINGER, 5000)
     push.connect(f"tcp://{puller}")
-    for message in INVALID:
+    for message in INVALID + FOREIGN:
         push.send(wire.dumps(message))
     for frames in REJECTED_FRAMES:
         push.send_multipart(frames)
@@ -159,6 +161,7 @@ def test_junk_to_a_live_trial_is_counted_apart_and_bends_nothing(tmp_path, kit_c
     # The junk is refused and counted: invalid trajectories, rejected frames, bad requests; no
     # request of a stray was left in flight on a server.
     assert t["dropped_invalid"] == len(INVALID) and t["rejected_frames"] == len(REJECTED_FRAMES), t
+    assert t["foreign"] == len(FOREIGN), t
     assert summary["rollouts"]["bad_requests"] == len(statuses["manager"]), summary["rollouts"]
     assert set(summary["rollouts"]["server_in_flight"].values()) == {0}, summary["rollouts"]
     # Exact accounting, and no budget handed back for what the manager never admitted (issue 33
