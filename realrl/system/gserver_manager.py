@@ -132,6 +132,9 @@ class GserverManager(AsyncWorker):
         )
         self.router: RequestRouter | None = None
         self.reservations = Reservations()  # who holds which scheduled requests
+        # A test's fault point: once it fires, finishes fail until a rollout worker is
+        # reset (the one that gave up on them was replaced), however long its retries take.
+        self._finishes_failing = False
         self.registry: ServerRegistry | None = None
         self.bad_requests = 0
         self.requests_served = 0  # HTTP requests answered (progress record: the load on the manager)
@@ -670,6 +673,7 @@ class GserverManager(AsyncWorker):
             )
         rollout_ids, qids, done = self.controller.release_worker(request.worker_index)
         self._release_reservations(qids)
+        self._finishes_failing = False
         self._wake_allocations()
         if qids:
             self.logger.warning(
@@ -680,7 +684,8 @@ class GserverManager(AsyncWorker):
         return ResetRolloutWorkerReply(qids=qids, rollout_ids=rollout_ids, done=done)
 
     def _finish_rollout(self, request: FinishRolloutRequest) -> SuccessReply:
-        if faults.point("gserver_manager.finish_rollout"):  # a test's manager that cannot finish rollouts
+        if self._finishes_failing or faults.point("gserver_manager.finish_rollout"):
+            self._finishes_failing = True
             raise BodyError("finish_rollout is failing (fault point)", status=503)
         qids = [self.controller.qid_of(r.rollout_id) for r in request.rollouts]
         try:  # all or none: a rejected call changes nothing
