@@ -25,9 +25,11 @@ answer the function cannot read (it raises or returns no number).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -118,3 +120,51 @@ class Judge:
             choices=[Choice(0, ReplyMessage(content=text), "length" if result.finish_reason == "length" else "stop")],
             usage=Usage(n_prompt, n_out, n_prompt + n_out),
         )
+
+
+class JudgeAccess:
+    """The judge client factory a worker's reward functions use (the
+    "reward-fn" environment's `judge` argument: `judge_settings` in
+    realrl/experiment/config.py). On first use in an event loop it starts a
+    loopback chat endpoint that serves only `/judge/v1`, reading the judge
+    servers' URLs from name_resolve (`names.judge_servers`); it lives as long
+    as the loop."""
+
+    def __init__(self, settings: dict):
+        self.settings = dict(settings)
+        self._endpoints: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        self._lock: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+        self._tokenizer: Any = None
+
+    def urls(self) -> list[str]:
+        from realrl.base import name_resolve, names
+
+        s = self.settings
+        return name_resolve.get_subtree(names.judge_servers(s["experiment_name"], s["trial_name"]))
+
+    async def __call__(self) -> Any:
+        from realrl.impl.openai_compat.endpoint import ChatEndpoint
+
+        loop = asyncio.get_running_loop()
+        async with self._lock.setdefault(loop, asyncio.Lock()):
+            endpoint = self._endpoints.get(loop)
+            if endpoint is None:
+                if self._tokenizer is None:
+                    self._tokenizer = await asyncio.to_thread(load_judge_tokenizer, self.settings["model_path"])
+                endpoint = ChatEndpoint()
+                await endpoint.start()
+                endpoint.judge = Judge(
+                    self._tokenizer,
+                    self.urls,
+                    request_timeout_s=self.settings.get("request_timeout", 60.0),
+                    max_new_tokens=self.settings.get("max_new_tokens", 256),
+                )
+                self._endpoints[loop] = endpoint
+        return endpoint.judge_client()
+
+    def stats(self) -> dict[str, int]:
+        """Judge calls and failures, over every loop's endpoint."""
+        total: collections.Counter = collections.Counter()
+        for endpoint in list(self._endpoints.values()):
+            total.update({k: v for k, v in endpoint.stats().items() if k.startswith("judge_")})
+        return dict(total)

@@ -19,6 +19,9 @@
   `{"new_version", "abort_all_requests"}` -> `{"success", "message",
   "new_version", "num_paused_requests"}` (here it also switches to the
   adapter loaded last); `/generate` takes `lora_path`, a loaded adapter's name.
+- `--frozen` (a judge model's server, realrl/impl/judge.py): every weight
+  change (`/update_weights_from_disk`, `/update_weight_version`, the LoRA
+  routes) is answered 400 and counted in `rejections` as `frozen`.
 
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
 release's do (`sglang_compat`). `weight_load_gate` (`--weight-load-gate
