@@ -56,14 +56,15 @@ def test_a_judge_rewards_a_short_trial(tmp_path, kit_cache):
         f"rollout.reward_fn={tmp_path / 'task' / 'judged.py'}:reward",
         f"judge.model.path={judge}",
         "judge.request_timeout=30",
+        "ppo.group_size=8",
     )
     assert summary["steps"] == steps
     consumed = summary["trajectories"]["consumed"]
     assert consumed == steps * 16
-    # Every trained answer was judged, none failed; the same per step.
-    assert summary["judge"] == {"calls": consumed, "failures": 0}
+    # Every trained answer (group_size 8 per trajectory) was judged, none failed; the same per step.
+    assert summary["judge"] == {"calls": consumed * 8, "failures": 0}
     train_steps = [s for s in stats if "train/actor_loss" in s]
-    assert [s["env/judge_calls"] for s in train_steps] == [16.0] * steps
+    assert [s["env/judge_calls"] for s in train_steps] == [16.0 * 8] * steps
     assert [s["env/judge_failures"] for s in train_steps] == [0.0] * steps
     # The policy's server took the trainer's weights; the judge's never did.
     logs = os.path.join(tmp_path, "logs", "async-ppo-tiny", "judge")
