@@ -310,8 +310,9 @@ class JudgeConfig:
     model: JudgeModelConfig = dataclasses.field(default_factory=JudgeModelConfig)
     n_servers: int = 1
     """Judge servers (each a process of the run's backend, with server.torch's settings)."""
-    request_timeout: float = 60.0
-    """Seconds one judge call may take; a call that takes longer fails: the answer scores 0 and is counted."""
+    request_timeout: float = 8.0
+    """Seconds one judge call may take; a call that takes longer fails: the answer scores 0 and is counted.
+    Below rollout.reward_fn_timeout (the whole reward call's limit)."""
     max_new_tokens: int = 256
     """The most tokens one judge answer may have (a call's max_tokens is capped to it)."""
 
@@ -567,7 +568,11 @@ def validate_judge(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
         "judge servers need the torch backend (allocation_mode torch.*)",
     )
     _check(judge.n_servers >= 1, "judge.n_servers", f"must be >= 1, got {judge.n_servers}")
-    _check(judge.request_timeout > 0, "judge.request_timeout", f"must be > 0 seconds, got {judge.request_timeout}")
+    _check(
+        0 < judge.request_timeout < cfg.rollout.reward_fn_timeout,
+        "judge.request_timeout",
+        f"must be > 0 and < rollout.reward_fn_timeout ({cfg.rollout.reward_fn_timeout}), got {judge.request_timeout}",
+    )
     _check(judge.max_new_tokens >= 1, "judge.max_new_tokens", f"must be >= 1, got {judge.max_new_tokens}")
     _check(
         bool(cfg.rollout.reward_fn),

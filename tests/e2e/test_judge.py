@@ -56,6 +56,7 @@ def test_a_judge_rewards_a_short_trial(tmp_path, kit_cache):
         f"rollout.reward_fn={tmp_path / 'task' / 'judged.py'}:reward",
         f"judge.model.path={judge}",
         "judge.request_timeout=30",
+        "rollout.reward_fn_timeout=40",
         "ppo.group_size=8",
     )
     assert summary["steps"] == steps
@@ -90,6 +91,10 @@ def test_bad_judge_config_is_one_line(tmp_path, kit_cache):
         ),
         ([reward, f"judge.model.path={tmp_path}", "judge.n_servers=0"], r"^judge.n_servers: must be >= 1, got 0$"),
         ([f"judge.model.path={tmp_path}"], r"^judge.model.path: a judge needs rollout.reward_fn"),
+        (
+            [reward, f"judge.model.path={tmp_path}", "judge.request_timeout=10"],
+            r"^judge.request_timeout: must be > 0 and < rollout.reward_fn_timeout \(10.0\), got 10.0$",
+        ),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -168,10 +168,9 @@ def test_judge_failures_score_zero_and_are_counted(judge_dir, rewards, start_ser
     assert garbage == (0.0, "errors") and after_garbage["judge_failures"] == 1
     assert stall == dead == none == (0.0, "errors")
     assert counts == {"calls": 4, "timeouts": 0, "errors": 4, "judge_failures": 4}
-    # The endpoint saw the four calls; the three that got no answer are its failures
-    # (the stalled one when the client gave up: the judge's own wait is the same length).
-    assert stats["judge_calls"] == 4
-    assert stats["judge_failures"] >= 2
+    # The endpoint saw the four calls; the three that got no answer are its
+    # failures (the stalled one too: the endpoint gives up before the client).
+    assert stats == {"judge_calls": 4, "judge_failures": 3}
 
 
 def test_bad_judge_config_is_one_line(judge_dir, rewards, tmp_path):

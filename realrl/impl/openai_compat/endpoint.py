@@ -57,6 +57,7 @@ logger = getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a long conversation with tool outputs, not a data set
 MAX_BODY_DEPTH = 64  # tools' JSON schemas nest
 LOOPBACK = "127.0.0.1"
+JUDGE_CLIENT_MARGIN_S = 5.0
 
 Middleware = Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable[Any]]
 
@@ -127,7 +128,9 @@ class ChatEndpoint:
 
     def judge_client(self) -> Any:
         """An `openai.AsyncOpenAI` for the judge (`self.judge` must be set): it
-        never retries and gives up after the judge's request timeout."""
+        never retries, and waits a little longer than the judge's request
+        timeout, so a judge that does not answer is given up on here (a 500,
+        counted) before the client gives up."""
         import openai
 
         if self.judge is None:
@@ -138,7 +141,7 @@ class ChatEndpoint:
             base_url=self.url + "/judge/v1",
             api_key=self.api_key,
             max_retries=0,
-            timeout=self.judge.request_timeout_s,
+            timeout=self.judge.request_timeout_s + JUDGE_CLIENT_MARGIN_S,
             http_client=self._http_client,
         )
 
