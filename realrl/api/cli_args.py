@@ -356,6 +356,31 @@ class ServerConfig:
 
 
 @dataclasses.dataclass
+class JudgeModelConfig:
+    """The judge's model."""
+
+    path: str = ""
+    """A HF model directory (with a chat template) served frozen as the judge; "" = no judge."""
+
+
+@dataclasses.dataclass
+class JudgeConfig:
+    """A judge model for rewards (docs/custom_tasks.md, "Rewards from a judge model"):
+    a reward function `async def reward(prompt, completion, answer, judge)` gets an
+    `openai.AsyncOpenAI` for it. Its servers use the run's backend (torch only for now),
+    never receive the trainer's weights and never serve rollouts."""
+
+    model: JudgeModelConfig = dataclasses.field(default_factory=JudgeModelConfig)
+    n_servers: int = 1
+    """Judge servers (each a process of the run's backend, with server.torch's settings)."""
+    request_timeout: float = 8.0
+    """Seconds one judge call may take; a call that takes longer fails: the answer scores 0 and is counted.
+    Below rollout.reward_fn_timeout (the whole reward call's limit)."""
+    max_new_tokens: int = 256
+    """The most tokens one judge answer may have (a call's max_tokens is capped to it)."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """The trainers (model workers)."""
 
@@ -504,6 +529,7 @@ class AsyncPPOConfig:
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     saver: SaverConfig = dataclasses.field(default_factory=SaverConfig)
@@ -594,6 +620,30 @@ def _key_first(message: str) -> str:
     return f"{key}: {rest}" if sep and "." in key and not key.endswith(":") else message
 
 
+def validate_judge(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
+    judge = cfg.judge
+    if not judge.model.path:
+        return
+    _check(cfg.mode == "local", "judge.model.path", f"judge servers run in mode=local only, got mode={cfg.mode}")
+    _check(
+        alloc.gen_backend == "torch",
+        "judge.model.path",
+        "judge servers need the torch backend (allocation_mode torch.*)",
+    )
+    _check(judge.n_servers >= 1, "judge.n_servers", f"must be >= 1, got {judge.n_servers}")
+    _check(
+        0 < judge.request_timeout < cfg.rollout.reward_fn_timeout,
+        "judge.request_timeout",
+        f"must be > 0 and < rollout.reward_fn_timeout ({cfg.rollout.reward_fn_timeout}), got {judge.request_timeout}",
+    )
+    _check(judge.max_new_tokens >= 1, "judge.max_new_tokens", f"must be >= 1, got {judge.max_new_tokens}")
+    _check(
+        bool(cfg.rollout.reward_fn),
+        "judge.model.path",
+        "a judge needs rollout.reward_fn (a function that takes `judge`)",
+    )
+
+
 def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     """Checks `cfg` before any process starts; returns the parsed allocation."""
     _check(cfg.mode in ("local", "ray", "slurm"), "mode", f"must be local|ray|slurm, got {cfg.mode!r}")
@@ -622,6 +672,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     except ValueError as e:
         raise ConfigError(_key_first(str(e))) from None
 
+    validate_judge(cfg, alloc)
     _check(cfg.model.dtype in TORCH_DTYPES, "model.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {cfg.model.dtype!r}")
     validate_lora(cfg.model.lora)
     _check(

@@ -112,6 +112,9 @@ class GenerationServerConfig:
     restart_window: float = 600.0
     # rank > 0: versions after 0 are LoRA adapters (SGLang starts with its LoRA flags).
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    # A judge model's server: started frozen (weight changes refused), registered
+    # under names.judge_server, never given the trainer's weights.
+    judge: bool = False
 
 
 @dataclasses.dataclass

@@ -115,6 +115,16 @@ def gen_server(experiment_name: str, trial_name: str, server_index: int) -> str:
     return f"{gen_servers(experiment_name, trial_name)}/{server_index}"
 
 
+def judge_servers(experiment_name: str, trial_name: str) -> str:
+    """Subtree: one `<server_index>` key per judge server (realrl/impl/judge.py),
+    value its URL. The generation-server manager never reads it."""
+    return f"{trial_root(experiment_name, trial_name)}/judge_servers"
+
+
+def judge_server(experiment_name: str, trial_name: str, server_index: int) -> str:
+    return f"{judge_servers(experiment_name, trial_name)}/{server_index}"
+
+
 def gen_server_manager(experiment_name: str, trial_name: str) -> str:
     """Value: the GserverManager's base URL."""
     return f"{trial_root(experiment_name, trial_name)}/gen_server_manager"

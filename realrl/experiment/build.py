@@ -234,9 +234,35 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
             restarts=cfg.server.max_restarts,
         ),
         WorkerGroup("gserver_manager", 1, manager, env=threads(1), cpus_per_worker=0),
+        *judge_groups(cfg, gen_server, threads(cfg.server.torch.num_threads)),
         WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1), restarts=rollout.max_restarts),
     ]
     return Experiment(groups, paths, model_path, train_path, test_path)
+
+
+def judge_groups(cfg: AsyncPPOConfig, gen_server: GenerationServerConfig, env: dict) -> list[WorkerGroup]:
+    """The judge's servers (docs/design.md §11): the run's backend on the judge's
+    model, frozen, registered where the manager never looks; CPU only for now."""
+    if not cfg.judge.model.path:
+        return []
+    judge = dataclasses.replace(
+        gen_server,
+        model_path=os.path.abspath(cfg.judge.model.path),
+        judge=True,
+        weights_dir="",
+        torch=dataclasses.replace(cfg.server.torch, device="cpu"),
+        lora=dataclasses.replace(cfg.model.lora, rank=0),
+    )
+    return [
+        WorkerGroup(
+            "judge_server",
+            cfg.judge.n_servers,
+            judge,
+            env=env,
+            cpus_per_worker=cfg.server.torch.num_threads,
+            restarts=cfg.server.max_restarts,
+        )
+    ]
 
 
 def trainer_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:

@@ -174,6 +174,25 @@ def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool
         raise ConfigError(f"{key}: {e}; {getattr(factory, '__name__', factory)} accepts {accepted}") from None
 
 
+def check_judge(cfg: AsyncPPOConfig, reward_fn) -> None:
+    """A reward function that takes `judge` needs an async def and a judge with a chat template."""
+    from realrl.impl.judge import load_judge_tokenizer
+    from realrl.impl.reward_fn import is_async_fn, takes_judge
+
+    if not takes_judge(reward_fn):
+        return
+    if not is_async_fn(reward_fn):
+        raise ConfigError("rollout.reward_fn: takes `judge`, so it must be an `async def` function")
+    if not cfg.judge.model.path:
+        raise ConfigError("rollout.reward_fn: takes `judge` but no judge is configured (judge.model.path)")
+    if not os.path.isdir(cfg.judge.model.path):
+        raise ConfigError(f"judge.model.path: {cfg.judge.model.path!r} is not a directory")
+    try:
+        load_judge_tokenizer(cfg.judge.model.path)
+    except ValueError as e:
+        raise ConfigError(_one_line(e)) from None
+
+
 def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     """The checks that need the file system, the plugins or the model's
     config, run after `validate` and before anything is created (fileroot,
@@ -212,9 +231,10 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         from realrl.impl.reward_fn import load_reward_fn
 
         try:
-            load_reward_fn(env.args["fn"])
+            reward_fn = load_reward_fn(env.args["fn"])
         except ValueError as e:
             raise ConfigError(f"rollout.reward_fn: {_one_line(e)}") from None
+        check_judge(cfg, reward_fn)
     if cfg.mode == "ray":
         from realrl.launcher.ray import connect
 

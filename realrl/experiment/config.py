@@ -179,6 +179,7 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
                 "fn": absolute_spec(cfg.rollout.reward_fn),
                 "timeout_s": cfg.rollout.reward_fn_timeout,
                 "plugins": plugin_paths(cfg),
+                **({"judge": judge_settings(cfg)} if cfg.judge.model.path else {}),
                 **env.args,
             },
         )
@@ -187,6 +188,17 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
         # a hedged or decorated answer ("~81") does not count.
         return dataclasses.replace(env, args={"answer_format": "exact", **env.args})
     return env
+
+
+def judge_settings(cfg: AsyncPPOConfig) -> dict:
+    """What a process needs to reach the trial's judge servers (realrl/impl/judge.py)."""
+    return {
+        "model_path": os.path.abspath(cfg.judge.model.path),
+        "experiment_name": cfg.experiment_name,
+        "trial_name": cfg.trial_name,
+        "request_timeout": cfg.judge.request_timeout,
+        "max_new_tokens": cfg.judge.max_new_tokens,
+    }
 
 
 def plugin_paths(cfg: AsyncPPOConfig) -> list[str]:

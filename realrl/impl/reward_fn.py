@@ -38,7 +38,8 @@ code runs there as well as in each child.
 `score(...)` never raises because of user code: a timeout, an exception, a
 crashed child or a return value that is not a finite real number scores 0.0
 and is counted. Counters: `calls`, `timeouts`, `errors` (exceptions, crashes,
-bad return values, children that fail to start); `counts()` gives the totals,
+bad return values, children that fail to start), and, for a function
+that takes `judge` (realrl/impl/judge.py), `judge_failures` (its failed calls); `counts()` gives the totals,
 `pop_stats()` those since its last call. The first failure of each kind is
 logged as one line; later ones at most once a minute per kind, with a count.
 """
@@ -138,13 +139,24 @@ def _defined_at(fn: RewardFn) -> str | None:
     return f"{module}:{qualname}"
 
 
-def _is_async(fn: RewardFn) -> bool:
+def is_async_fn(fn: RewardFn) -> bool:
     # An instance with `async def __call__` is async too.
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
+def takes_judge(fn: RewardFn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("judge")
+    return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 def _call_kwargs(accepted: frozenset[str] | None, prompt: str, completion: str, answer: str, row: dict) -> dict:
-    kwargs = {k: v for k, v in row.items() if k not in _FIXED_ARGS and (accepted is None or k in accepted)}
+    kwargs = {
+        k: v for k, v in row.items() if k not in _FIXED_ARGS and k != "judge" and (accepted is None or k in accepted)
+    }
     kwargs.update(prompt=prompt, completion=completion, answer=answer)
     return kwargs
 
@@ -242,6 +254,7 @@ class RewardFunctionRunner:
         n_procs: int = 2,
         plugins: list[str] | tuple[str, ...] = (),
         startup_timeout_s: float = 120.0,
+        judge: Callable[[], Any] | None = None,
     ):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
@@ -258,8 +271,15 @@ class RewardFunctionRunner:
         except ImportError as e:
             raise ValueError(f"reward function {spec!r}: loading plugins failed: {one_line_error(e)}") from None
         self.fn = load_reward_fn(spec)
-        self.is_async = _is_async(self.fn)
+        self.is_async = is_async_fn(self.fn)
         self._accepted = _row_keys_accepted(spec, self.fn)
+        # A function that takes `judge` gets the judge's client (realrl/impl/judge.py).
+        self.takes_judge = takes_judge(self.fn)
+        if self.takes_judge and not self.is_async:
+            raise ValueError(f"reward function {spec!r} takes `judge`, so it must be an `async def` function")
+        if self.takes_judge and judge is None:
+            raise ValueError(f"reward function {spec!r} takes `judge` but no judge is configured (judge.model.path)")
+        self._judge = judge
         self._pool: ChildPool | None = None
         if not self.is_async:
             config = {
@@ -272,7 +292,7 @@ class RewardFunctionRunner:
             self._pool = ChildPool(cmd, n_procs, startup_timeout_s, name="reward function child")
         self._log = _FailureLog(spec)
         self._lock = threading.Lock()
-        self._totals = {"calls": 0, "timeouts": 0, "errors": 0}
+        self._totals = {"calls": 0, "timeouts": 0, "errors": 0, **({"judge_failures": 0} if self.takes_judge else {})}
         self._popped = dict(self._totals)
         self._closed = False
 
@@ -332,6 +352,9 @@ class RewardFunctionRunner:
     async def _score_async(self, prompt: str, completion: str, answer: str, row: dict) -> tuple[float, str | None]:
         kwargs = _call_kwargs(self._accepted, prompt, completion, answer, row)
         try:
+            if self.takes_judge:
+                client = self._judge()  # the client, or an awaitable of it (realrl.impl.judge.JudgeAccess)
+                kwargs["judge"] = await client if inspect.isawaitable(client) else client
             result = self.fn(**kwargs)
         except Exception as e:
             return self._failed("errors", "exception", one_line_error(e, where=True))
@@ -363,6 +386,8 @@ class RewardFunctionRunner:
 
     def _failed(self, counter: str, kind: str, message: str) -> tuple[float, str]:
         self._count(counter)
+        if self.takes_judge:  # the judge timed out, failed or gave an answer the function could not read
+            self._count("judge_failures")
         self._log(kind, message)
         return 0.0, counter
 

@@ -12,6 +12,7 @@ WORKER_CLASSES: dict[str, str] = {
     "master_worker": "realrl.system.master_worker:MasterWorker",
     "model_worker": "realrl.system.model_worker:ModelWorker",
     "generation_server": "realrl.system.generation_server:GenerationServer",
+    "judge_server": "realrl.system.generation_server:GenerationServer",
     "gserver_manager": "realrl.system.gserver_manager:GserverManager",
     "rollout_worker": "realrl.system.rollout_worker:RolloutWorker",
 }

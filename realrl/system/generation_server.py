@@ -17,6 +17,11 @@
    restarted, or added with `python -m realrl add-server`);
 5. registers `http://<address>:<port>` under `names.gen_server(exp, trial, i)`.
 
+A judge's server (`config.judge`, worker type `judge_server`) is started
+frozen (torch: `--frozen`, every weight change answered 400), skips step 4
+and registers under `names.judge_server(exp, trial, i)`, where the
+generation-server manager never looks (docs/design.md §11).
+
 `_poll` watches the child: if it dies, the worker unregisters, logs the tail
 of the server log and starts a new server (steps 2-5, at a new port); the
 manager puts it back into routing once it holds the current weights
@@ -109,11 +114,14 @@ class GenerationServer(Worker):
         if not asyncio.run(self._wait_healthy(url)):
             return  # the trial ended while we waited; the main loop exits at once
         self.logger.info("server pid %d healthy at %s after %.1fs", self.process.pid, url, time.monotonic() - t0)
-        asyncio.run(self._load_current_weights(url))
+        if not self.cfg.judge:  # a judge keeps its own weights
+            asyncio.run(self._load_current_weights(url))
         self.url = url
-        name_resolve.add(
-            names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index), url, replace=True
-        )
+        name_resolve.add(self._name(), url, replace=True)
+
+    def _name(self) -> str:
+        name = names.judge_server if self.cfg.judge else names.gen_server
+        return name(self.experiment_name, self.trial_name, self.info.worker_index)
 
     def _trainer_version(self) -> int | None:
         try:
@@ -230,7 +238,7 @@ class GenerationServer(Worker):
             return
         url, self.url = self.url, None
         try:  # stop routing to us (the manager's health checks notice it too)
-            name_resolve.delete(names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index))
+            name_resolve.delete(self._name())
         except Exception as e:
             self.logger.debug("could not unregister %s: %s", url, e)
 
@@ -263,7 +271,7 @@ class GenerationServer(Worker):
     def _exit_hook(self) -> None:
         if getattr(self, "url", None) is not None:
             try:  # stop routing to us before the server goes away
-                name_resolve.delete(names.gen_server(self.experiment_name, self.trial_name, self.info.worker_index))
+                name_resolve.delete(self._name())
             except Exception as e:
                 self.logger.debug("could not unregister %s: %s", self.url, e)
         process = getattr(self, "process", None)

@@ -138,6 +138,7 @@ class MasterWorker(AsyncWorker):
         self.resume: dict = {}
         self._last_checkpoint = time.monotonic()
         self.max_staleness_trained = 0
+        self.env_totals: dict[str, float] = {}  # environment info numbers over the trained steps (this launch)
         self.eval_history: list[dict] = []
         self.started = time.monotonic()
         self.stats_logger: StatsLogger | None = None  # opened once we know whether we resume
@@ -333,6 +334,8 @@ class MasterWorker(AsyncWorker):
             stats["rollout/accuracy"] = sum(x >= FULL_CREDIT for x in batch["scores"]) / len(batch["scores"])
         stats.update(summarize([float(x) for x in batch["gen_lens"]], "rollout/gen_len"))
         stats.update({f"env/{k}": v for k, v in sorted(batch["env"].items())})
+        for k, v in batch["env"].items():
+            self.env_totals[k] = self.env_totals.get(k, 0.0) + v
         stats.update(summarize(batch["generate_in_flight"], "rollout/generate_in_flight"))
         stats.update(summarize([float(x) for x in batch["staleness"]], "staleness"))
         stats.update(summarize([float(x) for x in batch["version_start"]], "rollout/version_start"))
@@ -702,6 +705,12 @@ class MasterWorker(AsyncWorker):
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
             "dp_weights_identical": len(checksums) <= 1,
             "stats_path": self.stats_logger.path,
+            # A judge model's calls and failures (failed calls scored 0), over the trained trajectories.
+            **(
+                {"judge": {k: int(self.env_totals.get(f"judge_{k}", 0)) for k in ("calls", "failures")}}
+                if "judge_calls" in self.env_totals
+                else {}
+            ),
             "plots_dir": self.plots_dir,
         }
         if not self.cfg.evaluate:  # (else the final evaluation just wrote them)

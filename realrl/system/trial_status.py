@@ -70,7 +70,14 @@ def expected_workers(log_dir: str) -> list[tuple[str, int]]:
     return sort_workers(out)
 
 
-_KIND_ORDER = ("master_worker", "model_worker", "generation_server", "gserver_manager", "rollout_worker")
+_KIND_ORDER = (
+    "master_worker",
+    "model_worker",
+    "generation_server",
+    "judge_server",
+    "gserver_manager",
+    "rollout_worker",
+)
 
 
 def sort_workers(workers) -> list[tuple[str, int]]:

@@ -11,7 +11,8 @@ unchanged (partial credit stays partial). The function runs through
 `realrl.impl.reward_fn.RewardFunctionRunner`: a sync function in child
 processes, cut off after `timeout_s`; a call that times out, raises or
 returns no finite number scores 0 and is counted (`info` of the step:
-`reward_timeouts`, `reward_errors`).
+`reward_timeouts`, `reward_errors`; and `judge_failures` for a function
+that takes `judge`, realrl/impl/judge.py: logged as `env/judge_failures`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from realrl.api.env_api import EnvironmentService, register_environment
 _RUNNERS: dict[tuple, Any] = {}
 
 
-def get_runner(fn: str, timeout_s: float, n_procs: int, plugins: tuple[str, ...] = ()):
+def get_runner(fn: str, timeout_s: float, n_procs: int, plugins: tuple[str, ...] = (), judge: dict | None = None):
+    from realrl.impl.judge import JudgeAccess
     from realrl.impl.reward_fn import RewardFunctionRunner
 
-    key = (fn, timeout_s, n_procs, plugins)
+    key = (fn, timeout_s, n_procs, plugins, tuple(sorted((judge or {}).items())))
     if key not in _RUNNERS:
-        _RUNNERS[key] = RewardFunctionRunner(fn, timeout_s=timeout_s, n_procs=n_procs, plugins=list(plugins))
+        _RUNNERS[key] = RewardFunctionRunner(
+            fn,
+            timeout_s=timeout_s,
+            n_procs=n_procs,
+            plugins=list(plugins),
+            judge=JudgeAccess(judge) if judge else None,
+        )
     return _RUNNERS[key]
 
 
@@ -44,8 +52,15 @@ def close_runners() -> None:
 
 
 class RewardFnEnv(EnvironmentService):
-    def __init__(self, fn: str, timeout_s: float = 10.0, n_procs: int = 2, plugins: list[str] | tuple = ()):
-        self.runner = get_runner(fn, timeout_s, n_procs, tuple(plugins))
+    def __init__(
+        self,
+        fn: str,
+        timeout_s: float = 10.0,
+        n_procs: int = 2,
+        plugins: list[str] | tuple = (),
+        judge: dict | None = None,
+    ):
+        self.runner = get_runner(fn, timeout_s, n_procs, tuple(plugins), judge)
         self.record: PromptRecord | None = None
 
     async def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
@@ -61,6 +76,9 @@ class RewardFnEnv(EnvironmentService):
         outcomes = await asyncio.gather(*(self.runner.score_with_outcome(r.prompt, a, r.answer, r.row) for a in action))
         failed = [failure for _, failure in outcomes]
         info = {"reward_timeouts": failed.count("timeouts"), "reward_errors": failed.count("errors")}
+        if self.runner.takes_judge:  # every failure of a function that calls the judge is a judge failure
+            info["judge_calls"] = len(action)
+            info["judge_failures"] = len(action) - failed.count(None)
         return None, [score for score, _ in outcomes], True, False, info
 
 

@@ -181,6 +181,8 @@ class TorchBackend(GenerationBackend):
         ]
         if torch_cfg.length_before_eos:
             cmd.append("--length-before-eos")
+        if config.judge:
+            cmd.append("--frozen")
         if torch_cfg.emulate_sglang:
             cmd += [
                 "--emulate-sglang",

@@ -6,6 +6,7 @@ realrl/api/openai_api.py).
     GET  /episodes/<key>/v1/models             one model card (some clients list models first)
     POST /rl/episodes                          an external agent takes the next waiting episode
     POST /rl/episodes/<key>/close              ... and ends it with its reward
+    POST /judge/v1/chat/completions            the judge model (realrl/impl/judge.py), when one is set
     GET  /health
 
 Every episode of the process shares the server (`shared_endpoint()`): the
@@ -56,6 +57,7 @@ logger = getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a long conversation with tool outputs, not a data set
 MAX_BODY_DEPTH = 64  # tools' JSON schemas nest
 LOOPBACK = "127.0.0.1"
+JUDGE_CLIENT_MARGIN_S = 5.0
 
 Middleware = Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable[Any]]
 
@@ -82,6 +84,7 @@ class ChatEndpoint:
         self._offers: asyncio.Queue[ChatSession] | None = None
         self._runner: web.AppRunner | None = None
         self.counters: collections.Counter = collections.Counter()  # calls, refusals by reason, ...
+        self.judge: Any = None  # a realrl.impl.judge.Judge serves /judge/v1 when set
 
     async def start(self) -> str:
         import openai  # noqa: F401  (here, not at an episode's first call: it takes a second)
@@ -92,6 +95,7 @@ class ChatEndpoint:
         app.router.add_post("/rl/episodes", self._open_external)
         app.router.add_post("/rl/episodes/{key}/close", self._close_external)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/judge/v1/chat/completions", self._judge_chat)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -120,6 +124,25 @@ class ChatEndpoint:
             self._http_client = openai.DefaultAsyncHttpx2Client()
         return openai.AsyncOpenAI(
             base_url=base_url, api_key=self.api_key, max_retries=0, timeout=None, http_client=self._http_client
+        )
+
+    def judge_client(self) -> Any:
+        """An `openai.AsyncOpenAI` for the judge (`self.judge` must be set): it
+        never retries, and waits a little longer than the judge's request
+        timeout, so a judge that does not answer is given up on here (a 500,
+        counted) before the client gives up."""
+        import openai
+
+        if self.judge is None:
+            raise RuntimeError("no judge is configured (judge.model.path)")
+        if self._http_client is None:
+            self._http_client = openai.DefaultAsyncHttpx2Client()
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/judge/v1",
+            api_key=self.api_key,
+            max_retries=0,
+            timeout=self.judge.request_timeout_s + JUDGE_CLIENT_MARGIN_S,
+            http_client=self._http_client,
         )
 
     # ---- episodes ------------------------------------------------------------------
@@ -194,6 +217,25 @@ class ChatEndpoint:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _judge_chat(self, request: web.Request) -> web.Response:
+        """The judge's answer; records nothing. Failures are counted (`judge_failures`)."""
+        self.counters["judge_calls"] += 1
+        try:
+            if self.judge is None:
+                raise BodyError("no judge is configured (judge.model.path)", status=404, reason="no_judge")
+            body = from_json(ChatCompletionRequest, await read_json(request, max_bytes=MAX_BODY_BYTES))
+            completion = await self.judge.complete(body)
+        except BodyError as e:
+            self.counters["judge_failures"] += 1
+            return self._refuse(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.counters["judge_failures"] += 1
+            message = f"judge failed: {type(e).__name__}: {e}"
+            return _error(500, ErrorDetail(message, type="server_error"), headers={"x-should-retry": "false"})
+        return web.json_response(to_json(completion))
 
     async def _models(self, request: web.Request) -> web.Response:
         try:

@@ -4,7 +4,7 @@
         [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
         [--max-running-requests 64] [--max-prefill-tokens 8192] [--seed 1] \
         [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL] \
-        [--emulate-sglang VERSION [--emulate-sglang-dp N]] [--weight-load-gate FILE]
+        [--emulate-sglang VERSION [--emulate-sglang-dp N]] [--weight-load-gate FILE] [--frozen]
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--weight-load-gate", default=None, metavar="FILE", help="test hook: weight updates wait until FILE exists"
     )
+    parser.add_argument(
+        "--frozen", action="store_true", help="refuse every weight change with 400 (a judge model's server)"
+    )
     args = parser.parse_args(argv)
     try:
         compat = SGLangCompat.from_env(args.emulate_sglang, args.emulate_sglang_dp) if args.emulate_sglang else None
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         sorted(engine.limits.eos_token_ids),
         f", emulating SGLang {args.emulate_sglang}: {compat}" if compat else "",
     )
-    server = TorchGenerationServer(engine, args.model_path, args.device, args.dtype, args.weight_load_gate)
+    server = TorchGenerationServer(engine, args.model_path, args.device, args.dtype, args.weight_load_gate, args.frozen)
     asyncio.run(serve(server, args.host, args.port))
 
 

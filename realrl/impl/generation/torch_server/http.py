@@ -19,6 +19,9 @@
   `{"new_version", "abort_all_requests"}` -> `{"success", "message",
   "new_version", "num_paused_requests"}` (here it also switches to the
   adapter loaded last); `/generate` takes `lora_path`, a loaded adapter's name.
+- `--frozen` (a judge model's server, realrl/impl/judge.py): every weight
+  change (`/update_weights_from_disk`, `/update_weight_version`, the LoRA
+  routes) is answered 400 and counted in `rejections` as `frozen`.
 
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
 release's do (`sglang_compat`). `weight_load_gate` (`--weight-load-gate
@@ -92,6 +95,7 @@ class TorchGenerationServer:
         device: str,
         dtype: str,
         weight_load_gate: str | None = None,
+        frozen: bool = False,
     ):
         self.engine = engine
         self.compat: SGLangCompat | None = engine.compat
@@ -99,17 +103,23 @@ class TorchGenerationServer:
         self.device = device
         self.dtype = dtype
         self.weight_load_gate = weight_load_gate
+        # A judge's server: its weights never change (docs/design.md §11).
+        self.frozen = frozen
         self._update_lock: asyncio.Lock | None = None
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         r = app.router
-        compat = self.compat
+        compat, frozen = self.compat, self.frozen
         r.add_post("/generate", self.generate)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/load_lora_adapter", self.load_lora_adapter)
-        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
-        r.add_post("/update_weight_version", self.update_weight_version)
+        weight_routes = {
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/unload_lora_adapter": self.unload_lora_adapter,
+            "/update_weight_version": self.update_weight_version,
+        }
+        for route, handler in weight_routes.items():
+            r.add_post(route, self.refuse_frozen if frozen else handler)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
@@ -177,6 +187,10 @@ class TorchGenerationServer:
             if self.compat is not None and not self.compat.reports_sampling_logprobs(req.return_sampling_mask):
                 result.meta_info.output_token_sampling_logprobs = None
         return _json(results if batched else results[0])
+
+    async def refuse_frozen(self, request: web.Request) -> web.Response:
+        """Every weight change to a frozen server: 400, counted as `frozen`."""
+        return self._reject(BodyError("this server is frozen (--frozen): its weights never change", reason="frozen"))
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
