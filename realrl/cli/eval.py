@@ -82,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
 
         check_plugins(cfg)
         check_datasets(cfg)
+        if cfg.rollout.reward_fn:
+            from realrl.impl.reward_fn import load_reward_fn, takes_judge
+
+            try:
+                reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+            except ValueError as e:
+                raise ConfigError(f"rollout.reward_fn: {e}") from None
+            if takes_judge(reward_fn):  # its judge servers live only inside a trial
+                raise ConfigError("rollout.reward_fn: takes `judge`, and realrl eval starts no judge servers")
     except ConfigError as e:
         print(f"realrl: config error: {e}", file=sys.stderr)
         return 2
