@@ -30,13 +30,13 @@ longer than `max_prompt_len` tokens, or empty, are skipped and counted.
 from __future__ import annotations
 
 import collections
-import json
 import os
 from typing import Any
 
 from realrl.api.agent_api import PromptRecord
 from realrl.api.cli_args import DatasetConfig
 from realrl.base.logging import getLogger
+from realrl.impl.math_data import read_json_lines
 
 logger = getLogger(__name__)
 
@@ -68,19 +68,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
             return pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several kinds for a broken file
             raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+    return [row for _, row in read_json_lines(path)]
 
 
 def field(row: dict[str, Any], key: str) -> Any:

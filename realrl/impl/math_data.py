@@ -139,14 +139,10 @@ def _bad_line(path: str, line_no: int, why: str) -> ValueError:
     return ValueError(f"{path}:{line_no}: {why}")
 
 
-def load_math_jsonl(path: str) -> list[dict[str, Any]]:
-    """Load math records; each has query_id, prompt, answer, solutions, task.
-
-    `answer` may be given directly or as the first entry of `solutions`.
-    Blank lines are skipped. Raises ValueError naming `path:line` on a line that
-    is not a JSON object or lacks a required field.
-    """
-    records: list[dict[str, Any]] = []
+def read_json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-blank line of a JSON-lines file;
+    ValueError naming `path:line` for a line that is not a JSON object."""
+    out = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -157,28 +153,41 @@ def load_math_jsonl(path: str) -> list[dict[str, Any]]:
                 raise _bad_line(path, line_no, f"invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise _bad_line(path, line_no, f"expected a JSON object, got {type(obj).__name__}")
-            for key in ("query_id", "prompt"):
-                if key not in obj:
-                    raise _bad_line(path, line_no, f"missing field {key!r}")
-            if not isinstance(obj["prompt"], str):
-                raise _bad_line(path, line_no, "field 'prompt' must be a string")
+            out.append((line_no, obj))
+    return out
 
-            if "answer" in obj:
-                solutions = [str(obj["answer"])]
-            elif "solutions" in obj:
-                raw = obj["solutions"]
-                if not isinstance(raw, list) or not raw:
-                    raise _bad_line(path, line_no, "field 'solutions' must be a non-empty list of strings")
-                solutions = [str(s) for s in raw]
-            else:
-                raise _bad_line(path, line_no, "missing field 'answer' (or 'solutions')")
 
-            record = dict(obj)
-            record["query_id"] = str(obj["query_id"])
-            record["answer"] = solutions[0]
-            record["solutions"] = solutions
-            record.setdefault("task", "math")
-            records.append(record)
+def load_math_jsonl(path: str) -> list[dict[str, Any]]:
+    """Load math records; each has query_id, prompt, answer, solutions, task.
+
+    `answer` may be given directly or as the first entry of `solutions`.
+    Blank lines are skipped. Raises ValueError naming `path:line` on a line that
+    is not a JSON object or lacks a required field.
+    """
+    records: list[dict[str, Any]] = []
+    for line_no, obj in read_json_lines(path):
+        for key in ("query_id", "prompt"):
+            if key not in obj:
+                raise _bad_line(path, line_no, f"missing field {key!r}")
+        if not isinstance(obj["prompt"], str):
+            raise _bad_line(path, line_no, "field 'prompt' must be a string")
+
+        if "answer" in obj:
+            solutions = [str(obj["answer"])]
+        elif "solutions" in obj:
+            raw = obj["solutions"]
+            if not isinstance(raw, list) or not raw:
+                raise _bad_line(path, line_no, "field 'solutions' must be a non-empty list of strings")
+            solutions = [str(s) for s in raw]
+        else:
+            raise _bad_line(path, line_no, "missing field 'answer' (or 'solutions')")
+
+        record = dict(obj)
+        record["query_id"] = str(obj["query_id"])
+        record["answer"] = solutions[0]
+        record["solutions"] = solutions
+        record.setdefault("task", "math")
+        records.append(record)
     return records
 
 
