@@ -99,6 +99,17 @@ def plan_batch(chosen: list[tuple[int, int, int]], n_ranks: int) -> list[int]:
     return dest
 
 
+def dp_weights_identical(specs: list[dict]) -> bool:
+    """Whether the ranks' `spec` checksums (realrl.system.model_worker) say they hold the same weights:
+    without FSDP all ranks' checksums are equal; under FSDP every rank's
+    shard checksum is the one rank 0 expects of it."""
+    rank0 = next(s for s in specs if s["dp_rank"] == 0)
+    expected = rank0.get("expected_shard_checksums")
+    if expected is not None:
+        return all(s["checksum"] == expected[s["dp_rank"]] for s in specs)
+    return len({s["checksum"] for s in specs}) <= 1
+
+
 class MasterWorker(AsyncWorker):
     config_cls = MasterWorkerConfig
 
@@ -663,9 +674,13 @@ class MasterWorker(AsyncWorker):
                 break
             await asyncio.sleep(0.2)
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
-        checksums = {s["checksum"] for s in specs if s["checksum"] is not None}  # None: FSDP shards
-        if len(checksums) > 1:
-            self.logger.error("data-parallel ranks hold different weights: %s", [s["checksum"] for s in specs])
+        weights_identical = dp_weights_identical(specs)
+        if not weights_identical:
+            self.logger.error(
+                "data-parallel ranks hold different weights: %s (FSDP: rank 0 expects %s)",
+                [s["checksum"] for s in specs],
+                specs[0].get("expected_shard_checksums"),
+            )
         summary = {
             "initial_eval_accuracy": self.eval_history[0]["accuracy"] if self.eval_history else None,
             "final_eval_accuracy": final_eval["accuracy"],
@@ -695,7 +710,7 @@ class MasterWorker(AsyncWorker):
             "regenerated_after_resume": self.regenerated_before
             + sum(c.get("regenerated", 0) for c in (await asyncio.to_thread(self._read_rollout_cursors)).values()),
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
-            "dp_weights_identical": len(checksums) <= 1,
+            "dp_weights_identical": weights_identical,
             "stats_path": self.stats_logger.path,
             "plots_dir": self.plots_dir,
         }

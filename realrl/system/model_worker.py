@@ -94,15 +94,64 @@ def publish_weights(
     return final
 
 
-def weights_checksum(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: data-parallel ranks must agree."""
+def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    h.update(name.encode())
+    h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+
+
+def state_checksum(state: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's bytes in `state` (a state dict), by name."""
     import hashlib
 
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().numpy().tobytes())
+    for name, t in sorted(state.items()):
+        _hash_tensor(h, name, t)
     return h.hexdigest()[:16]
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: data-parallel ranks must agree."""
+    return state_checksum(model.state_dict())
+
+
+# Under FSDP every rank holds a different shard of the one copy of the
+# weights, so ranks cannot compare checksums with each other. What can be
+# compared: each rank's shard now against that shard cut from the full
+# weights rank 0 gathered at the last train step (or load), which are the
+# weights it published. A rank whose shard changed since is caught.
+def checked_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a shard checksum covers, by name: all of them; of a
+    LoRA model its trainable adapters (the full state dict holds no more)."""
+    partial = lora.is_lora(model)
+    return sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad or not partial), key=lambda x: x[0])
+
+
+def local_shard_checksum(model: torch.nn.Module) -> str:
+    """A hash of this rank's own shard of every checked parameter (no collective)."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    for name, p in checked_parameters(model):
+        _hash_tensor(h, name, p.to_local() if isinstance(p, DTensor) else p)
+    return h.hexdigest()[:16]
+
+
+def expected_shard_checksums(model: torch.nn.Module, full_state: dict[str, torch.Tensor], world: int) -> list[str]:
+    """Each rank's `local_shard_checksum` as it must be, cut from the full
+    (unsharded) weights: FSDP2 shards every parameter on dim 0 into
+    `torch.chunk` pieces, rank r holding piece r (empty past the last)."""
+    import hashlib
+
+    sums = []
+    for rank in range(world):
+        h = hashlib.sha256()
+        for name, _ in checked_parameters(model):
+            pieces = torch.chunk(full_state[name], world, dim=0)
+            _hash_tensor(h, name, pieces[rank] if rank < len(pieces) else full_state[name][:0])
+        sums.append(h.hexdigest()[:16])
+    return sums
 
 
 def _sampled_lens(t: Trajectory) -> list[int]:
@@ -174,6 +223,15 @@ def load_trainer_state(opt: Optimized, state: dict, fsdp: bool) -> None:
     opt.scheduler.load_state_dict(state["scheduler"])
 
 
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The full (unsharded, CPU) state dict of an FSDP model, of a LoRA model
+    only its adapters; a collective: every rank calls it (rank 0 gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_lora(model))
+    return get_model_state_dict(model, options=options)
+
+
 def _shard(model: torch.nn.Module) -> None:
     """FSDP2 over the data-parallel group: each decoder layer its own unit (one
     all-gather per layer, not one for the whole model), then the rest."""
@@ -216,7 +274,11 @@ class ModelWorker(Worker):
         self.lora = config.lora.rank > 0
         if self.lora:
             actor = lora.wrap(actor, config.lora)
+        self.expected_shard_checksums: list[str] | None = None  # FSDP, rank 0: see dp_weights_identical
         if config.fsdp:
+            if self.dp_rank == 0:  # every rank loaded the same full weights
+                full = {n: p.detach() for n, p in checked_parameters(actor)}
+                self.expected_shard_checksums = expected_shard_checksums(actor, full, self.dp_size)
             _shard(actor)
         o, ppo = config.optimizer, config.ppo
         # The LR schedule advances once per train step (a step may run fewer minibatches than ppo_n_minibatches).
@@ -381,9 +443,11 @@ class ModelWorker(Worker):
             "n_params": sum(p.numel() for p in self.actor.model.parameters()),
             **self.dataset.stats(),
         }
-        if data and data.get("checksum"):
-            # Under FSDP each rank holds a different shard of the one copy: nothing to compare.
-            spec["checksum"] = None if self.cfg.fsdp else weights_checksum(self.actor.model)
+        if data and data.get("checksum"):  # compared by dp_weights_identical
+            model = self.actor.model
+            spec["checksum"] = local_shard_checksum(model) if self.cfg.fsdp else weights_checksum(model)
+            if self.cfg.fsdp and self.dp_rank == 0:
+                spec["expected_shard_checksums"] = self.expected_shard_checksums
         return spec
 
     def _handle_stats(self, data=None) -> dict:
@@ -476,6 +540,7 @@ class ModelWorker(Worker):
         new_version = int(data["version"])
         t1 = time.monotonic()
         state_dict = self._full_state_dict(self.actor.model)  # a collective under FSDP: every rank calls it
+        self._expect_shards(state_dict)
         if self.dp_rank == 0:
             publish_weights(self.actor.model, self.cfg.weights_dir, new_version, state_dict=state_dict)
             self._set_version(new_version)
@@ -488,12 +553,12 @@ class ModelWorker(Worker):
         """The full (unsharded, CPU) state dict under FSDP, of a LoRA model
         only its adapters; None for a plain model, which save_pretrained
         reads itself."""
-        if not self.cfg.fsdp:
-            return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return full_state_dict(model) if self.cfg.fsdp else None
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_lora(model))
-        return get_model_state_dict(model, options=options)
+    def _expect_shards(self, state_dict: dict | None) -> None:
+        """Rank 0 under FSDP: the shard checksums of the weights just gathered."""
+        if self.cfg.fsdp and self.dp_rank == 0:
+            self.expected_shard_checksums = expected_shard_checksums(self.actor.model, state_dict, self.dp_size)
 
     def _handle_evaluate(self, data: dict) -> dict:
         """Every test prompt of this rank's share through the run's agent and
@@ -620,6 +685,7 @@ class ModelWorker(Worker):
                 restored += [Trajectory.from_wire(t) for t in msg["trajectories"]]
         self.dataset.restore(restored)
         state_dict = self._full_state_dict(self.actor.model)
+        self._expect_shards(state_dict)
         if self.dp_rank == 0:
             publish_weights(self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict)
             self._set_version(version)
