@@ -273,7 +273,10 @@ class ModelWorker(Worker):
             actor.gradient_checkpointing_enable()
         self.lora = config.lora.rank > 0
         if self.lora:
-            actor = lora.wrap(actor, config.lora)
+            # The same adapters on every rank (the seed above differs per rank): ranks start identical.
+            with torch.random.fork_rng(devices=[self.device] if config.device == "cuda" else []):
+                torch.manual_seed(config.seed)
+                actor = lora.wrap(actor, config.lora)
         self.expected_shard_checksums: list[str] | None = None  # FSDP, rank 0: see dp_weights_identical
         if config.fsdp:
             if self.dp_rank == 0:  # every rank loaded the same full weights

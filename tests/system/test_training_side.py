@@ -310,6 +310,17 @@ def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
+def test_lora_ranks_without_fsdp_start_and_stay_identical(tmp_path, tiny_model_dir):
+    """Two data-parallel ranks (no FSDP) training LoRA adapters: each rank
+    initialises its own adapters, so they must be drawn from the same seed
+    on every rank or the ranks train different models for ever (run_trial
+    asserts `dp_weights_identical`, full checksums compared across ranks)."""
+    lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    summary, _, _, _ = run_trial(tmp_path, tiny_model_dir, "grpo", lora=lora, stale_every=0)
+    assert summary["dp_weights_identical"] is True
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
 def test_lora_model_workers_under_fsdp_publish_checkpoint_and_save_adapters(tmp_path, tiny_model_dir):
     """Two FSDP2 ranks (gloo on CPU) training LoRA adapters with a KL
     reference: the adapters are gathered from the shards for every version,
