@@ -52,6 +52,7 @@ from realrl.system import checkpoints
 from realrl.system.ledger import LEDGER_FILE, Ledger, resume_info
 from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
+from realrl.system.weights_check import dp_weights_identical
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
 _T = TypeVar("_T")
@@ -97,17 +98,6 @@ def plan_batch(chosen: list[tuple[int, int, int]], n_ranks: int) -> list[int]:
         for i in parts[p]:
             dest[i] = rank
     return dest
-
-
-def dp_weights_identical(specs: list[dict]) -> bool:
-    """Whether the ranks' `spec` checksums (realrl.system.model_worker) say they hold the same weights:
-    without FSDP all ranks' checksums are equal; under FSDP every rank's
-    shard checksum is the one rank 0 expects of it."""
-    rank0 = next(s for s in specs if s["dp_rank"] == 0)
-    expected = rank0.get("expected_shard_checksums")
-    if expected is not None:
-        return all(s["checksum"] == expected[s["dp_rank"]] for s in specs)
-    return len({s["checksum"] for s in specs}) <= 1
 
 
 class MasterWorker(AsyncWorker):
@@ -676,11 +666,7 @@ class MasterWorker(AsyncWorker):
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
         weights_identical = dp_weights_identical(specs)
         if not weights_identical:
-            self.logger.error(
-                "data-parallel ranks hold different weights: %s (FSDP: rank 0 expects %s)",
-                [s["checksum"] for s in specs],
-                specs[0].get("expected_shard_checksums"),
-            )
+            self.logger.error("data-parallel ranks hold different weights: %s", specs)
         summary = {
             "initial_eval_accuracy": self.eval_history[0]["accuracy"] if self.eval_history else None,
             "final_eval_accuracy": final_eval["accuracy"],

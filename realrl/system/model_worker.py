@@ -60,6 +60,12 @@ from realrl.impl.ppo.models import AdapterDisabled, CriticModel
 from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
+from realrl.system.weights_check import (
+    checked_parameters,
+    expected_shard_checksums,
+    local_shard_checksum,
+    weights_checksum,
+)
 from realrl.system.worker_base import PollResult, Worker
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,66 +98,6 @@ def publish_weights(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
-    h.update(name.encode())
-    h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-
-
-def state_checksum(state: dict[str, torch.Tensor]) -> str:
-    """A hash of every tensor's bytes in `state` (a state dict), by name."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(state.items()):
-        _hash_tensor(h, name, t)
-    return h.hexdigest()[:16]
-
-
-def weights_checksum(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: data-parallel ranks must agree."""
-    return state_checksum(model.state_dict())
-
-
-# Under FSDP every rank holds a different shard of the one copy of the
-# weights, so ranks cannot compare checksums with each other. What can be
-# compared: each rank's shard now against that shard cut from the full
-# weights rank 0 gathered at the last train step (or load), which are the
-# weights it published. A rank whose shard changed since is caught.
-def checked_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters a shard checksum covers, by name: all of them; of a
-    LoRA model its trainable adapters (the full state dict holds no more)."""
-    partial = lora.is_lora(model)
-    return sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad or not partial), key=lambda x: x[0])
-
-
-def local_shard_checksum(model: torch.nn.Module) -> str:
-    """A hash of this rank's own shard of every checked parameter (no collective)."""
-    import hashlib
-
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.sha256()
-    for name, p in checked_parameters(model):
-        _hash_tensor(h, name, p.to_local() if isinstance(p, DTensor) else p)
-    return h.hexdigest()[:16]
-
-
-def expected_shard_checksums(model: torch.nn.Module, full_state: dict[str, torch.Tensor], world: int) -> list[str]:
-    """Each rank's `local_shard_checksum` as it must be, cut from the full
-    (unsharded) weights: FSDP2 shards every parameter on dim 0 into
-    `torch.chunk` pieces, rank r holding piece r (empty past the last)."""
-    import hashlib
-
-    sums = []
-    for rank in range(world):
-        h = hashlib.sha256()
-        for name, _ in checked_parameters(model):
-            pieces = torch.chunk(full_state[name], world, dim=0)
-            _hash_tensor(h, name, pieces[rank] if rank < len(pieces) else full_state[name][:0])
-        sums.append(h.hexdigest()[:16])
-    return sums
 
 
 def _sampled_lens(t: Trajectory) -> list[int]:

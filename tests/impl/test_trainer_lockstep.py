@@ -154,8 +154,7 @@ def test_fsdp_weights_check_compares_every_rank_shard_with_the_gathered_weights(
     nudged after the step: not identical."""
     from transformers import AutoModelForCausalLM
 
-    from realrl.system.master_worker import dp_weights_identical
-    from realrl.system.model_worker import expected_shard_checksums, weights_checksum
+    from realrl.system.weights_check import dp_weights_identical, expected_shard_checksums, weights_checksum
 
     ppo = {**GRPO, "ppo_n_minibatches": 1}
     results = run_ranks(

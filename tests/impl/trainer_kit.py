@@ -207,12 +207,8 @@ def weights_report(model: torch.nn.Module, rank: int, world: int, perturb_rank: 
     expects every rank's shard checksum from them (as `_handle_train_step`),
     then every rank checksums its own shard. `perturb_rank`'s shard is
     nudged in between: a rank whose weights diverged after the step."""
-    from realrl.system.model_worker import (
-        expected_shard_checksums,
-        full_state_dict,
-        local_shard_checksum,
-        state_checksum,
-    )
+    from realrl.system.model_worker import full_state_dict
+    from realrl.system.weights_check import expected_shard_checksums, local_shard_checksum, state_checksum
 
     full = full_state_dict(model)  # a collective: every rank calls it
     report = {"dp_rank": rank}
