@@ -64,6 +64,7 @@ from realrl.system.weights_check import (
     checked_parameters,
     expected_shard_checksums,
     local_shard_checksum,
+    nudge_local_weights,
     weights_checksum,
 )
 from realrl.system.worker_base import PollResult, Worker
@@ -496,6 +497,8 @@ class ModelWorker(Worker):
         else:
             self.version = new_version
         stats["publish_seconds"] = time.monotonic() - t1
+        if self.dp_rank == self.dp_size - 1 and faults.point("model_worker.weights_drift"):
+            nudge_local_weights(self.actor.model)  # a test: this rank's weights drift from the others'
         return stats
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict | None:

@@ -72,6 +72,18 @@ def expected_shard_checksums(model: torch.nn.Module, full_state: dict[str, torch
     return sums
 
 
+def nudge_local_weights(model: torch.nn.Module) -> None:
+    """Adds 1e-3 to one number of this rank's shard of the checked
+    parameters: what the fault point `model_worker.weights_drift` does, so a
+    test sees the check catch a rank whose weights drifted."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in checked_parameters(model)]
+    with torch.no_grad():
+        next(t for t in shards if t.numel()).view(-1)[0] += 1e-3
+
+
 def dp_weights_identical(specs: list[dict]) -> bool:
     """Whether the ranks' `spec` checksums say they hold the same weights:
     without FSDP all ranks' checksums are equal; under FSDP every rank's
