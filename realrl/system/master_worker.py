@@ -27,6 +27,9 @@ bar or periodic lines: realrl/base/console.py), greedy evaluation on the test
 split before training, every `eval_every_n_steps`, and at the end, each
 followed by the PNGs of `<log_dir>/plots/` (realrl/base/plots.py), recovery
 checkpoints, and finally `summary.json` and `experiment_status` COMPLETE.
+
+Over 700 lines on purpose: one step's requests, its accounting and the
+final summary are one protocol with the ranks, read best in one place.
 """
 
 from __future__ import annotations
@@ -298,7 +301,10 @@ class MasterWorker(AsyncWorker):
             )
         t_inf = time.monotonic()
         results = await self.stream.call_async(
-            all_ranks, "train_step", [{"version": self.version + 1}] * len(all_ranks), timeout=self.cfg.rpc_timeout
+            all_ranks,
+            "train_step",
+            [{"version": self.version + 1, "last_step": self.step + 1 == self.cfg.total_train_steps}] * len(all_ranks),
+            timeout=self.cfg.rpc_timeout,
         )
         t_train = time.monotonic()
         self.version += 1
