@@ -31,7 +31,8 @@ checkpoints, and finally `summary.json` and `experiment_status` COMPLETE.
 
 Over 700 lines on purpose: it is the one place a step's dataflow, its
 accounting (the ledger, §12) and the trial's end are read together; the
-pure parts live beside it (checkpoints.py, ledger.py, rejections.py).
+pure parts live beside it (checkpoints.py, ledger.py, rejections.py,
+weights_check.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from realrl.system import checkpoints
 from realrl.system.ledger import LEDGER_FILE, Ledger, resume_info
 from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
+from realrl.system.weights_check import dp_weights_identical
 from realrl.system.worker_base import AsyncWorker, ExperimentStatus, PollResult, set_experiment_status
 
 _T = TypeVar("_T")
@@ -303,7 +305,10 @@ class MasterWorker(AsyncWorker):
             )
         t_inf = time.monotonic()
         results = await self.stream.call_async(
-            all_ranks, "train_step", [{"version": self.version + 1}] * len(all_ranks), timeout=self.cfg.rpc_timeout
+            all_ranks,
+            "train_step",
+            [{"version": self.version + 1, "last_step": self.step + 1 == self.cfg.total_train_steps}] * len(all_ranks),
+            timeout=self.cfg.rpc_timeout,
         )
         t_train = time.monotonic()
         self.version += 1
@@ -671,9 +676,9 @@ class MasterWorker(AsyncWorker):
                 break
             await asyncio.sleep(0.2)
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
-        checksums = {s["checksum"] for s in specs if s["checksum"] is not None}  # None: FSDP shards
-        if len(checksums) > 1:
-            self.logger.error("data-parallel ranks hold different weights: %s", [s["checksum"] for s in specs])
+        weights_identical = dp_weights_identical(specs)
+        if not weights_identical:
+            self.logger.error("data-parallel ranks hold different weights: %s", specs)
         summary = {
             "initial_eval_accuracy": self.eval_history[0]["accuracy"] if self.eval_history else None,
             "final_eval_accuracy": final_eval["accuracy"],
@@ -703,7 +708,7 @@ class MasterWorker(AsyncWorker):
             "regenerated_after_resume": self.regenerated_before
             + sum(c.get("regenerated", 0) for c in (await asyncio.to_thread(self._read_rollout_cursors)).values()),
             "max_head_offpolicyness": self.cfg.max_head_offpolicyness,
-            "dp_weights_identical": len(checksums) <= 1,
+            "dp_weights_identical": weights_identical,
             "stats_path": self.stats_logger.path,
             # A judge model's calls and failures (failed calls scored 0), over the trained trajectories.
             **(

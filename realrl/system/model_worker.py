@@ -60,6 +60,13 @@ from realrl.impl.ppo.models import AdapterDisabled, CriticModel
 from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
+from realrl.system.weights_check import (
+    checked_parameters,
+    expected_shard_checksums,
+    local_shard_checksum,
+    nudge_local_weights,
+    weights_checksum,
+)
 from realrl.system.worker_base import PollResult, Worker
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,17 +119,6 @@ def publish_weights(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def weights_checksum(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: data-parallel ranks must agree."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _sampled_lens(t: Trajectory) -> list[int]:
@@ -194,6 +190,15 @@ def load_trainer_state(opt: Optimized, state: dict, fsdp: bool) -> None:
     opt.scheduler.load_state_dict(state["scheduler"])
 
 
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The full (unsharded, CPU) state dict of an FSDP model, of a LoRA model
+    only its adapters; a collective: every rank calls it (rank 0 gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_lora(model))
+    return get_model_state_dict(model, options=options)
+
+
 def _shard(model: torch.nn.Module) -> None:
     """FSDP2 over the data-parallel group: each decoder layer its own unit (one
     all-gather per layer, not one for the whole model), then the rest."""
@@ -236,8 +241,15 @@ class ModelWorker(Worker):
             actor.gradient_checkpointing_enable()
         self.lora = config.lora.rank > 0
         if self.lora:
-            actor = lora.wrap(actor, config.lora)
+            # The same adapters on every rank (the seed above differs per rank): ranks start identical.
+            with torch.random.fork_rng(devices=[self.device] if config.device == "cuda" else []):
+                torch.manual_seed(config.seed)
+                actor = lora.wrap(actor, config.lora)
+        self.expected_shard_checksums: list[str] | None = None  # FSDP, rank 0: see dp_weights_identical
         if config.fsdp:
+            if self.dp_rank == 0:  # every rank loaded the same full weights
+                full = {n: p.detach() for n, p in checked_parameters(actor)}
+                self.expected_shard_checksums = expected_shard_checksums(actor, full, self.dp_size)
             _shard(actor)
         o, ppo = config.optimizer, config.ppo
         # The LR schedule advances once per train step (a step may run fewer minibatches than ppo_n_minibatches).
@@ -402,9 +414,11 @@ class ModelWorker(Worker):
             "n_params": sum(p.numel() for p in self.actor.model.parameters()),
             **self.dataset.stats(),
         }
-        if data and data.get("checksum"):
-            # Under FSDP each rank holds a different shard of the one copy: nothing to compare.
-            spec["checksum"] = None if self.cfg.fsdp else weights_checksum(self.actor.model)
+        if data and data.get("checksum"):  # compared by dp_weights_identical
+            model = self.actor.model
+            spec["checksum"] = local_shard_checksum(model) if self.cfg.fsdp else weights_checksum(model)
+            if self.cfg.fsdp and self.dp_rank == 0:
+                spec["expected_shard_checksums"] = self.expected_shard_checksums
         return spec
 
     def _handle_stats(self, data=None) -> dict:
@@ -507,24 +521,28 @@ class ModelWorker(Worker):
         new_version = int(data["version"])
         t1 = time.monotonic()
         state_dict = self._full_state_dict(self.actor.model)  # a collective under FSDP: every rank calls it
+        if data.get("last_step", True):  # hashing the full weights costs: the end's check needs the last step's
+            self._expect_shards(state_dict)
         if self.dp_rank == 0:
             publish_weights(self.actor.model, self.cfg.weights_dir, new_version, state_dict=state_dict)
             self._set_version(new_version)
         else:
             self.version = new_version
         stats["publish_seconds"] = time.monotonic() - t1
+        if self.dp_rank == self.dp_size - 1 and faults.point("model_worker.weights_drift"):
+            nudge_local_weights(self.actor.model)  # a test: this rank's weights drift from the others'
         return stats
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict | None:
         """The full (unsharded, CPU) state dict under FSDP, of a LoRA model
         only its adapters; None for a plain model, which save_pretrained
         reads itself."""
-        if not self.cfg.fsdp:
-            return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return full_state_dict(model) if self.cfg.fsdp else None
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_lora(model))
-        return get_model_state_dict(model, options=options)
+    def _expect_shards(self, state_dict: dict | None) -> None:
+        """Rank 0 under FSDP: the shard checksums of the weights just gathered."""
+        if self.cfg.fsdp and self.dp_rank == 0:
+            self.expected_shard_checksums = expected_shard_checksums(self.actor.model, state_dict, self.dp_size)
 
     def _handle_evaluate(self, data: dict) -> dict:
         """Every test prompt of this rank's share through the run's agent and
@@ -642,6 +660,7 @@ class ModelWorker(Worker):
                 restored += [Trajectory.from_wire(t) for t in msg["trajectories"]]
         self.dataset.restore(restored)
         state_dict = self._full_state_dict(self.actor.model)
+        self._expect_shards(state_dict)
         if self.dp_rank == 0:
             publish_weights(self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict)
             self._set_version(version)

@@ -37,7 +37,15 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    tmp_path, model_dir: str, ppo: dict, data: list, mode: str, steps: int = 2, device: str = "cpu", lora_rank: int = 0
+    tmp_path,
+    model_dir: str,
+    ppo: dict,
+    data: list,
+    mode: str,
+    steps: int = 2,
+    device: str = "cpu",
+    lora_rank: int = 0,
+    **extra,
 ) -> list[dict]:
     """Runs one child per entry of `data`; returns what each saved. Fails (after
     killing both) if either exits non-zero or they are not done by the deadline."""
@@ -52,6 +60,7 @@ def run_ranks(
         "steps": steps,
         "device": device,
         "lora_rank": lora_rank,
+        **extra,
     }
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -133,6 +142,38 @@ def test_fsdp_ranks_with_uneven_data_stay_in_lockstep(tmp_path, tiny_llama_dir, 
     assert_lockstep(results, n_seqs=8)
     assert results[0]["forwards"]["actor"] > 2  # rank 1 alone would need only 1 per phase
     assert_trained(results, tiny_llama_dir)
+
+
+@pytest.mark.parametrize("perturb_rank", [None, 1])
+def test_fsdp_weights_check_compares_every_rank_shard_with_the_gathered_weights(tmp_path, tiny_llama_dir, perturb_rank):
+    """Under FSDP ranks hold different shards, so the summary's
+    `dp_weights_identical` compares each rank's shard checksum with the one
+    rank 0 cuts from the full weights it gathered (and published) at the
+    step. Healthy ranks: identical, and every checksum is the one of an
+    unsharded model holding the trained weights. A rank whose shard was
+    nudged after the step: not identical."""
+    from transformers import AutoModelForCausalLM
+
+    from realrl.system.weights_check import dp_weights_identical, expected_shard_checksums, weights_checksum
+
+    ppo = {**GRPO, "ppo_n_minibatches": 1}
+    results = run_ranks(
+        tmp_path, tiny_llama_dir, ppo, UNEVEN, "fsdp", steps=1, checksums=True, perturb_rank=perturb_rank
+    )
+    specs = [r["spec"] for r in results]
+    assert specs[0]["checksum"] == specs[0]["expected_shard_checksums"][0]  # rank 0 is untouched either way
+    if perturb_rank is not None:
+        assert dp_weights_identical(specs) is False
+        assert specs[1]["checksum"] != specs[0]["expected_shard_checksums"][1]
+        return
+    assert dp_weights_identical(specs) is True
+    assert specs[0]["checksum"] != specs[1]["checksum"]  # different shards: a real per-shard checksum
+    unsharded = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    unsharded.load_state_dict(results[0]["weights"]["actor"], strict=False)  # the trained weights, gathered
+    assert_trained(results, tiny_llama_dir)
+    assert specs[0]["full_checksum"] == weights_checksum(unsharded)
+    params = dict(unsharded.named_parameters())
+    assert [s["checksum"] for s in specs] == expected_shard_checksums(unsharded, params, 2)
 
 
 def test_rank_without_trajectories_joins_every_collective(tmp_path, tiny_llama_dir):

@@ -12,6 +12,9 @@ Modes:
   hook  - plain, plus a tiny all-reduce in every forward pass: a stand-in for
           FSDP's per-forward collectives
   fsdp  - FSDP2 per decoder layer, loss scaled by the world size (as ModelWorker)
+
+With `checksums` in the SPEC, OUT.pt also holds the rank's weights report
+(`weights_report`; `perturb_rank` nudges that rank's shard).
 """
 
 from __future__ import annotations
@@ -198,6 +201,28 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def weights_report(model: torch.nn.Module, rank: int, world: int, perturb_rank: int | None) -> dict:
+    """What this rank's ModelWorker `spec` reports for the weights check
+    after a train step under FSDP: rank 0 gathers the full weights and
+    expects every rank's shard checksum from them (as `_handle_train_step`),
+    then every rank checksums its own shard. `perturb_rank`'s shard is
+    nudged in between: a rank whose weights diverged after the step."""
+    from realrl.system.model_worker import full_state_dict
+    from realrl.system.weights_check import expected_shard_checksums, local_shard_checksum, state_checksum
+
+    full = full_state_dict(model)  # a collective: every rank calls it
+    report = {"dp_rank": rank}
+    if rank == 0:
+        report["expected_shard_checksums"] = expected_shard_checksums(model, full, world)
+        report["full_checksum"] = state_checksum(full)
+    if rank == perturb_rank:
+        with torch.no_grad():
+            name, p = next((n, p) for n, p in model.named_parameters() if n.endswith("q_proj.weight"))
+            p.to_local()[0, 0] += 1e-3
+    report["checksum"] = local_shard_checksum(model)
+    return report
+
+
 def run_steps(trainer: PPOTrainer, groups: list[list[dict]], steps: int) -> list[dict[str, float]]:
     stats = []
     for _ in range(steps):
@@ -236,7 +261,10 @@ def main(spec_path: str, rank: int, out_path: str) -> None:
         weights = {"actor": full_weights(trainer.actor.model)}
         if trainer.critic is not None:
             weights["critic"] = full_weights(trainer.critic.model)
-        torch.save({"stats": stats, "forwards": dict(forwards), "weights": weights}, out_path)
+        result = {"stats": stats, "forwards": dict(forwards), "weights": weights}
+        if spec.get("checksums"):
+            result["spec"] = weights_report(trainer.actor.model, rank, world, spec.get("perturb_rank"))
+        torch.save(result, out_path)
         # Both ranks done before either tears gloo down: one rank destroying the
         # group while the other still talks to it can abort (std::terminate) in gloo.
         dist.barrier()

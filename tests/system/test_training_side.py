@@ -17,7 +17,7 @@ import torch
 from realrl.api.cli_args import LoraConfig, OptimizerConfig, PPOConfig
 from realrl.api.system_api import MasterWorkerConfig, ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve
+from realrl.base import faults, name_resolve
 from realrl.base.name_resolve import NameResolveConfig
 from realrl.launcher.local import LocalLauncher, WorkerGroup
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
@@ -177,6 +177,8 @@ def run_trial(
     dtype: str = "float32",
     lora: LoraConfig | None = None,
     kl_ctl: float = 0.0,
+    worker_env: dict | None = None,
+    weights_identical: bool = True,
 ):
     """Master + `dp` model workers + synthetic rollout pushers (one per rank
     unless `pushers` says otherwise), every `stale_every`-th trajectory stale,
@@ -240,7 +242,7 @@ def run_trial(
     code = launcher.run(
         [
             WorkerGroup("master_worker", 1, master),
-            WorkerGroup("model_worker", dp, mw, env={"OMP_NUM_THREADS": "1"}, env_per_index=gpus),
+            WorkerGroup("model_worker", dp, mw, env={"OMP_NUM_THREADS": "1", **(worker_env or {})}, env_per_index=gpus),
             WorkerGroup("tests.system.trainer_test_workers:SyntheticRolloutWorker", pushers, pusher_cfg),
         ],
         timeout=300,
@@ -248,7 +250,7 @@ def run_trial(
     assert code == 0, open(launcher.log_path("master_worker", 0)).read()[-3000:]
     summary = json.load(open(os.path.join(launcher.log_dir, "summary.json")))
     assert summary["steps"] == steps and summary["final_version"] == steps
-    assert summary["dp_weights_identical"] is True
+    assert summary["dp_weights_identical"] is weights_identical
     t = summary["trajectories"]
     assert t["consumed"] == steps * B
     if stale_every:
@@ -307,6 +309,30 @@ def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model
     # Each puller logs its first invalid one in full: pusher 0's is vocab itself, pusher 1's is -1.
     assert f"token id {vocab} " in logs and "token id -1 " in logs
     assert "IndexError" not in logs
+
+
+def test_an_fsdp_rank_whose_weights_drift_is_reported(tmp_path, tiny_model_dir):
+    """Two FSDP2 ranks; after each of its steps the last rank's shard drifts
+    (fault point `model_worker.weights_drift`). Ranks hold different shards,
+    so the check compares each rank's shard with the one rank 0 cut from the
+    weights it gathered at the step: the summary says not identical, and
+    the master logs it. (Healthy FSDP ranks: the LoRA trial below.)"""
+    (tmp_path / "faults").mkdir()
+    env = {faults.FAULTS_ENV: "model_worker.weights_drift=fail:600", faults.FAULTS_DIR_ENV: str(tmp_path / "faults")}
+    _, _, _, log_dir = run_trial(tmp_path, tiny_model_dir, "grpo", fsdp=True, worker_env=env, weights_identical=False)
+    assert "data-parallel ranks hold different weights" in open(os.path.join(log_dir, "master_worker-0.log")).read()
+    assert os.path.exists(tmp_path / "faults" / "model_worker.weights_drift")
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
+def test_lora_ranks_without_fsdp_start_and_stay_identical(tmp_path, tiny_model_dir):
+    """Two data-parallel ranks (no FSDP) training LoRA adapters: each rank
+    initialises its own adapters, so they must be drawn from the same seed
+    on every rank or the ranks train different models for ever (run_trial
+    asserts `dp_weights_identical`, full checksums compared across ranks)."""
+    lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    summary, _, _, _ = run_trial(tmp_path, tiny_model_dir, "grpo", lora=lora, stale_every=0)
+    assert summary["dp_weights_identical"] is True
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
