@@ -167,6 +167,13 @@ def test_run_script_trains_and_ends_with_the_summary_path(tmp_path, kit_cache):
     from tests.base.test_observability import assert_png_has_data
 
     names = sorted(os.listdir(plots))
-    assert names == ["accuracy_reward.png", "idle_ratios.png", "staleness.png", "step_time.png", "throughput.png"]
+    assert names == [
+        "accuracy_reward.png",
+        "idle_ratios.png",
+        "off_policy.png",
+        "staleness.png",
+        "step_time.png",
+        "throughput.png",
+    ]
     for name in names:
         assert_png_has_data(os.path.join(plots, name))
