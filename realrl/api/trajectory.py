@@ -276,7 +276,7 @@ class Trajectory:
         plus what only the receiver knows: token ids within its vocabulary
         (`check_token_ids`), every sequence within its model's `max_positions`
         (a longer one cannot be trained and stalls a step or exhausts memory),
-        weight versions within 0..`newest_version` (the trainer's newest: a
+        weight versions of sampled tokens within 0..`newest_version` (the trainer's newest: a
         server never held a later one, and a later one would never go stale),
         and logprobs (behaviour and sampling ones) <= 0. None checks nothing of that bound."""
         self.check_token_ids(vocab_size)
@@ -286,8 +286,10 @@ class Trajectory:
                     f"trajectory {self.qid} seq {i}: {len(ids)} tokens, more than the model's {max_positions} positions"
                 )
             bounds = [self.version_start[i], self.version_end[i]]
-            if self.versions[i].size:
-                bounds += [int(self.versions[i].min()), int(self.versions[i].max())]
+            # a context token inside a completion (loss_mask False) has version -1 (§5)
+            sampled = self.versions[i][self.loss_mask[i]] if self.loss_mask else self.versions[i]
+            if sampled.size:
+                bounds += [int(sampled.min()), int(sampled.max())]
             if min(bounds) < 0 or (newest_version is not None and max(bounds) > newest_version):
                 raise TrajectoryError(
                     f"trajectory {self.qid} seq {i}: weight versions {min(bounds)}..{max(bounds)} outside "

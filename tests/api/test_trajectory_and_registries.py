@@ -136,3 +136,30 @@ def test_registry_errors_list_registered_names():
         reg.make("b")
     register_agent("test-dummy-agent", dict)
     assert "test-dummy-agent" in AGENTS
+
+
+def test_check_trainable_takes_context_versions_inside_a_chain():
+    """A chain of chat turns (docs/design.md §5) holds context tokens with
+    version -1 and loss mask False: trainable. A sampled token with version
+    -1 is not."""
+
+    def chain(versions, mask):
+        n = len(versions)
+        return Trajectory(
+            qid="q@0",
+            task="math",
+            birth_time=0.0,
+            input_ids=[np.arange(3 + n, dtype=np.int32)],
+            prompt_len=[3],
+            logprobs=[np.where(mask, -0.5, 0.0).astype(np.float32)],
+            versions=[np.asarray(versions, dtype=np.int32)],
+            version_start=[0],
+            version_end=[1],
+            reward=[1.0],
+            no_eos=[False],
+            loss_mask=[np.asarray(mask, dtype=bool)],
+        )
+
+    chain([0, 0, -1, -1, 1], [True, True, False, False, True]).check_trainable(100, 64, newest_version=1)
+    with pytest.raises(TrajectoryError, match="weight versions"):
+        chain([0, -1, -1, -1, 1], [True, True, False, False, True]).check_trainable(100, 64, newest_version=1)

@@ -13,7 +13,7 @@ from tests.impl.trainer_kit import build_trainer, full_weights, make_batch, make
 def test_gradient_checkpointing_gives_the_same_step(tiny_llama_dir):
     torch.set_num_threads(1)
     groups = make_groups(7, 2, 4, (3, 6), (2, 7))
-    ppo = PPOConfig(algorithm="grpo", group_size=4, ppo_n_minibatches=1, max_tokens_per_mb=48)
+    ppo = PPOConfig(adv_estimator="grpo", group_size=4, ppo_n_minibatches=1, max_tokens_per_mb=48)
     results = []
     for checkpointing in (False, True):
         trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
