@@ -74,13 +74,14 @@ def test_a_killed_trainer_restarts_by_itself_and_trains_each_prompt_once(tmp_pat
     assert all(s["staleness/max"] <= eta for s in train_steps)
     for epoch, trained in per_epoch.items():
         assert len(trained) == len(set(trained)), f"epoch {epoch} trained a prompt twice"
-    # Every epoch that later epochs have fully overtaken was trained whole (a prompt
-    # dropped as stale would be the only excuse, and none was).
-    assert t["dropped_stale"] == 0
+    # Every epoch that later epochs have fully overtaken was trained whole: a prompt dropped
+    # as stale is the only excuse (the ledger counts it done). A loaded machine occasionally
+    # makes one rollout stale after the resume; without that, every such epoch is the dataset.
     complete = [e for e in per_epoch if e + 2 in per_epoch]
     assert complete, per_epoch.keys()
-    for epoch in complete:
-        assert sorted(per_epoch[epoch]) == sorted(query_ids), f"epoch {epoch} has gaps"
+    missing = {e: sorted(set(query_ids) - set(per_epoch[e])) for e in complete}
+    assert all(set(per_epoch[e]) <= set(query_ids) for e in complete)
+    assert t["dropped_stale"] <= 1 and sum(map(len, missing.values())) <= t["dropped_stale"], (missing, t)
     # The resume generated again what was in flight at the checkpoint (η = 2 keeps rollouts running
     # ahead of training, so there always is some): the path above was exercised, not skipped.
     assert summary["regenerated_after_resume"] > 0, summary
