@@ -283,6 +283,10 @@ class RolloutConfig:
     no_server_timeout: float = 300.0
     """Seconds an answer waits while no generation server is up (e.g. the only one is being restarted) before
     its generation fails; such waiting does not count against request_retries."""
+    routing: str = "client"
+    """client: each rollout worker routes its generation requests itself, from the routing table the
+    manager publishes (no manager call per request); manager: it asks the manager per request
+    (two HTTP calls per generation call; the baseline of benchmarks/control_plane.py)."""
 
 
 @dataclasses.dataclass
@@ -823,6 +827,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(r.request_timeout > 0, "rollout.request_timeout", f"must be > 0 seconds, got {r.request_timeout}")
     _check(r.request_retries >= 0, "rollout.request_retries", f"must be >= 0 (0 = no retry), got {r.request_retries}")
     _check(r.no_server_timeout > 0, "rollout.no_server_timeout", f"must be > 0 seconds, got {r.no_server_timeout}")
+    _check(r.routing in ("client", "manager"), "rollout.routing", f"must be client|manager, got {r.routing!r}")
 
     _check(cfg.train.device in ("cpu", "cuda"), "train.device", f"must be cpu|cuda, got {cfg.train.device!r}")
     _check(not cfg.train.fsdp or cfg.train.device == "cuda", "train.fsdp", "needs train.device=cuda")

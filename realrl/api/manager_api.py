@@ -12,6 +12,9 @@ is a `BodyError`: HTTP 400 naming the field.
     POST /reset_rollout_worker  ResetRolloutWorkerRequest                   -> ResetRolloutWorkerReply
     POST /schedule_request      ScheduleRequest                             -> ScheduleReply
     POST /release_request       ReleaseRequest                              -> SuccessReply
+    POST /routing_table         RoutingTableRequest                         -> RoutingTable
+    POST /report_load           LoadReport                                  -> LoadReply
+    POST /report_failures       FailureReport                               -> FailureReply
     POST /stop_rollouts         (no body)                                   -> SuccessReply
     GET  /get_model_version                                                 -> ModelVersionReply
     GET  /rollout_stats                                                     -> RolloutStats
@@ -188,6 +191,91 @@ class ReleaseRequest:
     ticket: int = _field(metadata=rule(min=1))
     n: int = _field(default=1, metadata=rule(min=1, max=MAX_REQUESTS_PER_ROLLOUT))
     n_tokens: int = _field(default=0, metadata=rule(min=0))
+
+
+# Client-side routing (docs/design.md §6, `realrl/system/client_routing.py`): the
+# manager publishes which servers are in routing and their versions; rollout
+# workers route each request themselves and report their load in batches.
+
+# The longest routing_table long poll a client may ask for, in seconds.
+MAX_TABLE_WAIT_S = 30.0
+# A worker's requests in flight on one server, at most (a report above it is refused).
+MAX_REPORTED_LOAD = 1 << 20
+
+
+@dataclasses.dataclass
+class RoutingTableRequest:
+    """The routing table once its `revision` is past `after` (a long poll
+    of up to `wait_s` seconds; the current table at once when it already is)."""
+
+    after: int = _field(default=-1, metadata=rule(min=-1))
+    wait_s: float = _field(default=0.0, metadata=rule(min=0, max=MAX_TABLE_WAIT_S))
+
+
+@dataclasses.dataclass
+class RoutedServer:
+    """A server in routing, the weight version it holds, and the requests all
+    rollout workers reported in flight on it."""
+
+    url: str
+    version: int
+    load: int = 0
+
+
+@dataclasses.dataclass
+class RoutingTable:
+    """Every server in routing. `revision` grows whenever a server joins or
+    leaves routing or loads a version; `version`: what every server in
+    routing holds (the oldest while an update runs). No server up: `servers`
+    is empty and `reason` says why."""
+
+    revision: int
+    version: int
+    servers: list[RoutedServer]
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What rollout worker `worker_index` has in flight now, per server (a
+    snapshot: it replaces the worker's previous report); `started`: requests it
+    sent to each server since its previous report; `n_tokens`: tokens its
+    requests generated since then; `answered`: servers that answered one of
+    its requests since then (a server answering needs no health check)."""
+
+    worker_index: int = _field(metadata=rule(min=0))
+    in_flight: dict[str, int] = _field(default_factory=dict)
+    started: dict[str, int] = _field(default_factory=dict)
+    n_tokens: int = _field(default=0, metadata=rule(min=0))
+    answered: list[str] = _field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("in_flight", "started"):
+            for url, n in getattr(self, name).items():
+                if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_REPORTED_LOAD:
+                    raise BodyError(f"field {name!r}: {url!r}: {n!r} is not a count in 0..{MAX_REPORTED_LOAD}")
+
+
+@dataclasses.dataclass
+class LoadReply:
+    """The requests in flight per server in routing, over all rollout workers' latest reports."""
+
+    loads: dict[str, int]
+
+
+@dataclasses.dataclass
+class FailureReport:
+    """Servers that just failed for the caller: the manager probes them now."""
+
+    urls: list[str] = _field(metadata=rule(nonempty=True))
+
+
+@dataclasses.dataclass
+class FailureReply:
+    """Which of the reported servers are out of routing after their probes
+    (a probe that takes longer than a second is not waited for)."""
+
+    down: list[str]
 
 
 @dataclasses.dataclass

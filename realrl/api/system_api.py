@@ -157,6 +157,7 @@ class RolloutWorkerConfig:
     request_timeout: float = 600.0
     request_retries: int = 3
     no_server_timeout: float = 300.0  # seconds an answer waits while no generation server is up
+    routing: str = "client"  # client | manager (realrl/system/client_routing.py)
     sample_log_every: int = 20  # write every N-th finished trajectory's text to the log dir
     lora: bool = False  # each request names the LoRA adapter of the version it is scheduled on
 

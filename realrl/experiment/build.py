@@ -203,6 +203,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         request_timeout=rollout.request_timeout,
         request_retries=rollout.request_retries,
         no_server_timeout=rollout.no_server_timeout,
+        routing=rollout.routing,
         lora=cfg.model.lora.rank > 0,
     )
 

@@ -48,6 +48,14 @@ unless the connection is refused. A client that just failed on servers names the
 `avoid_urls`: they are probed at once, another server is picked while one is
 up, and `down` says which of them are out of routing. With no server up,
 `url` is null. A weight update skips servers that left routing meanwhile.
+
+Client-side routing (`realrl/system/client_routing.py`, the default): the
+rollout workers route their requests themselves. The manager publishes the
+routing table (`/routing_table`, a long poll answered when the servers in
+routing or their versions change, serialized once per revision), sums the
+workers' load reports (`/report_load`: in-flight counts, tokens, servers that
+answered, which then skip their health check) and probes the servers a
+worker reports failing (`/report_failures`).
 """
 
 from __future__ import annotations
@@ -68,14 +76,21 @@ from realrl.api.manager_api import (
     AllocateRolloutReply,
     AllocateRolloutRequest,
     ErrorReply,
+    FailureReply,
+    FailureReport,
     FinishRolloutRequest,
     HealthReply,
+    LoadReply,
+    LoadReport,
     ModelVersionReply,
     RejectedQidsReply,
     ReleaseRequest,
     ResetRolloutWorkerReply,
     ResetRolloutWorkerRequest,
     RolloutStats,
+    RoutedServer,
+    RoutingTable,
+    RoutingTableRequest,
     ScheduledServer,
     ScheduleReply,
     ScheduleRequest,
@@ -96,6 +111,9 @@ STATS_LOG_IDLE_INTERVAL_S = 60.0  # stats line even when nothing changed
 SERVER_HEALTH_TIMEOUT_S = 120.0
 REGISTRY_POLL_S = 1.0  # seconds between reads of the generation server registry
 AVOID_PROBE_WAIT_S = 1.0  # a schedule_request naming failed servers waits this long at most for their probes
+# A routing_table long poll woken by a change waits this long for more before it answers: a weight
+# update reaching N servers one by one is a few tables, not N per rollout worker.
+TABLE_COALESCE_S = 0.02
 _BAD_REQUESTS_LOGGED = 20  # then every 1000th
 # Request bodies are flat JSON objects of a few fields.
 _MAX_BODY_BYTES = 1024 * 1024
@@ -154,6 +172,12 @@ class GserverManager(AsyncWorker):
         self._probe_tasks: dict[str, asyncio.Task] = {}  # url -> an immediate health probe
         self._health_task: asyncio.Task | None = None
         self._last_registry_read = 0.0
+        # Client-side routing: the routing table (serialized once per revision) and its long polls,
+        # and each rollout worker's latest load report (url -> requests in flight) with their sums.
+        self._table_changed = asyncio.Event()
+        self._table_cache: tuple[int, bytes] | None = None
+        self._loads: dict[int, dict[str, int]] = {}
+        self._load_totals: collections.Counter[str] = collections.Counter()
         self.server_urls = self._wait_for_servers()
 
     def _wait_for_servers(self) -> list[str] | None:
@@ -186,6 +210,7 @@ class GserverManager(AsyncWorker):
         await asyncio.gather(*(self._client.wait_healthy(u, SERVER_HEALTH_TIMEOUT_S) for u in self.server_urls))
         versions = await asyncio.gather(*(self._server_version(u) for u in self.server_urls))
         self.router = RequestRouter(self.server_urls, versions)
+        self.router.on_change = self._routing_changed
         self.logger.info(
             "%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions, self.server_urls
         )
@@ -198,6 +223,9 @@ class GserverManager(AsyncWorker):
         post("/finish_rollout", self._handle(self._finish_rollout, FinishRolloutRequest.from_body))
         post("/schedule_request", self._handle(self._schedule_request, functools.partial(from_json, ScheduleRequest)))
         post("/release_request", self._handle(self._release_request, functools.partial(from_json, ReleaseRequest)))
+        post("/routing_table", self._handle(self._routing_table, functools.partial(from_json, RoutingTableRequest)))
+        post("/report_load", self._handle(self._report_load, functools.partial(from_json, LoadReport)))
+        post("/report_failures", self._handle(self._report_failures, functools.partial(from_json, FailureReport)))
         post("/stop_rollouts", self._handle(self._stop_rollouts))
         post(
             "/reset_rollout_worker",
@@ -577,7 +605,9 @@ class GserverManager(AsyncWorker):
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_check_interval)
-            await asyncio.gather(*(self._check_server(u) for u in self.registry.to_check()))
+            # (servers a rollout worker reported answering meanwhile need no probe)
+            urls = self.registry.to_check(answered_within=self.cfg.health_check_interval)
+            await asyncio.gather(*(self._check_server(u) for u in urls))
 
     async def _check_server(self, url: str) -> None:
         """One health check: a refused or dropped connection, or
@@ -619,6 +649,8 @@ class GserverManager(AsyncWorker):
                 reply = handler(*args)
                 if asyncio.iscoroutine(reply):
                     reply = await reply
+                if isinstance(reply, web.Response):  # (already serialized)
+                    return reply
                 return web.json_response(to_json(reply))
             except BodyError as e:
                 self.bad_requests += 1
@@ -672,6 +704,7 @@ class GserverManager(AsyncWorker):
                 f"(0..{self.cfg.n_rollout_workers - 1})"
             )
         rollout_ids, qids, done = self.controller.release_worker(request.worker_index)
+        self._set_load(request.worker_index, {})  # its requests in flight died with it
         self._release_reservations(qids)
         self._finishes_failing = False
         self._wake_allocations()
@@ -753,6 +786,84 @@ class GserverManager(AsyncWorker):
             parts=[ScheduledServer(u, v) for u, v in picks] if request.parts is not None else None,
             down=down if avoid else None,
         )
+
+    # ---- client-side routing (realrl/system/client_routing.py) -------------------------------
+    def _routing_changed(self) -> None:
+        self._table_changed.set()
+        self._table_changed = asyncio.Event()
+
+    async def _routing_table(self, request: RoutingTableRequest) -> web.Response:
+        """The routing table once its revision is past `after` (a long poll)."""
+        deadline = time.monotonic() + request.wait_s
+        waited = False
+        while self.router.revision <= request.after and not self._trial_ending():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._table_changed.wait(), remaining)
+                waited = True
+            except asyncio.TimeoutError:
+                break
+        if waited:
+            await asyncio.sleep(TABLE_COALESCE_S)
+        revision = self.router.revision
+        if self._table_cache is None or self._table_cache[0] != revision:
+            router = self.router
+            servers = [RoutedServer(u, router.loaded_version[u], router.in_flight[u]) for u in router.up_urls]
+            reason = (
+                None if servers else f"no generation server is up ({self.registry.not_retired() or 'none registered'})"
+            )
+            table = RoutingTable(revision=revision, version=router.version, servers=servers, reason=reason)
+            self._table_cache = (revision, json.dumps(to_json(table)).encode())
+        return web.Response(body=self._table_cache[1], content_type="application/json")
+
+    def _report_load(self, report: LoadReport) -> LoadReply:
+        """A rollout worker's requests in flight per server (replacing its
+        previous report), the tokens they generated and the servers that
+        answered; the reply: every worker's load per server in routing."""
+        if report.worker_index >= self.cfg.n_rollout_workers:
+            raise BodyError(
+                f"field 'worker_index': {report.worker_index} is not a rollout worker of this trial "
+                f"(0..{self.cfg.n_rollout_workers - 1})"
+            )
+        known = self.router.in_flight  # every server ever in routing; other URLs are ignored
+        self._set_load(report.worker_index, {u: n for u, n in report.in_flight.items() if u in known and n})
+        self.router.generated_tokens += report.n_tokens
+        for url, n in report.started.items():
+            if url in known:
+                self.router.total_scheduled[url] += n
+        for url in report.answered:
+            self.registry.answered(url)
+        busy = {u: self.router.loaded_version[u] for u in report.in_flight if self.router.is_up(u)}
+        for server in self.registry.first_requests(busy):  # joined mid-run: say when it starts serving
+            self.logger.info(
+                "generation server %d at %s got its first request (weight version %d, trainer version %d)",
+                server.index,
+                server.url,
+                server.first_request_version,
+                self.controller.trainer_version,
+            )
+        return LoadReply(loads={u: n for u, n in self._load_totals.items() if n and self.router.is_up(u)})
+
+    def _set_load(self, worker_index: int, loads: dict[str, int]) -> None:
+        previous = self._loads.pop(worker_index, {})
+        if loads:
+            self._loads[worker_index] = loads
+        for url in previous.keys() | loads.keys():
+            self._load_totals[url] += loads.get(url, 0) - previous.get(url, 0)
+            if not self._load_totals[url]:
+                del self._load_totals[url]
+            self.router.set_in_flight(url, self._load_totals.get(url, 0))
+
+    async def _report_failures(self, report: FailureReport) -> FailureReply:
+        """Servers that just failed for a client: probed now (a dead one
+        answers at once; a slow one holds the caller up a second at most)."""
+        urls = list(dict.fromkeys(report.urls))
+        probes = [self._probe_soon(u) for u in urls if self.router.is_up(u)]
+        if probes:
+            await asyncio.wait([asyncio.shield(p) for p in probes], timeout=AVOID_PROBE_WAIT_S)
+        return FailureReply(down=[u for u in urls if not self.router.is_up(u)])
 
     def _release_request(self, request: ReleaseRequest) -> SuccessReply:
         if request.url not in self.router.in_flight:

@@ -15,12 +15,18 @@ import aiohttp
 from realrl.api.manager_api import (
     AllocateRolloutReply,
     AllocateRolloutRequest,
+    FailureReply,
+    FailureReport,
     FinishRolloutRequest,
+    LoadReply,
+    LoadReport,
     ModelVersionReply,
     ReleaseRequest,
     RolloutEnd,
     RolloutStats,
     RolloutToAllocate,
+    RoutingTable,
+    RoutingTableRequest,
     ScheduleReply,
     ScheduleRequest,
     ServersReply,
@@ -143,6 +149,27 @@ class GserverManagerClient:
         the released requests generated (the manager's tokens/s)."""
         request = ReleaseRequest(url, ticket, n, n_tokens)
         return await self._typed_call("POST", "/release_request", SuccessReply, request, retries=retries)
+
+    # Client-side routing (realrl/system/client_routing.py): the callers retry in their own loops.
+    async def routing_table(self, after: int = -1, wait_s: float = 0.0) -> RoutingTable:
+        """The routing table once its revision is past `after` (a long poll of up to `wait_s`)."""
+        return await self._typed_call(
+            "POST", "/routing_table", RoutingTable, RoutingTableRequest(after, wait_s), retries=0
+        )
+
+    async def report_load(
+        self,
+        worker_index: int,
+        in_flight: dict[str, int],
+        started: dict[str, int] | None = None,
+        n_tokens: int = 0,
+        answered: list[str] | None = None,
+    ) -> LoadReply:
+        request = LoadReport(worker_index, dict(in_flight), dict(started or {}), n_tokens, list(answered or ()))
+        return await self._typed_call("POST", "/report_load", LoadReply, request, retries=0)
+
+    async def report_failures(self, urls: list[str]) -> FailureReply:
+        return await self._typed_call("POST", "/report_failures", FailureReply, FailureReport(list(urls)), retries=1)
 
     async def get_model_version(self) -> int:
         return (await self._typed_call("GET", "/get_model_version", ModelVersionReply)).version

@@ -18,10 +18,11 @@ round fails, generates nothing, or leaves answers on different weight
 versions, each unfinished answer goes on in its own loop, with what it has,
 all answers concurrently:
 
-1. ask the GserverManager for a server (`/schedule_request`); after the first
-   chunk the request is sticky: it names the server and the weight version that
-   produced the previous chunk, so the manager keeps it on the server holding
-   its KV cache unless that server's weights changed;
+1. ask the routing for a server (`realrl/system/client_routing.py`: picked in
+   this process from the manager's routing table, or asked of the manager);
+   after the first chunk the request is sticky: it names the server and the
+   weight version that produced the previous chunk, so it stays on the server
+   holding its KV cache unless that server's weights changed;
 2. `/generate` with `input_ids = prompt + output so far`,
    `max_new_tokens = min(new_tokens_per_chunk, remaining budget)` and
    `min_new_tokens` reduced by what is already generated, `return_logprob`
@@ -30,7 +31,7 @@ all answers concurrently:
    the filtered distribution they were drawn from; the logprobs themselves
    when nothing filters) and with the `weight_version` the server reported
    for that response (the weights that produced them);
-4. `/release_request`, then stop when the answer is finished: `stop`, or its
+4. release the request, then stop when the answer is finished: `stop`, or its
    last token is EOS (`eos_token_ids`) or a stop token, at or past
    `min_new_tokens`, whatever finish_reason says (SGLang checks the length
    limit first, so a chunk ending on EOS reports `length`); or when the total
@@ -57,7 +58,7 @@ picks another one while any is up. A failure on a server that the manager
 reports taken out of routing (`down`), when it routes the retry to another
 server, does not count against `request_retries` (at most
 MAX_UNCOUNTED_FAILURES such in a row): a dead server cannot use up the
-retries while healthy ones exist. A manager answer without a server (none is
+retries while healthy ones exist. A schedule without a server (none is
 up, e.g. the only one is being restarted by its launcher) does not count
 either: the answer waits, asking again every NO_SERVER_POLL_S at most, for up
 to `no_server_timeout` seconds in a row, then fails naming
@@ -65,15 +66,13 @@ to `no_server_timeout` seconds in a row, then fails naming
 answer already has are kept across all of this; only the chunk that was being
 generated on the lost server is generated again. A request in flight on a
 server that the manager takes out of routing (it stopped answering) is
-abandoned and resubmitted at once instead of waiting for `request_timeout`:
-while requests are in flight, the manager's `/servers` is read every
-`server_watch_interval` seconds.
+abandoned and resubmitted at once instead of waiting for `request_timeout`
+(the routing's `left_routing` event).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import time
 from collections.abc import Coroutine, Iterable
@@ -101,7 +100,8 @@ from realrl.impl.generation.client import (
     lora_adapter_name,
     new_rid,
 )
-from realrl.system.manager_client import GserverManagerClient, ManagerError, backoff, retryable_status
+from realrl.system.client_routing import ClientRouting, ManagerRouting
+from realrl.system.manager_client import ManagerError, backoff, retryable_status
 
 logger = getLogger(__name__)
 _T = TypeVar("_T")
@@ -181,7 +181,7 @@ class PartialRolloutManager:
 
     def __init__(
         self,
-        manager: GserverManagerClient,
+        routing: ClientRouting | ManagerRouting,
         client: GenerationClient,
         new_tokens_per_chunk: int = 1 << 30,
         request_timeout: float = 600.0,
@@ -189,14 +189,13 @@ class PartialRolloutManager:
         retry_backoff_s: float = 0.5,
         no_server_timeout: float = 300.0,
         eos_token_ids: Iterable[int] = (),
-        server_watch_interval: float = 2.0,
         lora: bool = False,
     ):
         if new_tokens_per_chunk < 1:
             raise ValueError(f"new_tokens_per_chunk must be >= 1, got {new_tokens_per_chunk}")
         if request_retries < 0:
             raise ValueError(f"request_retries must be >= 0, got {request_retries}")
-        self.manager = manager
+        self.routing = routing
         self.client = client
         self.new_tokens_per_chunk = new_tokens_per_chunk
         self.request_timeout = request_timeout
@@ -205,16 +204,13 @@ class PartialRolloutManager:
         self.retry_backoff_s = retry_backoff_s
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.stats = PartialRolloutStats()
-        self.server_watch_interval = server_watch_interval
         self.lora = lora  # a LoRA run: each request names the adapter of its scheduled version
-        self._in_flight: collections.Counter[str] = collections.Counter()  # url -> our requests on it
-        self._gone: dict[str, asyncio.Event] = {}  # url -> set once the manager took it out of routing
-        self._watch_task: asyncio.Task | None = None
         # Group rounds ready together (same stickiness) go as one request; see `_send_rounds`.
         self._rounds: TickBatcher[_Round] = TickBatcher(self._send_rounds)
 
     async def close(self) -> None:
         await self._rounds.close()
+        await self.routing.close()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """All `group_size` answers of `request`, generated concurrently. If one
@@ -617,7 +613,7 @@ class PartialRolloutManager:
         answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
         kwargs = {"avoid_urls": list(avoid)} if avoid else {}
         call = asyncio.ensure_future(
-            self.manager.schedule_request(qid, n, previous_url, previous_version, parts=parts, **kwargs)
+            self.routing.schedule_request(qid, n, previous_url, previous_version, parts=parts, **kwargs)
         )
         try:
             return await asyncio.shield(call)
@@ -634,45 +630,20 @@ class PartialRolloutManager:
 
     async def _generate_on(self, url: str, call: Coroutine[Any, Any, _T]) -> _T:
         """A `/generate` `call` on `url`, abandoned (GenerationServerUnavailable)
-        as soon as the manager takes the server out of routing, e.g. because it
+        as soon as the routing says the server left it, e.g. because it
         stopped answering: its answers are then resubmitted elsewhere."""
-        gone = self._gone.get(url)
-        if gone is None or gone.is_set():  # the manager just routed us here: it is up now
-            gone = self._gone[url] = asyncio.Event()
-        self._in_flight[url] += 1
-        if self._watch_task is None or self._watch_task.done():
-            self._watch_task = asyncio.get_running_loop().create_task(self._watch_servers())
+        left = self.routing.left_routing(url)
         generate = asyncio.ensure_future(call)
-        abandoned = asyncio.ensure_future(gone.wait())
+        abandoned = asyncio.ensure_future(left.wait())
         try:
             done, _ = await asyncio.wait({generate, abandoned}, return_when=asyncio.FIRST_COMPLETED)
             if generate in done:
                 return generate.result()
             raise GenerationServerUnavailable(url, "the manager took it out of routing (failed health checks)")
         finally:
-            self._in_flight[url] -= 1
             for task in (generate, abandoned):
                 task.cancel()
             await asyncio.gather(generate, abandoned, return_exceptions=True)
-
-    async def _watch_servers(self) -> None:
-        """While requests are in flight: marks the servers the manager took
-        out of routing, so their requests are abandoned (`_generate_on`)."""
-        idle_rounds = 0
-        while idle_rounds < 5:
-            await asyncio.sleep(self.server_watch_interval)
-            if not +self._in_flight:
-                idle_rounds += 1
-                continue
-            idle_rounds = 0
-            try:
-                info = await self.manager.servers(retries=0)
-            except ManagerError:
-                continue  # an older manager, or a hiccup: the request timeout still applies
-            for server in info.servers:
-                gone = self._gone.get(server.url)
-                if gone is not None and server.state in ("down", "retired") and self._in_flight[server.url]:
-                    gone.set()
 
     async def _release(self, url: str, ticket: int | None, n_tokens: int = 0, n: int = 1) -> None:
         # One quick attempt: an in-flight count that is off by a few only skews
@@ -681,7 +652,7 @@ class PartialRolloutManager:
         if ticket is None:  # nothing was scheduled
             return
         try:
-            await self.manager.release_request(url, ticket, n, retries=0, n_tokens=n_tokens)
+            await self.routing.release_request(url, ticket, n, retries=0, n_tokens=n_tokens)
         except ManagerError as e:
             logger.warning("could not release a request on %s: %s", url, e)
 

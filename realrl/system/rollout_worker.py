@@ -69,6 +69,7 @@ from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.openai_compat.endpoint import shared_endpoint
+from realrl.system.client_routing import ClientRouting, ManagerRouting
 from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
@@ -351,8 +352,12 @@ class RolloutWorker(AsyncWorker):
             "stop ids (eos of generation_config.json, config.json, tokenizer): %s",
             ", ".join(f"{i} {self.tokenizer.convert_ids_to_tokens(i)!r}" for i in sorted(self.stop_ids)),
         )
+        if cfg.routing == "client":
+            routing = ClientRouting(self.manager, self.info.worker_index)
+        else:
+            routing = ManagerRouting(self.manager)
         self.partial_rollout = PartialRolloutManager(
-            self.manager,
+            routing,
             self.client,
             new_tokens_per_chunk=cfg.new_tokens_per_chunk,
             request_timeout=cfg.request_timeout,

@@ -61,6 +61,15 @@ class RequestRouter:
         self._up_s = {url: 0.0 for url in urls}  # completed periods in routing
         self._up_since: dict[str, float | None] = {url: self._started for url in urls}  # None while down
         self.generated_tokens = 0
+        # Grows whenever the servers in routing or their versions change (the
+        # routing table's revision, docs/design.md §6); `on_change` is called then.
+        self.revision = 0
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        self.revision += 1
+        if self.on_change is not None:
+            self.on_change()
 
     @property
     def up_urls(self) -> list[str]:
@@ -121,6 +130,19 @@ class RequestRouter:
         if url in self.up and self.in_flight[url] == 0 and self._idle_since[url] is None:
             self._idle_since[url] = self._clock()
 
+    def set_in_flight(self, url: str, n: int) -> None:
+        """Client-side routing: `n` requests in flight on `url`, as the rollout
+        workers' latest load reports add up (`utilization` integrates from it)."""
+        if url not in self.up:
+            return
+        now = self._clock()
+        if n and self._idle_since[url] is not None:
+            self._idle_s[url] += now - self._idle_since[url]
+            self._idle_since[url] = None
+        elif not n and self._idle_since[url] is None:
+            self._idle_since[url] = now
+        self.in_flight[url] = n
+
     def mark_down(self, url: str) -> int:
         """Takes `url` out of routing; returns how many requests it had in
         flight (their releases, still due, are absorbed). No-op if not up."""
@@ -135,6 +157,7 @@ class RequestRouter:
             self._idle_since[url] = None
         self._up_s[url] += now - self._up_since[url]
         self._up_since[url] = None
+        self._changed()
         return orphaned
 
     def add_server(self, url: str, version: int) -> None:
@@ -147,8 +170,11 @@ class RequestRouter:
                 f"server {url} holds weight version {version}, older than the servers in routing "
                 f"({current}): load version {current} first"
             )
+        changed = self.loaded_version.get(url) != version
         self.loaded_version[url] = version
         if url in self.up:
+            if changed:
+                self._changed()
             return
         now = self._clock()
         if url not in self.in_flight:
@@ -161,6 +187,7 @@ class RequestRouter:
         self.up.add(url)
         self._idle_since[url] = now if self.in_flight[url] == 0 else None
         self._up_since[url] = now
+        self._changed()
 
     def utilization(self) -> dict[str, float]:
         """Cumulative figures since the router started: `gen_idle_s`, the
@@ -180,7 +207,10 @@ class RequestRouter:
         }
 
     def set_loaded_version(self, url: str, version: int) -> None:
-        self.loaded_version[url] = version
+        if self.loaded_version.get(url) != version:
+            self.loaded_version[url] = version
+            if url in self.up:
+                self._changed()
 
 
 class Reservations:

@@ -55,6 +55,7 @@ class Server:
     failures_while_loading: int = 0  # failed checks not counted during the current load(s)
     joined: int | None = None  # the weight version it last joined routing with
     first_request_version: int | None = None  # the version it held when first given a request
+    answered_at: float | None = None  # clock time a client last reported an answer from it
 
 
 class RegistryChange(NamedTuple):
@@ -208,9 +209,23 @@ class ServerRegistry:
         return first
 
     # ---- views -----------------------------------------------------------------------------
-    def to_check(self) -> list[str]:
-        """The servers health checks watch: up and down ones."""
-        return [s.url for s in self.servers.values() if s.state in ("up", "down")]
+    def answered(self, url: str) -> None:
+        """A client reports that `url` answered one of its requests just now."""
+        server = self.servers.get(url)
+        if server is not None and server.state == "up":
+            server.answered_at = self._clock()
+            server.failures = 0
+
+    def to_check(self, answered_within: float = 0.0) -> list[str]:
+        """The servers health checks watch: up and down ones, but an up
+        server that answered a client within `answered_within` seconds
+        (passive health: it is busy answering, a probe would tell nothing new)."""
+        since = self._clock() - answered_within
+        return [
+            s.url
+            for s in self.servers.values()
+            if s.state == "down" or (s.state == "up" and (s.answered_at is None or s.answered_at < since))
+        ]
 
     def up_count(self) -> str:
         registered = sum(1 for s in self.servers.values() if s.state != "retired")

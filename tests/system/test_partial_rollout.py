@@ -34,6 +34,7 @@ from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import load_math_jsonl
 from realrl.impl.verifiers.math_verifier import MathVerifier
 from realrl.launcher.local import WorkerGroup
+from realrl.system.client_routing import ManagerRouting
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutError, PartialRolloutManager
 from tests.impl.conftest import save_perturbed
@@ -208,12 +209,16 @@ class ObservedManagerClient(GserverManagerClient):
             self.admitted.clear()
 
 
-async def with_prm(manager_url: str, fn, **prm_kwargs):
+async def with_prm(manager_url: str, fn, server_watch_interval: float = 2.0, **prm_kwargs):
+    """`fn(prm, manager)` with a partial-rollout manager routed by the
+    manager (`ManagerRouting`, so that `manager.scheduled` logs each schedule)."""
     manager = ObservedManagerClient(manager_url, retries=1, retry_backoff_s=0.01)
     async with GenerationClient(timeout_s=120) as client:
+        prm = PartialRolloutManager(ManagerRouting(manager, server_watch_interval), client, **prm_kwargs)
         try:
-            return await fn(PartialRolloutManager(manager, client, **prm_kwargs), manager)
+            return await fn(prm, manager)
         finally:
+            await prm.close()
             await manager.end_rollouts()
             await manager.close()
 

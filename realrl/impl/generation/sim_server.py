@@ -339,6 +339,10 @@ class SimServerHost:
         self.urls: list[str] = []
         self._runners: list[web.AppRunner] = []
         self.requests: collections.Counter[str] = collections.Counter()  # route -> requests served
+        # server URL -> route -> requests served
+        self.by_server: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
         self.loads: dict[str, _VersionLoads] = {}
 
     async def start(self, n: int) -> list[str]:
@@ -368,6 +372,7 @@ class SimServerHost:
     @web.middleware
     async def _count(self, request: web.Request, handler):
         self.requests[request.path] += 1
+        self.by_server[f"http://{request.host}"][request.path] += 1
         return await handler(request)
 
     def _loaded(self, version: str, nbytes: int) -> None:

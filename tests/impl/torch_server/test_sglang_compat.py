@@ -191,7 +191,7 @@ def test_sampling_logprobs_as_sglang_reports_them(start_server, tiny_llama_dir):
     before = run(_with_client(lambda c: go(old.url, c)))
     assert [r.output_sampling_logprobs for r in before] == [None] * 4 and not before[2].aborted
 
-    manager = PartialRolloutManager(manager=None, client=None)
+    manager = PartialRolloutManager(routing=None, client=None)
     answer = _Answer()
     with pytest.raises(PartialRolloutError, match="no sampling logprobs"):
         manager._append(answer, before[0], 0, "q", old.url, GenerationHyperparameters(top_p=0.8, top_k=20))
