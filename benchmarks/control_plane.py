@@ -144,6 +144,7 @@ class Point:
     episodes: int
     rate: float  # generation calls per second the episodes offer
     series: str = "grid"
+    routing: str = "client"  # rollout.routing: client (the rollout workers) | manager (per request)
 
 
 @dataclasses.dataclass
@@ -252,6 +253,7 @@ def build_groups(kit: Kit, point: Point, plan: Plan, args, trial: str, trial_dir
         env=EnvConfig(type="sim-null"),
         max_concurrent_rollouts=per_worker,
         sample_log_every=0,
+        routing=point.routing,
     )
     trainer = SimTrainerConfig(
         model_path=kit.model_dir,
@@ -457,9 +459,10 @@ def rate(before: dict, after: dict, key: str, dt: float) -> float:
 def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
     """Runs one point's trial and measures it (see the module docstring); returns its row."""
     plan = make_plan(point, args)
-    trial_name = f"n{point.servers}-e{point.episodes}-r{int(point.rate)}-{uuid.uuid4().hex[:6]}"
+    trial_name = f"n{point.servers}-e{point.episodes}-r{int(point.rate)}-{point.routing}-{uuid.uuid4().hex[:6]}"
     print(
-        f"\n== {point.servers} servers, {point.episodes} episodes, {plan.offered_rate:.0f} calls/s offered "
+        f"\n== {point.servers} servers, {point.episodes} episodes, {plan.offered_rate:.0f} calls/s offered, "
+        f"routing by the {point.routing} "
         f"(tool wait {plan.tool_latency_s:.2f}s, batch {plan.train_batch_size}, eta {plan.max_head_offpolicyness}, "
         f"{plan.hosts} server hosts, {plan.rollout_workers} rollout workers); trial {trial_name}",
         flush=True,
@@ -490,6 +493,7 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
     row = {
         "trial": trial_name,
         "series": point.series,
+        "routing": point.routing,
         "servers": point.servers,
         "episodes": point.episodes,
         "offered_calls_per_s": plan.offered_rate,
@@ -631,14 +635,16 @@ def print_row(r: dict) -> None:
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'series':<11}{'N':>5}{'E':>7}{'calls/s':>9}{'offered':>9}{'mgr req/s':>10}{'add p50':>9}{'add p99':>9}"
+        f"{'series':<11}{'routing':<8}{'N':>5}{'E':>7}{'calls/s':>9}{'offered':>9}{'mgr req/s':>10}"
+        f"{'add p50':>9}{'add p99':>9}"
         f"{'fanout s':>9}{'health/s':>9}{'etcd op/s':>10}{'keys':>6}{'mgr cpu':>8}{'mgr MB':>7}{'master':>7}"
         f"{'load':>6}"
     )
     print("\n" + head)
     for r in rows:
         print(
-            f"{r['series']:<11}{r['servers']:>5}{r['episodes']:>7}{r['calls_per_s']:>9.0f}"
+            f"{r['series']:<11}{r.get('routing', 'manager'):<8}{r['servers']:>5}{r['episodes']:>7}"
+            f"{r['calls_per_s']:>9.0f}"
             f"{r['offered_calls_per_s']:>9.0f}{r['requests_per_s']:>10.0f}{_ms(r['added_p50_ms']):>9}"
             f"{_ms(r['added_p99_ms']):>9}{_ms(r['version_fanout_s']):>9}{r['health_checks_per_s']:>9.0f}"
             f"{r['etcd_ops_per_s']:>10.0f}{r['etcd_keys']:>6.0f}{r['manager_cpu']:>8.2f}"
@@ -667,10 +673,15 @@ def plot(rows: list[dict], path: str) -> None:
     grid = [r for r in rows if r["series"] == "grid"]
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
     for ax, (key, title) in zip(axes.flat, PLOTTED):
-        for episodes in sorted({r["episodes"] for r in grid}):
-            pts = sorted((r["servers"], r[key]) for r in grid if r["episodes"] == episodes and r[key] is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{episodes} episodes")
+        for routing, style in (("client", "-"), ("manager", "--")):
+            for episodes in sorted({r["episodes"] for r in grid}):
+                pts = sorted(
+                    (r["servers"], r[key])
+                    for r in grid
+                    if r["episodes"] == episodes and r.get("routing") == routing and r[key] is not None
+                )
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{episodes} episodes, {routing} routing")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("servers (N)")
         ax.set_title(title)
@@ -681,6 +692,36 @@ def plot(rows: list[dict], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Client-side routing against the manager's, point by point (the same
+    run): the ratio manager / client of the added latency and the manager's
+    requests and CPU (above 1: client-side routing is better by that factor)."""
+    out = []
+    by = {(r["servers"], r["episodes"], r.get("routing")): r for r in rows if r["series"] == "grid"}
+    for (n, e, routing), client in sorted(by.items()):
+        manager = by.get((n, e, "manager"))
+        if routing != "client" or manager is None:
+            continue
+        ratio = {}
+        for key in ("added_p50_ms", "added_p99_ms", "requests_per_s", "manager_cpu", "version_fanout_s"):
+            a, b = manager.get(key), client.get(key)
+            ratio[key] = a / b if a is not None and b not in (None, 0) and b > 0 else None
+        out.append({"servers": n, "episodes": e, "manager_over_client": ratio})
+    if out:
+        print("\nmanager routing / client routing (above 1: client-side routing is better by that factor)")
+        print(f"{'N':>5}{'E':>7}{'add p50':>9}{'add p99':>9}{'mgr req/s':>10}{'mgr cpu':>9}{'fanout':>8}")
+        for c in out:
+            r = c["manager_over_client"]
+            cells = [
+                r[k] for k in ("added_p50_ms", "added_p99_ms", "requests_per_s", "manager_cpu", "version_fanout_s")
+            ]
+            print(
+                f"{c['servers']:>5}{c['episodes']:>7}"
+                + "".join(f"{'-' if x is None else f'{x:.2f}':>{w}}" for x, w in zip(cells, (9, 9, 10, 9, 8)))
+            )
+    return out
 
 
 def saturated(row: dict) -> bool:
@@ -705,6 +746,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=5.0, help="seconds after the window for fan-outs to end")
     parser.add_argument("--servers-per-host", type=int, default=128)
     parser.add_argument("--rollout-workers", type=int, default=2)
+    parser.add_argument(
+        "--routing",
+        default="client,manager",
+        help="rollout.routing per point: client (the default; routed in the rollout workers), manager (per request, "
+        "the baseline)",
+    )
     parser.add_argument("--probe-interval", type=float, default=0.05, help="seconds between direct calls per worker")
     parser.add_argument(
         "--saturation", action="store_true", help="raise the rate at the largest point until it saturates"
@@ -722,7 +769,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.servers, args.episodes = "256", "1024,16384"
         args.window, args.grace = min(args.window, 15.0), min(args.grace, 3.0)
-    points = [Point(int(n), int(e), args.rate) for n in args.servers.split(",") for e in args.episodes.split(",")]
+    points = [
+        Point(int(n), int(e), args.rate, routing=routing)
+        for n in args.servers.split(",")
+        for e in args.episodes.split(",")
+        for routing in args.routing.split(",")
+    ]
     os.makedirs(args.root, exist_ok=True)
     kit = make_kit(args.root)
     rows = []
@@ -733,17 +785,20 @@ def main(argv: list[str] | None = None) -> int:
         top = max(points, key=lambda p: (p.servers, p.episodes))
         offered = args.saturation_from
         while offered <= args.max_rate:
-            row = run_point(kit, Point(top.servers, top.episodes, offered, "saturation"), args, profile=args.profile)
+            point = Point(top.servers, top.episodes, offered, "saturation", routing=points[0].routing)
+            row = run_point(kit, point, args, profile=args.profile)
             rows.append(row)
             if saturated(row):
                 break
             offered *= 2
     print_table(rows)
+    comparison = compare(rows)
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"cores": psutil.cpu_count(), "memory_gb": psutil.virtual_memory().total / 2**30},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
         "rows": rows,
+        "comparison": comparison,
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,7 @@
 """A tiny run of the control-plane benchmark (benchmarks/control_plane.py):
 a whole trial with the real launcher, master, manager and rollout workers
-around 4 simulated servers, measured for a few seconds; the JSON and the plot
-it writes, and nothing of the trial left behind."""
+around 4 simulated servers, measured for a few seconds with each routing;
+the JSON and the plot it writes, and nothing of the trial left behind."""
 
 from __future__ import annotations
 
@@ -29,15 +29,22 @@ def test_a_small_simulated_cluster_is_measured(tmp_path):
         str(png),
     ]
     assert main(args) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert (row["servers"], row["episodes"]) == (4, 32) and 0 < row["episodes_running"] <= 32
-    # Calls went through the manager and straight to the servers; both were timed.
-    assert row["calls_measured"] > 0 and row["direct_calls_measured"] > 0 and row["requests_per_s"] > 0
-    assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None
-    # Versions were published in the window and reached all 4 servers (each read the files).
-    assert row["versions"] >= 1 and row["version_fanout_s"] is not None and row["version_fanout_s"] >= 0
-    assert row["etcd_keys"] > 0 and row["etcd_ops_per_s"] > 0
-    assert row["cpu_cores"]["manager"] > 0 and row["rss_mb"]["manager"] > 0
+    result = json.loads(out.read_text())
+    rows = {row["routing"]: row for row in result["rows"]}
+    assert sorted(rows) == ["client", "manager"]
+    for row in rows.values():
+        assert (row["servers"], row["episodes"]) == (4, 32) and 0 < row["episodes_running"] <= 32
+        # Calls went through the runtime and straight to the servers; both were timed.
+        assert row["calls_measured"] > 0 and row["direct_calls_measured"] > 0 and row["requests_per_s"] > 0
+        assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None
+        # Versions were published in the window and reached all 4 servers (each read the files).
+        assert row["versions"] >= 1 and row["version_fanout_s"] is not None and row["version_fanout_s"] >= 0
+        assert row["etcd_keys"] > 0 and row["etcd_ops_per_s"] > 0
+        assert row["cpu_cores"]["manager"] > 0 and row["rss_mb"]["manager"] > 0
+    # Routed in the rollout workers, a generation call costs the manager no request of its own.
+    assert rows["client"]["manager_requests_per_call"] < 1 < rows["manager"]["manager_requests_per_call"]
+    (comparison,) = result["comparison"]
+    assert comparison["manager_over_client"]["requests_per_s"] > 1
     assert png.stat().st_size > 0
     assert sorted(os.listdir(root)) == ["logs", "model", "prompts.jsonl", "run"]  # the trial's own files are gone
     assert os.listdir(root / "logs" / "control-plane") == []
