@@ -38,7 +38,8 @@ class ConfigError(ValueError):
 @dataclasses.dataclass
 class LoraConfig:
     """LoRA (peft): train low-rank adapters on the frozen policy; a published
-    version is the adapter alone (docs/design.md §8)."""
+    version is the adapter with the tokenizer files, not a full model
+    (docs/design.md §8)."""
 
     rank: int = 0
     """Adapter rank r; 0 = off (full fine-tuning)."""

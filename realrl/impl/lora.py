@@ -6,7 +6,8 @@ layer plus A: r x in and B: out x r, output `W x + (alpha / r) B A x`; B
 starts at zero, so version 0 is the base model), every other parameter is
 frozen, and only the adapters get gradients and optimizer state. A published
 version, a checkpoint's model state and the final model's `adapter/` hold the
-adapter alone, in peft's format (docs/design.md §8): `adapter_model.safetensors`
+adapter alone (a version and `adapter/` with the model directory's tokenizer
+files beside it), in peft's format (docs/design.md §8): `adapter_model.safetensors`
 with keys `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` and
 `adapter_config.json`; the torch server reads it with
 `realrl.impl.generation.torch_server.weights.read_adapter`, SGLang with its

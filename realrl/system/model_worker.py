@@ -27,11 +27,14 @@ of their own (also when training runs on NCCL), in the wire format (no
 pickle), point to point.
 
 Weights (docs/design.md §8): after each train step rank 0 writes the actor as HF
-safetensors into a temp directory, renames it to `<weights_dir>/<version>/`,
-and only then sets `model_version/actor`; a half-written version is never
-visible. With `lora.rank` > 0 the actor is wrapped with peft LoRA adapters
-(`realrl.impl.lora`): only they train, and a version, a checkpoint and the
-final model's `adapter/` hold them alone; the KL reference is the actor with
+safetensors, with the tokenizer files, chat template and generation config of
+the model directory it started from (an ordinary HF directory), into a temp
+directory, renames it to `<weights_dir>/<version>/`, and only then sets
+`model_version/actor`; a half-written version is never visible. With
+`lora.rank` > 0 the actor is wrapped with peft LoRA adapters
+(`realrl.impl.lora`): only they train, and a version (with the tokenizer
+files), a checkpoint and the final model's `adapter/` hold them alone; the KL
+reference is the actor with
 the adapters off. Data parallelism uses torch.distributed (gloo on CPU, NCCL on CUDA);
 gradients are summed over ranks and the loss is normalised by the global token
 count, so every rank ends a step with identical weights.
@@ -73,44 +76,95 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 ACTOR = "actor"
 
 
-def save_model(model: torch.nn.Module, path: str, max_shard_size: str = "2GB", state_dict: dict | None = None) -> None:
+def save_model(
+    model: torch.nn.Module,
+    path: str,
+    max_shard_size: str = "2GB",
+    state_dict: dict | None = None,
+    tokenizer_source: str | None = None,
+) -> None:
     """HF safetensors of `model` (or of `state_dict` in its layout); of a LoRA
     model, the adapter alone in peft's format (adapter_model.safetensors +
-    adapter_config.json)."""
-    if lora.is_lora(model):
+    adapter_config.json). With `tokenizer_source` (the model directory the run
+    started from), its tokenizer files, chat template and generation config
+    are copied in after the weights (`copy_tokenizer_files`), so the directory
+    loads with `AutoTokenizer` and generates like the user's model."""
+    adapter = lora.is_lora(model)
+    if adapter:
         lora.save_adapter(model, path, state_dict)
     else:
         model.save_pretrained(path, max_shard_size=max_shard_size, state_dict=state_dict)
+    if tokenizer_source:
+        copy_tokenizer_files(tokenizer_source, path, adapter=adapter)
 
 
-# What save_pretrained writes of the model itself; every other file of the
-# model directory (tokenizer, chat template, generation config, ...) is the user's.
-_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# What save_pretrained writes of the model itself (and a peft adapter's own
+# config); every other file of the model directory (tokenizer, chat template,
+# generation config, ...) is the user's.
+_MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "adapter_config.json",
+)
+# Weights in any format a full Hugging Face snapshot may hold beside the
+# safetensors (gpt2 ships flax_model.msgpack, tf_model.h5, rust_model.ot):
+# large, and none of them the trained model.
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".index.json",
+    ".msgpack",
+    ".h5",
+    ".ot",
+    ".onnx",
+    ".onnx_data",
+    ".gguf",
+    ".tflite",
+)
 
 
-def copy_tokenizer_files(source: str, path: str) -> None:
+def copy_tokenizer_files(source: str, path: str, adapter: bool = False) -> None:
     """The user's tokenizer files, chat template and generation config, copied
     unchanged from the model directory the run started from (a tokenizer saved
-    by transformers may change class or gain tokens)."""
+    by transformers may change class or gain tokens). Into a LoRA adapter
+    directory (`adapter`) without `added_tokens.json`: SGLang reads that file
+    in an adapter as tokens the adapter adds to the vocabulary (releases
+    before sglang PR 17905, January 2026, refused an adapter whose "added"
+    tokens are the base vocabulary's own; later ones filter them out), so
+    nothing depends on that filter; tokenizer.json and tokenizer_config.json
+    still carry the added tokens for AutoTokenizer."""
     for name in sorted(os.listdir(source)):
         src = os.path.join(source, name)
         if (
             name in _MODEL_FILES
+            or (adapter and name == "added_tokens.json")
             or not os.path.isfile(src)
-            or name.endswith((".safetensors", ".bin", ".pt", ".index.json"))
+            or name.endswith(_WEIGHT_SUFFIXES)
         ):
             continue
         shutil.copyfile(src, os.path.join(path, name))
 
 
 def publish_weights(
-    model: torch.nn.Module, weights_dir: str, version: int, max_shard_size: str = "2GB", state_dict: dict | None = None
+    model: torch.nn.Module,
+    weights_dir: str,
+    version: int,
+    max_shard_size: str = "2GB",
+    state_dict: dict | None = None,
+    tokenizer_source: str | None = None,
 ) -> str:
-    """Writes `model` (`save_model`) to `<weights_dir>/<version>/` atomically."""
+    """Writes `model` (`save_model`, with the tokenizer files of
+    `tokenizer_source`) to `<weights_dir>/<version>/` atomically: everything
+    is in the temporary directory before the rename makes it visible."""
     final = os.path.join(weights_dir, str(version))
     tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
     os.makedirs(weights_dir, exist_ok=True)
-    save_model(model, tmp, max_shard_size, state_dict)
+    save_model(model, tmp, max_shard_size, state_dict, tokenizer_source)
     old = None
     if os.path.exists(final):  # a re-run of this version (recovery): replace it, never leaving it half-deleted
         old = os.path.join(weights_dir, f".old-{version}-{uuid.uuid4().hex[:8]}")
@@ -233,7 +287,8 @@ class ModelWorker(Worker):
 
         transformers.logging.disable_progress_bar()  # a "Writing model shards" bar per published version
         dtype = _DTYPES[config.dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        self._source = config.tokenizer_path or config.model_path  # its tokenizer files go into every saved model
+        self.tokenizer = AutoTokenizer.from_pretrained(self._source)
         self._eval_agent = None  # made at the first evaluation (the agent may load things)
         self._warned_length_cut = False
         actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
@@ -524,7 +579,13 @@ class ModelWorker(Worker):
         if data.get("last_step", True):  # hashing the full weights costs: the end's check needs the last step's
             self._expect_shards(state_dict)
         if self.dp_rank == 0:
-            publish_weights(self.actor.model, self.cfg.weights_dir, new_version, state_dict=state_dict)
+            publish_weights(
+                self.actor.model,
+                self.cfg.weights_dir,
+                new_version,
+                state_dict=state_dict,
+                tokenizer_source=self._source,
+            )
             self._set_version(new_version)
         else:
             self.version = new_version
@@ -610,11 +671,11 @@ class ModelWorker(Worker):
             os.makedirs(path, exist_ok=True)
             if self.lora:
                 adapter = os.path.join(path, "adapter")
-                save_model(self.actor.model, adapter, state_dict=state_dict)
+                save_model(self.actor.model, adapter, state_dict=state_dict, tokenizer_source=self._source)
                 lora.save_merged(adapter, self.cfg.model_path, path, _DTYPES[self.cfg.dtype])
+                copy_tokenizer_files(self._source, path)
             else:
-                save_model(self.actor.model, path, state_dict=state_dict)
-            copy_tokenizer_files(self.cfg.tokenizer_path or self.cfg.model_path, path)
+                save_model(self.actor.model, path, state_dict=state_dict, tokenizer_source=self._source)
         return {"path": data["path"]}
 
     def _handle_checkpoint(self, data: dict) -> dict:
@@ -662,7 +723,9 @@ class ModelWorker(Worker):
         state_dict = self._full_state_dict(self.actor.model)
         self._expect_shards(state_dict)
         if self.dp_rank == 0:
-            publish_weights(self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict)
+            publish_weights(
+                self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict, tokenizer_source=self._source
+            )
             self._set_version(version)
         else:
             self.version = version

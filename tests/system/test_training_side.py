@@ -13,6 +13,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from realrl.api.cli_args import LoraConfig, OptimizerConfig, PPOConfig
 from realrl.api.system_api import MasterWorkerConfig, ModelWorkerConfig
@@ -261,9 +262,17 @@ def run_trial(
     # No manager in this trial: nobody counted what was produced, and the summary says so.
     assert t["produced"] is None and "did not report" in t["note"]
     assert summary["max_staleness_trained"] <= eta
-    # Published weights: the newest version is complete and loadable.
+    # Published weights: the newest version is complete and loadable, with the
+    # user's tokenizer and generation config beside the weights (an HF directory).
+    newest = os.path.join(weights_dir, str(steps))
     published = "adapter_config.json" if lora else "config.json"
-    assert os.path.isfile(os.path.join(weights_dir, str(steps), published))
+    assert os.path.isfile(os.path.join(newest, published))
+    assert AutoTokenizer.from_pretrained(newest).get_vocab() == AutoTokenizer.from_pretrained(model_path).get_vocab()
+    with (
+        open(os.path.join(newest, "generation_config.json")) as a,
+        open(os.path.join(model_path, "generation_config.json")) as b,
+    ):
+        assert json.load(a) == json.load(b)
     assert not [d for d in os.listdir(weights_dir) if d.startswith(".tmp")]
     assert os.path.isdir(tmp_path / "ckpt" / "step2") and os.path.isfile(tmp_path / "final" / "config.json")
     stats = [json.loads(line) for line in open(os.path.join(launcher.log_dir, "stats.jsonl"))]
@@ -348,11 +357,12 @@ def test_lora_model_workers_under_fsdp_publish_checkpoint_and_save_adapters(tmp_
     _, weights_dir, _, _ = run_trial(tmp_path, tiny_model_dir, "grpo", fsdp=True, lora=lora, kl_ctl=0.1)
     model_path = tiny_model_dir[0]
     versions = sorted(int(v) for v in os.listdir(weights_dir) if v.isdigit())
+    # The adapter, and the user's files but its weights and config.json (tokenizer, generation config, ...).
+    users = [f for f in os.listdir(model_path) if f != "config.json" and not f.endswith(".safetensors")]
     for v in versions:
-        assert sorted(os.listdir(os.path.join(weights_dir, str(v)))) == [
-            "adapter_config.json",
-            "adapter_model.safetensors",
-        ]
+        assert sorted(os.listdir(os.path.join(weights_dir, str(v)))) == sorted(
+            ["adapter_config.json", "adapter_model.safetensors", *users]
+        )
     with open(os.path.join(weights_dir, "3", "adapter_config.json")) as f:
         config = json.load(f)
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
