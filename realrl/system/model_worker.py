@@ -366,7 +366,9 @@ class ModelWorker(Worker):
             vocab_size=vocab_size,
             host=self.bind_host,
             max_positions=getattr(actor.config.get_text_config(decoder=True), "max_position_embeddings", None),
-            newest_version=lambda: self.version,
+            # +1: the ranks step together, but rank 0 announces a version while another rank may not
+            # have counted that step yet, and rollouts of it can reach that rank's puller first.
+            newest_version=lambda: self.version + 1,
         )
         self.server = NameResolvingReplyServer(
             self.experiment_name, self.trial_name, self.info.worker_index, interrupt=self.raise_if_exiting
