@@ -292,8 +292,14 @@ class Worker:
         if threading.current_thread() is not threading.main_thread():
             return
 
+        signals = []
+
         def on_signal(signum, frame):
-            if self._stop.is_set():  # second signal: stop now
+            # A second signal (a second Ctrl-C): stop now. One signal while the worker already
+            # exits on its own (the trial ended) is the launcher's stop sequence: the exit hooks
+            # (e.g. stopping a server process) run to the end, within the launcher's stop_timeout.
+            signals.append(signum)
+            if len(signals) > 1:
                 raise SystemExit(128 + signum)
             self.request_exit(f"signal {signal.Signals(signum).name}")
 

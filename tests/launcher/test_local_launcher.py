@@ -71,6 +71,23 @@ def test_failing_worker_stops_trial_and_shows_its_traceback(tmp_path, capfd):
     assert elapsed < 60  # generous: stop_timeout is 30 s and workers exit on ABORTED at once
 
 
+def test_a_worker_slow_to_stop_its_child_finishes_its_exit_despite_the_launchers_sigterm(tmp_path):
+    """An aborted trial: the launcher sets ABORTED, then SIGTERMs the workers
+    still running after 3 s. A worker already exiting (stopping its server
+    takes 5 s) runs its exit hook to the end and exits by itself, within the
+    launcher's stop_timeout, instead of dying half-way."""
+    launcher = LocalLauncher("launchtest", "slowstop", str(tmp_path), NameResolveConfig(type="etcd3"), heartbeat_ttl=2)
+    groups = [
+        WorkerGroup(f"{W}:CountingWorker", 1, {"fail_index": 0, "fail_at": 20}),
+        WorkerGroup(f"{W}:SpawningWorker", 1, {"exit_hook_s": 5}),
+    ]
+    assert launcher.run(groups, timeout=120) == 1
+    log = open(launcher.log_path("SpawningWorker", 0)).read()
+    assert "exiting: experiment status ABORTED" in log, log[-2000:]
+    assert "child stopped" in log and "exited with code 0" in log, log[-2000:]
+    assert not any(alive(p) for p in launcher.worker_pids + spawned_pids(launcher.log_dir))
+
+
 def test_worker_that_cannot_be_built_is_reported(tmp_path, capfd):
     launcher = LocalLauncher(
         "launchtest", "badbuild", str(tmp_path), NameResolveConfig(type="file", file_root=str(tmp_path / "nr"))

@@ -38,9 +38,12 @@ class AsyncCountingWorker(AsyncWorker):
 
 
 class SpawningWorker(Worker):
-    """Owns a child process, as a GenerationServer owns its inference server."""
+    """Owns a child process, as a GenerationServer owns its inference server.
+    config: exit_hook_s, how long stopping the child takes (a server that is
+    slow to stop)."""
 
     def _configure(self, config):
+        self.exit_hook_s = (config or {}).get("exit_hook_s", 0)
         self.child = subprocess.Popen(["sleep", "600"])
         with open(f"{self.info.log_dir}/spawned-{self.info.worker_index}.pid", "w") as f:
             f.write(str(self.child.pid))
@@ -50,8 +53,10 @@ class SpawningWorker(Worker):
         return PollResult()
 
     def _exit_hook(self):
+        time.sleep(self.exit_hook_s)
         self.child.kill()
         self.child.wait()
+        self.logger.info("child stopped")
 
 
 class BadConfigWorker(Worker):
