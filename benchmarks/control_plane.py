@@ -218,7 +218,9 @@ def build_groups(kit: Kit, point: Point, plan: Plan, args, trial: str, trial_dir
             "latency_dir": os.path.join(trial_dir, "latency"),
             "experiment": EXPERIMENT,
             "trial": trial,
-            "probe_interval_s": args.probe_interval,
+            # As many direct calls as calls through the runtime (unless asked otherwise): the two
+            # percentiles compared then rest on as many samples each.
+            "probe_interval_s": args.probe_interval or plan.rollout_workers / plan.offered_rate,
         },
     )
     settings = AgentSettings(
@@ -403,15 +405,17 @@ def rss_mb(sampler: TreeSampler) -> dict[int, float]:
 
 
 def latencies(trial_dir: str, t0: float, t1: float) -> dict[str, np.ndarray]:
-    """Seconds of the calls that ended in [t0, t1]: through the runtime (`via`) and straight to a server (`direct`)."""
-    out: dict[str, list[float]] = {"via": [], "direct": []}
+    """Seconds of what ended in [t0, t1] in the rollout workers: calls through the runtime (`via`) and
+    straight to a server (`direct`), the event loop's lateness (`lag`, above 5 ms) and the collector's
+    pauses (`gc0`..`gc2`, per generation)."""
+    out: dict[str, list[float]] = {"via": [], "direct": [], "lag": [], "gc0": [], "gc1": [], "gc2": []}
     directory = os.path.join(trial_dir, "latency")
     for name in os.listdir(directory):
         with open(os.path.join(directory, name)) as f:
             for line in f:
                 kind, t, seconds = line.split()
                 if t0 <= float(t) <= t1:
-                    out[kind].append(float(seconds))
+                    out.setdefault(kind, []).append(float(seconds))
     return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -557,6 +561,18 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict) -> dict:
     def diff(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a - b
 
+    def added_ci(q: float, n: int = 400) -> list[float] | None:
+        """A 90 % bootstrap interval of the added latency at percentile q (ms): the percentile
+        of a few thousand calls with a long tail moves by more than the target itself."""
+        if not len(via) or not len(direct):
+            return None
+        rng = np.random.default_rng(0)
+        d = [
+            np.percentile(rng.choice(via, len(via)), q) - np.percentile(rng.choice(direct, len(direct)), q)
+            for _ in range(n)
+        ]
+        return [float(np.percentile(d, 5) * 1000), float(np.percentile(d, 95) * 1000)]
+
     return {
         "episodes_running": m1["running"],
         "calls_per_s": calls_per_s,
@@ -564,10 +580,19 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict) -> dict:
         "trajectories_per_s": rate(m0, m1, "accepted", m_dt),
         "added_p50_ms": diff(pct(via, 50), pct(direct, 50)),
         "added_p99_ms": diff(pct(via, 99), pct(direct, 99)),
+        "added_p50_ms_ci90": added_ci(50),
+        "added_p99_ms_ci90": added_ci(99),
         "via_p50_ms": pct(via, 50),
         "via_p99_ms": pct(via, 99),
         "direct_p50_ms": pct(direct, 50),
         "direct_p99_ms": pct(direct, 99),
+        # The rollout workers' event loops: how late they woke (the worst, and summed over the
+        # window), and the garbage collector's full collections (a pause for every episode there).
+        "loop_lag_max_ms": float(lat["lag"].max() * 1000) if len(lat["lag"]) else 0.0,
+        "loop_lag_s_per_s": float(lat["lag"].sum()) / dt,
+        "gc2_pauses": len(lat["gc2"]),
+        "gc2_pause_max_ms": float(lat["gc2"].max() * 1000) if len(lat["gc2"]) else 0.0,
+        "gc_pause_s_per_s": float(sum(lat[k].sum() for k in ("gc0", "gc1", "gc2"))) / dt,
         "calls_measured": len(via),
         "direct_calls_measured": len(direct),
         "server_requests_per_s": server_requests,
@@ -597,6 +622,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _ci(ci: list[float] | None) -> str:
+    return "" if ci is None else f"[90% {ci[0]:.1f}..{ci[1]:.1f}]"
+
+
 def print_row(r: dict) -> None:
     cpu, ws = r["cpu_cores"], r["weight_sync"]
     sync = (
@@ -608,11 +637,15 @@ def print_row(r: dict) -> None:
     print(
         f"   {r['calls_per_s']:.0f}/{r['offered_calls_per_s']:.0f} calls/s served/offered, "
         f"{r['episodes_running']} episodes running; manager {r['requests_per_s']:.0f} requests/s; "
-        f"added latency p50 {_ms(r['added_p50_ms'])} ms p99 {_ms(r['added_p99_ms'])} ms "
+        f"added latency p50 {_ms(r['added_p50_ms'])} ms {_ci(r.get('added_p50_ms_ci90'))} "
+        f"p99 {_ms(r['added_p99_ms'])} ms {_ci(r.get('added_p99_ms_ci90'))} "
         f"(via {_ms(r['via_p50_ms'])}/{_ms(r['via_p99_ms'])}, direct {_ms(r['direct_p50_ms'])}/"
         f"{_ms(r['direct_p99_ms'])}); version to all servers {_ms(r['version_fanout_s'])} s "
         f"(max {_ms(r['version_fanout_max_s'])}, {r['versions']} versions, {r['versions_skipped']} skipped, "
         f"{r['versions_incomplete']} incomplete{sync})\n"
+        f"   rollout workers: event loop late by up to {r['loop_lag_max_ms']:.0f} ms "
+        f"({r['loop_lag_s_per_s'] * 1000:.0f} ms/s); {r['gc2_pauses']} full collections, "
+        f"up to {r['gc2_pause_max_ms']:.0f} ms; collector {r['gc_pause_s_per_s'] * 1000:.0f} ms/s\n"
         f"   manager {r['manager_cpu_ms_per_request']:.2f} CPU ms per request, {r['manager_requests_per_call']:.2f} "
         "requests per call; CPU ms per call: "
         + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_call"].items())
@@ -752,7 +785,12 @@ def main(argv: list[str] | None = None) -> int:
         help="rollout.routing per point: client (the default; routed in the rollout workers), manager (per request, "
         "the baseline)",
     )
-    parser.add_argument("--probe-interval", type=float, default=0.05, help="seconds between direct calls per worker")
+    parser.add_argument(
+        "--probe-interval",
+        type=float,
+        default=0.0,
+        help="seconds between direct calls per rollout worker (0: as many direct calls as calls through the runtime)",
+    )
     parser.add_argument(
         "--saturation", action="store_true", help="raise the rate at the largest point until it saturates"
     )

@@ -10,12 +10,14 @@ of the rollout worker) start at a random phase of a steady state, with
 is steady from the start instead of one burst of first calls.
 
 Measured: the wall time of every call (`via`: through the partial-rollout
-manager, the manager's routing and the server), and, about every
+manager, the routing and the server), and, about every
 `probe_interval_s`, of a call made from the same process straight to a
 random simulated server with the same context and sampling parameters
 (`direct`; calls that a weight update interrupted are left out). Lines
 `<via|direct> <wall clock at the end> <seconds>` are appended to
-`<latency_dir>/rollout-<pid>.txt` about once a second.
+`<latency_dir>/rollout-<pid>.txt` about once a second, with the process's
+event-loop lateness above 5 ms (`lag`) and garbage-collector pauses (`gc0`,
+`gc1`, `gc2` by generation).
 
 `"sim-null"`: an environment that is never asked anything.
 """
@@ -23,6 +25,7 @@ random simulated server with the same context and sampling parameters
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import time
@@ -34,6 +37,7 @@ from realrl.base import name_resolve, names
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 
 FLUSH_INTERVAL_S = 1.0
+LAG_TICK_S = 0.01  # the event loop's lateness is sampled this often
 
 
 class NullEnv(EnvironmentService):
@@ -68,6 +72,25 @@ class ToolAgent(Agent):
         self._lines: list[str] = []
         self._path = os.path.join(latency_dir, f"rollout-{os.getpid()}.txt") if latency_dir else ""
         self._prober: asyncio.Task | None = None
+        self._lag_watch: asyncio.Task | None = None
+        self._gc_started = 0.0
+        if self._path:  # the process's collector pauses (a full collection over many episodes is long)
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.monotonic()
+        else:
+            self._record(f"gc{info['generation']}", time.monotonic() - self._gc_started)
+
+    async def _watch_lag(self) -> None:
+        """How late the event loop wakes a LAG_TICK_S sleep (lateness above 5 ms is recorded)."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(LAG_TICK_S)
+            late = time.monotonic() - t0 - LAG_TICK_S
+            if late > 0.005:
+                self._record("lag", late)
 
     def _record(self, kind: str, seconds: float) -> None:
         self._lines.append(f"{kind} {time.time():.3f} {seconds:.6f}\n")
@@ -75,6 +98,7 @@ class ToolAgent(Agent):
     async def collect_trajectory(self, prompt: PromptRecord, env: EnvironmentService) -> list[Trajectory]:
         if self._prober is None and self._path:
             self._prober = asyncio.create_task(self._probe_loop())
+            self._lag_watch = asyncio.create_task(self._watch_lag())
         self._episodes += 1
         turns = self.turns
         if self._episodes <= self.warm_episodes:

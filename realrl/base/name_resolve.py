@@ -172,13 +172,22 @@ class NameRecordRepository(ABC):
 
     def get_subtree(self, name_root: str) -> list[str]:
         """Values of `find_subtree(name_root)`, in key order."""
-        values = []
-        for key in self.find_subtree(name_root):
+        return list(self.items_subtree(name_root).values())
+
+    def items_subtree(self, name_root: str) -> dict[str, str]:
+        """{key: value} of `find_subtree(name_root)`, in key order: one read
+        of the name service where the backend can (etcd: a range), not one per
+        key (a manager reads its 512 servers' keys every second)."""
+        return dict(sorted(self._items_subtree(validate_name(name_root)).items()))
+
+    def _items_subtree(self, prefix: str) -> dict[str, str]:
+        out = {}
+        for key in self._find_subtree(prefix):
             try:
-                values.append(self._get(key))
+                out[key] = self._get(key)
             except NameEntryNotFoundError:
                 pass  # deleted between listing and reading
-        return values
+        return out
 
     def clear_subtree(self, name_root: str) -> None:
         for key in self.find_subtree(name_root):
@@ -504,6 +513,13 @@ class Etcd3NameRecordRepository(NameRecordRepository):
             keys.append(prefix)
         return keys
 
+    def _items_subtree(self, prefix):
+        out = {meta.key.decode(): value.decode() for value, meta in self._client.get_prefix(prefix + "/")}
+        value, _ = self._client.get(prefix)
+        if value is not None:
+            out[prefix] = value.decode()
+        return out
+
     def _refresh(self, name, ttl):
         lease = self._leases.get(name)
         if lease is None:
@@ -596,6 +612,10 @@ def find_subtree(name_root: str) -> list[str]:
 
 def get_subtree(name_root: str) -> list[str]:
     return default_repository().get_subtree(name_root)
+
+
+def items_subtree(name_root: str) -> dict[str, str]:
+    return default_repository().items_subtree(name_root)
 
 
 def clear_subtree(name_root: str) -> None:

@@ -27,7 +27,10 @@ Both route alike: least requests in flight (ties at random among the least
 loaded in `ClientRouting`, so workers that see the same table do not herd
 onto one server), sticky while the caller's previous server still holds the
 caller's weight version, never to a server the caller just saw failing while
-another one is up.
+another one is up. `ClientRouting` also sends a new request only to servers
+that hold the newest version in its table: during a weight update's fan-out a
+request sent to a server still to be updated is interrupted when its turn
+comes (and an interrupted request resubmitted there, again).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class ClientRouting:
         self._started: collections.Counter[str] = collections.Counter()  # requests sent since the last report
         self._tokens = 0  # generated since the last report
         self._answered: set[str] = set()  # servers that answered since the last report
-        self._left: dict[str, asyncio.Event] = {}  # url -> set once it leaves routing
+        self._left: dict[str, asyncio.Future] = {}  # url -> done once it leaves routing
         self._have_table: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._rng = rng or random.Random()
@@ -109,20 +112,23 @@ class ClientRouting:
         self.table = table
         servers = {s.url: s for s in table.servers}
         for url, left in self._left.items():
-            if url not in servers:
-                left.set()
+            if url not in servers and not left.done():
+                left.set_result(None)
         self._servers = servers
         self._others = {u: n for u, n in self._others.items() if u in servers}
         if self._have_table is not None:
             self._have_table.set()
 
-    def left_routing(self, url: str) -> asyncio.Event:
-        """Set once `url` leaves routing (a fresh one while it is in it)."""
+    def left_routing(self, url: str) -> asyncio.Future:
+        """A future done once `url` leaves routing (a fresh one while it is in
+        it), shared by every request on `url`: a plain future, not a task per
+        request (a task per generation call, cancelled after it, is garbage the
+        collector has to find)."""
         left = self._left.get(url)
-        if left is None or left.is_set():
-            left = self._left[url] = asyncio.Event()
+        if left is None or left.done():
+            left = self._left[url] = asyncio.get_running_loop().create_future()
             if url not in self._servers and self.table is not None:
-                left.set()
+                left.set_result(None)
         return left
 
     # ---- load reports -----------------------------------------------------------------------
@@ -197,11 +203,16 @@ class ClientRouting:
         previous = self._servers.get(previous_url) if previous_url is not None else None
         if previous is not None and previous_url not in avoid and previous.version == previous_version:
             return previous_url
+        # While a weight update goes through the servers, only those that already hold the newest
+        # version: one still to be updated would interrupt the request when its turn comes.
+        candidates = [s for u, s in self._servers.items() if u not in avoid]
+        newest = max((s.version for s in candidates), default=None)
         best: list[str] = []
         least = None
-        for url in self._servers:
-            if url in avoid:
+        for server in candidates:
+            if server.version != newest:
                 continue
+            url = server.url
             load = self._mine[url] + self._others.get(url, 0)
             if least is None or load < least:
                 least, best = load, [url]
@@ -233,7 +244,7 @@ class ManagerRouting:
         self.manager = manager
         self.server_watch_interval = server_watch_interval
         self._in_flight: collections.Counter[str] = collections.Counter()
-        self._left: dict[str, asyncio.Event] = {}
+        self._left: dict[str, asyncio.Future] = {}
         self._watch_task: asyncio.Task | None = None
 
     async def schedule_request(self, qid: str, n: int = 1, *args, parts: list[int] | None = None, **kwargs):
@@ -247,11 +258,11 @@ class ManagerRouting:
         self._in_flight[url] = max(0, self._in_flight[url] - n)
         return await self.manager.release_request(url, ticket, n, **kwargs)
 
-    def left_routing(self, url: str) -> asyncio.Event:
-        """Set once the manager reports `url` down or retired (a fresh one: the manager just routed us there)."""
+    def left_routing(self, url: str) -> asyncio.Future:
+        """Done once the manager reports `url` down or retired (a fresh one: the manager just routed us there)."""
         left = self._left.get(url)
-        if left is None or left.is_set():
-            left = self._left[url] = asyncio.Event()
+        if left is None or left.done():
+            left = self._left[url] = asyncio.get_running_loop().create_future()
         if self._watch_task is None or self._watch_task.done():
             self._watch_task = asyncio.get_running_loop().create_task(self._watch_servers())
         return left
@@ -271,7 +282,8 @@ class ManagerRouting:
             for server in info.servers:
                 left = self._left.get(server.url)
                 if left is not None and server.state in ("down", "retired") and self._in_flight[server.url]:
-                    left.set()
+                    if not left.done():
+                        left.set_result(None)
 
     async def close(self) -> None:
         if self._watch_task is not None:

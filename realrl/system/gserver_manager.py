@@ -483,14 +483,10 @@ class GserverManager(AsyncWorker):
     def _read_registry(self) -> dict[int, str]:
         root = names.gen_servers(self.experiment_name, self.trial_name)
         found = {}
-        for key in name_resolve.find_subtree(root):
+        for key, url in name_resolve.items_subtree(root).items():  # (one etcd range, whatever N)
             suffix = key[len(root) :].strip("/")
-            if not suffix.isdigit():
-                continue
-            try:
-                found[int(suffix)] = name_resolve.get(key)
-            except name_resolve.NameEntryNotFoundError:
-                pass  # unregistered between listing and reading
+            if suffix.isdigit():
+                found[int(suffix)] = url
         return found
 
     def _retire(self, url: str, why: str) -> None:

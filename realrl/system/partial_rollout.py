@@ -67,7 +67,7 @@ answer already has are kept across all of this; only the chunk that was being
 generated on the lost server is generated again. A request in flight on a
 server that the manager takes out of routing (it stopped answering) is
 abandoned and resubmitted at once instead of waiting for `request_timeout`
-(the routing's `left_routing` event).
+(the routing's `left_routing` future).
 """
 
 from __future__ import annotations
@@ -632,18 +632,16 @@ class PartialRolloutManager:
         """A `/generate` `call` on `url`, abandoned (GenerationServerUnavailable)
         as soon as the routing says the server left it, e.g. because it
         stopped answering: its answers are then resubmitted elsewhere."""
-        left = self.routing.left_routing(url)
+        left = self.routing.left_routing(url)  # (shared by every request on url: never cancelled here)
         generate = asyncio.ensure_future(call)
-        abandoned = asyncio.ensure_future(left.wait())
         try:
-            done, _ = await asyncio.wait({generate, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({generate, left}, return_when=asyncio.FIRST_COMPLETED)
             if generate in done:
                 return generate.result()
             raise GenerationServerUnavailable(url, "the manager took it out of routing (failed health checks)")
         finally:
-            for task in (generate, abandoned):
-                task.cancel()
-            await asyncio.gather(generate, abandoned, return_exceptions=True)
+            generate.cancel()
+            await asyncio.gather(generate, return_exceptions=True)
 
     async def _release(self, url: str, ticket: int | None, n_tokens: int = 0, n: int = 1) -> None:
         # One quick attempt: an in-flight count that is off by a few only skews

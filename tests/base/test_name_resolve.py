@@ -85,6 +85,10 @@ def test_subtree_sorted_and_prefix_exact(backend, unique_prefix):
     assert [k.rsplit("/t/", 1)[1] for k in keys] == ["a", "a/x", "b", "c/d"]
     assert repo.get_subtree(f"{unique_prefix}/t") == ["a", "a/x", "b", "c/d"]
     assert repo.get_subtree(f"{unique_prefix}/nothing") == []
+    items = repo.items_subtree(f"{unique_prefix}/t")
+    assert list(items) == keys and list(items.values()) == ["a", "a/x", "b", "c/d"]
+    repo.add(f"{unique_prefix}/t", "the root itself")
+    assert repo.items_subtree(f"{unique_prefix}/t")[f"{unique_prefix}/t"] == "the root itself"
 
 
 def test_add_subentry_unique(backend, unique_prefix):

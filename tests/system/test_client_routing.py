@@ -14,6 +14,7 @@ import contextlib
 import json
 import urllib.request
 
+from realrl.api.manager_api import RoutedServer, RoutingTable
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import names
 from realrl.impl.generation.sim_server import SimServerHost
@@ -120,7 +121,7 @@ def test_workers_route_from_the_table_and_balance_by_each_others_reported_load(t
             await host._runners[urls.index(dead)].cleanup()
             reply = await w0.schedule_request("q5", 1, avoid_urls=[dead])
             assert reply.down == [dead] and reply.url != dead
-            await asyncio.wait_for(left.wait(), 10)
+            await asyncio.wait_for(asyncio.shield(left), 10)
             assert dead not in {s.url for s in w1.table.servers}
             for i in range(6):
                 assert (await w1.schedule_request(f"q6-{i}", 1)).url != dead
@@ -140,3 +141,17 @@ def test_workers_route_from_the_table_and_balance_by_each_others_reported_load(t
             await client.close()
 
     asyncio.run(go())
+
+
+def test_during_a_fan_out_new_requests_go_to_servers_holding_the_newest_version():
+    """Servers a, b updated to version 2, c still on 1: c gets nothing new
+    however idle it is, and a sticky request on c's version stays there."""
+    routing = ClientRouting(manager=None, worker_index=0)
+    table = [RoutedServer("http://a", 2, 0), RoutedServer("http://b", 2, 0), RoutedServer("http://c", 1, 0)]
+    routing.set_table(RoutingTable(revision=7, version=1, servers=table))
+    routing._mine.update({"http://a": 5, "http://b": 3})
+    assert routing._pick(None, None, set()) == "http://b"  # least loaded of the updated ones
+    assert routing._pick("http://c", 1, set()) == "http://c"  # sticky: c still holds its version
+    assert routing._pick(None, None, {"http://a", "http://b"}) == "http://c"  # all updated ones failed
+    routing.set_table(RoutingTable(revision=8, version=2, servers=[*table[:2], RoutedServer("http://c", 2, 0)]))
+    assert routing._pick(None, None, set()) == "http://c"  # updated too, and idle
