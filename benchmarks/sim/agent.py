@@ -10,7 +10,8 @@ of the rollout worker) start at a random phase of a steady state, with
 is steady from the start instead of one burst of first calls.
 
 Measured: the wall time of every call (`via`: through the partial-rollout
-manager, the routing and the server), and, about every
+manager, the routing and the server; `via_resumed`: such a call that a weight
+update interrupted and that resumed on the new version), and, about every
 `probe_interval_s`, of a call made from the same process straight to a
 random simulated server with the same context and sampling parameters
 (`direct`; calls that a weight update interrupted are left out). Lines
@@ -112,7 +113,9 @@ class ToolAgent(Agent):
             self._last_context = context
             t0 = time.monotonic()
             result = await self.generate(context, n=1)
-            self._record("via", time.monotonic() - t0)
+            # (a call whose tokens span two weight versions was interrupted by an update and resumed)
+            spanned = len(set(result.output_versions[0])) > 1
+            self._record("via_resumed" if spanned else "via", time.monotonic() - t0)
             results.append(result)
             context = context + list(result.output_ids[0])
         zeros = [0.0] * len(results)

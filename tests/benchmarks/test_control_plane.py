@@ -16,11 +16,11 @@ def test_a_small_simulated_cluster_is_measured(tmp_path):
     args = ["--servers", "4", "--episodes", "32", "--rate", "40", "--version-interval", "1", "--rollout-workers", "1"]
     args += [
         "--window",
-        "4",
+        "3",
         "--settle",
-        "1",
+        "0.5",
         "--grace",
-        "2",
+        "1.5",
         "--root",
         str(root),
         "--json",
