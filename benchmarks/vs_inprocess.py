@@ -243,7 +243,7 @@ def greedy_eval(model, tokenizer, cfg, model_path: str, test_records: list[Promp
         results = asyncio.run(evaluate_prompts(agent, lambda: make_env(env.type, **env.args), test_records, generator))
     finally:
         model.train(was_training)
-    return sum(score >= 1.0 - 1e-6 for score, _ in results) / max(len(results), 1)
+    return sum(o.score >= 1.0 - 1e-6 for o in results) / max(len(results), 1)
 
 
 def run_inprocess(

@@ -173,7 +173,11 @@ class Agent(abc.ABC):
         self, prompt_ids: list[int], n: int | None = None, gconfig: GenerationHyperparameters | None = None
     ) -> GenerationResult:
         """`n` answers (default `settings.group_size`) to `prompt_ids`, sampled
-        with `gconfig` (default `settings.gconfig`). Only inside an episode."""
+        with `gconfig` (default `settings.gconfig`). Only inside an episode.
+        The result's `turn` is this call's number in the episode (1 = its
+        first call; calls in flight together are numbered in the order they
+        were made): `Trajectory.from_results` keeps it per sequence as
+        `metadata["answer_turn"]`, and evaluation reads it (turns to a solution)."""
         episode = _EPISODE.get(None)
         if episode is None:
             raise RuntimeError("Agent.generate() is only available inside an episode (Agent.run_episode)")
@@ -186,6 +190,7 @@ class Agent(abc.ABC):
             gconfig=gconfig or self.settings.gconfig,
         )
         episode.n_requests += 1
+        turn = episode.n_requests  # this call's number in its episode, counted when the agent makes it
         episode._in_flight += 1
         episode.max_in_flight = max(episode.max_in_flight, episode._in_flight)
         try:
@@ -194,6 +199,8 @@ class Agent(abc.ABC):
             episode._in_flight -= 1
         if result.group_size != request.group_size:
             raise RuntimeError(f"generation returned {result.group_size} answers for {request.group_size} asked")
+        if isinstance(result, GenerationResult):  # a copy: a generator may hand out one object twice
+            result = dataclasses.replace(result, turn=turn)
         return result
 
     @functools.cached_property

@@ -173,7 +173,10 @@ class GenerationResult:
     `output_logprobs` are the unfiltered logprobs (what the trainer
     recomputes), `output_sampling_logprobs` those under the distribution each
     token was drawn from (None: the same as `output_logprobs`), `sampling`
-    the parameters every answer was drawn with (None: not known)."""
+    the parameters every answer was drawn with (None: not known), `turn`
+    which generation call of its episode asked for it: `Agent.generate`
+    numbers an episode's calls 1, 2, ... in the order the agent makes them
+    (0: not made through `Agent.generate`)."""
 
     qid: str
     prompt_ids: list[int]
@@ -185,6 +188,7 @@ class GenerationResult:
     version_end: list[int]
     output_sampling_logprobs: list[list[float]] | None = None
     sampling: Sampling | None = None
+    turn: int = 0
 
     @property
     def group_size(self) -> int:
@@ -203,4 +207,5 @@ class GenerationResult:
             [self.version_end[i]],
             None if self.output_sampling_logprobs is None else [self.output_sampling_logprobs[i]],
             self.sampling,
+            self.turn,
         )

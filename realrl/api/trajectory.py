@@ -112,11 +112,15 @@ class Trajectory:
         generated from) + the answer, with its logprobs and weight versions.
         `prompt` is the episode's PromptRecord (for qid and task); `scores` and
         `rewards` give one value per sequence. Sampling logprobs and
-        parameters are kept where the results have them (all or none)."""
+        parameters are kept where the results have them (all or none), and
+        so is `metadata["answer_turn"]`: per sequence, which generation call
+        of the episode its answer came from (`GenerationResult.turn`, 1 = the
+        first; evaluation counts turns to a solution with it)."""
         input_ids, prompt_len, logprobs, versions, start, end, no_eos = [], [], [], [], [], [], []
-        sampling_logprobs, sampling = [], []
+        sampling_logprobs, sampling, answer_turn = [], [], []
         for result in results:
             for i in range(result.group_size):
+                answer_turn.append(int(getattr(result, "turn", 0) or 0))
                 input_ids.append(np.asarray(list(result.prompt_ids) + list(result.output_ids[i]), dtype=np.int32))
                 prompt_len.append(len(result.prompt_ids))
                 logprobs.append(np.asarray(result.output_logprobs[i], dtype=np.float32))
@@ -139,6 +143,9 @@ class Trajectory:
                 f"trajectory {prompt.qid}: {len(input_ids)} sequences but {len(scores)} scores "
                 f"and {len(rewards)} rewards"
             )
+        metadata = dict(metadata or {})
+        if answer_turn and all(k > 0 for k in answer_turn):
+            metadata.setdefault("answer_turn", answer_turn)
         return cls(
             qid=prompt.qid,
             task=prompt.task,
@@ -152,7 +159,7 @@ class Trajectory:
             reward=[float(r) for r in rewards],
             no_eos=no_eos,
             scores=[float(s) for s in scores],
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             sampling_logprobs=sampling_logprobs,
             sampling=sampling,
         ).validate()

@@ -8,8 +8,11 @@ downloaded model) the way training evaluates: every row of
 `eval.max_new_tokens` (0 = `rollout.gconfig.max_new_tokens`) new tokens per
 answer, `eval.batch_size` answers per forward, `eval.max_prompts` rows at most
 (0 = all), in this process on `train.device` in `model.dtype`. Prints one JSON
-line with the accuracy (and writes it to FILE with `--output`); a bad key or
-file is one line naming the key, exit code 2.
+line (and writes it to FILE with `--output`): `accuracy`, `score_mean`,
+`turns_mean` (generation calls per episode) and `solved_within_<k>` for k = 1
+.. the most turns any episode made (the share solved by its k-th call), the
+counts `n`, `n_correct`, `score_sum`, and three samples. A bad key or file is
+one line naming the key, exit code 2.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def evaluate_model(cfg: AsyncPPOConfig) -> dict:
     from realrl.api.agent_api import make_agent
     from realrl.api.env_api import make_env
     from realrl.impl import datasets
-    from realrl.impl.evaluation import ModelGenerator, evaluate_prompts, summarize_scores
+    from realrl.impl.eval_metrics import metrics, samples, summarize
+    from realrl.impl.evaluation import ModelGenerator, evaluate_prompts
     from realrl.impl.generation.torch_server.model import DTYPES
 
     t0 = time.monotonic()
@@ -52,14 +56,14 @@ def evaluate_model(cfg: AsyncPPOConfig) -> dict:
     generator = ModelGenerator(model, tokenizer, device, version=0, batch_size=cfg.eval.batch_size)
     with torch.no_grad():
         results = asyncio.run(evaluate_prompts(evaluator, lambda: make_env(env.type, **env.args), prompts, generator))
-    summary = summarize_scores([score for score, _ in results])
+    summary = summarize(results)
     return {
         "model": cfg.model.path,
         "dataset": cfg.dataset.test_path,
-        "accuracy": summary["n_correct"] / max(1, summary["n"]),
-        **summary,
+        **metrics(summary),  # accuracy, score_mean, turns_mean, solved_within_<k>
+        **{k: summary[k] for k in ("n", "n_correct", "score_sum")},
         "seconds": round(time.monotonic() - t0, 2),
-        "samples": [{"prompt": p.prompt, "completion": text} for p, (_, text) in zip(prompts[:3], results)],
+        "samples": samples(prompts, results),
     }
 
 

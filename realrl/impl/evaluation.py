@@ -10,7 +10,12 @@ The contract (docs/custom_tasks.md, "How evaluation scores a prompt"):
   the sequences the episode returned: the best answer it reached (an agent
   that returns no trajectory or no scores scores 0 for that prompt);
 - `accuracy` is the fraction of prompts whose score reaches full credit
-  (>= 1); `score_mean` the mean score (partial credit counts here).
+  (>= 1); `score_mean` the mean score (partial credit counts here);
+- `turns_mean` is the mean number of generation calls per episode (each
+  `Agent.generate`, so each chat call of a function agent), and
+  `solved_within_<k>` the share of episodes whose answer had full credit by
+  their k-th call, for k = 1 .. the most calls any episode made
+  (realrl/impl/eval_metrics.py).
 
 `ModelGenerator` is the `Generator` these episodes use: requests from all
 episodes in flight are batched into one left-padded `model.generate` call
@@ -29,10 +34,11 @@ from typing import Any
 
 import torch
 
-from realrl.api.agent_api import FULL_CREDIT, Agent, PromptRecord
+from realrl.api.agent_api import Agent, PromptRecord
 from realrl.api.env_api import EnvironmentService
 from realrl.api.generation_api import GenerationRequest, GenerationResult
 from realrl.base.logging import getLogger
+from realrl.impl.eval_metrics import EpisodeOutcome, outcome
 from realrl.impl.generation.eos import token_ids
 
 logger = getLogger(__name__)
@@ -132,26 +138,35 @@ class ModelGenerator:
                 pending.future.set_result(result)
 
 
+class _CountingGenerator:
+    """One episode's view of the shared generator: counts the calls it makes."""
+
+    def __init__(self, generator: ModelGenerator):
+        self.generator, self.calls = generator, 0
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self.calls += 1
+        return await self.generator.generate(request)
+
+
 async def evaluate_prompts(
     agent: Agent, make_env: Callable[[], EnvironmentService], prompts: list[PromptRecord], generator: ModelGenerator
-) -> list[tuple[float, str]]:
-    """(score, first answer's text) per prompt, running every episode at once."""
+) -> list[EpisodeOutcome]:
+    """One outcome per prompt (score, first answer's text, turns, the turn it
+    was solved at), running every episode at once."""
     done = 0
 
-    async def episode(prompt: PromptRecord) -> tuple[float, str]:
+    async def episode(prompt: PromptRecord) -> EpisodeOutcome:
         nonlocal done
         env = make_env()
+        counted = _CountingGenerator(generator)
         try:
-            trajectories = await agent.run_episode(prompt, env, generator)
+            trajectories = await agent.run_episode(prompt, env, counted)
         finally:
             await env.close()
             done += 1
-        scores = [s for t in trajectories for s in t.scores]
-        text = ""
-        if trajectories:
-            t = trajectories[0]
-            text = agent.decode(t.completion_ids(0).tolist())
-        return (max(scores) if scores else 0.0), text
+        text = agent.decode(trajectories[0].completion_ids(0).tolist()) if trajectories else ""
+        return outcome(trajectories, counted.calls, text)
 
     tasks = [asyncio.create_task(episode(p), name=f"eval {p.qid}") for p in prompts]
     serve = asyncio.create_task(generator.serve(lambda: done == len(tasks)))
@@ -168,7 +183,3 @@ async def evaluate_prompts(
             task.cancel()
         await asyncio.gather(*tasks, serve, episodes, return_exceptions=True)
     return results
-
-
-def summarize_scores(scores: list[float]) -> dict[str, float]:
-    return {"n": len(scores), "n_correct": sum(s >= FULL_CREDIT for s in scores), "score_sum": float(sum(scores))}

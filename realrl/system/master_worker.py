@@ -54,6 +54,7 @@ from realrl.base.datapack import partition_balanced
 from realrl.base.http_body import from_json, to_json
 from realrl.base.logging import getLogger
 from realrl.base.stats import StatsLogger, histogram, summarize
+from realrl.impl import eval_metrics
 from realrl.system import checkpoints
 from realrl.system.ledger import LEDGER_FILE, Ledger, resume_info
 from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
@@ -497,13 +498,13 @@ class MasterWorker(AsyncWorker):
     async def _evaluate(self) -> dict:
         n = self.cfg.n_model_workers
         parts = await self.stream.call_async(list(range(n)), "evaluate", [{}] * n, timeout=self.cfg.rpc_timeout)
-        total = max(sum(p["n"] for p in parts), 1)
+        summary = eval_metrics.merge(parts)
+        scores = eval_metrics.metrics(summary)  # accuracy, score_mean, turns_mean, solved_within_<k>
         result = {
             "step": self.step,
             "version": self.version,
-            "accuracy": sum(p["n_correct"] for p in parts) / total,
-            "score_mean": sum(p["score_sum"] for p in parts) / total,
-            "n": sum(p["n"] for p in parts),
+            **scores,
+            "n": summary["n"],
             "seconds": max(p["seconds"] for p in parts),
             "samples": [s for p in parts for s in p["samples"]],
         }
@@ -522,6 +523,8 @@ class MasterWorker(AsyncWorker):
                 "eval/accuracy": result["accuracy"],
                 "eval/score": result["score_mean"],
                 "eval/n": result["n"],
+                "eval/turns_mean": result["turns_mean"],
+                **{f"eval/{k}": v for k, v in scores.items() if k.startswith("solved_within_")},
                 "time/elapsed_s": time.monotonic() - self.started,
             },
         )

@@ -610,12 +610,13 @@ class ModelWorker(Worker):
     def _handle_evaluate(self, data: dict) -> dict:
         """Every test prompt of this rank's share through the run's agent and
         environment, greedy, on this trainer's current weights (the contract:
-        realrl/impl/evaluation.py). The master sums the ranks' counts."""
+        realrl/impl/evaluation.py). The master merges the ranks' sums (eval_metrics.merge)."""
         import asyncio
 
         from realrl.api.agent_api import make_agent
         from realrl.impl import datasets
-        from realrl.impl.evaluation import ModelGenerator, evaluate_prompts, summarize_scores
+        from realrl.impl.eval_metrics import samples, summarize
+        from realrl.impl.evaluation import ModelGenerator, evaluate_prompts
 
         t0 = time.monotonic()
         records = datasets.load_records(self.cfg.eval_dataset_path, self.cfg.dataset)
@@ -648,14 +649,11 @@ class ModelWorker(Worker):
             )
         finally:
             model.train(was_training)
-        samples = [
-            {"prompt": p.prompt, "completion": text, "score": score} for p, (score, text) in zip(prompts[:3], results)
-        ]
         return {
-            **summarize_scores([score for score, _ in results]),
+            **summarize(results),
             "seconds": time.monotonic() - t0,
             "batches": generator.n_batches,
-            "samples": samples,
+            "samples": samples(prompts, results),
         }
 
     def _all_ranks_busy(self, have_batch: bool, running: bool) -> tuple[bool, bool]:

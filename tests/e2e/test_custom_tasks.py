@@ -84,3 +84,11 @@ def test_a_multi_turn_agent_retries_concurrently_and_trains(tmp_path, kit_cache)
     # A group's retries were in flight together (up to one per chain).
     assert max(s["rollout/generate_in_flight/max"] for s in train_steps) > 1
     assert summary["initial_eval_accuracy"] is not None and summary["final_eval_accuracy"] is not None
+    # Evaluation ran the two-turn agent: turns per episode and the share solved within 1 and 2 turns.
+    for e in summary["eval_history"]:
+        assert 1.0 <= e["turns_mean"] <= 2.0, e
+        assert e["solved_within_1"] <= e["solved_within_2"] == e["accuracy"], e
+        assert "solved_within_3" not in e
+    evals = [s for s in stats if "eval/score" in s]
+    assert len(evals) == len(summary["eval_history"]) and all("eval/turns_mean" in s for s in evals), evals
+    assert all(s["eval/solved_within_2"] == s["eval/accuracy"] for s in evals), evals

@@ -351,6 +351,9 @@ def test_multi_turn_retries_of_a_group_are_in_flight_together(tokenizer, tokeniz
     assert generator.max_in_flight == 4  # the four retries overlapped
     assert traj.metadata["max_generate_in_flight"] == 4 and traj.metadata["generate_calls"] == 5
     assert traj.group_size == 8 and traj.metadata["turn"] == [0, 1] * 4
+    # Which call answered each sequence (chain-major): every chain's first answer came from call 1,
+    # the retries from calls 2..5 in the order the agent made them.
+    assert traj.metadata["answer_turn"] == [1, 2, 1, 3, 1, 4, 1, 5]
 
 
 def test_generate_outside_an_episode_says_so(tokenizer_path):

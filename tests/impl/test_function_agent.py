@@ -59,6 +59,17 @@ async def fails_on_odd(client, row):
     return 1.0
 
 
+async def calls_then_scores(client, row):
+    """`row["calls"]` chat calls, then full credit if `row["solve"]`; raises instead if `row["fail"]`."""
+    messages = list(row["messages"])
+    for _ in range(row["calls"]):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+        messages += [reply.choices[0].message, {"role": "user", "content": "Again."}]
+    if row.get("fail"):
+        raise RuntimeError("my bug")
+    return float(row["solve"])
+
+
 def not_async(client, row):
     return 1.0
 
@@ -235,8 +246,34 @@ def test_evaluation_runs_the_agent_function_greedily_in_process(agent_file, chat
     generator = ModelGenerator(model, agent.tokenizer, "cpu", version=0)
     prompts = [prompt(f"e{i}", f"{i}+1?", str(i + 1)) for i in range(3)]
     results = asyncio.run(evaluate_prompts(agent, lambda: make_env("math"), prompts, generator))
-    assert len(results) == 3 and all(score in (0.0, 1.0) for score, _ in results)
+    assert len(results) == 3 and all(o.score in (0.0, 1.0) for o in results)
+    assert all(o.turns == 2 for o in results)  # the function's two chat calls
     assert generator.n_batches >= 2  # two calls per episode, the episodes' calls batched together
+
+
+def test_evaluation_counts_an_agent_functions_chat_calls_as_its_turns(agent_file, chat_model_dir):
+    """An agent function's episode is scored once, when it returns: solved within
+    as many turns as it made chat calls. A failed episode still made its calls."""
+    from transformers import AutoModelForCausalLM
+
+    from realrl.impl.eval_metrics import metrics, summarize
+
+    settings = AgentSettings(tokenizer_path=chat_model_dir, gconfig={"max_new_tokens": 3}).for_evaluation()
+    agent = make_agent("function", settings, fn=f"{agent_file}:calls_then_scores")
+    model = AutoModelForCausalLM.from_pretrained(chat_model_dir).eval()
+    generator = ModelGenerator(model, agent.tokenizer, "cpu", version=0)
+    rows = [dict(calls=1, solve=1), dict(calls=3, solve=1), dict(calls=2, solve=0), dict(calls=2, solve=1, fail=True)]
+    prompts = [PromptRecord(f"f{i}", f"{i}+1?", [5], [str(i + 1)], row=r) for i, r in enumerate(rows)]
+    outcomes = asyncio.run(asyncio.wait_for(evaluate_prompts(agent, lambda: make_env("math"), prompts, generator), 120))
+    assert [(o.turns, o.solved_at_turn, o.score) for o in outcomes] == [
+        (1, 1, 1.0),
+        (3, 3, 1.0),
+        (2, None, 0.0),
+        (2, None, 0.0),  # raised: no trajectory, but its two calls were made
+    ]
+    stats = metrics(summarize(outcomes))
+    assert stats["turns_mean"] == 2.0 and stats["accuracy"] == 0.5
+    assert [stats[f"solved_within_{k}"] for k in (1, 2, 3)] == [0.25, 0.25, 0.5]
 
 
 def test_an_external_agent_drives_episodes_over_http(chat_model_dir, chat_server):
