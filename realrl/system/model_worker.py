@@ -38,6 +38,10 @@ reference is the actor with
 the adapters off. Data parallelism uses torch.distributed (gloo on CPU, NCCL on CUDA);
 gradients are summed over ranks and the loss is normalised by the global token
 count, so every rank ends a step with identical weights.
+
+(Over 700 lines on purpose: one worker's request handlers, its data-parallel
+batch exchange and its weight publication share the rank's state; splitting
+them would scatter one process's life across files.)
 """
 
 from __future__ import annotations
