@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from realrl.base.logging import getLogger
@@ -30,6 +31,9 @@ FAULTS_ENV = "REALRL_FAULTS"
 FAULTS_DIR_ENV = "REALRL_FAULTS_DIR"
 
 logger = getLogger("faults")
+# A point that kills its process holds this from its marker to the kill: another thread's point
+# armed `after` it must not see the marker and fire (consuming its own marker) in between.
+_firing = threading.Lock()
 
 
 def armed() -> dict[str, str]:
@@ -70,13 +74,22 @@ def point(name: str) -> bool:
     directory = os.environ.get(FAULTS_DIR_ENV)
     if action is None or not directory:
         return False
+    with _firing:  # (a kill happens inside: the process dies holding it)
+        failing, hold_s = _fire(name, action, directory)
+    if hold_s:
+        time.sleep(hold_s)
+    return failing
+
+
+def _fire(name: str, action: str, directory: str) -> tuple[bool, float]:
+    """`point`'s decision under `_firing`: (fail now, seconds to hold)."""
     action, _, condition = action.partition(";")
     if condition:
         key, _, other = condition.partition("=")
         if key != "after" or not other:
             raise ValueError(f"{FAULTS_ENV}: {name}: {condition!r} is not after=<point>")
         if not os.path.exists(os.path.join(directory, other)):
-            return False
+            return False, 0.0
     kind, _, arg = action.partition(":")
     if kind == "fail":
         started = _first_hit(directory, name)
@@ -86,16 +99,16 @@ def point(name: str) -> bool:
             started = float(text) if text else time.time()  # half-written marker: its writer just started
         else:
             logger.warning("fault point %s: failing for %s s", name, arg)
-        return time.time() - started < float(arg)
+        return time.time() - started < float(arg), 0.0
     if _first_hit(directory, name) is None:
-        return False
+        return False, 0.0
     logger.warning("fault point %s: %s", name, action)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "exit":
         os._exit(1)
     elif kind == "hold":
-        time.sleep(float(arg))
+        return False, float(arg)
     else:
         raise ValueError(f"{FAULTS_ENV}: unknown action {action!r} for {name}")
-    return False
+    return False, 0.0

@@ -153,3 +153,46 @@ def test_fault_points_fire_once_per_trial_across_processes(tmp_path, monkeypatch
     monkeypatch.setenv(faults.FAULTS_ENV, "broken")
     with pytest.raises(ValueError, match="REALRL_FAULTS"):
         faults.point("x")
+
+
+_KILL_RACE_CHILD = """
+import logging, threading
+from realrl.base import faults
+
+polled = threading.Event()
+
+
+def follower():  # another thread's point armed after the one that kills
+    while True:
+        faults.point("y.kill")
+        polled.set()
+
+
+class WaitForTheFollower(logging.Handler):
+    # The moment between x.kill's marker and its kill: let the follower poll its point there.
+    def emit(self, record):
+        if "x.kill" in record.getMessage():
+            polled.clear()
+            polled.wait(2)
+
+
+logging.getLogger("realrl").addHandler(WaitForTheFollower())
+threading.Thread(target=follower, daemon=True).start()
+polled.wait(10)
+faults.point("x.kill")
+"""
+
+
+def test_a_point_armed_after_a_kill_does_not_fire_in_the_dying_process(tmp_path):
+    """x kills its process; y, armed after x, is polled by another thread of
+    the same process exactly while x logs between its marker and its kill.
+    y must not fire there (it would use up its one firing in a process that
+    is about to die, and the test ordering the faults loses a fault)."""
+    env = {
+        **os.environ,
+        faults.FAULTS_ENV: "x.kill=kill,y.kill=kill;after=x.kill",
+        faults.FAULTS_DIR_ENV: str(tmp_path),
+    }
+    proc = subprocess.run([sys.executable, "-c", _KILL_RACE_CHILD], env=env, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["x.kill"], proc.stderr
