@@ -75,6 +75,8 @@ class ClientRouting:
         self._answered: set[str] = set()  # servers that answered since the last report
         self._left: dict[str, asyncio.Future] = {}  # url -> done once it leaves routing
         self._have_table: asyncio.Event | None = None
+        self._report_now: asyncio.Event | None = None  # a server got its first request from us: report at once
+        self._used: set[str] = set()  # servers we sent a request to
         self._tasks: list[asyncio.Task] = []
         self._rng = rng or random.Random()
         self._tickets = 0
@@ -82,6 +84,7 @@ class ClientRouting:
     def _start(self) -> None:
         if not self._tasks:  # (in the event loop of first use)
             self._have_table = asyncio.Event()
+            self._report_now = asyncio.Event()
             self._tasks = [asyncio.create_task(self._follow_table()), asyncio.create_task(self._report_loop())]
 
     async def close(self) -> None:
@@ -135,7 +138,11 @@ class ClientRouting:
     async def _report_loop(self) -> None:
         last = 0.0
         while True:
-            await asyncio.sleep(self.report_interval_s)
+            try:  # (the manager logs when a server that joined got its first request: it hears at once)
+                await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._report_now.clear()
             snapshot = {u: n for u, n in self._mine.items() if n}
             changed = snapshot != self._reported or self._started or self._tokens or self._answered
             if not changed and time.monotonic() - last < REPORT_IDLE_INTERVAL_S:
@@ -189,6 +196,9 @@ class ClientRouting:
             url = self._pick(previous_server_url, previous_version, avoid)
             self._mine[url] += k
             self._started[url] += k
+            if url not in self._used:
+                self._used.add(url)
+                self._report_now.set()
             picks.append(ScheduledServer(url, self._servers[url].version))
         self._tickets += 1
         return ScheduleReply(

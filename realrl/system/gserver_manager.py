@@ -831,7 +831,7 @@ class GserverManager(AsyncWorker):
                 self.router.total_scheduled[url] += n
         for url in report.answered:
             self.registry.answered(url)
-        busy = {u: self.router.loaded_version[u] for u in report.in_flight if self.router.is_up(u)}
+        busy = {u: self.router.loaded_version[u] for u in report.started if self.router.is_up(u)}
         for server in self.registry.first_requests(busy):  # joined mid-run: say when it starts serving
             self.logger.info(
                 "generation server %d at %s got its first request (weight version %d, trainer version %d)",
