@@ -577,15 +577,26 @@ def default_repository() -> NameRecordRepository:
         return _default
 
 
-def reconfigure(config: NameResolveConfig) -> NameRecordRepository:
-    """Switch this process's repository (the old one is reset and closed)."""
+def reconfigure(config: NameResolveConfig, close_old: bool = True) -> NameRecordRepository:
+    """Switch this process's repository (the old one is reset and closed,
+    unless `close_old` is false: its owner closes it)."""
     global _default
     new = make_repository(config)
     with _default_lock:
         old, _default = _default, new
-    if old is not None:
+    if old is not None and close_old:
         old.close()
     return new
+
+
+def release(repository: NameRecordRepository) -> None:
+    """Closes `repository` (its keys with delete_on_exit go), and if it is
+    still this process's default, makes an empty in-memory one the default."""
+    global _default
+    with _default_lock:
+        if _default is repository:
+            _default = MemoryNameRecordRepository()
+    repository.close()
 
 
 def add(

@@ -168,6 +168,7 @@ class LocalLauncher:
         self._etcd_supervisor: subprocess.Popen | None = None
         self._lock_file = None  # held while this launcher owns the trial
         self._owns_keepalive = False
+        self._repo: name_resolve.NameRecordRepository | None = None  # the name service, as this launcher uses it
         self.failed_worker: str | None = None
         # The hang watchdog (realrl/launcher/watchdog.py): seconds without training progress before a
         # hang report (0 = off; it needs a master_worker), then stop the trial or only report.
@@ -201,7 +202,7 @@ class LocalLauncher:
             name_service_ok = False
             # Stop talking to it: its keep-alive thread would warn every second while the workers stop.
             self._owns_keepalive = False
-            name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
+            self._release_name_resolve()
             self._say(f"realrl: name service lost ({e}); stopping trial {self.experiment_name}/{self.trial_name}")
             self._outcome = 1
             return 1
@@ -256,7 +257,9 @@ class LocalLauncher:
             )
             self.nr_config.etcd3_addr = addr
             logger.info("started private etcd at %s", addr)
-        name_resolve.reconfigure(self.nr_config)
+        # The launcher's own repository: the one before it (another launcher's, in a test process
+        # that runs two trials) stays open; each launcher closes its own (`_release_name_resolve`).
+        self._repo = name_resolve.reconfigure(self.nr_config, close_old=False)
         keepalive = names.launcher_keepalive(self.experiment_name, self.trial_name)
         if self._etcd_supervisor is None:  # a shared name service: another machine may run this trial
             self._check_no_live_launcher(keepalive)
@@ -634,14 +637,20 @@ class LocalLauncher:
         while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
             time.sleep(0.05)
 
+    def _release_name_resolve(self) -> None:
+        """Stops using the launcher's repository (its keys with delete_on_exit go)."""
+        repo, self._repo = self._repo, None
+        if repo is not None:
+            name_resolve.release(repo)
+
     def _stop_name_resolve(self) -> None:
-        if self._owns_keepalive:
+        if self._owns_keepalive and self._repo is not None:
             self._owns_keepalive = False
             try:
-                name_resolve.delete(names.launcher_keepalive(self.experiment_name, self.trial_name))
+                self._repo.delete(names.launcher_keepalive(self.experiment_name, self.trial_name))
             except Exception:
                 pass
-        name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
+        self._release_name_resolve()
         if self._etcd_supervisor is not None and self._etcd_supervisor.poll() is None:
             self._etcd_supervisor.terminate()
             try:

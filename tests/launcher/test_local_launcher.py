@@ -88,6 +88,35 @@ def test_a_worker_slow_to_stop_its_child_finishes_its_exit_despite_the_launchers
     assert not any(alive(p) for p in launcher.worker_pids + spawned_pids(launcher.log_dir))
 
 
+def test_two_launchers_in_one_process_leave_each_others_trial_alone(tmp_path):
+    """A process that runs a second trial while a first one runs (as a test
+    process does): the second launcher's start and end must not close the
+    first one's name service, whose keep-alive key its workers watch."""
+    first = LocalLauncher("launchtest", "first", str(tmp_path), NameResolveConfig(type="etcd3"), heartbeat_ttl=2)
+    outcome = {}
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault("code", first.run([WorkerGroup(f"{W}:AsyncCountingWorker", 1)], timeout=120))
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not first.worker_pids:
+            assert time.monotonic() < deadline and thread.is_alive(), "the first trial did not start"
+            time.sleep(0.1)
+        second = LocalLauncher("launchtest", "second", str(tmp_path), NameResolveConfig(type="etcd3"), heartbeat_ttl=2)
+        assert second.run([WorkerGroup(f"{W}:CountingWorker", 1, {"polls": 30})], timeout=120) == 0
+        time.sleep(3)  # > the keep-alive TTL and a worker's watch interval
+        assert thread.is_alive() and all(alive(p) for p in first.worker_pids), open(
+            first.log_path("AsyncCountingWorker", 0)
+        ).read()[-2000:]
+    finally:
+        repo = name_resolve.make_repository(first.nr_config)
+        repo.add(names.experiment_status("launchtest", "first"), "COMPLETE", replace=True, delete_on_exit=False)
+        repo.close()
+        thread.join(120)
+    assert outcome["code"] == 0
+
+
 def test_worker_that_cannot_be_built_is_reported(tmp_path, capfd):
     launcher = LocalLauncher(
         "launchtest", "badbuild", str(tmp_path), NameResolveConfig(type="file", file_root=str(tmp_path / "nr"))
