@@ -762,14 +762,7 @@ class GserverManager(AsyncWorker):
         except NoServerUp as e:  # (none is up: the first part already finds that)
             reason = f"{e} ({self.registry.not_retired() or 'none registered'})"
             return ScheduleReply(url=None, version=self.router.version, reason=reason, down=down)
-        for server in self.registry.first_requests(dict(picks)):  # joined mid-run: say when it starts serving
-            self.logger.info(
-                "generation server %d at %s got its first request (weight version %d, trainer version %d)",
-                server.index,
-                server.url,
-                server.first_request_version,
-                self.controller.trainer_version,
-            )
+        self._note_first_requests(dict(picks))
         counts: collections.Counter[str] = collections.Counter()
         for (u, _), k in zip(picks, request.parts or [request.n]):
             counts[u] += k
@@ -831,15 +824,7 @@ class GserverManager(AsyncWorker):
                 self.router.total_scheduled[url] += n
         for url in report.answered:
             self.registry.answered(url)
-        busy = {u: self.router.loaded_version[u] for u in report.started if self.router.is_up(u)}
-        for server in self.registry.first_requests(busy):  # joined mid-run: say when it starts serving
-            self.logger.info(
-                "generation server %d at %s got its first request (weight version %d, trainer version %d)",
-                server.index,
-                server.url,
-                server.first_request_version,
-                self.controller.trainer_version,
-            )
+        self._note_first_requests({u: self.router.loaded_version[u] for u in report.started if self.router.is_up(u)})
         return LoadReply(loads={u: n for u, n in self._load_totals.items() if n and self.router.is_up(u)})
 
     def _set_load(self, worker_index: int, loads: dict[str, int]) -> None:
@@ -860,6 +845,18 @@ class GserverManager(AsyncWorker):
         if probes:
             await asyncio.wait([asyncio.shield(p) for p in probes], timeout=AVOID_PROBE_WAIT_S)
         return FailureReply(down=[u for u in urls if not self.router.is_up(u)])
+
+    def _note_first_requests(self, picks: dict[str, int]) -> None:
+        """Servers (url -> the version they hold) just given requests: one that joined mid-run
+        and got its first says so (when it starts serving, against the trainer's version)."""
+        for server in self.registry.first_requests(picks):
+            self.logger.info(
+                "generation server %d at %s got its first request (weight version %d, trainer version %d)",
+                server.index,
+                server.url,
+                server.first_request_version,
+                self.controller.trainer_version,
+            )
 
     def _release_request(self, request: ReleaseRequest) -> SuccessReply:
         if request.url not in self.router.in_flight:
