@@ -160,6 +160,9 @@ class GserverManager(AsyncWorker):
         # Set (and replaced) whenever admission may have opened: waiting allocations try again.
         self._admission_changed = asyncio.Event()
         self._admission_state: tuple = ()
+        # Set as the worker stops: long polls answer at once, so the HTTP server's
+        # cleanup (which waits for running handlers) does not wait out their wait_s.
+        self._closing = False
         self._last_refusal = ""
         self._update_task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
@@ -252,6 +255,9 @@ class GserverManager(AsyncWorker):
         )
 
     async def _teardown_async(self) -> None:
+        self._closing = True
+        self._wake_allocations()
+        self._routing_changed()
         if self._update_task is not None and not self._update_task.done():
             self._update_task.cancel()
             await asyncio.gather(self._update_task, return_exceptions=True)
@@ -668,7 +674,7 @@ class GserverManager(AsyncWorker):
         wanted = [(r.rollout_id, r.qid) for r in request.rollouts]
         deadline = time.monotonic() + request.wait_s
         admitted, reason = self.controller.allocate_many(wanted)
-        while not admitted and not self.controller.stopped:
+        while not admitted and not self.controller.stopped and not self._closing:
             changed = self._admission_changed
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -785,7 +791,7 @@ class GserverManager(AsyncWorker):
         """The routing table once its revision is past `after` (a long poll)."""
         deadline = time.monotonic() + request.wait_s
         waited = False
-        while self.router.revision <= request.after and not self._trial_ending():
+        while self.router.revision <= request.after and not self._trial_ending() and not self._closing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -794,7 +800,7 @@ class GserverManager(AsyncWorker):
                 waited = True
             except asyncio.TimeoutError:
                 break
-        if waited:
+        if waited and not self._closing:
             await asyncio.sleep(TABLE_COALESCE_S)
         revision = self.router.revision
         if self._table_cache is None or self._table_cache[0] != revision:

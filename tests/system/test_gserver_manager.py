@@ -321,6 +321,37 @@ def test_a_refused_allocation_waits_for_admission_to_open(tmp_path, etcd_server,
         trial.close()
 
 
+def test_the_trial_ends_without_waiting_out_the_long_polls(tmp_path, etcd_server, shared_server):
+    """A routing-table poll and a refused allocation, both waiting, are answered
+    as the trial ends: the manager's HTTP cleanup waits for running handlers,
+    so a poll left waiting held every trial's end for its wait_s (~10 s)."""
+    trial, url = start_manager_trial(tmp_path, etcd_server.addr, shared_server, max_head_offpolicyness=0)
+
+    async def scenario(m: Manager):
+        loop = asyncio.get_running_loop()
+        assert all([(await m.allocate(f"r{i}"))["success"] for i in range(B)])  # the budget of version 0
+        revision = (await m.post("/routing_table", {}))["revision"]
+        sent = loop.time()
+        polls = [
+            asyncio.ensure_future(m.call("POST", "/routing_table", {"after": revision, "wait_s": 30})),
+            asyncio.ensure_future(m.call("POST", "/allocate_rollout", {"rollout_id": "w", "qid": "w", "wait_s": 10})),
+        ]
+        await asyncio.sleep(0.5)
+        assert not any(p.done() for p in polls)  # both wait
+        code = await asyncio.to_thread(trial.complete)
+        (table_status, table), (allocate_status, refused) = await asyncio.gather(*polls)
+        return code, loop.time() - sent, table_status, table, allocate_status, refused, revision
+
+    try:
+        code, elapsed, table_status, table, allocate_status, refused, revision = run_with_manager(url, scenario)
+        assert code == 0
+        assert table_status == 200 and table["revision"] == revision  # answered unchanged, before its 30 s
+        assert allocate_status == 200 and not refused["success"]
+        assert elapsed < 20  # well before the routing poll's 30 s (it held the end that long before)
+    finally:
+        trial.close()
+
+
 def test_admission_waits_for_training_start_and_for_servers_to_hold_the_version(
     tmp_path, etcd_server, shared_server, tiny_model
 ):
