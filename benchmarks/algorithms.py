@@ -3,6 +3,7 @@
     python benchmarks/algorithms.py [--quick] [--presets grpo,dapo,...] [--tasks arithmetic,countdown]
                                     [--seeds 1,2] [--steps 40] [--minibatches 4] [--json PATH] [--markdown]
                                     [override ...]
+    python benchmarks/algorithms.py --from-json RUN1.json,RUN2.json
 
 For each task x preset x seed, one full realrl trial (`realrl train
 algorithm=<preset> seed=<seed> total_train_steps=<steps>`, greedy evaluation
@@ -26,7 +27,9 @@ behaviour-weight ESS (min over steps), the clip fractions (mean over steps),
 the summed step time and the wall time of the trial. `--json` writes every
 trial, with a top-level "ratio": the best preset's final eval accuracy over
 GRPO's, on the first task (means over seeds); `--markdown` prints the table
-(means over seeds) that docs/algorithms.md shows. `--quick`: a smoke run
+(means over seeds, and the seeds' range of the end accuracy) that
+docs/algorithms.md shows; `--from-json` prints it for the trials of earlier
+runs together (e.g. more seeds run later). `--quick`: a smoke run
 (arithmetic, one seed, 4 steps). Accuracies do not depend on the machine's
 load; times do. Extra arguments are Hydra overrides for every trial.
 """
@@ -146,8 +149,8 @@ def _fmt(x, digits: int = 3) -> str:
 def markdown(results: list[dict]) -> str:
     """One row per task x preset, means over seeds."""
     lines = [
-        "| task | preset | greedy eval acc: start → half → end | rollout acc, last ¼ | ESS min | clip high / low | "
-        "train s | seeds |",
+        "| task | preset | greedy eval acc: start → half → end (seeds' range at the end) | rollout acc, last ¼ | "
+        "ESS min | clip high / low | train s | seeds |",
         "|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["task"], r["preset"]) for r in results}, key=lambda k: (TASKS.index(k[0]), k[1]))
@@ -164,6 +167,10 @@ def markdown(results: list[dict]) -> str:
         steps = sorted({int(s) for r in runs for s in r["eval_accuracy"]})
         picks = [steps[0], steps[len(steps) // 2], steps[-1]] if steps else []
         curve = " → ".join(_fmt(avg([r["eval_accuracy"].get(str(s)) for r in runs])) for s in picks)
+        end = str(picks[-1]) if picks else None
+        ends = [r["eval_accuracy"][end] for r in runs if end in r["eval_accuracy"]]
+        if len(ends) > 1:  # how far apart the seeds ended: a difference inside it is not a result
+            curve += f" ({min(ends):.3f}–{max(ends):.3f})"
         lines.append(
             f"| {task} | {preset} | {curve} | {_fmt(avg([r['rollout_accuracy_last_quarter'] for r in runs]))} | "
             f"{_fmt(min((r['behav_ess_min'] for r in runs if r['behav_ess_min'] is not None), default=None))} | "
@@ -185,7 +192,19 @@ def main() -> int:
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "algorithms"))
     parser.add_argument("--json", default=None, help="write every trial's figures here")
     parser.add_argument("--markdown", action="store_true", help="print the table docs/algorithms.md shows")
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        help="comma-separated JSON files of earlier runs: print their trials' table together, train nothing",
+    )
     args, overrides = parser.parse_known_args()
+    if args.from_json:
+        results = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                results += json.load(f)["trials"]
+        print(markdown(results))
+        return 0
     if args.quick:
         args.tasks, args.seeds, args.steps = "arithmetic", "1", 4
     presets, tasks = args.presets.split(","), args.tasks.split(",")
