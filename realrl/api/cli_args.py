@@ -61,7 +61,12 @@ class ModelConfig:
     path: str = ""
     """A Hugging Face model directory; "" = the tiny model kit, built locally."""
     dtype: str = "float32"
-    """Training dtype: float32 | bfloat16 | float16."""
+    """Training dtype: float32 | bfloat16 | float16 (forward and backward, published versions, final model)."""
+    fp32_master: bool = True
+    """With a 16-bit dtype, keep the trained weights and the optimizer state in float32 and run forward
+    and backward in dtype (torch.autocast): mixed precision, as GPU trainers do. false: the weights
+    themselves are 16-bit (half the memory; an update below their precision is lost, e.g. lr 1e-6
+    on a weight of 0.02 in bf16). LoRA adapters are float32 either way (the base stays in dtype)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)

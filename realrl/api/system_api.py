@@ -167,6 +167,7 @@ class ModelWorkerConfig:
     model_path: str = ""
     tokenizer_path: str = ""
     dtype: str = "float32"
+    fp32_master: bool = True  # a 16-bit dtype: float32 weights and optimizer, compute in dtype (autocast)
     device: str = "cpu"
     num_threads: int = 1
     fsdp: bool = False

@@ -125,6 +125,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         model_path=model_path,
         tokenizer_path=model_path,
         dtype=cfg.model.dtype,
+        fp32_master=cfg.model.fp32_master,
         device=cfg.train.device,
         num_threads=train_threads,
         fsdp=cfg.train.fsdp,

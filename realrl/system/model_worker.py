@@ -63,7 +63,7 @@ from realrl.api.trajectory import Trajectory
 from realrl.base import faults, name_resolve, names, network, wire
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
-from realrl.impl.ppo.models import AdapterDisabled, CriticModel
+from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in
 from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
@@ -86,20 +86,43 @@ def save_model(
     max_shard_size: str = "2GB",
     state_dict: dict | None = None,
     tokenizer_source: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """HF safetensors of `model` (or of `state_dict` in its layout); of a LoRA
     model, the adapter alone in peft's format (adapter_model.safetensors +
     adapter_config.json). With `tokenizer_source` (the model directory the run
     started from), its tokenizer files, chat template and generation config
     are copied in after the weights (`copy_tokenizer_files`), so the directory
-    loads with `AutoTokenizer` and generates like the user's model."""
+    loads with `AutoTokenizer` and generates like the user's model. `dtype`
+    (a full model): the weights and config.json's dtype in it, whatever the
+    model holds (the float32 master of a mixed-precision run)."""
     adapter = lora.is_lora(model)
     if adapter:
         lora.save_adapter(model, path, state_dict)
     else:
+        if dtype is not None:
+            state_dict = cast_state_dict(model.state_dict() if state_dict is None else state_dict, dtype)
         model.save_pretrained(path, max_shard_size=max_shard_size, state_dict=state_dict)
+        if dtype is not None:  # save_pretrained writes the dtype the model's parameters have
+            config_path = os.path.join(path, "config.json")
+            with open(config_path) as f:
+                hf_config = json.load(f)
+            hf_config["dtype"] = str(dtype).removeprefix("torch.")
+            with open(config_path, "w") as f:
+                json.dump(hf_config, f, indent=2, sort_keys=True)
     if tokenizer_source:
         copy_tokenizer_files(tokenizer_source, path, adapter=adapter)
+
+
+def cast_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
+    """Floating tensors in `dtype`; tied entries (one tensor under two names) stay one tensor."""
+    cast: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = cast.setdefault(id(tensor), tensor.detach().to(dtype))
+        out[name] = tensor
+    return out
 
 
 # What save_pretrained writes of the model itself (and a peft adapter's own
@@ -161,14 +184,15 @@ def publish_weights(
     max_shard_size: str = "2GB",
     state_dict: dict | None = None,
     tokenizer_source: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """Writes `model` (`save_model`, with the tokenizer files of
-    `tokenizer_source`) to `<weights_dir>/<version>/` atomically: everything
-    is in the temporary directory before the rename makes it visible."""
+    `tokenizer_source`, in `dtype`) to `<weights_dir>/<version>/` atomically:
+    everything is in the temporary directory before the rename makes it visible."""
     final = os.path.join(weights_dir, str(version))
     tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
     os.makedirs(weights_dir, exist_ok=True)
-    save_model(model, tmp, max_shard_size, state_dict, tokenizer_source)
+    save_model(model, tmp, max_shard_size, state_dict, tokenizer_source, dtype)
     old = None
     if os.path.exists(final):  # a re-run of this version (recovery): replace it, never leaving it half-deleted
         old = os.path.join(weights_dir, f".old-{version}-{uuid.uuid4().hex[:8]}")
@@ -295,10 +319,18 @@ class ModelWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(self._source)
         self._eval_agent = None  # made at the first evaluation (the agent may load things)
         self._warned_length_cut = False
-        actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
+        self.lora = config.lora.rank > 0
+        # Mixed precision: float32 weights and optimizer state, forward and backward in `dtype`
+        # (LoRA: peft keeps the adapters float32 over a `dtype` base by itself).
+        mixed = config.fp32_master and dtype != torch.float32 and not self.lora
+        trained_dtype = torch.float32 if mixed else dtype
+        # What is published and saved: the run's dtype, whatever the trainer holds.
+        self.save_dtype = dtype if mixed else None
+        actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=trained_dtype).to(self.device)
+        if mixed:
+            compute_in(actor, self.device.type, dtype)
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
-        self.lora = config.lora.rank > 0
         if self.lora:
             # The same adapters on every rank (the seed above differs per rank): ranks start identical.
             with torch.random.fork_rng(devices=[self.device] if config.device == "cuda" else []):
@@ -322,7 +354,9 @@ class ModelWorker(Worker):
         self.actor = optimized(actor)
         self.critic = None
         if ppo.adv_estimator == "gae":
-            critic = CriticModel.from_pretrained(config.model_path, dtype).to(self.device)
+            critic = CriticModel.from_pretrained(config.model_path, trained_dtype).to(self.device)
+            if mixed:
+                compute_in(critic, self.device.type, dtype)
             if config.fsdp:
                 _shard(critic)
             self.critic = optimized(critic)
@@ -591,6 +625,7 @@ class ModelWorker(Worker):
                 new_version,
                 state_dict=state_dict,
                 tokenizer_source=self._source,
+                dtype=self.save_dtype,
             )
             self._set_version(new_version)
         else:
@@ -679,7 +714,9 @@ class ModelWorker(Worker):
                 lora.save_merged(adapter, self.cfg.model_path, path, _DTYPES[self.cfg.dtype])
                 copy_tokenizer_files(self._source, path)
             else:
-                save_model(self.actor.model, path, state_dict=state_dict, tokenizer_source=self._source)
+                save_model(
+                    self.actor.model, path, state_dict=state_dict, tokenizer_source=self._source, dtype=self.save_dtype
+                )
         return {"path": data["path"]}
 
     def _handle_checkpoint(self, data: dict) -> dict:
@@ -728,7 +765,12 @@ class ModelWorker(Worker):
         self._expect_shards(state_dict)
         if self.dp_rank == 0:
             publish_weights(
-                self.actor.model, self.cfg.weights_dir, version, state_dict=state_dict, tokenizer_source=self._source
+                self.actor.model,
+                self.cfg.weights_dir,
+                version,
+                state_dict=state_dict,
+                tokenizer_source=self._source,
+                dtype=self.save_dtype,
             )
             self._set_version(version)
         else:

@@ -75,7 +75,7 @@ def test_family_trains_and_serves_what_it_trains(tmp_path, kit_cache, family):
 def test_parquet_conversations_in_bfloat16_to_a_model_you_can_use(tmp_path, kit_cache):
     """The real path of a new user: a Qwen2.5-architecture chat model, a Parquet
     file of `messages` rows with GSM8K-style answers under its own keys, bf16
-    training with gradient checkpointing; the final model loads with
+    training (float32 master weights) with gradient checkpointing; the final model loads with
     transformers (the user's tokenizer files unchanged) and `realrl eval`
     scores it."""
     import filecmp
@@ -125,6 +125,9 @@ def test_parquet_conversations_in_bfloat16_to_a_model_you_can_use(tmp_path, kit_
     stats = [json.loads(line) for line in open(trial.summary()["stats_path"])]
     assert [s["step"] for s in stats if "train/actor_loss" in s] == list(range(1, STEPS + 1))
     assert all(math.isfinite(s["train/actor_loss"]) for s in stats if "train/actor_loss" in s)
+    # The trainer (float32 master, bf16 autocast) and the server (the bf16 version it published)
+    # compute the same logprobs up to bf16 rounding (measured: 2e-3).
+    assert max_logprob_gap(trial) < 1e-2
     assert "<|im_start|>system\\nAnswer with a number." in trial.log("rollout_worker-0")
 
     final = str(tmp_path / "models" / "async-ppo-tiny" / "qwen2.5" / "final")

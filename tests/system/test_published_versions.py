@@ -131,3 +131,21 @@ def test_a_published_lora_version_is_the_adapter_with_the_tokenizer(source_dirs,
     out = loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert out.shape[1] > ids.shape[1] and torch.equal(out, expected)
+
+
+def test_a_mixed_precision_version_is_published_in_the_runs_dtype(source_dirs, tmp_path):
+    """A bf16 run trains a float32 master (model.fp32_master): its versions
+    are bf16, config.json included, so the server and the user load what the
+    run's dtype says; the tied embedding stays tied."""
+    source = source_dirs["qwen2.5"]  # tie_word_embeddings
+    model = trained(source)
+    version = publish_weights(model, str(tmp_path / "weights"), 3, tokenizer_source=source, dtype=torch.bfloat16)
+    with open(os.path.join(version, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(version)
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    master = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, master[name].to(torch.bfloat16)), name
+    assert model.dtype == torch.float32  # the master is left as it was

@@ -289,6 +289,24 @@ def test_two_model_workers_train_in_lockstep(tmp_path, tiny_model_dir, algorithm
     run_trial(tmp_path, tiny_model_dir, algorithm)
 
 
+def test_bf16_fsdp_ranks_train_a_float32_master_and_publish_bf16(tmp_path, tiny_model_dir):
+    """model.dtype=bfloat16 (fp32_master, the default) under FSDP with a
+    critic: the ranks train float32 weights in lockstep, the checkpoint holds
+    them (and Adam's state) in float32, and every published version and the
+    final model are bf16 directories."""
+    from safetensors.torch import load_file
+
+    _, weights_dir, _, _ = run_trial(tmp_path, tiny_model_dir, "ppo", fsdp=True, dtype="bfloat16")
+    for directory in (os.path.join(weights_dir, "3"), str(tmp_path / "final")):
+        with open(os.path.join(directory, "config.json")) as f:
+            assert json.load(f)["dtype"] == "bfloat16", directory
+        tensors = load_file(os.path.join(directory, "model.safetensors"))
+        assert {t.dtype for t in tensors.values()} == {torch.bfloat16}, directory
+    state = torch.load(tmp_path / "ckpt" / "step2" / "model_worker.pt", weights_only=True)
+    for model in ("actor", "critic"):
+        assert {t.dtype for t in state[model]["model"].values() if t.is_floating_point()} == {torch.float32}
+
+
 def test_a_step_takes_its_batch_from_all_ranks_together(tmp_path, tiny_model_dir):
     """Every trajectory lands on rank 0 (one pusher, two pullers): with a
     quota per rank, rank 1 would wait forever. The master takes the batch from

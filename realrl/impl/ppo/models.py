@@ -80,6 +80,18 @@ class CriticModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()  # [B, T]
 
 
+def compute_in(model: nn.Module, device_type: str, dtype: torch.dtype) -> nn.Module:
+    """Mixed precision: `model`'s forward (so its backward too, and generate)
+    runs under torch.autocast in `dtype` while its weights, their gradients and
+    the optimizer state stay float32. Matmuls see the weights rounded to
+    `dtype`, as the server holding the published `dtype` weights does; an
+    update smaller than `dtype`'s precision still accumulates in the float32
+    weights. The model object is unchanged otherwise (save_pretrained, FSDP,
+    gradient checkpointing, which replays the autocast state)."""
+    model.forward = torch.autocast(device_type, dtype=dtype)(model.forward)
+    return model
+
+
 class AdapterDisabled(nn.Module):
     """The base model under a LoRA actor: the actor's forward with its
     adapters switched off (peft's `disable_adapter`), so the KL reference
