@@ -72,6 +72,53 @@ def test_family_trains_and_serves_what_it_trains(tmp_path, kit_cache, family):
         assert f"{token!r}" in rollout_log.split("stop ids", 1)[1].split("\n", 1)[0], rollout_log[-2000:]
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
+def test_lora_on_a_moe_model_adapts_the_attention_and_serves_what_it_trains(tmp_path, kit_cache):
+    """LoRA (all-linear) on the Qwen3-MoE architecture: the experts are fused
+    tensors and the router is no linear layer, so the adapters sit on the
+    attention projections; the server applies each published adapter exactly.
+    A reward with a signal for a random model (a hash of the answer in [0, 1]:
+    two different answers score differently) and a large lr make the adapter matter: a server that ignored
+    it would be off by far more than 1e-4."""
+    import glob
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reward = tmp_path / "hashed.py"
+    reward.write_text("def reward(prompt, completion, **row):\n    return sum(map(ord, completion)) % 97 / 96\n")
+    trial = family_trial(
+        tmp_path,
+        kit_cache,
+        "qwen3-moe",
+        "model.lora.rank=4",
+        "model.lora.alpha=8",
+        "optimizer.lr=1e-2",
+        f"rollout.reward_fn={reward}:reward",
+    )
+    try:
+        assert trial.wait(timeout=600) == 0, trial.console()[-4000:]
+    finally:
+        trial.kill()
+    assert "LoRA rank 4 on ['k_proj', 'o_proj', 'q_proj', 'v_proj']" in trial.log("model_worker-0")
+    assert max_logprob_gap(trial) <= 1e-4
+    stats = [json.loads(line) for line in open(trial.summary()["stats_path"])]
+    first = next(s for s in stats if "train/actor_loss" in s)
+    assert first["train/actor_grad_norm"] > 0  # step 1 moved the adapter: step 2 sampled from a trained one
+
+    adapter = max(
+        glob.glob(str(tmp_path / "weights" / "**" / "actor" / "[0-9]*"), recursive=True),
+        key=lambda p: int(p.rsplit("/", 1)[1]),
+    )
+    ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
+        before = base(input_ids=ids).logits.log_softmax(-1)
+        after = PeftModel.from_pretrained(base, adapter)(input_ids=ids).logits.log_softmax(-1)
+    assert (after - before).abs().max() > 1e-2  # the trained adapter is far from the base
+
+
 def test_parquet_conversations_in_bfloat16_to_a_model_you_can_use(tmp_path, kit_cache):
     """The real path of a new user: a Qwen2.5-architecture chat model, a Parquet
     file of `messages` rows with GSM8K-style answers under its own keys, bf16
