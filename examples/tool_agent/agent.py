@@ -39,7 +39,7 @@ def calc(expression: str) -> str:
 async def run(client, row):
     messages, tool_calls = list(row["messages"]), 0
     for turn in (1, 2):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=24)
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=64)
         message = reply.choices[0].message
         messages.append(message)
         if message.tool_calls:

@@ -67,3 +67,38 @@ def test_the_tool_agent_trains_end_to_end_on_the_tiny_kit(tmp_path, kit_cache):
     assert any(turns == 2 for turns, _, _ in sequences), sequences
     log = open(os.path.join(logs, "rollout_worker-0.log")).read()
     assert "prompts_stitched" in log
+
+
+def test_the_warm_start_rows_are_the_contexts_the_agent_sees():
+    """examples/tool_agent/make_warm_start.py writes each later turn's context
+    as a prompt: it must be token for token what the kit's chat template makes
+    of the agent's messages (the user's question, the assistant's calc call as
+    the endpoint records it, the tool's result), or the warm start teaches a
+    context the agent never shows the model."""
+    from realrl.impl.tiny_model import build_kit_tokenizer
+
+    warm = load_by_path(__import__("pathlib").Path(AGENT).parent / "make_warm_start.py", "tool_warm_under_test")
+    record = {"query_id": "q1", "prompt": "Q: 12+30=?\nA:", "answer": "42"}
+    call, read = warm.warm_rows([record], tool_fraction=1.0, seed=0)
+    direct = warm.warm_rows([record], tool_fraction=0.0, seed=0)
+    assert direct == [record] and call["prompt"] == record["prompt"] and read["answer"] == "42"
+
+    tokenizer = build_kit_tokenizer()
+    arguments = json.dumps({"expression": "12+30"})  # as the endpoint puts a parsed call's arguments
+    messages = [
+        {"role": "user", "content": record["prompt"]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "calc", "arguments": arguments}}],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": calc("12+30")},
+    ]
+
+    def rendered(msgs):
+        return tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False)
+
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert encode(read["prompt"]) == rendered(messages)  # the second turn's context
+    # the first turn's answer: the assistant message's tokens, before its EOS
+    assert encode(call["prompt"]) + encode(call["answer"]) + [tokenizer.eos_token_id] == rendered(messages[:2])
