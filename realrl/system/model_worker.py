@@ -618,22 +618,27 @@ class ModelWorker(Worker):
         state_dict = self._full_state_dict(self.actor.model)  # a collective under FSDP: every rank calls it
         if data.get("last_step", True):  # hashing the full weights costs: the end's check needs the last step's
             self._expect_shards(state_dict)
-        if self.dp_rank == 0:
-            publish_weights(
-                self.actor.model,
-                self.cfg.weights_dir,
-                new_version,
-                state_dict=state_dict,
-                tokenizer_source=self._source,
-                dtype=self.save_dtype,
-            )
-            self._set_version(new_version)
-        else:
-            self.version = new_version
+        self._publish(new_version, state_dict)
         stats["publish_seconds"] = time.monotonic() - t1
         if self.dp_rank == self.dp_size - 1 and faults.point("model_worker.weights_drift"):
             nudge_local_weights(self.actor.model)  # a test: this rank's weights drift from the others'
         return stats
+
+    def _publish(self, version: int, state_dict: dict | None) -> None:
+        """Rank 0 writes weight version `version` (in the run's dtype) and
+        announces it; the other ranks only take the number."""
+        if self.dp_rank == 0:
+            publish_weights(
+                self.actor.model,
+                self.cfg.weights_dir,
+                version,
+                state_dict=state_dict,
+                tokenizer_source=self._source,
+                dtype=self.save_dtype,
+            )
+            self._set_version(version)
+        else:
+            self.version = version
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict | None:
         """The full (unsharded, CPU) state dict under FSDP, of a LoRA model
@@ -763,16 +768,5 @@ class ModelWorker(Worker):
         self.dataset.restore(restored)
         state_dict = self._full_state_dict(self.actor.model)
         self._expect_shards(state_dict)
-        if self.dp_rank == 0:
-            publish_weights(
-                self.actor.model,
-                self.cfg.weights_dir,
-                version,
-                state_dict=state_dict,
-                tokenizer_source=self._source,
-                dtype=self.save_dtype,
-            )
-            self._set_version(version)
-        else:
-            self.version = version
+        self._publish(version, state_dict)
         return {"version": version, "restored": len(restored)}
