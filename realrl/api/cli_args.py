@@ -377,7 +377,8 @@ class JudgeModelConfig:
 class JudgeConfig:
     """A judge model for rewards (docs/custom_tasks.md, "Rewards from a judge model"):
     a reward function `async def reward(prompt, completion, answer, judge)` gets an
-    `openai.AsyncOpenAI` for it. Its servers use the run's backend (torch only for now),
+    `openai.AsyncOpenAI` for it, an environment class that takes `judge` a factory of one
+    (`await judge()`). Its servers use the run's backend (torch only for now),
     never receive the trainer's weights and never serve rollouts."""
 
     model: JudgeModelConfig = dataclasses.field(default_factory=JudgeModelConfig)
@@ -385,7 +386,7 @@ class JudgeConfig:
     """Judge servers (each a process of the run's backend, with server.torch's settings)."""
     request_timeout: float = 8.0
     """Seconds one judge call may take; a call that takes longer fails: the answer scores 0 and is counted.
-    Below rollout.reward_fn_timeout (the whole reward call's limit)."""
+    With a reward function, below rollout.reward_fn_timeout (the whole reward call's limit)."""
     max_new_tokens: int = 256
     """The most tokens one judge answer may have (a call's max_tokens is capped to it)."""
 
@@ -641,17 +642,17 @@ def validate_judge(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
         "judge servers need the torch backend (allocation_mode torch.*)",
     )
     _check(judge.n_servers >= 1, "judge.n_servers", f"must be >= 1, got {judge.n_servers}")
-    _check(
-        0 < judge.request_timeout < cfg.rollout.reward_fn_timeout,
-        "judge.request_timeout",
-        f"must be > 0 and < rollout.reward_fn_timeout ({cfg.rollout.reward_fn_timeout}), got {judge.request_timeout}",
-    )
+    _check(judge.request_timeout > 0, "judge.request_timeout", f"must be > 0, got {judge.request_timeout}")
+    if cfg.rollout.reward_fn:  # the judge's call must fit in the reward call
+        _check(
+            judge.request_timeout < cfg.rollout.reward_fn_timeout,
+            "judge.request_timeout",
+            f"must be > 0 and < rollout.reward_fn_timeout ({cfg.rollout.reward_fn_timeout}), "
+            f"got {judge.request_timeout}",
+        )
     _check(judge.max_new_tokens >= 1, "judge.max_new_tokens", f"must be >= 1, got {judge.max_new_tokens}")
-    _check(
-        bool(cfg.rollout.reward_fn),
-        "judge.model.path",
-        "a judge needs rollout.reward_fn (a function that takes `judge`)",
-    )
+    # (that something takes the judge, the reward function or the environment, is checked once the
+    # plugins are loaded: realrl/experiment/checks.py)
 
 
 def validate(cfg: AsyncPPOConfig) -> AllocationMode:

@@ -9,6 +9,8 @@ because rewards may come from slow verifiers, sandboxes or remote services:
 What `action` and `reward` are is up to the env and the agents that use it
 (the math env takes a list of answer strings and returns a list of 0/1
 rewards). Register a new kind with `register_environment("name", Class)`.
+A class whose constructor takes `judge` gets the trial's judge model
+(`judge.model.path`; docs/custom_tasks.md, "Rewards from a judge model").
 """
 
 from __future__ import annotations
@@ -39,4 +41,11 @@ def register_environment(name: str, factory) -> None:
 
 
 def make_env(name: str, **kwargs) -> EnvironmentService:
+    """A new `name` environment. A `judge` argument that is the trial's judge
+    settings (a dict, realrl/experiment/config.py `judge_settings`) arrives as
+    the process's judge client factory (`client = await judge()`)."""
+    if isinstance(kwargs.get("judge"), dict):
+        from realrl.impl.judge import judge_access
+
+        kwargs["judge"] = judge_access(kwargs["judge"])
     return ENVIRONMENTS.make(name, **kwargs)

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
         check_plugins(cfg)
         check_datasets(cfg)
+        if cfg.judge.model.path:  # its judge servers live only inside a trial
+            raise ConfigError("judge.model.path: realrl eval starts no judge servers")
         if cfg.rollout.reward_fn:
             from realrl.impl.reward_fn import load_reward_fn, takes_judge
 
@@ -95,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"rollout.reward_fn: {e}") from None
             if takes_judge(reward_fn):  # its judge servers live only inside a trial
                 raise ConfigError("rollout.reward_fn: takes `judge`, and realrl eval starts no judge servers")
+        if cfg.rollout.agent_fn:
+            from realrl.impl.agents import function_agent
+
+            try:
+                agent_fn = function_agent.load_agent_fn(cfg.rollout.agent_fn)
+            except ValueError as e:
+                raise ConfigError(f"rollout.agent_fn: {e}") from None
+            if function_agent.takes_judge(agent_fn):
+                raise ConfigError("rollout.agent_fn: takes `judge`, and realrl eval starts no judge servers")
     except ConfigError as e:
         print(f"realrl: config error: {e}", file=sys.stderr)
         return 2

@@ -176,7 +176,6 @@ def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool
 
 def check_judge(cfg: AsyncPPOConfig, reward_fn) -> None:
     """A reward function that takes `judge` needs an async def and a judge with a chat template."""
-    from realrl.impl.judge import load_judge_tokenizer
     from realrl.impl.reward_fn import is_async_fn, takes_judge
 
     if not takes_judge(reward_fn):
@@ -185,6 +184,13 @@ def check_judge(cfg: AsyncPPOConfig, reward_fn) -> None:
         raise ConfigError("rollout.reward_fn: takes `judge`, so it must be an `async def` function")
     if not cfg.judge.model.path:
         raise ConfigError("rollout.reward_fn: takes `judge` but no judge is configured (judge.model.path)")
+    check_judge_model(cfg)
+
+
+def check_judge_model(cfg: AsyncPPOConfig) -> None:
+    """The judge's model directory, with a chat template."""
+    from realrl.impl.judge import load_judge_tokenizer
+
     if not os.path.isdir(cfg.judge.model.path):
         raise ConfigError(f"judge.model.path: {cfg.judge.model.path!r} is not a directory")
     try:
@@ -220,13 +226,16 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         except ValueError as e:
             raise ConfigError(f"{key}: {_one_line(e)}") from None
         check_arguments(factory, args, key.replace(".type", ".args"), with_settings=registry is AGENTS)
+    agent_takes_judge = False
     if cfg.rollout.agent_fn:
-        from realrl.impl.agents.function_agent import load_agent_fn
+        from realrl.impl.agents.function_agent import load_agent_fn, takes_judge
 
         try:
-            load_agent_fn(agent.args["fn"])
+            agent_takes_judge = takes_judge(load_agent_fn(agent.args["fn"]))
         except ValueError as e:
             raise ConfigError(f"rollout.agent_fn: {_one_line(e)}") from None
+        if agent_takes_judge and not cfg.judge.model.path:
+            raise ConfigError("rollout.agent_fn: takes `judge` but no judge is configured (judge.model.path)")
     if cfg.rollout.reward_fn:
         from realrl.impl.reward_fn import load_reward_fn
 
@@ -235,6 +244,13 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         except ValueError as e:
             raise ConfigError(f"rollout.reward_fn: {_one_line(e)}") from None
         check_judge(cfg, reward_fn)
+    elif cfg.judge.model.path:
+        if "judge" not in env.args and not agent_takes_judge:
+            raise ConfigError(
+                "judge.model.path: a judge needs rollout.reward_fn or rollout.agent_fn (a function that takes "
+                f"`judge`) or an environment that takes `judge` (rollout.env.type={env.type!r} does not)"
+            )
+        check_judge_model(cfg)
     if cfg.mode == "ray":
         from realrl.launcher.ray import connect
 

@@ -161,7 +161,9 @@ def agent_config(cfg: AsyncPPOConfig) -> AgentConfig:
     agent; file paths are made absolute (workers may run elsewhere)."""
     agent = cfg.rollout.agent
     if cfg.rollout.agent_fn:
-        return AgentConfig(type="function", args={"fn": absolute_spec(cfg.rollout.agent_fn), **agent.args})
+        # (the function gets the judge only if it takes `judge`: realrl/impl/agents/function_agent.py)
+        judge = {"judge": judge_settings(cfg)} if cfg.judge.model.path else {}
+        return AgentConfig(type="function", args={"fn": absolute_spec(cfg.rollout.agent_fn), **judge, **agent.args})
     if is_object_spec(agent.type):
         return dataclasses.replace(agent, type=absolute_spec(agent.type))
     return agent
@@ -183,11 +185,31 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
                 **env.args,
             },
         )
+    if cfg.judge.model.path and env_takes_judge(env.type):
+        # (the checks refuse a judge that neither the reward function nor the environment takes)
+        return dataclasses.replace(env, args={"judge": judge_settings(cfg), **env.args})
     if not cfg.dataset.train_path and env.type == "math":
         # The synthetic arithmetic task's answers are bare numbers ("81");
         # a hedged or decorated answer ("~81") does not count.
         return dataclasses.replace(env, args={"answer_format": "exact", **env.args})
     return env
+
+
+def env_takes_judge(env_type: str) -> bool:
+    """Whether the registered environment `env_type` takes a `judge` argument
+    (False when it is not registered: the checks name that)."""
+    import inspect
+
+    from realrl.api.env_api import ENVIRONMENTS
+
+    try:
+        factory = ENVIRONMENTS.get(env_type)
+    except (KeyError, ValueError):
+        return False
+    try:
+        return "judge" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def judge_settings(cfg: AsyncPPOConfig) -> dict:

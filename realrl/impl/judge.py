@@ -7,6 +7,9 @@ A reward function (`async def`) that takes a `judge` argument gets an
         reply = await judge.chat.completions.create(messages=[...], max_tokens=8, temperature=0)
         return 1.0 if reply.choices[0].message.content.startswith("yes") else 0.0
 
+An environment class whose constructor takes `judge` gets a `JudgeAccess`
+(`client = await judge()`), shared by the process's episodes.
+
 The judge is a frozen model on its own generation server(s) (torch servers
 started `--frozen`: every weight change is answered 400 and counted), which
 the generation-server manager never routes rollouts to. Its client's base URL
@@ -168,3 +171,16 @@ class JudgeAccess:
         for endpoint in list(self._endpoints.values()):
             total.update({k: v for k, v in endpoint.stats().items() if k.startswith("judge_")})
         return dict(total)
+
+
+_ACCESS: dict[tuple, JudgeAccess] = {}
+
+
+def judge_access(settings: dict) -> JudgeAccess:
+    """The process's one `JudgeAccess` for the judge `settings` describe (the
+    trial's `judge_settings`): every environment made per episode shares it,
+    and with it one endpoint per event loop."""
+    key = tuple(sorted(settings.items()))
+    if key not in _ACCESS:
+        _ACCESS[key] = JudgeAccess(settings)
+    return _ACCESS[key]

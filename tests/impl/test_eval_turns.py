@@ -193,3 +193,27 @@ def test_realrl_eval_reports_turns_and_solved_within(model_dir, tmp_path, capsys
     assert [result[f"solved_within_{k}"] for k in (1, 2, 3)] == [0.25, 0.75, 0.75]
     assert "solved_within_4" not in result
     assert [s["turns"] for s in result["samples"]] == [2, 3, 1]
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("judge.model.path={tmp}", "judge.model.path: realrl eval starts no judge servers"),
+        (
+            "rollout.agent_fn={tmp}/judged.py:run",
+            "rollout.agent_fn: takes `judge`, and realrl eval starts no judge servers",
+        ),
+    ],
+)
+def test_realrl_eval_refuses_a_judge_in_one_line(model_dir, tmp_path, capsys, setting, message):
+    """`realrl eval` starts no judge servers: a judge, or an agent function
+    that takes one, is refused before anything runs."""
+    from realrl.cli.eval import main
+
+    (tmp_path / "judged.py").write_text("async def run(client, row, judge):\n    return 0.0\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"query_id": "q", "prompt": "Q: 1+1=?\nA:", "answer": "2"}) + "\n")
+    code = main(
+        [f"model.path={model_dir}", f"dataset.test_path={tmp_path / 'test.jsonl'}", setting.format(tmp=tmp_path)]
+    )
+    assert code == 2
+    assert capsys.readouterr().err.strip() == f"realrl: config error: {message}"

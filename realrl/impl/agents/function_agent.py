@@ -84,12 +84,23 @@ def load_agent_fn(spec: str) -> Any:
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))):
         raise ValueError(f"agent function {spec!r}: {getattr(fn, '__name__', fn)!r} is not an async function")
     try:
-        inspect.signature(fn).bind(None, None)
+        if takes_judge(fn):
+            inspect.signature(fn).bind(None, None, judge=None)
+        else:
+            inspect.signature(fn).bind(None, None)
     except TypeError as e:
-        raise ValueError(f"agent function {spec!r}: cannot be called as fn(client, row): {e}") from None
+        raise ValueError(f"agent function {spec!r}: cannot be called as fn(client, row[, judge]): {e}") from None
     except ValueError:
         pass  # no signature to check
     return fn
+
+
+def takes_judge(fn: Any) -> bool:
+    """Whether agent function `fn` takes a `judge` (the trial's judge model's client)."""
+    try:
+        return "judge" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def episode_row(prompt: PromptRecord) -> dict[str, Any]:
@@ -135,9 +146,18 @@ class FunctionAgent(Agent):
         fn: str = "",
         tool_parser: str = "hermes",
         max_context_tokens: int | None = None,
+        judge: dict | None = None,
     ):
         super().__init__(settings)
         self.fn = self._load_fn(fn)
+        # A function that takes `judge` gets the trial's judge model's client (realrl/impl/judge.py).
+        self.judge = None
+        if takes_judge(self.fn):
+            if judge is None:
+                raise ValueError(f"agent function {fn!r} takes `judge` but no judge is configured (judge.model.path)")
+            from realrl.impl.judge import judge_access
+
+            self.judge = judge_access(judge)
         tokenizer = self.tokenizer
         path = self.settings.tokenizer_path
         eos = eos_token_ids_in_dir(path, tokenizer) if path else {tokenizer.eos_token_id}
@@ -227,6 +247,8 @@ class FunctionAgent(Agent):
     async def _drive(self, endpoint: ChatEndpoint, session: ChatSession, base_url: str, row: dict) -> Any:
         """Runs the episode; its return value (the score)."""
         client = endpoint.client(base_url)
+        if self.judge is not None:
+            return await self.fn(client, dict(row), judge=await self.judge())
         return await self.fn(client, dict(row))
 
     def _function_failed(self, prompt: PromptRecord, e: Exception) -> None:

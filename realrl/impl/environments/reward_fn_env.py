@@ -28,18 +28,14 @@ from realrl.api.env_api import EnvironmentService, register_environment
 _RUNNERS: dict[tuple, Any] = {}
 
 
-def get_runner(fn: str, timeout_s: float, n_procs: int, plugins: tuple[str, ...] = (), judge: dict | None = None):
-    from realrl.impl.judge import JudgeAccess
+def get_runner(fn: str, timeout_s: float, n_procs: int, plugins: tuple[str, ...] = (), judge: Any = None):
+    """The process's runner of `fn`; `judge`: the trial's `JudgeAccess` (make_env gives it), or None."""
     from realrl.impl.reward_fn import RewardFunctionRunner
 
-    key = (fn, timeout_s, n_procs, plugins, tuple(sorted((judge or {}).items())))
+    key = (fn, timeout_s, n_procs, plugins, id(judge))
     if key not in _RUNNERS:
         _RUNNERS[key] = RewardFunctionRunner(
-            fn,
-            timeout_s=timeout_s,
-            n_procs=n_procs,
-            plugins=list(plugins),
-            judge=JudgeAccess(judge) if judge else None,
+            fn, timeout_s=timeout_s, n_procs=n_procs, plugins=list(plugins), judge=judge
         )
     return _RUNNERS[key]
 
@@ -58,7 +54,7 @@ class RewardFnEnv(EnvironmentService):
         timeout_s: float = 10.0,
         n_procs: int = 2,
         plugins: list[str] | tuple = (),
-        judge: dict | None = None,
+        judge: Any = None,
     ):
         self.runner = get_runner(fn, timeout_s, n_procs, tuple(plugins), judge)
         self.record: PromptRecord | None = None
