@@ -325,7 +325,7 @@ def test_an_external_agent_drives_episodes_over_http(chat_model_dir, chat_server
     [
         ("run", None),
         ("not_async", "is not an async function"),
-        ("one_argument", "cannot be called as fn(client, row)"),
+        ("one_argument", "cannot be called as fn(client, row[, judge])"),
         ("missing", "has no attribute 'missing'"),
     ],
 )
