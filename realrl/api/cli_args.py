@@ -377,8 +377,9 @@ class JudgeModelConfig:
 class JudgeConfig:
     """A judge model for rewards (docs/custom_tasks.md, "Rewards from a judge model"):
     a reward function `async def reward(prompt, completion, answer, judge)` gets an
-    `openai.AsyncOpenAI` for it, an environment class that takes `judge` a factory of one
-    (`await judge()`). Its servers use the run's backend (torch only for now),
+    `openai.AsyncOpenAI` for it, as does an agent function `run(client, row, judge)`; an
+    environment class that takes `judge` gets a factory of one (`await judge()`). Its servers
+    use the run's backend (torch only for now),
     never receive the trainer's weights and never serve rollouts."""
 
     model: JudgeModelConfig = dataclasses.field(default_factory=JudgeModelConfig)
