@@ -98,13 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             if takes_judge(reward_fn):  # its judge servers live only inside a trial
                 raise ConfigError("rollout.reward_fn: takes `judge`, and realrl eval starts no judge servers")
         if cfg.rollout.agent_fn:
-            from realrl.impl.agents import function_agent
+            from realrl.impl.agents.function_agent import load_agent_fn
+            from realrl.impl.reward_fn import takes_judge
 
             try:
-                agent_fn = function_agent.load_agent_fn(cfg.rollout.agent_fn)
+                agent_fn = load_agent_fn(cfg.rollout.agent_fn)
             except ValueError as e:
                 raise ConfigError(f"rollout.agent_fn: {e}") from None
-            if function_agent.takes_judge(agent_fn):
+            if takes_judge(agent_fn):
                 raise ConfigError("rollout.agent_fn: takes `judge`, and realrl eval starts no judge servers")
     except ConfigError as e:
         print(f"realrl: config error: {e}", file=sys.stderr)

@@ -228,7 +228,8 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         check_arguments(factory, args, key.replace(".type", ".args"), with_settings=registry is AGENTS)
     agent_takes_judge = False
     if cfg.rollout.agent_fn:
-        from realrl.impl.agents.function_agent import load_agent_fn, takes_judge
+        from realrl.impl.agents.function_agent import load_agent_fn
+        from realrl.impl.reward_fn import takes_judge
 
         try:
             agent_takes_judge = takes_judge(load_agent_fn(agent.args["fn"]))

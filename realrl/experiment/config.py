@@ -198,17 +198,12 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
 def env_takes_judge(env_type: str) -> bool:
     """Whether the registered environment `env_type` takes a `judge` argument
     (False when it is not registered: the checks name that)."""
-    import inspect
-
     from realrl.api.env_api import ENVIRONMENTS
+    from realrl.impl.reward_fn import takes_judge
 
     try:
-        factory = ENVIRONMENTS.get(env_type)
+        return takes_judge(ENVIRONMENTS.get(env_type))
     except (KeyError, ValueError):
-        return False
-    try:
-        return "judge" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
         return False
 
 

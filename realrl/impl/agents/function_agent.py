@@ -69,6 +69,7 @@ from realrl.impl.openai_compat.endpoint import ChatEndpoint, shared_endpoint
 from realrl.impl.openai_compat.rendering import ChatRenderer
 from realrl.impl.openai_compat.tool_calls import TOOL_PARSERS
 from realrl.impl.openai_compat.turns import RecordedSequence
+from realrl.impl.reward_fn import takes_judge  # the same rule as a reward function's
 
 logger = getLogger(__name__)
 
@@ -93,14 +94,6 @@ def load_agent_fn(spec: str) -> Any:
     except ValueError:
         pass  # no signature to check
     return fn
-
-
-def takes_judge(fn: Any) -> bool:
-    """Whether agent function `fn` takes a `judge` (the trial's judge model's client)."""
-    try:
-        return "judge" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def episode_row(prompt: PromptRecord) -> dict[str, Any]:
