@@ -2,7 +2,7 @@
 # Checks realrl's CUDA paths on a GPU machine in one step (under 10 minutes)
 # and writes one JSON of figures (scripts/gpu_check.py says what it runs).
 #
-#   bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--workdir DIR]
+#   bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--workdir DIR] [--budget-s S]
 #
 # Python: $REALRL_PYTHON, else python3: the interpreter whose torch has CUDA.
 # --wheels DIR installs the wheels scripts/gpu_wheels.sh downloaded, offline,
@@ -16,6 +16,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${REALRL_PYTHON:-python3}"
 wheels=""
+budget=()
 out="$repo/benchmarks/results/gpu_check.json"
 work="${TMPDIR:-/tmp}/realrl-gpu-check"
 while [ $# -gt 0 ]; do
@@ -23,7 +24,8 @@ while [ $# -gt 0 ]; do
     --wheels) wheels="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --workdir) work="$2"; shift 2 ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--workdir DIR]" >&2; exit 2 ;;
+    --budget-s) budget=(--budget-s "$2"); shift 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--workdir DIR] [--budget-s S]" >&2; exit 2 ;;
   esac
 done
 
@@ -46,4 +48,4 @@ if [ -n "$wheels" ]; then
   extra="$("$py" -c 'import json, os, sys; print(json.dumps({"wheels": {"dir": sys.argv[1], "site": sys.argv[2], "installed": sorted(os.path.basename(w) for w in sys.argv[3:])}}))' "$wheels" "$site" "${files[@]}")"
 fi
 export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
-exec "$py" "$repo/scripts/gpu_check.py" --out "$out" --extra "$extra"
+exec "$py" "$repo/scripts/gpu_check.py" --out "$out" --extra "$extra" "${budget[@]}"

@@ -16,7 +16,8 @@
 # command and downloads nothing. Environment: PYTHON (default python3) runs
 # pip here; GPU_WHEELS_PYTHON_VERSION (3.12) and GPU_WHEELS_PLATFORMS (a
 # space-separated list, oldest glibc first: pip prefers the earlier ones)
-# describe the target.
+# describe the target; GPU_WHEELS_SKIP (space-separated names) leaves out the
+# wheels of packages the target already has.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
@@ -77,8 +78,20 @@ for attempt in 1 2 3 4 5; do
     exit 1
   fi
 done
-if ls "$dest" | grep -qiE '^(torch|nvidia_)'; then
-  echo "gpu_wheels: a dependency pulled in torch or CUDA wheels; they are removed (the GPU machine has its own)" >&2
-  rm -f "$dest"/torch-*.whl "$dest"/nvidia_*.whl
+# torch's own stack (its CUDA libraries, bindings and triton) must stay the GPU
+# machine's: a cu12 cuda_bindings ahead on PYTHONPATH breaks a cu13 torch.
+if ls "$dest" | grep -qiE '^(torch|nvidia_|triton-|cuda_bindings-|cuda_pathfinder-|cuda_toolkit-)'; then
+  echo "gpu_wheels: a dependency pulled in torch, triton or CUDA wheels; they are removed (the GPU machine has its own)" >&2
+  rm -f "$dest"/torch-*.whl "$dest"/nvidia_*.whl "$dest"/triton-*.whl "$dest"/cuda_bindings-*.whl \
+    "$dest"/cuda_pathfinder-*.whl "$dest"/cuda_toolkit-*.whl
 fi
+# Packages the GPU machine already has, in versions that serve (GPU_WHEELS_SKIP="pyarrow numpy"):
+# left behind, so that what is carried stays small.
+for name in ${GPU_WHEELS_SKIP:-}; do
+  stem="$(echo "$name" | tr '-' '_' | tr '[:upper:]' '[:lower:]')"
+  for wheel in "$dest"/*.whl; do
+    base="$(basename "$wheel" | tr '[:upper:]' '[:lower:]')"
+    if [ "${base%%-*}" = "$stem" ]; then rm -f "$wheel"; echo "gpu_wheels: left out $(basename "$wheel") (GPU_WHEELS_SKIP)"; fi
+  done
+done
 echo "gpu_wheels: $(ls "$dest"/*.whl | wc -l) wheels in $dest ($(du -sh "$dest" | cut -f1)); on the GPU machine: bash scripts/gpu_check.sh --wheels DIR"

@@ -41,7 +41,8 @@ def fake_wheel(directory, name: str, version: str) -> str:
 
 def test_without_cuda_the_check_skips_says_why_and_exits_0(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = run_script("scripts/gpu_check.sh", "--out", str(out), "--workdir", str(tmp_path / "work"))
+    work = str(tmp_path / "work")
+    proc = run_script("scripts/gpu_check.sh", "--out", str(out), "--workdir", work, "--budget-s", "300")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["skipped"] is True
