@@ -14,8 +14,11 @@ manager, the routing and the server; `via_resumed`: such a call that a weight
 update interrupted and that resumed on the new version), and, about every
 `probe_interval_s`, of a call made from the same process straight to a
 random simulated server with the same context and sampling parameters
-(`direct`; calls that a weight update interrupted are left out). Lines
-`<via|direct> <wall clock at the end> <seconds>` are appended to
+(`direct`; calls that a weight update interrupted are left out); and of each
+call, the time it spent outside the servers: its wall time minus what the
+servers reported spending on it (`GenerationResult.server_s`, the direct
+call's `e2e_latency`). Lines `<via|direct> <wall clock at the end> <seconds>
+<seconds outside the servers>` are appended to
 `<latency_dir>/rollout-<pid>.txt` about once a second, with the process's
 event-loop lateness above 5 ms (`lag`) and garbage-collector pauses (`gc0`,
 `gc1`, `gc2` by generation).
@@ -93,8 +96,9 @@ class ToolAgent(Agent):
             if late > 0.005:
                 self._record("lag", late)
 
-    def _record(self, kind: str, seconds: float) -> None:
-        self._lines.append(f"{kind} {time.time():.3f} {seconds:.6f}\n")
+    def _record(self, kind: str, seconds: float, outside_s: float | None = None) -> None:
+        extra = "" if outside_s is None else f" {outside_s:.6f}"
+        self._lines.append(f"{kind} {time.time():.3f} {seconds:.6f}{extra}\n")
 
     async def collect_trajectory(self, prompt: PromptRecord, env: EnvironmentService) -> list[Trajectory]:
         if self._prober is None and self._path:
@@ -113,9 +117,10 @@ class ToolAgent(Agent):
             self._last_context = context
             t0 = time.monotonic()
             result = await self.generate(context, n=1)
+            wall = time.monotonic() - t0
             # (a call whose tokens span two weight versions was interrupted by an update and resumed)
             spanned = len(set(result.output_versions[0])) > 1
-            self._record("via_resumed" if spanned else "via", time.monotonic() - t0)
+            self._record("via_resumed" if spanned else "via", wall, wall - result.server_s[0])
             results.append(result)
             context = context + list(result.output_ids[0])
         zeros = [0.0] * len(results)
@@ -139,7 +144,8 @@ class ToolAgent(Agent):
                 except (GenerationServerError, GenerationServerUnavailable):
                     return  # a server going away at the end of the trial
                 if result.finish_reason != "abort":
-                    self._record("direct", time.monotonic() - t0)
+                    wall = time.monotonic() - t0
+                    self._record("direct", wall, wall - (result.meta_info.e2e_latency or 0.0))
 
             while True:
                 await asyncio.sleep(self.probe_interval_s)

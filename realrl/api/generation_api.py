@@ -176,7 +176,11 @@ class GenerationResult:
     the parameters every answer was drawn with (None: not known), `turn`
     which generation call of its episode asked for it: `Agent.generate`
     numbers an episode's calls 1, 2, ... in the order the agent makes them
-    (0: not made through `Agent.generate`)."""
+    (0: not made through `Agent.generate`). `server_s`: per answer, the
+    seconds its servers spent on its requests as they report them (SGLang's
+    `meta_info.e2e_latency`, summed over chunks and resubmissions; None: not
+    known): a call's wall time minus this is what it spent outside the
+    servers (routing, queues, the network, interruptions)."""
 
     qid: str
     prompt_ids: list[int]
@@ -189,6 +193,7 @@ class GenerationResult:
     output_sampling_logprobs: list[list[float]] | None = None
     sampling: Sampling | None = None
     turn: int = 0
+    server_s: list[float] | None = None
 
     @property
     def group_size(self) -> int:
@@ -208,4 +213,5 @@ class GenerationResult:
             None if self.output_sampling_logprobs is None else [self.output_sampling_logprobs[i]],
             self.sampling,
             self.turn,
+            None if self.server_s is None else [self.server_s[i]],
         )

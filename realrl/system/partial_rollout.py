@@ -130,6 +130,7 @@ class _Answer:
     versions: list[int] = dataclasses.field(default_factory=list)
     scheduled_version: int | None = None  # the manager's version when first scheduled
     no_eos: bool = True
+    server_s: float = 0.0  # what its servers reported spending on it (e2e_latency), over all its requests
 
 
 @dataclasses.dataclass
@@ -250,6 +251,7 @@ class PartialRolloutManager:
             version_end=[a.versions[-1] if a.versions else a.scheduled_version for a in answers],
             output_sampling_logprobs=[a.sampling_logprobs for a in answers],
             sampling=request.gconfig.sampling(),
+            server_s=[a.server_s for a in answers],
         )
 
     async def _generate_group(self, request: GenerationRequest) -> list[_Answer | _Resume]:
@@ -596,6 +598,7 @@ class PartialRolloutManager:
         answer.logprobs.extend(response.output_logprobs)
         answer.sampling_logprobs.extend(sampling_logprobs)
         answer.versions.extend([version] * n)
+        answer.server_s += response.meta_info.e2e_latency or 0.0
         self.stats.generated_tokens += n
         return n
 

@@ -37,6 +37,8 @@ def test_a_small_simulated_cluster_is_measured(tmp_path):
         # Calls went through the runtime and straight to the servers; both were timed.
         assert row["calls_measured"] > 0 and row["direct_calls_measured"] > 0 and row["requests_per_s"] > 0
         assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None
+        # Each call counts by its time outside the servers: they reported their own time (server_s).
+        assert 0 < row["outside_p50_ms"] < row["via_p50_ms"] and 0 < row["direct_outside_p50_ms"] < row["direct_p50_ms"]
         # Versions were published in the window and reached all 4 servers (each read the files).
         assert row["versions"] >= 1 and row["version_fanout_s"] is not None and row["version_fanout_s"] >= 0
         assert row["etcd_keys"] > 0 and row["etcd_ops_per_s"] > 0

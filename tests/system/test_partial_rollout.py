@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 import urllib.request
 import uuid
 
@@ -377,6 +378,7 @@ def test_weight_update_interrupts_and_resumes_without_losing_tokens(tiny_kit, re
     url = trial.server_url
 
     async def go(prm, manager):
+        t0 = time.monotonic()
         task = asyncio.create_task(prm.generate(GenerationRequest("update-0", prompt, group_size, gconfig)))
         async with GenerationClient(timeout_s=60) as control:
             start = server_stats(url)["generated_tokens"]
@@ -388,11 +390,12 @@ def test_weight_update_interrupts_and_resumes_without_losing_tokens(tiny_kit, re
                     await asyncio.sleep(0.005)
                 reply = await control.update_weights_from_disk(url, new_dir, weight_version=1)
                 result = await task
+                wall = time.monotonic() - t0
             finally:  # the module's other tests expect the original weights as version 0
                 await control.update_weights_from_disk(url, tiny_kit["model_dir"], weight_version=0)
-        return result, reply, prm.stats.pop(), manager.scheduled
+        return result, reply, prm.stats.pop(), manager.scheduled, wall
 
-    result, reply, stats, scheduled = asyncio.run(with_prm(trial.manager_url, go))
+    result, reply, stats, scheduled, wall = asyncio.run(with_prm(trial.manager_url, go))
     # SGLang's scheduler reports 0 (one per data-parallel rank), the torch server what it aborted.
     assert reply.num_paused_requests == ([0, 0] if trial.mode == "sglang" else group_size)
     assert stats["interruptions"] == group_size
@@ -410,6 +413,8 @@ def test_weight_update_interrupts_and_resumes_without_losing_tokens(tiny_kit, re
         torch.testing.assert_close(logprobs[:switch], old[:switch], atol=1e-3, rtol=0)
         torch.testing.assert_close(logprobs[switch:], new[switch:], atol=1e-3, rtol=0)
         assert not torch.allclose(old[switch:], new[switch:], atol=1e-3)  # the versions are distinguishable
+        # The servers' own time for the answer, over the interrupted request and the resumed one.
+        assert 0 < result.server_s[i] < wall
     # The resubmissions were sticky: the manager still holds version 0 for the
     # server (it did not drive this update), so it kept them on the same server.
     resumed = [s for s in scheduled if s["previous_server_url"] is not None]
