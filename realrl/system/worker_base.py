@@ -94,6 +94,8 @@ class Worker:
     """Synchronous worker: subclasses implement `_configure` and `_poll`."""
 
     config_cls: type | None = None  # the dataclass the spec's config is parsed into
+    # The collector's thresholds once the worker runs (`gc.set_threshold`; None: Python's own).
+    collector_thresholds: tuple[int, int, int] | None = None
 
     def __init__(self, info: WorkerInfo, config: Any = None):
         self.info = info
@@ -348,6 +350,9 @@ class Worker:
             # whose pauses stall the worker's loop (a full one took ~0.5 s in a rollout worker of 8k
             # episodes, benchmarks/control_plane.py).
             gc.freeze()
+            if self.collector_thresholds is not None:
+                gc.set_threshold(*self.collector_thresholds)
+                self.logger.info("collector thresholds %s", gc.get_threshold())
             self.set_status(WorkerStatus.RUNNING)
             self.logger.info("running")
             self._main_loop()

@@ -184,6 +184,7 @@ def test_trajectories_arrive_and_staleness_bound_holds(tmp_path, etcd_server, ti
             log = open(trial.launcher.log_path("rollout_worker", i)).read()
             skipped = int(long_qid in {r["query_id"] for r in records[i::2]})
             assert f"({skipped} skipped as longer than {MAX_PROMPT_LEN} tokens)" in log
+            assert "collector thresholds (50000, 50, 1000)" in log  # full collections rare (RolloutWorker)
 
         trial.set(names.experiment_status(EXP, trial.trial), "COMPLETE")
         assert trial.join() == 0
