@@ -33,8 +33,11 @@ has passed, a `--window` of seconds is measured:
   each call counted by its time outside the servers: its wall time minus the
   time the servers reported spending on it (`GenerationResult.server_s`, a
   direct call's `e2e_latency`), so that the simulated servers' own jitter
-  does not swamp the control plane's milliseconds. `added_wall_*`: the same
-  by wall time alone;
+  does not swamp the control plane's milliseconds. `added_steady_*`: the
+  same over the calls (both kinds) that overlapped no weight update (from a
+  version's publication to its load on the last server; `steady_share`),
+  the control plane's own cost apart from what an update makes calls wait
+  for. `added_wall_*`: all calls by wall time alone;
 - `version_fanout_s`: from the trainer setting `model_version` to the last of
   the N servers having loaded that version (median over the window's
   versions; `_max_s` the worst; versions the manager skipped because a newer
@@ -413,21 +416,8 @@ def latencies(trial_dir: str, t0: float, t1: float) -> dict[str, np.ndarray]:
     """Seconds of what ended in [t0, t1] in the rollout workers: calls through the runtime (`via`) and
     straight to a server (`direct`), the event loop's lateness (`lag`, above 5 ms) and the collector's
     pauses (`gc0`..`gc2`, per generation)."""
-    out: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "via",
-            "via_resumed",
-            "direct",
-            "via_out",
-            "via_resumed_out",
-            "direct_out",
-            "lag",
-            "gc0",
-            "gc1",
-            "gc2",
-        )
-    }
+    calls = tuple(f"{c}{x}" for c in ("via", "via_resumed", "direct") for x in ("", "_out", "_end"))
+    out: dict[str, list[float]] = {k: [] for k in calls + ("lag", "gc0", "gc1", "gc2")}
     directory = os.path.join(trial_dir, "latency")
     for name in os.listdir(directory):
         with open(os.path.join(directory, name)) as f:
@@ -435,8 +425,9 @@ def latencies(trial_dir: str, t0: float, t1: float) -> dict[str, np.ndarray]:
                 kind, t, seconds, *outside = line.split()
                 if t0 <= float(t) <= t1:
                     out.setdefault(kind, []).append(float(seconds))
-                    if outside:  # a call's time outside the servers
+                    if outside:  # a call: its time outside the servers, and when it ended
                         out.setdefault(f"{kind}_out", []).append(float(outside[0]))
+                        out.setdefault(f"{kind}_end", []).append(float(t))
     return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -475,6 +466,28 @@ def fanout(trial_dir: str, servers: int, t0: float, t1: float, loads: dict[int, 
         "versions_skipped": skipped,
         "versions_incomplete": pending,
     }
+
+
+def update_windows(trial_dir: str, loads: dict[int, dict], grace_s: float) -> list[tuple[float, float]]:
+    """Wall-clock spans from publishing each version to its load on the last server that
+    loaded it (a version no server loaded, skipped for a newer one: until that one's
+    publication; the last one: `grace_s` after its own)."""
+    published = sorted(
+        (t, v) for v, t in (read_json(os.path.join(trial_dir, "sim", "trainer.json")) or {}).get("published", [])
+    )
+    nexts = [t for t, _ in published[1:]] + [None]
+    return [
+        (t, loads[v]["last"] if v in loads else (t_next if t_next is not None else t + grace_s))
+        for (t, v), t_next in zip(published, nexts)
+    ]
+
+
+def during_updates(starts: np.ndarray, ends: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
+    """Which calls overlapped a weight update's span (a bool per call)."""
+    hit = np.zeros(len(starts), dtype=bool)
+    for w0, w1 in windows:
+        hit |= (starts <= w1) & (ends >= w0)
+    return hit
 
 
 def rate(before: dict, after: dict, key: str, dt: float) -> float:
@@ -522,7 +535,7 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         "servers": point.servers,
         "episodes": point.episodes,
         "offered_calls_per_s": plan.offered_rate,
-        **measure(trial.trial_dir, sampler, s0, s1),
+        **measure(trial.trial_dir, sampler, s0, s1, update_windows(trial.trial_dir, loads, args.grace)),
         **fanout(trial.trial_dir, point.servers, s0["wall"], s1["wall"], loads),
         # From the manager's log: noticing a version -> every server holds it, the update calls alone.
         "weight_sync": weight_sync_lags(trial.launcher.log_dir, range(versions[0] + 1, versions[1] + 1)),
@@ -559,8 +572,9 @@ def start_profiling(sampler: TreeSampler, out_dir: str, rate_hz: int, kinds: lis
     return start_profilers(py_spy, targets, out_dir, rate_hz, False)
 
 
-def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict) -> dict:
-    """The window's figures from its two snapshots and the agents' latency files."""
+def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: list[tuple[float, float]]) -> dict:
+    """The window's figures from its two snapshots and the agents' latency files;
+    `windows`: the weight updates' spans (wall clock)."""
     dt = s1["mono"] - s0["mono"]
     lat = latencies(trial_dir, s0["wall"], s1["wall"])
     # Every call through the runtime, and apart those no weight update interrupted (the control
@@ -574,6 +588,15 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict) -> dict:
         lat["via_out"],
         lat["direct_out"],
     )
+    # The calls that overlapped no weight update (from a version's publication to its load on
+    # the last server), through the runtime and direct: the control plane's steady cost. A call
+    # that overlaps one may wait for its server's update (interrupted, or sent to a server that
+    # is loading), which is the update's cost; the simulation's versions come every few seconds,
+    # a real run's every few minutes.
+    ends_all = np.concatenate([lat["via_end"], lat["via_resumed_end"]])
+    steady = ~during_updates(ends_all - via_all, ends_all, windows)
+    steady_direct = ~during_updates(lat["direct_end"] - direct, lat["direct_end"], windows)
+    out_steady, out_direct_steady = out_all[steady], out_direct[steady_direct]
     calls_per_s = len(via_all) / dt
     m0, m1 = s0["manager"]["doing"], s1["manager"]["doing"]
     m_dt = s1["manager"]["time"] - s0["manager"]["time"]
@@ -618,6 +641,11 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict) -> dict:
         "added_uninterrupted_p99_ms": diff(pct(out, 99), pct(out_direct, 99)),
         "added_uninterrupted_p99_ms_ci90": added_ci(99, out, out_direct),
         "resumed_share": len(lat["via_resumed"]) / max(len(via_all), 1),
+        # The same over the calls that overlapped no weight update (and their share).
+        "added_steady_p50_ms": diff(pct(out_steady, 50), pct(out_direct_steady, 50)),
+        "added_steady_p99_ms": diff(pct(out_steady, 99), pct(out_direct_steady, 99)),
+        "added_steady_p99_ms_ci90": added_ci(99, out_steady, out_direct_steady),
+        "steady_share": float(steady.mean()) if len(steady) else 0.0,
         "outside_p50_ms": pct(out_all, 50),
         "outside_p99_ms": pct(out_all, 99),
         "direct_outside_p50_ms": pct(out_direct, 50),
@@ -691,7 +719,9 @@ def print_row(r: dict) -> None:
         f"{r['versions_incomplete']} incomplete{sync})\n"
         f"   without the {r['resumed_share']:.0%} of calls a weight update interrupted: added p50 "
         f"{_ms(r['added_uninterrupted_p50_ms'])} ms p99 {_ms(r['added_uninterrupted_p99_ms'])} ms "
-        f"{_ci(r.get('added_uninterrupted_p99_ms_ci90'))}\n"
+        f"{_ci(r.get('added_uninterrupted_p99_ms_ci90'))}; over the {r['steady_share']:.0%} that overlapped no "
+        f"weight update: added p50 {_ms(r['added_steady_p50_ms'])} ms p99 {_ms(r['added_steady_p99_ms'])} ms "
+        f"{_ci(r.get('added_steady_p99_ms_ci90'))}\n"
         f"   rollout workers: event loop late by up to {r['loop_lag_max_ms']:.0f} ms "
         f"({r['loop_lag_s_per_s'] * 1000:.0f} ms/s); {r['gc2_pauses']} full collections, "
         f"up to {r['gc2_pause_max_ms']:.0f} ms; collector {r['gc_pause_s_per_s'] * 1000:.0f} ms/s\n"

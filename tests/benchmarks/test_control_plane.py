@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 
-from benchmarks.control_plane import main
+import numpy as np
+
+from benchmarks.control_plane import during_updates, main, update_windows
 
 
 def test_a_small_simulated_cluster_is_measured(tmp_path):
@@ -38,6 +40,7 @@ def test_a_small_simulated_cluster_is_measured(tmp_path):
         assert row["calls_measured"] > 0 and row["direct_calls_measured"] > 0 and row["requests_per_s"] > 0
         assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None
         # Each call counts by its time outside the servers: they reported their own time (server_s).
+        assert 0 <= row["steady_share"] <= 1 and "added_steady_p99_ms" in row
         assert 0 < row["outside_p50_ms"] < row["via_p50_ms"] and 0 < row["direct_outside_p50_ms"] < row["direct_p50_ms"]
         # Versions were published in the window and reached all 4 servers (each read the files).
         assert row["versions"] >= 1 and row["version_fanout_s"] is not None and row["version_fanout_s"] >= 0
@@ -50,3 +53,16 @@ def test_a_small_simulated_cluster_is_measured(tmp_path):
     assert png.stat().st_size > 0
     assert sorted(os.listdir(root)) == ["logs", "model", "prompts.jsonl", "run"]  # the trial's own files are gone
     assert os.listdir(root / "logs" / "control-plane") == []
+
+
+def test_calls_are_told_apart_by_the_weight_updates_they_overlap(tmp_path):
+    (tmp_path / "sim").mkdir()
+    # Version 2 was skipped for 3 (no server loaded it); 4 was still going out at the end.
+    published = [[1, 100.0], [2, 103.0], [3, 104.0], [4, 109.0]]
+    (tmp_path / "sim" / "trainer.json").write_text(json.dumps({"published": published}))
+    loads = {1: {"servers": 8, "last": 100.5}, 3: {"servers": 8, "last": 104.8}}
+    windows = update_windows(str(tmp_path), loads, grace_s=5.0)
+    assert windows == [(100.0, 100.5), (103.0, 104.0), (104.0, 104.8), (109.0, 114.0)]
+    starts = np.array([99.0, 100.2, 101.0, 102.5, 104.9, 108.0])
+    ends = np.array([99.9, 100.9, 102.0, 103.1, 105.5, 108.9])
+    assert during_updates(starts, ends, windows).tolist() == [False, True, False, True, False, False]
