@@ -189,6 +189,32 @@ class ClientRouting:
                 down = []
             for url in down:  # out of routing now, whether or not the table has said so yet
                 self._servers.pop(url, None)
+        return self._schedule(n, previous_server_url, previous_version, avoid, parts, down)
+
+    def schedule_now(
+        self,
+        qid: str,
+        n: int = 1,
+        previous_server_url: str | None = None,
+        previous_version: int | None = None,
+        parts: list[int] | None = None,
+    ) -> ScheduleReply | None:
+        """`schedule_request` without waiting, where it needs nothing but the
+        table (None before the first table)."""
+        if self.table is None:
+            return None
+        self._start()
+        return self._schedule(n, previous_server_url, previous_version, set(), parts, None)
+
+    def _schedule(
+        self,
+        n: int,
+        previous_server_url: str | None,
+        previous_version: int | None,
+        avoid: set[str],
+        parts: list[int] | None,
+        down: list[str] | None,
+    ) -> ScheduleReply:
         if not self._servers:
             return ScheduleReply(version=self.table.version, reason=self.table.reason or "no generation server is up")
         picks = []
@@ -263,6 +289,10 @@ class ManagerRouting:
             if pick.url is not None:
                 self._in_flight[pick.url] += k
         return reply
+
+    def schedule_now(self, *args, **kwargs) -> None:
+        """Never at once: every schedule is a request to the manager."""
+        return None
 
     async def release_request(self, url: str, ticket: int, n: int = 1, **kwargs):
         self._in_flight[url] = max(0, self._in_flight[url] - n)

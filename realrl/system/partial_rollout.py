@@ -224,6 +224,8 @@ class PartialRolloutManager:
         starts: list[_Answer | _Resume | None] = [None] * request.group_size
         if request.group_size > 1:
             starts = await self._generate_group(request)
+        if request.group_size == 1 and starts[0] is None:  # one answer: in this task (no task to hop through)
+            return self._result(request, [await self._generate_answer(request, 0)])
         tasks = [
             asyncio.create_task(
                 self._finished(start) if isinstance(start, _Answer) else self._generate_answer(request, i, start)
@@ -239,7 +241,10 @@ class PartialRolloutManager:
         for task in done:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
-        answers = [task.result() for task in tasks]
+        return self._result(request, [task.result() for task in tasks])
+
+    @staticmethod
+    def _result(request: GenerationRequest, answers: list[_Answer]) -> GenerationResult:
         return GenerationResult(
             qid=request.qid,
             prompt_ids=list(request.prompt_ids),
@@ -613,7 +618,13 @@ class PartialRolloutManager:
     ) -> ScheduleReply:
         """The manager's `schedule_request`, safe against cancellation: once the
         manager may have counted the request, the slot is released even if this
-        answer is cancelled meanwhile (e.g. because a sibling answer failed)."""
+        answer is cancelled meanwhile (e.g. because a sibling answer failed).
+        Routed in this process without waiting (the client routing has its
+        table and nothing to report), it is picked at once: nothing to cancel."""
+        if not avoid:
+            picked = self.routing.schedule_now(qid, n, previous_url, previous_version, parts=parts)
+            if picked is not None:
+                return picked
         kwargs = {"avoid_urls": list(avoid)} if avoid else {}
         call = asyncio.ensure_future(
             self.routing.schedule_request(qid, n, previous_url, previous_version, parts=parts, **kwargs)
@@ -634,17 +645,33 @@ class PartialRolloutManager:
     async def _generate_on(self, url: str, call: Coroutine[Any, Any, _T]) -> _T:
         """A `/generate` `call` on `url`, abandoned (GenerationServerUnavailable)
         as soon as the routing says the server left it, e.g. because it
-        stopped answering: its answers are then resubmitted elsewhere."""
+        stopped answering: its answers are then resubmitted elsewhere. The call
+        runs in this task (no task per call to hop through); the server's
+        leaving cancels it, as `asyncio.timeout` cancels on its deadline."""
         left = self.routing.left_routing(url)  # (shared by every request on url: never cancelled here)
-        generate = asyncio.ensure_future(call)
-        try:
-            done, _ = await asyncio.wait({generate, left}, return_when=asyncio.FIRST_COMPLETED)
-            if generate in done:
-                return generate.result()
+        if left.done():
+            call.close()
             raise GenerationServerUnavailable(url, "the manager took it out of routing (failed health checks)")
+        task = asyncio.current_task()
+        abandoned = False
+
+        def abandon(_: asyncio.Future) -> None:
+            nonlocal abandoned
+            abandoned = True
+            task.cancel()
+
+        left.add_done_callback(abandon)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            # Ours (the server left) unless someone else cancelled this task too.
+            if abandoned and task.uncancel() == 0:
+                raise GenerationServerUnavailable(
+                    url, "the manager took it out of routing (failed health checks)"
+                ) from None
+            raise
         finally:
-            generate.cancel()
-            await asyncio.gather(generate, return_exceptions=True)
+            left.remove_done_callback(abandon)
 
     async def _release(self, url: str, ticket: int | None, n_tokens: int = 0, n: int = 1) -> None:
         # One quick attempt: an in-flight count that is off by a few only skews

@@ -30,7 +30,7 @@ from realrl.base import names
 from realrl.base.http_body import to_json
 from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
 from realrl.impl import environments as _environments  # noqa: F401
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation.client import GenerationClient, GenerationServerUnavailable
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import load_math_jsonl
 from realrl.impl.verifiers.math_verifier import MathVerifier
@@ -466,3 +466,43 @@ def test_dead_server_is_retried_then_fails_clearly(tmp_path, etcd_server):
     finally:
         fake.stop()
         t.close()
+
+
+def test_a_call_is_abandoned_when_its_server_leaves_routing_and_other_cancels_still_cancel():
+    """`_generate_on` runs the call in the caller's task: the server's leaving
+    routing ends it with GenerationServerUnavailable (and leaves the task
+    usable); a cancellation from elsewhere is still a cancellation."""
+
+    class Routing:
+        def __init__(self):
+            self.left = None
+
+        def left_routing(self, url):
+            self.left = asyncio.get_running_loop().create_future()
+            return self.left
+
+    async def go():
+        routing = Routing()
+        prm = PartialRolloutManager(routing, client=None)
+
+        async def leaves_soon():
+            asyncio.get_running_loop().call_later(0.01, lambda: routing.left.set_result(None))
+            return await prm._generate_on("http://a", asyncio.sleep(30))
+
+        with pytest.raises(GenerationServerUnavailable, match="out of routing"):
+            await leaves_soon()
+        await asyncio.sleep(0)  # this task was not left cancelled
+        assert asyncio.current_task().cancelling() == 0
+
+        assert await prm._generate_on("http://a", asyncio.sleep(0, result="done")) == "done"
+        routing.left.set_result(None)  # the server leaves after the call: nothing of the call reacts
+        await asyncio.sleep(0.01)
+        assert asyncio.current_task().cancelling() == 0
+
+        task = asyncio.create_task(prm._generate_on("http://a", asyncio.sleep(30)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
