@@ -2,8 +2,9 @@
 
 The partial-rollout manager asks its routing for a server before each
 `/generate` and gives the request back after it; the two kinds of routing
-answer the same calls (`schedule_request`, `release_request`,
-`left_routing`, `close`):
+answer the same calls (`schedule_request`, `schedule_now`, `release_request`,
+`left_routing`, `close`; `schedule_now` picks without waiting where the
+routing can, so that the call does not hop through a task of its own):
 
 - `ClientRouting` (`rollout.routing=client`, the default) decides in the
   rollout worker, with no call to the manager on the request's path. The
