@@ -445,9 +445,13 @@ def wait_steady(trial: Trial, point: Point, timeout: float) -> float:
         time.sleep(0.5)
 
 
-def fanout(trial_dir: str, servers: int, t0: float, t1: float, loads: dict[int, dict]) -> dict:
+def published_versions(trial_dir: str) -> list[tuple[int, float]]:
+    """(version, wall clock of its publication), as the trainer stand-in recorded them."""
+    return [tuple(p) for p in (read_json(os.path.join(trial_dir, "sim", "trainer.json")) or {}).get("published", [])]
+
+
+def fanout(published: list[tuple[int, float]], servers: int, t0: float, t1: float, loads: dict[int, dict]) -> dict:
     """Seconds from publishing each version in [t0, t1] to its load on the last server."""
-    published = (read_json(os.path.join(trial_dir, "sim", "trainer.json")) or {}).get("published", [])
     in_window = [(v, t) for v, t in published if t0 <= t <= t1]
     newest = max((v for v, _ in published), default=0)
     done, skipped, pending = [], 0, 0
@@ -468,17 +472,17 @@ def fanout(trial_dir: str, servers: int, t0: float, t1: float, loads: dict[int, 
     }
 
 
-def update_windows(trial_dir: str, loads: dict[int, dict], grace_s: float) -> list[tuple[float, float]]:
+def update_windows(
+    published: list[tuple[int, float]], loads: dict[int, dict], grace_s: float
+) -> list[tuple[float, float]]:
     """Wall-clock spans from publishing each version to its load on the last server that
     loaded it (a version no server loaded, skipped for a newer one: until that one's
     publication; the last one: `grace_s` after its own)."""
-    published = sorted(
-        (t, v) for v, t in (read_json(os.path.join(trial_dir, "sim", "trainer.json")) or {}).get("published", [])
-    )
-    nexts = [t for t, _ in published[1:]] + [None]
+    by_time = sorted((t, v) for v, t in published)
+    nexts = [t for t, _ in by_time[1:]] + [None]
     return [
         (t, loads[v]["last"] if v in loads else (t_next if t_next is not None else t + grace_s))
-        for (t, v), t_next in zip(published, nexts)
+        for (t, v), t_next in zip(by_time, nexts)
     ]
 
 
@@ -528,6 +532,7 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         trial.stop()
     if trial.error is not None:
         raise trial.error
+    published = published_versions(trial.trial_dir)
     row = {
         "trial": trial_name,
         "series": point.series,
@@ -535,8 +540,8 @@ def run_point(kit: Kit, point: Point, args, profile: bool = False) -> dict:
         "servers": point.servers,
         "episodes": point.episodes,
         "offered_calls_per_s": plan.offered_rate,
-        **measure(trial.trial_dir, sampler, s0, s1, update_windows(trial.trial_dir, loads, args.grace)),
-        **fanout(trial.trial_dir, point.servers, s0["wall"], s1["wall"], loads),
+        **measure(trial.trial_dir, sampler, s0, s1, update_windows(published, loads, args.grace)),
+        **fanout(published, point.servers, s0["wall"], s1["wall"], loads),
         # From the manager's log: noticing a version -> every server holds it, the update calls alone.
         "weight_sync": weight_sync_lags(trial.launcher.log_dir, range(versions[0] + 1, versions[1] + 1)),
         "load_avg_before": load_before,

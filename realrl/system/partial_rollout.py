@@ -221,11 +221,9 @@ class PartialRolloutManager:
         if request.group_size < 1:
             raise ValueError(f"generation request {request.qid}: group_size must be >= 1")
         request.gconfig.validate()
-        starts: list[_Answer | _Resume | None] = [None] * request.group_size
-        if request.group_size > 1:
-            starts = await self._generate_group(request)
-        if request.group_size == 1 and starts[0] is None:  # one answer: in this task (no task to hop through)
+        if request.group_size == 1:  # one answer: in this task (no task to hop through)
             return self._result(request, [await self._generate_answer(request, 0)])
+        starts = await self._generate_group(request)
         tasks = [
             asyncio.create_task(
                 self._finished(start) if isinstance(start, _Answer) else self._generate_answer(request, i, start)

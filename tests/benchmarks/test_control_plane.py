@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from benchmarks.control_plane import during_updates, main, update_windows
+from benchmarks.control_plane import during_updates, main, published_versions, update_windows
 
 
 def test_a_small_simulated_cluster_is_measured(tmp_path):
@@ -61,7 +61,7 @@ def test_calls_are_told_apart_by_the_weight_updates_they_overlap(tmp_path):
     published = [[1, 100.0], [2, 103.0], [3, 104.0], [4, 109.0]]
     (tmp_path / "sim" / "trainer.json").write_text(json.dumps({"published": published}))
     loads = {1: {"servers": 8, "last": 100.5}, 3: {"servers": 8, "last": 104.8}}
-    windows = update_windows(str(tmp_path), loads, grace_s=5.0)
+    windows = update_windows(published_versions(str(tmp_path)), loads, grace_s=5.0)
     assert windows == [(100.0, 100.5), (103.0, 104.0), (104.0, 104.8), (109.0, 114.0)]
     starts = np.array([99.0, 100.2, 101.0, 102.5, 104.9, 108.0])
     ends = np.array([99.9, 100.9, 102.0, 103.1, 105.5, 108.9])
