@@ -185,15 +185,33 @@ def rule(
 
 
 @functools.cache
-def _fields(cls: type) -> tuple[tuple[str, Any, dict, bool], ...]:
+def _fields(cls: type) -> tuple[tuple[str, Any, dict, bool, type | None], ...]:
+    """Per init field: name, annotation, checks, whether required, and the
+    scalar type whose values pass as they are (`str`, `int`, `bool`, `float`,
+    or one of those or None, with no checks; else None)."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append((f.name, hints[f.name], f.metadata.get("http_body") or {}, required))
+        checks = f.metadata.get("http_body") or {}
+        out.append((f.name, hints[f.name], checks, required, _plain_scalar(hints[f.name], checks)))
     return tuple(out)
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(name for name, *_ in _fields(cls))
+
+
+def _plain_scalar(kind: Any, checks: dict) -> type | None:
+    if checks.get("min") is not None or checks.get("max") is not None or checks.get("nonempty"):
+        return None
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = options[0] if len(options) == 1 else None
+    return kind if kind in _SCALARS else None
 
 
 def from_json(cls: type[T], value: Any, path: str = "") -> T:
@@ -203,8 +221,8 @@ def from_json(cls: type[T], value: Any, path: str = "") -> T:
             f"{_where(path, 'the request body')} must be a JSON object, got a JSON {_json_type(value)}", reason="type"
         )
     known = _fields(cls)
-    if getattr(cls, "UNKNOWN_FIELDS", "reject") != "ignore":
-        names = {name for name, *_ in known}
+    if getattr(cls, "UNKNOWN_FIELDS", "reject") != "ignore" and not value.keys() <= _field_names(cls):
+        names = _field_names(cls)
         unknown = sorted(str(k) for k in value if k not in names)
         if unknown:
             raise BodyError(
@@ -212,13 +230,22 @@ def from_json(cls: type[T], value: Any, path: str = "") -> T:
                 reason="unknown_field",
             )
     kwargs = {}
-    for name, kind, checks, required in known:
-        field_path = f"{path}.{name}" if path else name
-        if value.get(name) is None:
+    for name, kind, checks, required, scalar in known:
+        v = value.get(name)
+        if v is None:
             if required:
-                raise BodyError(f"missing field {field_path!r}", reason="missing")
+                raise BodyError(f"missing field {f'{path}.{name}' if path else name!r}", reason="missing")
             continue
-        kwargs[name] = _convert(kind, value[name], field_path, checks)
+        # A value of exactly its plain scalar type passes as it is (a JSON body holds
+        # thousands of them: a routing table, a batch's answers); anything else is checked.
+        if (
+            type(v) is scalar
+            and (scalar is not int or -_INT64 <= v < _INT64)
+            and (scalar is not float or math.isfinite(v))
+        ):
+            kwargs[name] = v
+        else:
+            kwargs[name] = _convert(kind, v, f"{path}.{name}" if path else name, checks)
     return cls(**kwargs)
 
 
@@ -259,6 +286,8 @@ def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
             fast = _fast_list(item, value)
             if fast is not None:
                 return fast
+            if dataclasses.is_dataclass(item):
+                return [from_json(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
             return [_convert(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value)]
         if len(value) != len(args):
             raise BodyError(f"field {path!r} must be a list of {len(args)} items, got {len(value)}", reason="type")

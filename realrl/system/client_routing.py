@@ -68,6 +68,7 @@ class ClientRouting:
         self.report_interval_s = report_interval_s
         self.table: RoutingTable | None = None
         self._servers: dict[str, RoutedServer] = {}  # url -> entry of the current table
+        self._newest: list[str] | None = None  # the servers holding the newest version (None: to find)
         self._mine: collections.Counter[str] = collections.Counter()  # our requests in flight, per server
         self._others: dict[str, int] = {}  # the other workers' load, per server, from the last report reply
         self._reported: dict[str, int] = {}  # what our last report said
@@ -118,7 +119,7 @@ class ClientRouting:
         for url, left in self._left.items():
             if url not in servers and not left.done():
                 left.set_result(None)
-        self._servers = servers
+        self._servers, self._newest = servers, None
         self._others = {u: n for u, n in self._others.items() if u in servers}
         if self._have_table is not None:
             self._have_table.set()
@@ -189,7 +190,8 @@ class ClientRouting:
                 logger.warning("could not report failing servers %s to the manager: %s", sorted(avoid), e)
                 down = []
             for url in down:  # out of routing now, whether or not the table has said so yet
-                self._servers.pop(url, None)
+                if self._servers.pop(url, None) is not None:
+                    self._newest = None
         return self._schedule(n, previous_server_url, previous_version, avoid, parts, down)
 
     def schedule_now(
@@ -236,21 +238,28 @@ class ClientRouting:
             down=down,
         )
 
+    def _newest_urls(self, avoid: set[str]) -> list[str]:
+        """The servers (but `avoid`) that hold the newest version among them. While a weight
+        update goes through the servers, a server still to be updated would interrupt a
+        request sent to it when its turn comes. (Without `avoid`: kept until the table changes.)"""
+        if not avoid and self._newest is not None:
+            return self._newest
+        candidates = [s for u, s in self._servers.items() if u not in avoid]
+        newest = max((s.version for s in candidates), default=None)
+        urls = [s.url for s in candidates if s.version == newest]
+        if not avoid:
+            self._newest = urls
+        return urls
+
     def _pick(self, previous_url: str | None, previous_version: int | None, avoid: set[str]) -> str:
         previous = self._servers.get(previous_url) if previous_url is not None else None
         if previous is not None and previous_url not in avoid and previous.version == previous_version:
             return previous_url
-        # While a weight update goes through the servers, only those that already hold the newest
-        # version: one still to be updated would interrupt the request when its turn comes.
-        candidates = [s for u, s in self._servers.items() if u not in avoid]
-        newest = max((s.version for s in candidates), default=None)
+        mine, others = self._mine, self._others
         best: list[str] = []
         least = None
-        for server in candidates:
-            if server.version != newest:
-                continue
-            url = server.url
-            load = self._mine[url] + self._others.get(url, 0)
+        for url in self._newest_urls(avoid):
+            load = mine.get(url, 0) + others.get(url, 0)
             if least is None or load < least:
                 least, best = load, [url]
             elif load == least:

@@ -208,6 +208,12 @@ def test_from_json_builds_nested_dataclasses_and_round_trips():
         ({"name": "a", "parts": {"qid": "q"}}, "field 'parts' must be a list"),
         ({"name": "a", "weight": "1"}, "field 'weight' must be a finite number"),
         ({"name": "a", "flag": 1}, "field 'flag' must be a boolean"),
+        # Plain scalar fields pass as they are only when exactly of their type and in range.
+        ({"name": "a", "version": True}, "field 'version' must be int, got a JSON boolean"),
+        ({"name": "a", "version": 2**70}, "field 'version' is out of range"),
+        ({"name": "a", "version": 1.0}, "field 'version' must be an integer"),
+        ({"name": "a", "weight": float("inf")}, "field 'weight' must be a finite number"),
+        ({"name": "a", "parts": [{"qid": "q"}, {"qid": 5}]}, "field 'parts[1].qid' must be a string"),
         ({"name": "a", "mode": "c"}, "field 'mode' must be one of 'a', 'b'"),
         ({"name": "a", "extra": {"k": "v"}}, "field 'extra.k' must be an integer"),
         ([1], "the request body must be a JSON object"),
