@@ -28,8 +28,10 @@ has passed, a `--window` of seconds is measured:
   `added_p50_ms` / `added_p99_ms` = percentile of the agent's calls through
   the runtime (partial-rollout manager, routing, server) minus the same
   percentile of calls made from the same processes straight to a random
-  simulated server with the same context and parameters (interrupted direct
-  calls left out; interrupted runtime calls count, resubmission included),
+  simulated server with the same context and parameters (a call a weight
+  update interrupts counts with its resubmission either way: the runtime's
+  partial rollout, or the direct caller sending it again to the same server
+  as a plain client would; `added_resumed_*` compares those two alone),
   each call counted by its time outside the servers: its wall time minus the
   time the servers reported spending on it (`GenerationResult.server_s`, a
   direct call's `e2e_latency`), so that the simulated servers' own jitter
@@ -414,9 +416,10 @@ def rss_mb(sampler: TreeSampler) -> dict[int, float]:
 
 def latencies(trial_dir: str, t0: float, t1: float) -> dict[str, np.ndarray]:
     """Seconds of what ended in [t0, t1] in the rollout workers: calls through the runtime (`via`) and
-    straight to a server (`direct`), the event loop's lateness (`lag`, above 5 ms) and the collector's
+    straight to a server (`direct`), each also apart when a weight update interrupted it
+    (`*_resumed`), the event loop's lateness (`lag`, above 5 ms) and the collector's
     pauses (`gc0`..`gc2`, per generation)."""
-    calls = tuple(f"{c}{x}" for c in ("via", "via_resumed", "direct") for x in ("", "_out", "_end"))
+    calls = tuple(f"{c}{x}" for c in ("via", "via_resumed", "direct", "direct_resumed") for x in ("", "_out", "_end"))
     out: dict[str, list[float]] = {k: [] for k in calls + ("lag", "gc0", "gc1", "gc2")}
     directory = os.path.join(trial_dir, "latency")
     for name in os.listdir(directory):
@@ -582,17 +585,17 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: l
     `windows`: the weight updates' spans (wall clock)."""
     dt = s1["mono"] - s0["mono"]
     lat = latencies(trial_dir, s0["wall"], s1["wall"])
-    # Every call through the runtime, and apart those no weight update interrupted (the control
-    # plane's own cost: an interrupted call also pays for the update, a direct one never does).
-    # Each call counts by its time outside the servers (its wall time minus what the servers
-    # reported spending on it): the simulated servers' own jitter (their hosts' busy event loops,
-    # up to ~100 ms on 2 cores) is not the control plane's and would swamp a few ms at p99.
-    via_all, direct = np.concatenate([lat["via"], lat["via_resumed"]]), lat["direct"]
-    out_all, out, out_direct = (
-        np.concatenate([lat["via_out"], lat["via_resumed_out"]]),
-        lat["via_out"],
-        lat["direct_out"],
-    )
+    # Every call, through the runtime and direct, and apart those a weight update interrupted (an
+    # interrupted call waits for its server's update, through the runtime or not: the direct
+    # caller sends it again to the same server, as a plain client would). Each call counts by
+    # its time outside the servers (its wall time minus what the servers reported spending on
+    # it): the simulated servers' own jitter (their hosts' busy event loops, up to ~100 ms on 2
+    # cores) is not the control plane's and would swamp a few ms at p99.
+    via_all = np.concatenate([lat["via"], lat["via_resumed"]])
+    direct_all = np.concatenate([lat["direct"], lat["direct_resumed"]])
+    out_all, out = np.concatenate([lat["via_out"], lat["via_resumed_out"]]), lat["via_out"]
+    out_direct_all, out_direct = np.concatenate([lat["direct_out"], lat["direct_resumed_out"]]), lat["direct_out"]
+    out_resumed, out_direct_resumed = lat["via_resumed_out"], lat["direct_resumed_out"]
     # The calls that overlapped no weight update (from a version's publication to its load on
     # the last server), through the runtime and direct: the control plane's steady cost. A call
     # that overlaps one may wait for its server's update (interrupted, or sent to a server that
@@ -600,8 +603,9 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: l
     # a real run's every few minutes.
     ends_all = np.concatenate([lat["via_end"], lat["via_resumed_end"]])
     steady = ~during_updates(ends_all - via_all, ends_all, windows)
-    steady_direct = ~during_updates(lat["direct_end"] - direct, lat["direct_end"], windows)
-    out_steady, out_direct_steady = out_all[steady], out_direct[steady_direct]
+    direct_ends = np.concatenate([lat["direct_end"], lat["direct_resumed_end"]])
+    steady_direct = ~during_updates(direct_ends - direct_all, direct_ends, windows)
+    out_steady, out_direct_steady = out_all[steady], out_direct_all[steady_direct]
     calls_per_s = len(via_all) / dt
     m0, m1 = s0["manager"]["doing"], s1["manager"]["doing"]
     m_dt = s1["manager"]["time"] - s0["manager"]["time"]
@@ -637,15 +641,21 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: l
         "calls_per_s": calls_per_s,
         "requests_per_s": requests_per_s,
         "trajectories_per_s": rate(m0, m1, "accepted", m_dt),
-        "added_p50_ms": diff(pct(out_all, 50), pct(out_direct, 50)),
-        "added_p99_ms": diff(pct(out_all, 99), pct(out_direct, 99)),
-        "added_p50_ms_ci90": added_ci(50, out_all, out_direct),
-        "added_p99_ms_ci90": added_ci(99, out_all, out_direct),
+        "added_p50_ms": diff(pct(out_all, 50), pct(out_direct_all, 50)),
+        "added_p99_ms": diff(pct(out_all, 99), pct(out_direct_all, 99)),
+        "added_p50_ms_ci90": added_ci(50, out_all, out_direct_all),
+        "added_p99_ms_ci90": added_ci(99, out_all, out_direct_all),
         # The same without the calls a weight update interrupted (and their share).
         "added_uninterrupted_p50_ms": diff(pct(out, 50), pct(out_direct, 50)),
         "added_uninterrupted_p99_ms": diff(pct(out, 99), pct(out_direct, 99)),
         "added_uninterrupted_p99_ms_ci90": added_ci(99, out, out_direct),
         "resumed_share": len(lat["via_resumed"]) / max(len(via_all), 1),
+        "direct_resumed_share": len(lat["direct_resumed"]) / max(len(direct_all), 1),
+        # The interrupted calls alone, through the runtime against direct.
+        "added_resumed_p50_ms": diff(pct(out_resumed, 50), pct(out_direct_resumed, 50)),
+        "added_resumed_p99_ms": diff(pct(out_resumed, 99), pct(out_direct_resumed, 99)),
+        "resumed_outside_p50_ms": pct(out_resumed, 50),
+        "direct_resumed_outside_p50_ms": pct(out_direct_resumed, 50),
         # The same over the calls that overlapped no weight update (and their share).
         "added_steady_p50_ms": diff(pct(out_steady, 50), pct(out_direct_steady, 50)),
         "added_steady_p99_ms": diff(pct(out_steady, 99), pct(out_direct_steady, 99)),
@@ -653,16 +663,16 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: l
         "steady_share": float(steady.mean()) if len(steady) else 0.0,
         "outside_p50_ms": pct(out_all, 50),
         "outside_p99_ms": pct(out_all, 99),
-        "direct_outside_p50_ms": pct(out_direct, 50),
-        "direct_outside_p99_ms": pct(out_direct, 99),
+        "direct_outside_p50_ms": pct(out_direct_all, 50),
+        "direct_outside_p99_ms": pct(out_direct_all, 99),
         # By wall time alone (what this benchmark reported before it read the servers' own time).
-        "added_wall_p50_ms": diff(pct(via_all, 50), pct(direct, 50)),
-        "added_wall_p99_ms": diff(pct(via_all, 99), pct(direct, 99)),
-        "added_wall_p99_ms_ci90": added_ci(99, via_all, direct),
+        "added_wall_p50_ms": diff(pct(via_all, 50), pct(direct_all, 50)),
+        "added_wall_p99_ms": diff(pct(via_all, 99), pct(direct_all, 99)),
+        "added_wall_p99_ms_ci90": added_ci(99, via_all, direct_all),
         "via_p50_ms": pct(via_all, 50),
         "via_p99_ms": pct(via_all, 99),
-        "direct_p50_ms": pct(direct, 50),
-        "direct_p99_ms": pct(direct, 99),
+        "direct_p50_ms": pct(direct_all, 50),
+        "direct_p99_ms": pct(direct_all, 99),
         # The rollout workers' event loops: how late they woke (the worst, and summed over the
         # window), and the garbage collector's full collections (a pause for every episode there).
         "loop_lag_max_ms": float(lat["lag"].max() * 1000) if len(lat["lag"]) else 0.0,
@@ -671,7 +681,7 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: l
         "gc2_pause_max_ms": float(lat["gc2"].max() * 1000) if len(lat["gc2"]) else 0.0,
         "gc_pause_s_per_s": float(sum(lat[k].sum() for k in ("gc0", "gc1", "gc2"))) / dt,
         "calls_measured": len(via_all),
-        "direct_calls_measured": len(direct),
+        "direct_calls_measured": len(direct_all),
         "server_requests_per_s": server_requests,
         "health_checks_per_s": server_requests.get("/health", 0.0),
         "interrupted_per_s": host_rates(s0["hosts"], s1["hosts"], "engine").get("finish_abort", 0.0),
@@ -722,7 +732,10 @@ def print_row(r: dict) -> None:
         f"{_ms(r['direct_p50_ms'])}/{_ms(r['direct_p99_ms'])}); version to all servers {_ms(r['version_fanout_s'])} s "
         f"(max {_ms(r['version_fanout_max_s'])}, {r['versions']} versions, {r['versions_skipped']} skipped, "
         f"{r['versions_incomplete']} incomplete{sync})\n"
-        f"   without the {r['resumed_share']:.0%} of calls a weight update interrupted: added p50 "
+        f"   the {r['resumed_share']:.0%} of calls a weight update interrupted ({r['direct_resumed_share']:.0%} of "
+        f"direct ones): outside the servers p50 {_ms(r['resumed_outside_p50_ms'])} ms (direct "
+        f"{_ms(r['direct_resumed_outside_p50_ms'])}), added p50 {_ms(r['added_resumed_p50_ms'])} ms p99 "
+        f"{_ms(r['added_resumed_p99_ms'])} ms; without them: added p50 "
         f"{_ms(r['added_uninterrupted_p50_ms'])} ms p99 {_ms(r['added_uninterrupted_p99_ms'])} ms "
         f"{_ci(r.get('added_uninterrupted_p99_ms_ci90'))}; over the {r['steady_share']:.0%} that overlapped no "
         f"weight update: added p50 {_ms(r['added_steady_p50_ms'])} ms p99 {_ms(r['added_steady_p99_ms'])} ms "

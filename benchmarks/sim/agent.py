@@ -14,7 +14,9 @@ manager, the routing and the server; `via_resumed`: such a call that a weight
 update interrupted and that resumed on the new version), and, about every
 `probe_interval_s`, of a call made from the same process straight to a
 random simulated server with the same context and sampling parameters
-(`direct`; calls that a weight update interrupted are left out); and of each
+(`direct`; `direct_resumed`: such a call that a weight update interrupted,
+sent again to the same server with what it had, as a plain client would);
+and of each
 call, the time it spent outside the servers: its wall time minus what the
 servers reported spending on it (`GenerationResult.server_s`, the direct
 call's `e2e_latency`). Lines `<via|direct> <wall clock at the end> <seconds>
@@ -140,12 +142,11 @@ class ToolAgent(Agent):
             async def probe(context: list[int]) -> None:
                 t0 = time.monotonic()
                 try:
-                    result = await client.generate(self._rng.choice(urls), context, params)
+                    server_s, interrupted = await direct_call(client, self._rng.choice(urls), context, params)
                 except (GenerationServerError, GenerationServerUnavailable):
                     return  # a server going away at the end of the trial
-                if result.finish_reason != "abort":
-                    wall = time.monotonic() - t0
-                    self._record("direct", wall, wall - (result.meta_info.e2e_latency or 0.0))
+                wall = time.monotonic() - t0
+                self._record("direct_resumed" if interrupted else "direct", wall, wall - server_s)
 
             while True:
                 await asyncio.sleep(self.probe_interval_s)
@@ -158,6 +159,23 @@ class ToolAgent(Agent):
                     lines, self._lines = self._lines, []
                     with open(self._path, "a") as f:
                         f.writelines(lines)
+
+
+async def direct_call(client: GenerationClient, url: str, context: list[int], params: dict) -> tuple[float, bool]:
+    """One generation straight to `url`, as a plain client of one server would make it: an
+    answer a weight update interrupted is sent again with what it has, to the same server,
+    until it is complete. Returns the seconds the server reported spending on it (summed over
+    its requests), and whether it was interrupted."""
+    output: list[int] = []
+    server_s, interrupted = 0.0, False
+    while True:
+        left = params["max_new_tokens"] - len(output)
+        result = await client.generate(url, context + output, dict(params, max_new_tokens=left))
+        output += result.output_ids
+        server_s += result.meta_info.e2e_latency or 0.0
+        if result.finish_reason != "abort" or len(output) >= params["max_new_tokens"]:
+            return server_s, interrupted
+        interrupted = True
 
 
 register_agent("sim-tool", ToolAgent)

@@ -5,12 +5,18 @@ the JSON and the plot it writes, and nothing of the trial left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
 import numpy as np
+import torch
+from safetensors.torch import save_file
 
 from benchmarks.control_plane import during_updates, main, published_versions, update_windows
+from benchmarks.sim.agent import direct_call
+from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation.sim_server import SimServerConfig, SimServerHost
 
 
 def test_a_small_simulated_cluster_is_measured(tmp_path):
@@ -66,3 +72,34 @@ def test_calls_are_told_apart_by_the_weight_updates_they_overlap(tmp_path):
     starts = np.array([99.0, 100.2, 101.0, 102.5, 104.9, 108.0])
     ends = np.array([99.9, 100.9, 102.0, 103.1, 105.5, 108.9])
     assert during_updates(starts, ends, windows).tolist() == [False, True, False, True, False, False]
+
+
+def test_a_direct_call_that_an_update_interrupts_is_sent_again_to_its_server(tmp_path):
+    """The baseline's direct call resubmits what a weight update interrupted, to the same
+    server, as a plain client would: the answer is complete (all its tokens) and the servers'
+    time of both requests is counted."""
+    weights = tmp_path / "v1"
+    weights.mkdir()
+    save_file({"w": torch.zeros(4)}, str(weights / "model.safetensors"))
+
+    async def go():
+        config = SimServerConfig(token_latency_s=0.02, output_tokens=20, vocab_size=64, eos_token_ids=[1])
+        host = SimServerHost(config)
+        try:
+            (url,) = await host.start(1)
+            async with GenerationClient(timeout_s=60) as client:
+                plain = await direct_call(client, url, [0, 5], {"max_new_tokens": 20, "temperature": 1.0})
+                assert plain[1] is False and 0.3 < plain[0] < 1.0  # 20 tokens at 20 ms
+                call = asyncio.create_task(direct_call(client, url, [0, 5], {"max_new_tokens": 20, "temperature": 1.0}))
+                while host.engines[0].info().num_running_requests == 0:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.1)  # a few tokens in
+                await client.update_weights_from_disk(url, str(weights), 1)
+                server_s, interrupted = await call
+                assert interrupted and 0.3 < server_s < 1.0
+                engine = host.stats()["engine"]
+                assert engine["finish_abort"] == 1 and engine["generated_tokens"] == 40  # 20 + 20: none lost
+        finally:
+            await host.close()
+
+    asyncio.run(go())
