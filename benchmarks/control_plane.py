@@ -28,7 +28,11 @@ has passed, a `--window` of seconds is measured:
   `added_p50_ms` / `added_p99_ms` = percentile of the agent's calls through
   the runtime (partial-rollout manager, routing, server) minus the same
   percentile of calls made from the same processes straight to a random
-  simulated server with the same context and parameters (a call a weight
+  simulated server with the same context and parameters, a direct twin
+  started with each call through the runtime (`--probe-interval`: at a
+  steady pace instead), so that both meet the same moments of the trial
+  (calls through the runtime bunch up after each new version: admission
+  opens for new episodes while the servers update) (a call a weight
   update interrupts counts with its resubmission either way: the runtime's
   partial rollout, or the direct caller sending it again to the same server
   as a plain client would; `added_resumed_*` compares those two alone),
@@ -228,9 +232,10 @@ def build_groups(kit: Kit, point: Point, plan: Plan, args, trial: str, trial_dir
             "latency_dir": os.path.join(trial_dir, "latency"),
             "experiment": EXPERIMENT,
             "trial": trial,
-            # As many direct calls as calls through the runtime (unless asked otherwise): the two
-            # percentiles compared then rest on as many samples each.
-            "probe_interval_s": args.probe_interval or plan.rollout_workers / plan.offered_rate,
+            # A direct twin of each call through the runtime, started at the same moment (unless
+            # asked otherwise): the percentiles compared rest on as many samples each, taken at the
+            # same moments of the trial.
+            "probe_interval_s": args.probe_interval,
         },
     )
     settings = AgentSettings(
@@ -886,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-interval",
         type=float,
         default=0.0,
-        help="seconds between direct calls per rollout worker (0: as many direct calls as calls through the runtime)",
+        help="seconds between direct calls per rollout worker (0: a direct twin of each call through the runtime, "
+        "started at the same moment)",
     )
     parser.add_argument(
         "--saturation", action="store_true", help="raise the rate at the largest point until it saturates"

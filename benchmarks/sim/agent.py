@@ -11,15 +11,20 @@ is steady from the start instead of one burst of first calls.
 
 Measured: the wall time of every call (`via`: through the partial-rollout
 manager, the routing and the server; `via_resumed`: such a call that a weight
-update interrupted and that resumed on the new version), and, about every
-`probe_interval_s`, of a call made from the same process straight to a
-random simulated server with the same context and sampling parameters
-(`direct`; `direct_resumed`: such a call that a weight update interrupted,
-sent again to the same server with what it had, as a plain client would);
-and of each
-call, the time it spent outside the servers: its wall time minus what the
-servers reported spending on it (`GenerationResult.server_s`, the direct
-call's `e2e_latency`). Lines `<via|direct> <wall clock at the end> <seconds>
+update interrupted and that resumed on the new version), and of a direct
+twin of each: a call made from the same process at the same moment straight
+to a random simulated server with the same context and sampling parameters
+(`direct`; `direct_resumed`: such a call that a weight update interrupted
+after its first token, sent again to the same server with what it had, as a
+plain client would).
+Twins started at the same moments meet the same moments of the trial: calls
+through the runtime bunch up after a new version (admission opens for new
+episodes then, while the servers update), and direct calls at a steady pace
+would miss that. With `probe_interval_s` > 0 a direct call is started that
+often instead (not waiting for the previous one). Of each call, the time it
+spent outside the servers: its wall time minus what the servers reported
+spending on it (`GenerationResult.server_s`, the direct call's
+`e2e_latency`). Lines `<via|direct> <wall clock at the end> <seconds>
 <seconds outside the servers>` are appended to
 `<latency_dir>/rollout-<pid>.txt` about once a second, with the process's
 event-loop lateness above 5 ms (`lag`) and garbage-collector pauses (`gc0`,
@@ -61,7 +66,7 @@ class ToolAgent(Agent):
         latency_dir: str = "",
         experiment: str = "",
         trial: str = "",
-        probe_interval_s: float = 0.05,
+        probe_interval_s: float = 0.0,
         seed: int = 0,
     ):
         super().__init__(settings)
@@ -79,6 +84,9 @@ class ToolAgent(Agent):
         self._path = os.path.join(latency_dir, f"rollout-{os.getpid()}.txt") if latency_dir else ""
         self._prober: asyncio.Task | None = None
         self._lag_watch: asyncio.Task | None = None
+        self._client: GenerationClient | None = None  # the direct calls' own client, and the servers
+        self._urls: list[str] = []
+        self._probes: set[asyncio.Task] = set()
         self._gc_started = 0.0
         if self._path:  # the process's collector pauses (a full collection over many episodes is long)
             gc.callbacks.append(self._on_gc)
@@ -117,6 +125,8 @@ class ToolAgent(Agent):
             if turn:
                 await asyncio.sleep(self.tool_latency_s * self._rng.uniform(0.5, 1.5))
             self._last_context = context
+            if self.probe_interval_s == 0:
+                self._probe(context)  # its direct twin, started at the same moment
             t0 = time.monotonic()
             result = await self.generate(context, n=1)
             wall = time.monotonic() - t0
@@ -129,43 +139,50 @@ class ToolAgent(Agent):
         return [Trajectory.from_results(prompt, results, zeros, self.settings.rewards(zeros))]
 
     async def _probe_loop(self) -> None:
-        """Calls straight to the simulated servers, one started every
-        probe_interval_s (not waiting for the previous one), and the file flushes."""
+        """Opens the direct calls' client, then starts a direct call every
+        probe_interval_s (0: none here, each call through the runtime starts its
+        twin), not waiting for the previous one; and flushes the file."""
         root = names.gen_servers(self.experiment, self.trial)
-        urls = sorted(await asyncio.to_thread(name_resolve.get_subtree, root))
-        gconfig = self.settings.gconfig
-        params = {"max_new_tokens": gconfig.max_new_tokens, "temperature": gconfig.temperature}
-        probes: set[asyncio.Task] = set()
+        self._urls = sorted(await asyncio.to_thread(name_resolve.get_subtree, root))
         last_flush = time.monotonic()
-        async with GenerationClient(timeout_s=600) as client:
-
-            async def probe(context: list[int]) -> None:
-                t0 = time.monotonic()
-                try:
-                    server_s, interrupted = await direct_call(client, self._rng.choice(urls), context, params)
-                except (GenerationServerError, GenerationServerUnavailable):
-                    return  # a server going away at the end of the trial
-                wall = time.monotonic() - t0
-                self._record("direct_resumed" if interrupted else "direct", wall, wall - server_s)
-
+        async with GenerationClient(timeout_s=600) as self._client:
             while True:
-                await asyncio.sleep(self.probe_interval_s)
-                if self._last_context is not None:
-                    task = asyncio.create_task(probe(self._last_context))
-                    probes.add(task)
-                    task.add_done_callback(probes.discard)
+                await asyncio.sleep(self.probe_interval_s or FLUSH_INTERVAL_S)
+                if self.probe_interval_s and self._last_context is not None:
+                    self._probe(self._last_context)
                 if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
                     last_flush = time.monotonic()
                     lines, self._lines = self._lines, []
                     with open(self._path, "a") as f:
                         f.writelines(lines)
 
+    def _probe(self, context: list[int]) -> None:
+        """A call straight to a random simulated server, with `context` and the runtime calls'
+        sampling parameters, in a task of its own (none before the client is open)."""
+        if self._client is None:
+            return
+        gconfig = self.settings.gconfig
+        params = {"max_new_tokens": gconfig.max_new_tokens, "temperature": gconfig.temperature}
+        task = asyncio.create_task(self._direct(self._client, self._rng.choice(self._urls), context, params))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _direct(self, client: GenerationClient, url: str, context: list[int], params: dict) -> None:
+        t0 = time.monotonic()
+        try:
+            server_s, interrupted = await direct_call(client, url, context, params)
+        except (GenerationServerError, GenerationServerUnavailable):
+            return  # a server going away at the end of the trial
+        wall = time.monotonic() - t0
+        self._record("direct_resumed" if interrupted else "direct", wall, wall - server_s)
+
 
 async def direct_call(client: GenerationClient, url: str, context: list[int], params: dict) -> tuple[float, bool]:
     """One generation straight to `url`, as a plain client of one server would make it: an
     answer a weight update interrupted is sent again with what it has, to the same server,
     until it is complete. Returns the seconds the server reported spending on it (summed over
-    its requests), and whether it was interrupted."""
+    its requests), and whether it was interrupted after its first token (as a call through the
+    runtime is told apart: its tokens span two weight versions)."""
     output: list[int] = []
     server_s, interrupted = 0.0, False
     while True:
@@ -175,7 +192,7 @@ async def direct_call(client: GenerationClient, url: str, context: list[int], pa
         server_s += result.meta_info.e2e_latency or 0.0
         if result.finish_reason != "abort" or len(output) >= params["max_new_tokens"]:
             return server_s, interrupted
-        interrupted = True
+        interrupted = interrupted or bool(output)
 
 
 register_agent("sim-tool", ToolAgent)
