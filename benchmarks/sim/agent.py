@@ -145,21 +145,25 @@ class ToolAgent(Agent):
         root = names.gen_servers(self.experiment, self.trial)
         self._urls = sorted(await asyncio.to_thread(name_resolve.get_subtree, root))
         last_flush = time.monotonic()
-        async with GenerationClient(timeout_s=600) as self._client:
-            while True:
-                await asyncio.sleep(self.probe_interval_s or FLUSH_INTERVAL_S)
-                if self.probe_interval_s and self._last_context is not None:
-                    self._probe(self._last_context)
-                if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
-                    last_flush = time.monotonic()
-                    lines, self._lines = self._lines, []
-                    with open(self._path, "a") as f:
-                        f.writelines(lines)
+        async with GenerationClient(timeout_s=600) as client:
+            self._client = client
+            try:
+                while True:
+                    await asyncio.sleep(self.probe_interval_s or FLUSH_INTERVAL_S)
+                    if self.probe_interval_s and self._last_context is not None:
+                        self._probe(self._last_context)
+                    if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
+                        last_flush = time.monotonic()
+                        lines, self._lines = self._lines, []
+                        with open(self._path, "a") as f:
+                            f.writelines(lines)
+            finally:
+                self._client = None
 
     def _probe(self, context: list[int]) -> None:
         """A call straight to a random simulated server, with `context` and the runtime calls'
-        sampling parameters, in a task of its own (none before the client is open)."""
-        if self._client is None:
+        sampling parameters, in a task of its own (none while the client is not open)."""
+        if self._client is None or not self._urls:
             return
         gconfig = self.settings.gconfig
         params = {"max_new_tokens": gconfig.max_new_tokens, "temperature": gconfig.temperature}

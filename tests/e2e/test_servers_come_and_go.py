@@ -177,7 +177,11 @@ def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cac
         manager,
     )
     assert first, manager[-3000:]
-    assert int(first.group(1)) >= version and int(first.group(2)) <= version + 1  # within one weight version
+    # Served within one weight version of joining: the version it held at its first request.
+    assert version <= int(first.group(1)) <= version + 1
+    # (The trainer's version when the manager heard of it, a load report later: with steps of a
+    # few hundred ms the trainer may have moved one more version by then.)
+    assert int(first.group(2)) <= version + 2
     routed = re.search(r"requests routed per server \(index: requests\): 0: (\d+), 1: (\d+)", manager)
     assert routed and int(routed.group(2)) > 0, manager[-3000:]
     assert "exited with code 0" in trial.log("generation_server-1")
