@@ -31,8 +31,8 @@ has passed, a `--window` of seconds is measured:
   simulated server with the same context and parameters, a direct twin
   started with each call through the runtime (`--probe-interval`: at a
   steady pace instead), so that both meet the same moments of the trial
-  (calls through the runtime bunch up after each new version: admission
-  opens for new episodes while the servers update) (a call a weight
+  (a prober at a steady pace starts fewer calls while its event loop is
+  stalled, and so misses the slowest moments) (a call a weight
   update interrupts counts with its resubmission either way: the runtime's
   partial rollout, or the direct caller sending it again to the same server
   as a plain client would; `added_resumed_*` compares those two alone),

@@ -17,10 +17,12 @@ to a random simulated server with the same context and sampling parameters
 (`direct`; `direct_resumed`: such a call that a weight update interrupted
 after its first token, sent again to the same server with what it had, as a
 plain client would).
-Twins started at the same moments meet the same moments of the trial: calls
-through the runtime bunch up after a new version (admission opens for new
-episodes then, while the servers update), and direct calls at a steady pace
-would miss that. With `probe_interval_s` > 0 a direct call is started that
+Twins started at the same moments meet the same moments of the trial: a
+call through the runtime starts when its tool wait ends, however late the
+event loop wakes it, while a prober at a steady pace starts fewer calls
+while the loop is stalled (a late sleep is one tick, not ten) and so misses
+the slowest moments (after each new version, while the simulated servers
+update). With `probe_interval_s` > 0 a direct call is started that
 often instead (not waiting for the previous one). Of each call, the time it
 spent outside the servers: its wall time minus what the servers reported
 spending on it (`GenerationResult.server_s`, the direct call's
