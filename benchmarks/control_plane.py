@@ -30,13 +30,12 @@ has passed, a `--window` of seconds is measured:
   percentile of calls made from the same processes straight to a random
   simulated server with the same context and parameters, a direct twin
   started with each call through the runtime (`--probe-interval`: at a
-  steady pace instead), so that both meet the same moments of the trial
-  (a prober at a steady pace starts fewer calls while its event loop is
-  stalled, and so misses the slowest moments) (a call a weight
-  update interrupts counts with its resubmission either way: the runtime's
-  partial rollout, or the direct caller sending it again to the same server
-  as a plain client would; `added_resumed_*` compares those two alone),
-  each call counted by its time outside the servers: its wall time minus the
+  steady pace instead, which starts fewer calls while its event loop is
+  stalled and so misses the slowest moments). A call a weight update
+  interrupts counts with its resubmission either way: the runtime's partial
+  rollout, or the direct caller sending it again to the same server as a
+  plain client would (`added_resumed_*` compares those two alone). Each
+  call is counted by its time outside the servers: its wall time minus the
   time the servers reported spending on it (`GenerationResult.server_s`, a
   direct call's `e2e_latency`), so that the simulated servers' own jitter
   does not swamp the control plane's milliseconds. `added_steady_*`: the
@@ -596,19 +595,21 @@ def measure(trial_dir: str, sampler: TreeSampler, s0: dict, s1: dict, windows: l
     # its time outside the servers (its wall time minus what the servers reported spending on
     # it): the simulated servers' own jitter (their hosts' busy event loops, up to ~100 ms on 2
     # cores) is not the control plane's and would swamp a few ms at p99.
-    via_all = np.concatenate([lat["via"], lat["via_resumed"]])
-    direct_all = np.concatenate([lat["direct"], lat["direct_resumed"]])
-    out_all, out = np.concatenate([lat["via_out"], lat["via_resumed_out"]]), lat["via_out"]
-    out_direct_all, out_direct = np.concatenate([lat["direct_out"], lat["direct_resumed_out"]]), lat["direct_out"]
+
+    def with_resumed(kind: str, suffix: str = "") -> np.ndarray:
+        return np.concatenate([lat[f"{kind}{suffix}"], lat[f"{kind}_resumed{suffix}"]])
+
+    via_all, direct_all = with_resumed("via"), with_resumed("direct")
+    out_all, out = with_resumed("via", "_out"), lat["via_out"]
+    out_direct_all, out_direct = with_resumed("direct", "_out"), lat["direct_out"]
     out_resumed, out_direct_resumed = lat["via_resumed_out"], lat["direct_resumed_out"]
     # The calls that overlapped no weight update (from a version's publication to its load on
     # the last server), through the runtime and direct: the control plane's steady cost. A call
     # that overlaps one may wait for its server's update (interrupted, or sent to a server that
     # is loading), which is the update's cost; the simulation's versions come every few seconds,
     # a real run's every few minutes.
-    ends_all = np.concatenate([lat["via_end"], lat["via_resumed_end"]])
+    ends_all, direct_ends = with_resumed("via", "_end"), with_resumed("direct", "_end")
     steady = ~during_updates(ends_all - via_all, ends_all, windows)
-    direct_ends = np.concatenate([lat["direct_end"], lat["direct_resumed_end"]])
     steady_direct = ~during_updates(direct_ends - direct_all, direct_ends, windows)
     out_steady, out_direct_steady = out_all[steady], out_direct_all[steady_direct]
     calls_per_s = len(via_all) / dt

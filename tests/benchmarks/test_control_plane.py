@@ -89,14 +89,15 @@ def test_a_direct_call_that_an_update_interrupts_is_sent_again_to_its_server(tmp
             (url,) = await host.start(1)
             async with GenerationClient(timeout_s=60) as client:
                 plain = await direct_call(client, url, [0, 5], {"max_new_tokens": 20, "temperature": 1.0})
-                assert plain[1] is False and 0.3 < plain[0] < 1.0  # 20 tokens at 20 ms
+                assert plain[1] is False and 0.39 <= plain[0] < 5.0  # 20 tokens at 20 ms at least
                 call = asyncio.create_task(direct_call(client, url, [0, 5], {"max_new_tokens": 20, "temperature": 1.0}))
                 while host.engines[0].info().num_running_requests == 0:
                     await asyncio.sleep(0.005)
                 await asyncio.sleep(0.1)  # a few tokens in
                 await client.update_weights_from_disk(url, str(weights), 1)
                 server_s, interrupted = await call
-                assert interrupted and 0.3 < server_s < 1.0
+                # Both requests' time: 20 tokens in all (the resubmitted one alone is ~15).
+                assert interrupted and 0.39 <= server_s < 5.0
                 engine = host.stats()["engine"]
                 assert engine["finish_abort"] == 1 and engine["generated_tokens"] == 40  # 20 + 20: none lost
         finally:
