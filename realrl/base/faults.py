@@ -10,7 +10,8 @@ the launcher passes to every worker:
 Actions: `kill` (SIGKILL this process), `exit` (os._exit(1)), `hold:<s>`
 (sleep s seconds), `fail:<s>` (the point returns True, "fail now", on every
 hit during the s seconds after its first; what failing means is the
-caller's: the manager answers 503, say). `<action>;after=<other>` arms a
+caller's: the manager answers 503, say), `fail_once` (True on its first hit
+only: a retry then succeeds). `<action>;after=<other>` arms a
 point only once point `<other>` has fired, so a test orders its faults.
 Each point fires once per trial,
 whatever restarts happen: its first hit creates `<dir>/<name>` atomically
@@ -103,6 +104,8 @@ def _fire(name: str, action: str, directory: str) -> tuple[bool, float]:
     if _first_hit(directory, name) is None:
         return False, 0.0
     logger.warning("fault point %s: %s", name, action)
+    if kind == "fail_once":
+        return True, 0.0
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "exit":

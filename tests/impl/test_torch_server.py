@@ -582,6 +582,49 @@ def test_lora_versions_match_the_trainer_and_old_ones_are_unloaded(start_server,
     assert info["rejections"] == {"lora_not_loaded": 1}
 
 
+def test_a_lora_merge_that_fails_part_way_keeps_the_previous_weights_and_a_retry_applies(
+    start_server, tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Version 2's merge fails after its first module (fault point
+    `torch_server.adapter_merge`, armed once version 1 was applied): the
+    server says so, keeps serving version 1 exactly (every module back, none
+    half-merged), and the manager's retry of the same version merges it."""
+    from realrl.base import faults
+
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(tmp_path / "faults"))
+    monkeypatch.setenv(
+        faults.FAULTS_ENV,
+        "torch_server.adapter_applied=hold:0,torch_server.adapter_merge=fail_once;after=torch_server.adapter_applied",
+    )
+    (tmp_path / "faults").mkdir()
+    server = start_server(tiny_llama_dir)
+    models = lora_versions(tiny_llama_dir, tmp_path, 2)
+    params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    prompt = PROMPTS[2]
+
+    async def go(client):
+        url = server.url
+        await client.load_version(url, str(tmp_path / "1"), 1, lora=True)
+        with pytest.raises(GenerationServerError) as failed:
+            await client.load_version(url, str(tmp_path / "2"), 2, lora=True)
+        after_failure = get_json(url, "/get_server_info")
+        still_v1 = await client.generate(url, prompt, params, lora_path="actor-v1")
+        await client.load_version(url, str(tmp_path / "2"), 2, lora=True)  # the manager's retry
+        v2 = await client.generate(url, prompt, params, lora_path="actor-v2")
+        return failed.value, after_failure, still_v1, v2
+
+    failed, after_failure, still_v1, v2 = run(_with_client(go))
+    assert faults.fired("torch_server.adapter_merge")
+    assert "merging failed part-way" in failed.message and "still serving LoRA adapter actor-v1" in failed.message
+    assert after_failure["weight_version"] == "1" and after_failure["lora_adapter"] == "actor-v1"
+    assert still_v1.weight_version == "1"
+    expected = forward_logprobs(models[0], prompt, still_v1.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(still_v1.output_logprobs), expected, atol=1e-4, rtol=0)
+    assert v2.weight_version == "2"
+    expected = forward_logprobs(models[1], prompt, v2.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(v2.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
 # --------------------------------------------------------------------------- control
 
 

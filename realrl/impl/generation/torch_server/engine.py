@@ -413,13 +413,19 @@ class GenerationEngine:
             if "tensors" in update:
                 self._targets.copy_in(update["tensors"])
             elif "adapter" in update:
-                self.adapters.serving, adapter = update["adapter"]
-                self._adapter_targets.apply(adapter)
-                source = f"LoRA adapter {self.adapters.serving} ({adapter.path})"
-        except Exception as e:  # the caller gets an answer; the weights may be half-copied
+                name, adapter = update["adapter"]
+                self._adapter_targets.apply(adapter)  # all or nothing
+                self.adapters.serving = name  # only once it is merged: a retry applies it again
+                source = f"LoRA adapter {name} ({adapter.path})"
+        except Exception as e:  # the caller gets an answer; full tensors may be half-copied
             logger.exception("copying new weights failed")
             self.stats["weight_update_failures"] += 1
-            update["reply"](_failure("update", f"copying the weights failed: {e}"))
+            kept = (
+                f"; still serving LoRA adapter {self.adapters.serving} at version {self.weight_version}"
+                if "adapter" in update
+                else ""
+            )
+            update["reply"](_failure("update", f"copying the weights failed: {e}{kept}"))
             return
         if flush_refused:
             self.stats["weight_update_failures"] += 1

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from realrl.base import faults
+
 
 class WeightLoadError(RuntimeError):
     """The weights at a path cannot be loaded into this model."""
@@ -188,7 +190,14 @@ class AdapterTargets:
     adapted weight becomes `W0 + scaling * B @ A` (in float32, then cast),
     with W0 a copy of the base weight taken the first time the module is
     adapted. Applying a new adapter recomputes from W0, so versions never
-    accumulate rounding, and a module the new adapter leaves out gets W0 back."""
+    accumulate rounding, and a module the new adapter leaves out gets W0 back.
+    W0 is kept on the CPU: a copy beside the weights on an accelerator would
+    double the adapted weights' memory (one module at a time goes over).
+
+    An apply is all or nothing: when merging fails part-way (out of memory,
+    say), the modules already changed get the adapter merged before back
+    (from W0 again), so the model is exactly what it was, and the error is
+    raised for the caller to report (docs/design.md §8)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -196,7 +205,8 @@ class AdapterTargets:
         for name, t in model.state_dict().items():
             names.setdefault(t.data_ptr(), []).append(name)
         self._aliases = names
-        self._base: dict[str, torch.Tensor] = {}  # module path -> W0
+        self._base: dict[str, torch.Tensor] = {}  # module path -> W0, on the CPU
+        self.applied: LoraAdapter | None = None  # the adapter merged into the weights now
 
     def _weight(self, module_path: str) -> torch.Tensor:
         try:
@@ -224,23 +234,40 @@ class AdapterTargets:
 
     @torch.no_grad()
     def apply(self, adapter: LoraAdapter | None) -> None:
-        """Serve `adapter` merged into the weights (None: the base weights)."""
+        """Serve `adapter` merged into the weights (None: the base weights);
+        on failure the weights are left as they were and the error raised."""
         modules = adapter.modules if adapter is not None else {}
-        for name in modules:
+        for name in modules:  # before any weight changes: a failure here changes nothing
             if name not in self._base:
-                self._base[name] = self._weight(name).detach().clone()
-        for name, base in self._base.items():
-            weight = self._weight(name)
-            if name not in modules:
-                weight.copy_(base)
-                continue
-            a, b = (t.to(weight.device, torch.float32) for t in modules[name])
-            if adapter.fan_in_fan_out:  # W is stored transposed: W^T + s (B A)^T = W^T + s A^T B^T
-                a, b = b.T, a.T
-            if weight.dtype == torch.float32:  # one fused pass: weight = W0 + s B A
-                torch.addmm(base, b, a, alpha=adapter.scaling, out=weight)
-            else:
-                weight.copy_(torch.addmm(base.float(), b, a, alpha=adapter.scaling))
+                self._base[name] = self._weight(name).detach().to("cpu", copy=True)
+        changed: list[str] = []
+        try:
+            for name in self._base:
+                changed.append(name)
+                self._merge(name, adapter)
+                if faults.point("torch_server.adapter_merge"):
+                    raise RuntimeError("fault point torch_server.adapter_merge: merging failed part-way")
+        except BaseException:
+            for name in changed:  # what it was: the adapter merged before (what worked then works now)
+                self._merge(name, self.applied)
+            raise
+        self.applied = adapter
+        faults.point("torch_server.adapter_applied")
+
+    def _merge(self, name: str, adapter: LoraAdapter | None) -> None:
+        """One module's weight := W0 (+ the adapter's s B A, if it adapts it)."""
+        weight = self._weight(name)
+        base = self._base[name].to(weight.device)
+        if adapter is None or name not in adapter.modules:
+            weight.copy_(base)
+            return
+        a, b = (t.to(weight.device, torch.float32) for t in adapter.modules[name])
+        if adapter.fan_in_fan_out:  # W is stored transposed: W^T + s (B A)^T = W^T + s A^T B^T
+            a, b = b.T, a.T
+        if weight.dtype == torch.float32:  # one fused pass: weight = W0 + s B A
+            torch.addmm(base, b, a, alpha=adapter.scaling, out=weight)
+        else:
+            weight.copy_(torch.addmm(base.float(), b, a, alpha=adapter.scaling))
 
 
 class AdapterSlots:
