@@ -49,7 +49,11 @@ Failures: a server that cannot be reached, times out or answers 5xx is retried
 (rescheduled through the manager, exponential backoff) up to `request_retries`
 times in a row; then `PartialRolloutError` names the server, qid, answer index
 and cause. A 4xx answer (e.g. prompt + budget longer than the model's context)
-fails at once: resending the same request cannot help. The manager itself is
+fails at once: resending the same request cannot help; except, in a LoRA
+run, a refusal of an adapter the server no longer holds (`lora_not_loaded`:
+it moved on since the request was scheduled), retried like a 5xx, scheduled
+again and so naming the adapter of the server's version then (counted,
+`stale_adapters`). The manager itself is
 reached through `GserverManagerClient` with the same retry rule.
 
 Servers that come and go (docs/architecture.md): the reschedule after a
@@ -168,6 +172,7 @@ class PartialRolloutStats:
     retries: int = 0  # server errors retried
     server_losses: int = 0  # failures on servers the manager took out of routing (not counted against the retries)
     no_server_waits: int = 0  # schedules answered "no server is up" (waited for, not counted)
+    stale_adapters: int = 0  # LoRA requests whose server had unloaded the adapter they named (rescheduled)
     generated_tokens: int = 0
 
     def pop(self) -> dict[str, int]:
@@ -315,8 +320,11 @@ class PartialRolloutManager:
                     e,
                 )
                 await asyncio.sleep(backoff(1, self.retry_backoff_s))
+                failed_url = None if self._stale_adapter(e) else url
                 for i in live:
-                    out[i] = _Resume(answers[i], failed_url=url, last_error=f"last server {url}: {e}", failures=1)
+                    out[i] = _Resume(
+                        answers[i], failed_url=failed_url, last_error=f"last server {url}: {e}", failures=1
+                    )
                 return out  # type: ignore[return-value]
             versions, new_tokens, still = set(), 0, []
             for i, response in zip(live, outcome):
@@ -410,8 +418,19 @@ class PartialRolloutManager:
     async def _finished(answer: _Answer) -> _Answer:
         return answer
 
+    def _stale_adapter(self, e: Exception) -> bool:
+        """A LoRA request refused because its server no longer holds the
+        adapter it names: the server moved on (two versions, say) since the
+        request was scheduled. Scheduled again, the request names the
+        adapter of the server's version now (docs/design.md §8)."""
+        return self.lora and isinstance(e, GenerationServerError) and e.status == 400 and "not loaded" in e.message
+
     def _raise_if_final(self, e: Exception, qid: str, which: str, url: str) -> None:
-        """A 4xx answer: resending the same request cannot help."""
+        """A 4xx answer: resending the same request cannot help (except
+        naming a newer adapter, `_stale_adapter`)."""
+        if self._stale_adapter(e):
+            self.stats.stale_adapters += 1
+            return
         if isinstance(e, GenerationServerError) and not retryable_status(e.status):
             raise PartialRolloutError(
                 f"generation for qid {qid!r} ({which}) was refused by server {url} "
@@ -522,9 +541,10 @@ class PartialRolloutManager:
                 # out of routing when it reschedules (see the module docstring).
                 failures += 1
                 last_error = last_server_error = f"last server {url}: {e}"
-                failed_url = url
-                if url not in avoid:
-                    avoid.append(url)
+                if not self._stale_adapter(e):  # (a stale adapter is no fault of the server's)
+                    failed_url = url
+                    if url not in avoid:
+                        avoid.append(url)
                 self.stats.retries += 1
                 logger.warning(
                     "qid %s answer %d: server %s failed (%s); retry %d/%d (%d tokens kept)",

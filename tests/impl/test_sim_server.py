@@ -312,3 +312,27 @@ def test_lora_adapters_are_read_and_switched_to_by_name(tmp_path):
             assert status == 400 and host.engines[0].rejections == {"lora_not_loaded": 1}
 
     asyncio.run(go())
+
+
+def test_a_lora_server_that_skips_versions_keeps_the_adapter_it_served(tmp_path):
+    """A server going 5 -> 7 (two publications during one fan-out) keeps
+    actor-v5, which the requests scheduled on it still name, and unloads
+    what is older; 7 -> 8 then unloads actor-v5."""
+    for v in (4, 5, 7, 8):
+        save_adapter(str(tmp_path / str(v)))
+
+    async def go():
+        async with sim_host() as host, GenerationClient(timeout_s=30) as client:
+            url = host.urls[0]
+            held = []
+            for v in (4, 5, 7, 8):
+                await client.load_version(url, str(tmp_path / str(v)), v, lora=True)
+                held.append(sorted(host.engines[0].adapters.adapters))
+            return held
+
+    assert asyncio.run(go()) == [
+        ["actor-v4"],
+        ["actor-v4", "actor-v5"],
+        ["actor-v5", "actor-v7"],
+        ["actor-v7", "actor-v8"],
+    ]

@@ -25,6 +25,7 @@ from realrl.api.agent_api import AgentSettings, PromptRecord, make_agent
 from realrl.api.cli_args import TorchServerConfig
 from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
+from realrl.api.manager_api import ScheduledServer, ScheduleReply
 from realrl.api.system_api import GenerationServerConfig, GserverManagerConfig
 from realrl.base import names
 from realrl.base.http_body import to_json
@@ -506,3 +507,57 @@ def test_a_call_is_abandoned_when_its_server_leaves_routing_and_other_cancels_st
             await task
 
     asyncio.run(go())
+
+
+def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again(tmp_path):
+    """The manager schedules an answer on version 5 of a server that has
+    moved on to 7 meanwhile (5 -> 6 -> 7: actor-v5 unloaded): the server
+    refuses the adapter (400 `lora_not_loaded`), and instead of failing the
+    episode the answer is scheduled again, names actor-v7 and is generated
+    there (a fake routing stands in for the manager: the exact moment)."""
+    from realrl.impl.generation.sim_server import SimServerConfig, SimServerHost
+    from tests.impl.test_sim_server import save_adapter
+
+    for v in (5, 6, 7):
+        save_adapter(str(tmp_path / str(v)))
+
+    class StaleRouting:
+        """Answers version 5 first (its table from before the server moved on), then 7."""
+
+        def __init__(self, url):
+            self.url, self.versions = url, [5]
+
+        def schedule_now(self, *args, **kwargs):
+            return None
+
+        async def schedule_request(self, qid, n=1, *args, parts=None, **kwargs):
+            version = self.versions.pop(0) if self.versions else 7
+            parts_ = [ScheduledServer(self.url, version)] * len(parts) if parts else None
+            return ScheduleReply(version=version, url=self.url, ticket=1, parts=parts_)
+
+        async def release_request(self, *args, **kwargs):
+            pass
+
+        def left_routing(self, url):
+            return asyncio.get_running_loop().create_future()
+
+    async def go():
+        host = SimServerHost(SimServerConfig(token_latency_s=0.001, output_tokens=4, vocab_size=64))
+        await host.start(1)
+        try:
+            url = host.urls[0]
+            async with GenerationClient(timeout_s=30) as client:
+                for v in (5, 6, 7):
+                    await client.load_version(url, str(tmp_path / str(v)), v, lora=True)
+                assert "actor-v5" not in host.engines[0].adapters.adapters
+                prm = PartialRolloutManager(StaleRouting(url), client, retry_backoff_s=0.01, lora=True)
+                gconfig = GenerationHyperparameters(max_new_tokens=8)
+                result = await prm.generate(GenerationRequest("stale-0", [3, 4, 5], 1, gconfig))
+                return result, prm.stats.pop(), dict(host.engines[0].rejections)
+        finally:
+            await host.close()
+
+    result, stats, rejections = asyncio.run(go())
+    assert rejections == {"lora_not_loaded": 1}
+    assert stats["stale_adapters"] == 1
+    assert result.output_ids[0] and set(result.output_versions[0]) == {7}

@@ -412,16 +412,17 @@ class GenerationClient:
         it aborted. Full weights: `/update_weights_from_disk`. A LoRA adapter:
         `/load_lora_adapter` under `lora_adapter_name(version)`,
         `/update_weight_version`, then `/unload_lora_adapter` of the versions
-        before the previous one (the previous stays for requests scheduled
-        on it just before the switch)."""
+        before the newest one the server held before (the one it served,
+        kept for requests scheduled on it just before the switch, also when
+        the server skips versions: 5 -> 7 keeps 5)."""
         if not lora:
             return (await self.update_weights_from_disk(url, path, version, True, timeout_s)).paused_total
         loaded = await self.load_lora_adapter(url, lora_adapter_name(version), path, timeout_s)
         switched = await self.update_weight_version(url, version, True, timeout_s)
-        for name in loaded:
-            old = _lora_adapter_version(name)
-            if old is not None and old < version - 1:
-                await self.unload_lora_adapter(url, name, timeout_s)
+        older = [v for v in map(_lora_adapter_version, loaded) if v is not None and v < version]
+        for old in older:
+            if old < max(older):
+                await self.unload_lora_adapter(url, lora_adapter_name(old), timeout_s)
         return switched.num_paused_requests
 
     async def pause_generation(self, url: str, mode: str = "abort") -> Any:
