@@ -81,6 +81,7 @@ class AgentSettings:
     success_rate_ub: float = 1.0
     dynamic_sampling: bool = False  # `rollout.dynamic_sampling`, see `keep_group`
     evaluating: bool = False  # greedy, one answer per prompt, nothing filtered
+    gen_backend: str = "torch"  # the generation servers' engine (its refusals are the agent's 400s)
     tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -18,7 +18,14 @@ import os
 import re
 
 from realrl.api.agent_api import AgentSettings
-from realrl.api.cli_args import REPLACED_KEYS, AgentConfig, AsyncPPOConfig, ConfigError, EnvConfig
+from realrl.api.cli_args import (
+    REPLACED_KEYS,
+    AgentConfig,
+    AsyncPPOConfig,
+    ConfigError,
+    EnvConfig,
+    parse_allocation_mode,
+)
 from realrl.base.plugins import absolute_spec, is_object_spec
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -153,6 +160,7 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
         success_rate_lb=cfg.rollout.success_rate_lb,
         success_rate_ub=cfg.rollout.success_rate_ub,
         dynamic_sampling=cfg.rollout.dynamic_sampling,
+        gen_backend=parse_allocation_mode(cfg.allocation_mode).gen_backend,
     )
 
 

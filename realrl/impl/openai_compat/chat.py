@@ -32,7 +32,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from realrl.api.generation_api import GenerationHyperparameters, GenerationResult
+from realrl.api.generation_api import (
+    MIN_TEMPERATURE,
+    GenerationHyperparameters,
+    GenerationResult,
+    SamplingParamError,
+    needs_sampling_logprobs,
+)
 from realrl.api.openai_api import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -76,6 +82,7 @@ class ChatConfig:
     gconfig: GenerationHyperparameters  # the run's sampling parameters (defaults for a call)
     tool_parser: ToolParser
     max_context_tokens: int | None = None  # prompt + new tokens at most (None: no limit known)
+    gen_backend: str = "torch"  # the engine that generates (`_check_sampling`: what it refuses is a 400)
 
 
 def check_request(request: ChatCompletionRequest, config: ChatConfig) -> None:
@@ -203,16 +210,21 @@ class ChatSession:
             ids = self.config.tokenizer.encode(s, add_special_tokens=False)
             if len(ids) == 1 and ids[0] not in stop_ids:
                 stop_ids.append(ids[0])
-        return dataclasses.replace(
+        # A temperature below the servers' least (MIN_TEMPERATURE) is greedy, as
+        # SGLang itself treats one under its epsilon: the answer is the same.
+        greedy_call = request.temperature is not None and request.temperature < MIN_TEMPERATURE
+        gconfig = dataclasses.replace(
             run,
             max_new_tokens=wanted,
             min_new_tokens=min(run.min_new_tokens, wanted),
-            temperature=run.temperature if request.temperature in (None, 0) else request.temperature,
-            greedy=run.greedy or request.temperature == 0,
+            temperature=run.temperature if request.temperature is None or greedy_call else request.temperature,
+            greedy=run.greedy or greedy_call,
             top_p=run.top_p if request.top_p is None else request.top_p,
             top_k=run.top_k if request.top_k is None else request.top_k,
             stop_token_ids=stop_ids,
         )
+        _check_sampling(gconfig, self.config.gen_backend)
+        return gconfig
 
     def _answer(self, result: GenerationResult, stops: list[str], parse_tools: bool) -> _Answer:
         decode = self.config.tokenizer.decode
@@ -246,6 +258,22 @@ class ChatSession:
             text = self.config.tokenizer.decode([token_id])
             tokens.append(TokenLogprob(token=text, logprob=float(logprob), bytes=list(text.encode("utf-8"))))
         return ChoiceLogprobs(content=tokens)
+
+
+def _check_sampling(gconfig: GenerationHyperparameters, gen_backend: str) -> None:
+    """BodyError (400) for a call's sampling the servers would refuse: its
+    refusal would reach the agent as a failed generation (a 500) and fail
+    the rollout worker, for what is the agent's choice of values."""
+    try:
+        gconfig.validate("")
+    except SamplingParamError as e:
+        raise BodyError(f"field {str(e).lstrip('.')}", reason="unsupported") from None
+    if gen_backend == "sglang" and gconfig.top_k <= 0 and needs_sampling_logprobs(gconfig.sampling_params()):
+        # (SGLang aborts a request for filtered logprobs without a finite top_k: backends.py)
+        raise BodyError(
+            "field 'top_k': on SGLang, sampling filtered by top_p < 1 or min_p needs a finite top_k; give one",
+            reason="unsupported",
+        )
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -37,7 +37,9 @@ def ids(text: str, end: bool = True) -> list[int]:
 class Episode:
     """An endpoint with one open episode whose policy samples `outputs`."""
 
-    def __init__(self, outputs: list[list[int]], fail: bool = False, row: dict | None = None):
+    def __init__(
+        self, outputs: list[list[int]], fail: bool = False, row: dict | None = None, gen_backend: str = "torch"
+    ):
         self.policy = ScriptedGenerator(outputs, frozenset({EOS}))
         self.fail = fail
         config = ChatConfig(
@@ -45,6 +47,7 @@ class Episode:
             renderer=ChatRenderer(TOK, {EOS}),
             gconfig=GenerationHyperparameters(max_new_tokens=128),
             tool_parser=TOOL_PARSERS.get("hermes"),
+            gen_backend=gen_backend,
         )
         self.session = ChatSession(config, self._generate, "q7@0", row or {"messages": []})
         self.endpoint = ChatEndpoint()
@@ -162,6 +165,41 @@ def test_a_request_the_endpoint_cannot_honour_is_a_400_the_client_does_not_retry
     for error, words in zip(errors, expected):
         assert error.status_code == 400 and words in error.message, error.message
         assert error.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize("gen_backend", ["torch", "sglang"])
+def test_sampling_values_the_servers_would_refuse_are_the_agents_400_and_a_tiny_temperature_is_greedy(gen_backend):
+    """What a server would refuse never reaches it (its refusal would fail the
+    rollout worker): a temperature over the servers' bound is a 400, and on
+    SGLang so is top_p < 1 without a finite top_k; a temperature in (0, 1e-5),
+    which the torch server refuses, is sampled greedily."""
+
+    async def main():
+        async with Episode([ids("a"), ids("b"), ids("c")], gen_backend=gen_backend) as ep:
+            client = ep.client()
+            user = [{"role": "user", "content": "hi"}]
+            tiny = await client.chat.completions.create(model="m", messages=user, temperature=1e-7)
+            with pytest.raises(openai.BadRequestError) as hot:
+                await client.chat.completions.create(model="m", messages=user, temperature=2e6)
+            filtered = None
+            try:
+                await client.chat.completions.create(model="m", messages=user, top_p=0.9)
+            except openai.BadRequestError as e:
+                filtered = e
+            with_k = await client.chat.completions.create(model="m", messages=user, top_p=0.9, extra_body={"top_k": 20})
+            await client.close()
+            return ep, tiny, hot.value, filtered, with_k
+
+    ep, tiny, hot, filtered, with_k = run(main())
+    assert tiny.choices[0].message.content == "a"
+    assert ep.policy.requests[0].gconfig.greedy and ep.policy.requests[0].gconfig.sampling().temperature == 0
+    assert hot.status_code == 400 and "temperature" in hot.message
+    if gen_backend == "sglang":
+        assert filtered is not None and filtered.status_code == 400 and "'top_k'" in filtered.message
+        assert len(ep.policy.requests) == 2
+    else:
+        assert filtered is None and len(ep.policy.requests) == 3
+    assert with_k.choices[0].message.content in ("b", "c") and ep.policy.requests[-1].gconfig.top_k == 20
 
 
 def test_an_unknown_episode_is_a_404_and_a_failed_generation_a_500_sent_once():
