@@ -9,7 +9,14 @@
 - `ZMQPusher` connects a DEALER socket; `push(obj, timeout)` blocks when the
   high-water marks (sender's + receiver's, plus the kernel's socket buffers)
   are full, which is how a slow trainer slows the rollout workers down;
-  `wait_ack(timeout)` returns the puller's next acknowledgement.
+  `wait_ack(timeout)` returns the puller's next acknowledgement;
+  `push_acknowledged` sends one message and waits for its own
+  acknowledgement, sending it again when none came after `ACK_RESEND_S`
+  (doubling: an acknowledgement sent to a routing id the puller no longer
+  knows, after a reconnect, is lost; the puller answers a second copy
+  `duplicate`), and failing with `PushNotAcknowledged` after `ACK_GIVE_UP_S`.
+  A puller given `reject_ack` answers a frame it rejects with
+  `reject_ack(reason)`: the pusher then learns its message was refused.
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
@@ -30,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -42,6 +50,12 @@ logger = getLogger("push_pull_stream")
 DEFAULT_HWM = 1000  # messages queued per socket before push blocks
 DEFAULT_MAX_PULL = 1000  # messages one pull() returns at most
 CLOSE_LINGER_S = 2.0  # a pusher's close() waits at most this long to flush queued messages
+ACK_RESEND_S = 30.0  # push_acknowledged sends a message again when unacknowledged this long (then 2x, 4x, ...)
+ACK_GIVE_UP_S = 900.0  # ... and fails once unacknowledged this long (the puller read nothing of it)
+
+
+class PushNotAcknowledged(RuntimeError):
+    """No acknowledgement of a pushed message came within `ACK_GIVE_UP_S`."""
 
 
 class RateLimitedLog:
@@ -140,6 +154,9 @@ class ZMQPusher:
         self._socket.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))  # zmq's default waits forever
         self._socket.connect(f"tcp://{self.address}")
         self.n_pushed = 0
+        self.n_resent = 0  # copies sent again for want of an acknowledgement
+        self.n_unknown_acks = 0  # acknowledgements of no message in flight (e.g. of a copy sent again)
+        self._unknown_ack_log = RateLimitedLog()
 
     def push(self, obj: Any, timeout: float | None = None) -> None:
         """Sends `obj` (see `realrl.base.wire` for what may be sent). Blocks
@@ -173,6 +190,74 @@ class ZMQPusher:
             raise TimeoutError(f"no acknowledgement from the puller at {self.address} within {timeout}s")
         return wire.loads(self._socket.recv(copy=False))
 
+    def push_acknowledged(
+        self,
+        obj: Any,
+        is_ours: Callable[[Any], bool],
+        exiting: Callable[[], bool] = lambda: False,
+        poll_s: float = 1.0,
+        resend_s: float = ACK_RESEND_S,
+        give_up_s: float = ACK_GIVE_UP_S,
+    ) -> Any:
+        """Pushes `obj` and returns its acknowledgement: the first one for
+        which `is_ours(ack)` holds (others are counted in `n_unknown_acks`).
+        Unacknowledged `resend_s` after a send, `obj` is sent again (then
+        after twice as long, ...); unacknowledged `give_up_s` after its first
+        send, PushNotAcknowledged. Blocked by back-pressure before it is first
+        sent, it waits as long as it takes. Checks `exiting()` every `poll_s`
+        (RuntimeError when true)."""
+        message = wire.dumps(obj)
+        first_sent = next_send = None  # when it was first sent; when to send it (again)
+        interval = resend_s
+        blocked_since = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if next_send is None or now >= next_send:
+                try:
+                    self._send(message, poll_s)
+                    if first_sent is None:
+                        first_sent = now
+                    else:
+                        self.n_resent += 1
+                        logger.warning(
+                            "no acknowledgement from the puller at %s for %.0f s: sending the message again",
+                            self.address,
+                            now - first_sent,
+                        )
+                    next_send, interval = now + interval, interval * 2
+                except TimeoutError:  # back-pressure: the queues are full
+                    if first_sent is None and (now - blocked_since) % 30 < poll_s:
+                        logger.info(
+                            "push blocked for %.0fs: the trainer is not pulling (back-pressure)", now - blocked_since
+                        )
+            if first_sent is not None and now - first_sent >= give_up_s:
+                raise PushNotAcknowledged(
+                    f"the puller at {self.address} acknowledged nothing of a message sent {now - first_sent:.0f} s "
+                    f"ago ({self.n_resent} copies sent again): it reads nothing, or its acknowledgements are lost"
+                )
+            try:
+                ack = self.wait_ack(timeout=poll_s)
+            except TimeoutError:
+                if exiting():
+                    raise RuntimeError(f"exiting while a push to {self.address} was unacknowledged") from None
+                continue
+            if is_ours(ack):
+                return ack
+            self.n_unknown_acks += 1
+            self._unknown_ack_log.warning(
+                "ignoring an acknowledgement of no message in flight (%d so far): %.200s", self.n_unknown_acks, ack
+            )
+
+    def _send(self, message: Any, timeout: float) -> None:
+        """One frame, within `timeout` seconds (TimeoutError: the queues are full)."""
+        try:
+            self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self._socket.poll(max(1, int(timeout * 1000)), zmq.POLLOUT):
+                raise TimeoutError(f"push to {self.address}: the high-water mark is reached") from None
+            self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+        self.n_pushed += 1
+
     def close(self, linger: float = CLOSE_LINGER_S) -> None:
         """Closes the socket, first trying for up to `linger` seconds to
         deliver what is still queued (bounded, so close never hangs)."""
@@ -192,7 +277,10 @@ class ZMQPuller:
         hwm: int = DEFAULT_HWM,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         max_pull: int = DEFAULT_MAX_PULL,
+        reject_ack: Callable[[str], Any] | None = None,
     ) -> None:
+        """`reject_ack`: the answer to a sender whose frame is rejected, from
+        the reason (None: no answer)."""
         if host in ("0.0.0.0", "*", ""):
             raise ValueError(f"refusing to bind {host!r}: bind a concrete address (127.0.0.1 in local mode)")
         self._context = zmq.Context()
@@ -216,6 +304,7 @@ class ZMQPuller:
         self.max_pull = max_pull
         self.n_received = 0
         self.n_rejected = 0
+        self.reject_ack = reject_ack
         self._reject_log = RateLimitedLog()
         self._rcvtimeo_ms: int | None = None
 
@@ -245,16 +334,16 @@ class ZMQPuller:
         while True:
             frame = socket.recv(copy=False) if socket.getsockopt(zmq.RCVMORE) else None
             if frame is None:
-                self._reject("an empty message")
+                self._reject(sender, "an empty message")
             elif frame.more:  # streams send one frame per message: a multipart one is not ours
                 while socket.recv(copy=False).more:  # the rest of a multipart message is already here
                     pass
-                self._reject("a multipart message (realrl streams send single frames)")
+                self._reject(sender, "a multipart message (realrl streams send single frames)")
             else:
                 try:
                     out.append((sender, wire.loads(frame, self.max_message_bytes)))
                 except wire.WireFormatError as e:
-                    self._reject(str(e))
+                    self._reject(sender, str(e))
             if len(out) >= limit or not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break
             try:
@@ -272,11 +361,13 @@ class ZMQPuller:
         except zmq.Again:
             pass
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, sender: bytes, reason: str) -> None:
         self.n_rejected += 1
         self._reject_log.warning(
             "puller %s rejected a malformed message (%d rejected so far): %s", self.address, self.n_rejected, reason
         )
+        if self.reject_ack is not None:  # its sender is not left waiting for an answer
+            self.acknowledge(sender, self.reject_ack(reason))
 
     def close(self) -> None:
         self._reject_log.flush()

@@ -509,26 +509,20 @@ class RolloutWorker(AsyncWorker):
 
     def _push_blocking(self, message: dict[str, Any], key: tuple[str, int]) -> str:
         """Runs on the push thread (the only thread that touches the socket):
-        sends one trajectory and waits for its acknowledgement; returns the
-        puller's verdict. Blocks under back-pressure, re-checking for exit
-        every PUSH_POLL_S."""
-        waited = 0.0
-        sent = False
-        while True:
-            try:
-                if not sent:
-                    self.pusher.push(message, timeout=PUSH_POLL_S)
-                    sent = True
-                ack = self.pusher.wait_ack(timeout=PUSH_POLL_S)
-                if isinstance(ack, dict) and (ack.get("rollout_id"), ack.get("index")) == key:
-                    return str(ack.get("verdict"))
-                self.logger.warning("ignoring an acknowledgement for another trajectory: %s", ack)
-            except TimeoutError:
-                if self.exiting:
-                    raise RuntimeError("worker exiting while a trajectory push was blocked") from None
-                waited += PUSH_POLL_S
-                if waited % 30 < PUSH_POLL_S:
-                    self.logger.info("push blocked for %.0fs: the trainer is not pulling (back-pressure)", waited)
+        pushes one trajectory and returns the puller's verdict. Sent again
+        while unacknowledged; unacknowledged past its bound, the worker fails
+        (`ZMQPusher.push_acknowledged`, PushNotAcknowledged)."""
+
+        def is_ours(ack: Any) -> bool:
+            if not isinstance(ack, dict):
+                return False
+            got = (ack.get("rollout_id"), ack.get("index"))
+            # A frame the puller could not decode is answered without a key; one
+            # trajectory is in flight at a time, and earlier ones decoded: it is this one.
+            return got == key or (got == (None, None) and ack.get("verdict") == "rejected")
+
+        ack = self.pusher.push_acknowledged(message, is_ours, exiting=lambda: self.exiting, poll_s=PUSH_POLL_S)
+        return str(ack.get("verdict"))
 
     # ---- logs ---------------------------------------------------------------------
     def _write_sample(self, record: PromptRecord, traj: Trajectory) -> None:
@@ -566,13 +560,16 @@ class RolloutWorker(AsyncWorker):
         c = self.counters
         self.logger.info(
             "epoch %d | episodes running %d started %d accepted %d rejected %d | trajectories pushed %d "
-            "(%.1f tokens/s) | agent %s | generation %s | refusals %s | skipped prompts %d",
+            "(resent %d, unknown acknowledgements %d) (%.1f tokens/s) | agent %s | generation %s | refusals %s "
+            "| skipped prompts %d",
             self.epoch,
             len(self._episodes),
             c["episodes_started"],
             c["episodes_accepted"],
             c["episodes_rejected"],
             c["trajectories_pushed"],
+            self.pusher.n_resent,
+            self.pusher.n_unknown_acks,
             generation["generated_tokens"] / max(elapsed, 1e-9),
             {k: round(v, 3) for k, v in agent_stats.items()},
             generation,

@@ -24,7 +24,8 @@ to no admitted rollout: it is dropped and counted `foreign`. A second copy of
 a key this puller already took (a rollout generated again after its worker
 died between delivery and finish) is dropped and counted
 `duplicates_dropped`. Every decoded message is acknowledged to its sender
-with its verdict (`taken`, `duplicate`, `invalid`, `foreign`): a rollout
+with its verdict (`taken`, `duplicate`, `invalid`, `foreign`), and a frame
+that does not decode with `rejected` and no key: a rollout
 worker reports a rollout finished only once all of its trajectories were
 acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands.
 
@@ -107,7 +108,14 @@ class PullerStreamDataset:
 
     def _run(self, experiment_name: str, trial_name: str, puller_index: int, host: str | None) -> None:
         try:
-            puller = NameResolvingZmqPuller(experiment_name, trial_name, puller_index, host=host, hwm=self.max_buffered)
+            puller = NameResolvingZmqPuller(
+                experiment_name,
+                trial_name,
+                puller_index,
+                host=host,
+                hwm=self.max_buffered,
+                reject_ack=lambda reason: _ack((None, None), "rejected"),  # the sender waits for an answer
+            )
         except BaseException as e:
             self._error = e
             self._ready.set()

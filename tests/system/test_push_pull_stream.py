@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from realrl.base import name_resolve, wire
 from realrl.system.push_pull_stream import (
     NameResolvingZmqPuller,
     NameResolvingZmqPusher,
+    PushNotAcknowledged,
     RateLimitedLog,
     ZMQPuller,
     ZMQPusher,
@@ -270,3 +272,102 @@ def test_pusher_close_does_not_hang_without_a_puller():
     pusher = ZMQPusher("127.0.0.1", 1)  # nobody listens there
     pusher.push({"x": 1}, timeout=1)  # queued locally
     pusher.close(linger=0.1)
+
+
+# ---- acknowledged pushes ---------------------------------------------------------------
+
+
+class SilentPuller:
+    """A fake puller (a real ROUTER socket, in a thread) that answers the
+    copies of a message as `answers` says: None leaves a copy unanswered
+    (as when its acknowledgement went to a routing id lost in a reconnect),
+    a dict is sent back. Keeps every copy it received."""
+
+    def __init__(self, answers: list):
+        self.answers = list(answers)
+        self.received: list = []
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if not self._socket.poll(20):
+                continue
+            sender, frame = self._socket.recv_multipart()
+            self.received.append(wire.loads(frame))
+            answer = self.answers.pop(0) if self.answers else None
+            for ack in answer if isinstance(answer, list) else [answer]:
+                if ack is not None:
+                    self._socket.send_multipart([sender, wire.dumps(ack)])
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+        self._context.term()
+
+
+def ack(key, verdict):
+    return {"rollout_id": key[0], "index": key[1], "verdict": verdict}
+
+
+def test_an_unacknowledged_push_is_sent_again_and_the_second_copys_acknowledgement_ends_it():
+    """The first copy's acknowledgement never comes; an acknowledgement of
+    another trajectory comes instead (counted, ignored). The push sends its
+    message again after `resend_s`, and the puller's `duplicate` for the
+    second copy is its answer (before the fix it waited forever)."""
+    key = ("0:0:7", 0)
+    puller = SilentPuller([ack(("0:0:3", 0), "duplicate"), ack(key, "duplicate")])
+    pusher = ZMQPusher("127.0.0.1", puller.port)
+    try:
+        got = pusher.push_acknowledged(
+            {"rollout_id": key[0], "index": key[1]},
+            lambda a: (a["rollout_id"], a["index"]) == key,
+            poll_s=0.05,
+            resend_s=0.2,
+            give_up_s=60,
+        )
+    finally:
+        pusher.close(linger=0)
+        puller.close()
+    assert got == ack(key, "duplicate")
+    assert len(puller.received) == 2 and pusher.n_resent == 1 and pusher.n_unknown_acks == 1
+
+
+def test_a_push_never_acknowledged_fails_loudly_after_its_bound():
+    puller = SilentPuller([])
+    pusher = ZMQPusher("127.0.0.1", puller.port)
+    try:
+        with pytest.raises(PushNotAcknowledged, match=f"127.0.0.1:{puller.port} acknowledged nothing"):
+            pusher.push_acknowledged({"x": 1}, lambda a: True, poll_s=0.05, resend_s=0.1, give_up_s=0.5)
+    finally:
+        pusher.close(linger=0)
+        puller.close()
+    assert len(puller.received) >= 2  # sent again meanwhile
+
+
+def test_a_frame_the_puller_rejects_is_answered_when_it_has_a_reject_ack():
+    """A frame that does not decode gets `reject_ack(reason)` back, so its
+    sender learns at once instead of waiting for an answer that never comes."""
+    puller = ZMQPuller(reject_ack=lambda reason: {"verdict": "rejected", "reason": reason[:20]})
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{puller.address}")
+    try:
+        raw.send(b"garbage")
+        for _ in range(600):
+            if puller.n_rejected:
+                break
+            puller.pull(timeout=0.05)
+        assert raw.poll(10_000)
+        assert wire.loads(raw.recv())["verdict"] == "rejected"
+    finally:
+        raw.close()
+        context.term()
+        puller.close()
