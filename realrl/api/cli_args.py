@@ -349,9 +349,10 @@ class ServerConfig:
     startup_timeout: float = 300.0
     """Seconds a server may take to answer /health after it starts."""
     weight_update_timeout: float = 120.0
-    """Seconds one server may take to load a new weight version."""
+    """Seconds one server may take to load a new weight version; one that takes longer leaves routing
+    (as a dead one) and rejoins once healthy, loading the current version first."""
     weight_update_retries: int = 3
-    """Retries of a failed weight update per server before it leaves routing."""
+    """Retries of a weight update a server refused; still refused, the trial stops naming the server."""
     health_check_interval: float = 2.0
     """The manager checks every server's /health this often (seconds)."""
     health_check_timeout: float = 5.0

@@ -20,6 +20,7 @@ import urllib.request
 import aiohttp
 import psutil
 import pytest
+from aiohttp import web
 
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import names, network
@@ -32,6 +33,7 @@ from tests.system.test_generation_server import (
     build_tiny_model,
     server_config,
 )
+from tests.system.test_partial_rollout import HealthOnlyServer
 from tests.system.trial_thread import TrialThread, wait_until
 
 B = 2  # train_batch_size in the worker tests
@@ -783,3 +785,71 @@ def test_failed_health_checks_do_not_count_while_a_server_loads_weights(tmp_path
         if trial is not None:
             trial.close()
         server.kill()
+
+
+class LoadingServer(HealthOnlyServer):
+    """A fake server whose /health always answers: it loads any weight
+    version at once, or, `wedged`, never answers a load (its update hangs)."""
+
+    def __init__(self, wedged: bool):
+        self.wedged = wedged
+        self.loads = 0
+        super().__init__()
+
+    def _routes(self, app: web.Application) -> None:
+        async def update(request):
+            self.loads += 1
+            if self.wedged:
+                await asyncio.Event().wait()
+            return web.json_response({"success": True, "message": "", "num_paused_requests": 0})
+
+        app.router.add_post("/update_weights_from_disk", update)
+
+
+def test_a_server_whose_weight_load_never_completes_leaves_routing_and_admission_goes_on(tmp_path, etcd_server):
+    """Of two servers, one never completes its load of version 1 (its
+    /health still answers): past weight_update_timeout it leaves routing as a
+    dead one would, the other serves version 1, admission opens for it and
+    the trial goes on (before: 1 + weight_update_retries timeouts, then the
+    trial stopped)."""
+    good, wedged = LoadingServer(wedged=False), LoadingServer(wedged=True)
+    trial = None
+
+    async def scenario(m: Manager):
+        trial.set(names.gen_server(EXP, trial.trial, 1), wedged.url)
+        for _ in range(1200):
+            if [s["state"] for s in (await m.get("/servers"))["servers"]] == ["up", "up"]:
+                break
+            await asyncio.sleep(0.05)
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
+        for _ in range(1200):
+            reply = await m.get("/servers")
+            if reply["version"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert reply["version"] == 1, reply
+        states = {s["url"]: s for s in reply["servers"]}
+        assert states[good.url]["state"] == "up" and states[good.url]["version"] == 1
+        assert states[wedged.url]["state"] != "up" and reply["events"]["down"] >= 1
+        assert (await m.get("/get_model_version"))["version"] == 1
+        assert (await m.allocate("q-after"))["success"]
+
+    try:
+        trial, url = start_manager_trial(
+            tmp_path,
+            etcd_server.addr,
+            good.url,
+            weight_update_timeout=1,
+            weight_update_retries=3,
+            health_check_interval=0.2,
+        )
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+        log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+        assert re.search(r"generation server 1 at \S+ is down \(weight version 1 was not loaded", log), log[-3000:]
+        assert good.loads == 1
+    finally:
+        if trial is not None:
+            trial.close()
+        good.stop()
+        wedged.stop()
