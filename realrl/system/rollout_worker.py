@@ -74,6 +74,7 @@ from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
+from realrl.system.stream_dataset import HELD_QUERY
 from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 
 STATS_INTERVAL_S = 10.0
@@ -497,6 +498,15 @@ class RolloutWorker(AsyncWorker):
                 and (self.counters["trajectories_pushed"] - 1) % self.cfg.sample_log_every == 0
             ):
                 self._write_sample(record, traj)
+        if redo:
+            # What a predecessor delivered is in the trainers' hands even when this run (the
+            # agent now rejects, or returns fewer) did not push it: it counts (docs/design.md §12).
+            delivered = await asyncio.get_running_loop().run_in_executor(
+                self._push_thread, self._held_by_puller, record.metadata["rollout_id"]
+            )
+            if delivered > held:
+                self.counters["trajectories_delivered_before"] += delivered - held
+                held = delivered
         await asyncio.to_thread(faults.point, "rollout_worker.acknowledged")  # delivered, not finished
         await self._finishes.submit(None, (record.metadata["rollout_id"], held, n_tokens))
         self.counters["episodes_accepted" if held else "episodes_rejected"] += 1
@@ -523,6 +533,15 @@ class RolloutWorker(AsyncWorker):
 
         ack = self.pusher.push_acknowledged(message, is_ours, exiting=lambda: self.exiting, poll_s=PUSH_POLL_S)
         return str(ack.get("verdict"))
+
+    def _held_by_puller(self, rollout_id: str) -> int:
+        """Runs on the push thread: how many of `rollout_id`'s trajectories the puller took."""
+
+        def is_ours(ack: Any) -> bool:
+            return isinstance(ack, dict) and ack.get("rollout_id") == rollout_id and ack.get("verdict") == "held"
+
+        ack = self.pusher.push_acknowledged({HELD_QUERY: rollout_id}, is_ours, lambda: self.exiting, PUSH_POLL_S)
+        return int(ack.get("held", 0))
 
     # ---- logs ---------------------------------------------------------------------
     def _write_sample(self, record: PromptRecord, traj: Trajectory) -> None:

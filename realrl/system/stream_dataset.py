@@ -27,7 +27,10 @@ died between delivery and finish) is dropped and counted
 with its verdict (`taken`, `duplicate`, `invalid`, `foreign`), and a frame
 that does not decode with `rejected` and no key: a rollout
 worker reports a rollout finished only once all of its trajectories were
-acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands.
+acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands. A
+rollout generated again asks `{"held_of": rollout_id}` and is answered
+`{"rollout_id", "index": null, "verdict": "held", "held": n}`: what its
+predecessor delivered counts even if the new run delivers less.
 
 Accounting (docs/design.md §5): every message that reaches the puller, and
 every trajectory restored from a checkpoint, is either rejected (wire format),
@@ -52,6 +55,9 @@ from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLo
 
 logger = getLogger("stream_dataset")
 
+# {"held_of": rollout_id}: a rollout worker asks how many of a rollout's trajectories were taken.
+HELD_QUERY = "held_of"
+HELD_GAP_SCAN = 16  # indices scanned past the last taken one (refused trajectories leave gaps)
 # A rollout worker's rollout id (docs/design.md §12): worker index, epoch, dataset row.
 ROLLOUT_ID = re.compile(r"\d{1,9}:\d{1,9}:\d{1,12}")
 
@@ -141,7 +147,10 @@ class PullerStreamDataset:
 
     def _add(self, msg) -> dict:
         """Buffers one decoded message if it is a new trajectory of an admitted
-        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}."""
+        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}. A
+        `HELD_QUERY` is answered instead (`_held_of`)."""
+        if isinstance(msg, dict) and set(msg) == {HELD_QUERY} and isinstance(msg[HELD_QUERY], str):
+            return self._held_of(msg[HELD_QUERY])
         try:
             newest = self._newest_version() if self._newest_version is not None else None
             traj = Trajectory.from_wire(msg).check_trainable(self.vocab_size, self.max_positions, newest)
@@ -168,6 +177,23 @@ class PullerStreamDataset:
         if verdict != "taken":
             self._invalid_log.warning("dropped a %s trajectory %s %s", verdict, traj.qid, traj.key)
         return _ack(traj.key, verdict)
+
+    def _held_of(self, rollout_id: str) -> dict:
+        """How many trajectories of `rollout_id` this puller took (trained,
+        buffered or dropped since): a rollout generated again after its
+        worker died asks, so that what its predecessor delivered counts even
+        when the new run delivers less (docs/design.md §12). A rollout's
+        trajectories are pushed in index order, so its taken indices run from
+        0, with a gap only where one was refused."""
+        with self._lock:
+            held = index = misses = 0
+            while misses < HELD_GAP_SCAN:
+                if (rollout_id, index) in self._seen:
+                    held, misses = held + 1, 0
+                else:
+                    misses += 1
+                index += 1
+        return {"rollout_id": rollout_id, "index": None, "verdict": "held", "held": held}
 
     def __len__(self) -> int:
         with self._lock:

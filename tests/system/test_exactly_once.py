@@ -118,6 +118,28 @@ def test_trajectory_keys_and_their_verdicts(stream):
     assert push_acked(pusher, trajectory("0:2:3").to_wire())["verdict"] == "duplicate"
 
 
+def test_a_rollout_generated_again_learns_what_its_predecessor_delivered(stream):
+    """A rollout whose worker died after delivering it is generated again; if
+    the agent now rejects it (or returns fewer trajectories), what the
+    predecessor delivered is still in the trainer's hands and must count in
+    its finish: the puller answers `held_of` with how many of the rollout's
+    trajectories it took (trained or buffered), outside its accounting."""
+    dataset, pusher = stream
+    for index in (0, 1):
+        assert push_acked(pusher, trajectory("0:3:5", index=index).to_wire())["verdict"] == "taken"
+    items, _ = dataset.inventory(0, 1)
+    dataset.take([k for k, *_ in items])  # one trained, one buffered
+    before = dataset.stats()
+    assert push_acked(pusher, {"held_of": "0:3:5"}) == {
+        "rollout_id": "0:3:5",
+        "index": None,
+        "verdict": "held",
+        "held": 2,
+    }
+    assert push_acked(pusher, {"held_of": "0:3:6"})["held"] == 0
+    assert dataset.stats() == before  # a question, not a trajectory
+
+
 _FAULT_CHILD = """
 import sys
 from realrl.base import faults
