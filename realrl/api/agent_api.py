@@ -82,6 +82,7 @@ class AgentSettings:
     dynamic_sampling: bool = False  # `rollout.dynamic_sampling`, see `keep_group`
     evaluating: bool = False  # greedy, one answer per prompt, nothing filtered
     gen_backend: str = "torch"  # the generation servers' engine (its refusals are the agent's 400s)
+    episode_timeout: float = 3600.0  # `rollout.episode_timeout`: one episode of a chat-level agent, at most
     tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

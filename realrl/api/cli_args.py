@@ -273,6 +273,9 @@ class RolloutConfig:
     "module:function" or a registered name (sets env to "reward-fn")."""
     reward_fn_timeout: float = 10.0
     """Seconds per reward function call; a call cut off scores 0."""
+    episode_timeout: float = 3600.0
+    """Seconds one episode of a function or external agent may take; one still running then is dropped
+    (counted `episode_timeouts`), its calls cancelled, and its group goes on without it."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose answers all score the same (no signal for a group
     baseline) is rejected; it costs no staleness budget and the step waits for informative groups."""
@@ -823,6 +826,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 0 (0 = a dead rollout worker stops the trial), got {r.max_restarts}",
     )
     _check(r.reward_fn_timeout > 0, "rollout.reward_fn_timeout", f"must be > 0 seconds, got {r.reward_fn_timeout}")
+    _check(r.episode_timeout > 0, "rollout.episode_timeout", f"must be > 0 seconds, got {r.episode_timeout}")
     _check(
         not r.reward_fn or r.env.type in ("math", "reward-fn"),
         "rollout.reward_fn",

@@ -161,6 +161,7 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
         success_rate_ub=cfg.rollout.success_rate_ub,
         dynamic_sampling=cfg.rollout.dynamic_sampling,
         gen_backend=parse_allocation_mode(cfg.allocation_mode).gen_backend,
+        episode_timeout=cfg.rollout.episode_timeout,
     )
 
 

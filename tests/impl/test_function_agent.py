@@ -26,6 +26,7 @@ from tests.impl.conftest import ServerProcess
 from tests.impl.openai_compat.chat_kit import ScriptedGenerator, char_chat_tokenizer
 
 AGENT = '''
+import asyncio
 import json
 
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
@@ -71,6 +72,12 @@ async def calls_then_scores(client, row):
 
 
 def not_async(client, row):
+    return 1.0
+
+
+async def hangs_on_odd(client, row):
+    if row["answer"] == "3":
+        await asyncio.Event().wait()  # a hung agent: never returns
     return 1.0
 
 
@@ -345,3 +352,22 @@ def test_an_agent_class_of_a_users_file_needs_no_registering(tmp_path):
     assert type(agent).__name__ == "EchoAgent" and agent.word == "ho"
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
         make_agent(f"{path}:Nope", AgentSettings())
+
+
+def test_a_hung_agent_episode_is_dropped_at_the_episode_timeout_and_frees_its_slot(agent_file, chat_model_dir):
+    """rollout.episode_timeout: an agent function that never returns is
+    cancelled and its episode dropped (counted `episode_timeouts`); the
+    prompt's collect_trajectory returns instead of holding its slot forever."""
+    settings = AgentSettings(tokenizer_path=chat_model_dir, group_size=2, episode_timeout=0.5)
+    agent = make_agent("function", settings, fn=f"{agent_file}:hangs_on_odd")
+
+    async def main():
+        async with shared_endpoint():
+            hung = await asyncio.wait_for(agent.run_episode(prompt(answer="3"), make_env("math"), None), 60)
+            fine = await asyncio.wait_for(agent.run_episode(prompt(answer="2"), make_env("math"), None), 60)
+            return hung, fine
+
+    hung, fine = asyncio.run(main())
+    assert hung == [] and fine == []  # (no chat call made: nothing to train, the group rejected)
+    stats = agent.pop_stats()
+    assert stats["episode_timeouts"] == 2 and "fn_errors" not in stats

@@ -19,8 +19,12 @@ The environment (`rollout.env`) is not used.
 **`"external"`**: the same episodes, driven by a process outside realrl.
 Each waits until an agent takes it (`POST /rl/episodes` on the rollout
 worker's endpoint), makes its chat calls at the `base_url` it got, and
-closes it with the reward (`POST /rl/episodes/<id>/close`). An episode not
-closed within `episode_timeout_s` is dropped (counted).
+closes it with the reward (`POST /rl/episodes/<id>/close`).
+
+An episode of either that has not ended within `rollout.episode_timeout`
+(for external agents, `episode_timeout_s` if given) is cancelled, its calls
+with it, and dropped from its group (counted `episode_timeouts`; external
+ones also `external_timeouts`): a hung agent frees its slot.
 
 Trajectory: one per prompt, one sequence per chain of turns of each episode
 (`EpisodeRecorder.sequences("chains")`: the turns that extend each other
@@ -38,7 +42,7 @@ its call got.
 Own arguments (`rollout.agent.args`): `fn`, `tool_parser` ("hermes"; see
 realrl/impl/openai_compat/tool_calls.py), `max_context_tokens` (prompt +
 new tokens of a call; default: the model's `max_position_embeddings`),
-`episode_timeout_s` (external only).
+`episode_timeout_s` (external only; default `rollout.episode_timeout`).
 """
 
 from __future__ import annotations
@@ -222,15 +226,19 @@ class FunctionAgent(Agent):
         episode = _Episode(session)
         async with shared_endpoint() as endpoint:
             base_url = endpoint.open(session)
+            deadline = asyncio.timeout(self._timeout_s)
             try:
-                value = await self._drive(endpoint, session, base_url, row)
+                async with deadline:
+                    value = await self._drive(endpoint, session, base_url, row)
                 episode.score, episode.extras = _score(value)
             except asyncio.CancelledError:
                 raise
             except EpisodeAbandoned:
                 pass
             except Exception as e:
-                if session.failure is None:
+                if isinstance(e, TimeoutError) and deadline.expired():  # (not a timeout of the function's own)
+                    self._timed_out(prompt)
+                elif session.failure is None:
                     self._function_failed(prompt, e)
             finally:
                 endpoint.close_session(session.key)
@@ -244,6 +252,21 @@ class FunctionAgent(Agent):
         if self.judge is not None:
             return await self.fn(client, dict(row), judge=await self.judge())
         return await self.fn(client, dict(row))
+
+    @property
+    def _timeout_s(self) -> float:
+        return self.settings.episode_timeout
+
+    def _timed_out(self, prompt: PromptRecord) -> None:
+        """An episode that ran past `rollout.episode_timeout`: cancelled (its
+        calls with it), dropped from its group, counted."""
+        self.counters["episode_timeouts"] += 1
+        logger.warning(
+            "agent episode of %s ran past rollout.episode_timeout=%g s: dropped (%d so far)",
+            prompt.qid,
+            self._timeout_s,
+            self.counters["episode_timeouts"],
+        )
 
     def _function_failed(self, prompt: PromptRecord, e: Exception) -> None:
         self.counters["fn_errors"] += 1
@@ -321,22 +344,26 @@ class ExternalAgent(FunctionAgent):
         settings: AgentSettings | None = None,
         tool_parser: str = "hermes",
         max_context_tokens: int | None = None,
-        episode_timeout_s: float = 3600.0,
+        episode_timeout_s: float | None = None,
     ):
-        if episode_timeout_s <= 0:
+        if episode_timeout_s is not None and episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be > 0, got {episode_timeout_s}")
-        self.episode_timeout_s = episode_timeout_s
+        self.episode_timeout_s = episode_timeout_s  # None: rollout.episode_timeout
         super().__init__(settings, "", tool_parser, max_context_tokens)
+
+    @property
+    def _timeout_s(self) -> float:
+        return self.episode_timeout_s or self.settings.episode_timeout
 
     def _load_fn(self, spec: str) -> None:
         return None
 
+    def _timed_out(self, prompt: PromptRecord) -> None:
+        self.counters["external_timeouts"] += 1
+        super()._timed_out(prompt)
+
     async def _drive(self, endpoint: ChatEndpoint, session: ChatSession, base_url: str, row: dict) -> Any:
-        try:
-            return await asyncio.wait_for(endpoint.offer(session), self.episode_timeout_s)
-        except asyncio.TimeoutError:
-            self.counters["external_timeouts"] += 1
-            raise EpisodeAbandoned(f"no external agent closed it within {self.episode_timeout_s:g} s") from None
+        return await endpoint.offer(session)
 
 
 register_agent("function", FunctionAgent)

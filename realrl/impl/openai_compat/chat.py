@@ -149,7 +149,12 @@ class ChatSession:
         self.calls = 0
         self.closed: asyncio.Future | None = None  # external agents: resolved with the reward at close
 
-    async def complete(self, request: ChatCompletionRequest) -> ChatCompletion:
+    async def complete(
+        self, request: ChatCompletionRequest, deliver: Callable[[ChatCompletion], Awaitable[None]] | None = None
+    ) -> ChatCompletion:
+        """The answer to one call, its turns recorded once `deliver(answer)`
+        (the endpoint: sending it) returned: a reply the agent never got
+        (it gave up, the connection is gone) is not trained on."""
         config = self.config
         check_request(request, config)
         rendered = [template_message(m, i) for i, m in enumerate(request.messages)]
@@ -167,13 +172,13 @@ class ChatSession:
             self.failure = e
             raise
         stops = _stop_strings(request)
-        choices, n_completion = [], 0
+        choices, n_completion, turns = [], 0, []
         for i in range(result.group_size):
             answer = self._answer(result.answer(i), stops, parse_tools=request.tool_choice != "none")
             reply = _reply_message(
                 answer.parsed, call_ids=[f"call_{secrets.token_hex(12)}" for _ in answer.parsed.tool_calls]
             )
-            self.recorder.add(plan, answer.result, _as_request_message(reply), _sampling(gconfig))
+            turns.append((plan, answer.result, _as_request_message(reply), _sampling(gconfig)))
             ids = answer.result.output_ids[0]
             n_completion += len(ids)
             choices.append(
@@ -186,7 +191,7 @@ class ChatSession:
                 )
             )
         n_prompt = len(plan.prompt_ids)
-        return ChatCompletion(
+        completion = ChatCompletion(
             id=f"chatcmpl-{secrets.token_hex(14)}",
             created=int(time.time()),
             model=request.model,
@@ -194,6 +199,11 @@ class ChatSession:
             usage=Usage(n_prompt, n_completion, n_prompt + n_completion),
             prompt_token_ids=list(plan.prompt_ids) if request.return_token_ids else None,
         )
+        if deliver is not None:
+            await deliver(completion)
+        for turn in turns:
+            self.recorder.add(*turn)
+        return completion
 
     def _gconfig(self, request: ChatCompletionRequest, prompt_len: int) -> GenerationHyperparameters:
         run = self.config.gconfig

@@ -96,7 +96,9 @@ class ChatEndpoint:
         app.router.add_post("/rl/episodes/{key}/close", self._close_external)
         app.router.add_get("/health", self._health)
         app.router.add_post("/judge/v1/chat/completions", self._judge_chat)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A handler whose client went away is cancelled (its generation with it): a
+        # reply the agent gave up on is never recorded, so never trained on.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -193,30 +195,30 @@ class ChatEndpoint:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.counters["calls"] += 1
+        sent: list[web.StreamResponse] = []
+
+        async def deliver(completion) -> None:  # the turns are recorded once this returned
+            sent.append(await _send(request, body, completion))
+
         try:
             session = self._session(request)
             body = from_json(
                 ChatCompletionRequest, await read_json(request, max_bytes=MAX_BODY_BYTES, max_depth=MAX_BODY_DEPTH)
             )
-            completion = await session.complete(body)
+            await session.complete(body, deliver)
         except BodyError as e:
             return self._refuse(e)
         except asyncio.CancelledError:
+            self.counters["calls_abandoned"] += 1  # the client went away: nothing recorded
+            raise
+        except ConnectionError:
+            self.counters["calls_abandoned"] += 1
             raise
         except Exception as e:
             self.counters["generation_failures"] += 1
             message = f"generation failed: {type(e).__name__}: {e}"
             return _error(500, ErrorDetail(message, type="server_error"), headers={"x-should-retry": "false"})
-        if not body.stream:
-            return web.json_response(to_json(completion))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        for chunk in completion_chunks(completion, include_usage):
-            await response.write(b"data: " + json.dumps(to_json(chunk)).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        return sent[0]
 
     async def _judge_chat(self, request: web.Request) -> web.Response:
         """The judge's answer; records nothing. Failures are counted (`judge_failures`)."""
@@ -277,6 +279,24 @@ class ChatEndpoint:
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
         code = e.reason if e.reason not in ("invalid", "not_found") else None
         return _error(e.status, ErrorDetail(str(e), type=kind, code=code))
+
+
+async def _send(request: web.Request, body: ChatCompletionRequest, completion: Any) -> web.StreamResponse:
+    """Writes the answer (a JSON body, or server-sent events); raises if the
+    connection is gone."""
+    if not body.stream:
+        response = web.json_response(to_json(completion))
+        await response.prepare(request)
+        await response.write_eof()
+        return response
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    for chunk in completion_chunks(completion, include_usage):
+        await response.write(b"data: " + json.dumps(to_json(chunk)).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 def _error(status: int, detail: ErrorDetail, headers: dict | None = None) -> web.Response:

@@ -202,6 +202,46 @@ def test_sampling_values_the_servers_would_refuse_are_the_agents_400_and_a_tiny_
     assert with_k.choices[0].message.content in ("b", "c") and ep.policy.requests[-1].gconfig.top_k == 20
 
 
+def test_a_call_its_client_gave_up_on_is_cancelled_and_never_recorded():
+    """The agent's client times out while its call generates: the handler is
+    cancelled (its generation with it) and no turn is recorded, so a reply
+    the agent never saw is never trained on (a hook holds the generation
+    until the client has given up)."""
+    started, cancelled, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def main():
+        async with Episode([ids("late")]) as ep:
+            scripted = ep._generate
+
+            async def held(prompt_ids, n, gconfig):
+                started.set()
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+                return await scripted(prompt_ids, n, gconfig)
+
+            ep.session.generate = held
+            client = ep.client(max_retries=0, timeout=0.5)
+            with pytest.raises(openai.APITimeoutError):
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await client.close()
+            await asyncio.wait_for(started.wait(), 10)
+            try:
+                await asyncio.wait_for(cancelled.wait(), 10)
+            finally:
+                release.set()
+            for _ in range(100):  # (an uncancelled handler would record its turn now)
+                await asyncio.sleep(0)
+            return ep
+
+    ep = run(main())
+    assert cancelled.is_set()
+    assert ep.session.recorder.turns == [] and not ep.policy.requests
+    assert ep.endpoint.counters["calls_abandoned"] == 1
+
+
 def test_an_unknown_episode_is_a_404_and_a_failed_generation_a_500_sent_once():
     async def main():
         async with Episode([], fail=True) as ep:
