@@ -18,7 +18,7 @@ is a `BodyError`: HTTP 400 naming the field.
     POST /stop_rollouts         (no body)                                   -> SuccessReply
     GET  /get_model_version                                                 -> ModelVersionReply
     GET  /rollout_stats                                                     -> RolloutStats
-    GET  /rejected_qids                                                     -> RejectedQidsReply
+    GET  /finished_rollouts                                                 -> FinishedRolloutsReply
     GET  /servers                                                           -> ServersReply
     GET  /health                                                            -> HealthReply
     a refused request (400, 413)                                            -> ErrorReply
@@ -122,12 +122,13 @@ class ResetRolloutWorkerRequest:
 @dataclasses.dataclass
 class ResetRolloutWorkerReply:
     """Its earlier processes' running rollouts, released (`rollout_ids` and
-    their `qids`: generated again under the same ids), and `done`: the ids of
-    its rollouts this manager saw finished (never generated again)."""
+    their `qids`: generated again under the same ids), and `done`: the
+    rollouts this manager saw finished (never generated again), as a ledger
+    (`realrl.system.ledger.Ledger.to_wire`: bitmaps, whatever their number)."""
 
     qids: list[str]
     rollout_ids: list[str] = _field(default_factory=list)
-    done: list[str] = _field(default_factory=list)
+    done: dict[str, Any] = _field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -315,12 +316,11 @@ class RolloutStats:
 
 
 @dataclasses.dataclass
-class RejectedQidsReply:
-    """The episodes the agent rejected (this manager process): their qids and
-    rollout ids (the recovery ledger)."""
+class FinishedRolloutsReply:
+    """The rollouts this manager process saw finish, accepted or rejected by
+    the agent, as a ledger (`Ledger.to_wire`): what a checkpoint counts done."""
 
-    qids: list[str]
-    rollout_ids: list[str] = _field(default_factory=list)
+    done: dict[str, Any] = _field(default_factory=dict)
 
 
 @dataclasses.dataclass

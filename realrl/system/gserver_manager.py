@@ -80,12 +80,12 @@ from realrl.api.manager_api import (
     ErrorReply,
     FailureReply,
     FailureReport,
+    FinishedRolloutsReply,
     FinishRolloutRequest,
     HealthReply,
     LoadReply,
     LoadReport,
     ModelVersionReply,
-    RejectedQidsReply,
     ReleaseRequest,
     ResetRolloutWorkerReply,
     ResetRolloutWorkerRequest,
@@ -238,7 +238,7 @@ class GserverManager(AsyncWorker):
         )
         get("/get_model_version", self._handle(self._get_model_version))
         get("/rollout_stats", self._handle(self._rollout_stats))
-        get("/rejected_qids", self._handle(self._rejected_qids))
+        get("/finished_rollouts", self._handle(self._finished_rollouts))
         get("/servers", self._handle(self._servers_info))
         get("/health", self._handle(HealthReply))  # {"status": "ok"}
         self._runner = web.AppRunner(app, access_log=None)
@@ -710,7 +710,7 @@ class GserverManager(AsyncWorker):
                 f"field 'worker_index': {request.worker_index} is not a rollout worker of this trial "
                 f"(0..{self.cfg.n_rollout_workers - 1})"
             )
-        rollout_ids, qids, done = self.controller.release_worker(request.worker_index)
+        rollout_ids, qids = self.controller.release_worker(request.worker_index)
         self._set_load(request.worker_index, {})  # its requests in flight died with it
         self._release_reservations(qids)
         self._finishes_failing = False
@@ -721,7 +721,7 @@ class GserverManager(AsyncWorker):
                 request.worker_index,
                 len(qids),
             )
-        return ResetRolloutWorkerReply(qids=qids, rollout_ids=rollout_ids, done=done)
+        return ResetRolloutWorkerReply(qids=qids, rollout_ids=rollout_ids, done=self.controller.done.to_wire())
 
     def _finish_rollout(self, request: FinishRolloutRequest) -> SuccessReply:
         if self._finishes_failing or faults.point("gserver_manager.finish_rollout"):
@@ -890,10 +890,8 @@ class GserverManager(AsyncWorker):
     def _get_model_version(self) -> ModelVersionReply:
         return ModelVersionReply(version=self.router.version)
 
-    def _rejected_qids(self) -> RejectedQidsReply:
-        return RejectedQidsReply(
-            qids=list(self.controller.rejected_qids), rollout_ids=list(self.controller.rejected_rollout_ids)
-        )
+    def _finished_rollouts(self) -> FinishedRolloutsReply:
+        return FinishedRolloutsReply(done=self.controller.done.to_wire())
 
     def _rollout_stats(self) -> RolloutStats:
         # utilization() changes with the clock: not in _stats(), whose changes trigger a log line

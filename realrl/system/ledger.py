@@ -3,9 +3,11 @@
 A rollout worker's rollout id is `<worker>:<epoch>:<row>`, `row` the prompt's
 position in the dataset file; the id names one prompt of one epoch, so a
 rollout generated again (after a crash) carries the same id. A rollout is
-*done* once the trainers hold, trained or dropped one of its trajectories,
-or the agent rejected it; a resumed trial, and a restarted rollout worker,
-generate again exactly the issued rollouts that are not done.
+*done* once the manager saw its finish: every one of its trajectories was
+acknowledged by a puller (taken or a duplicate), or the agent rejected it.
+A resumed trial, and a restarted rollout worker, generate again exactly the
+issued rollouts that are not done; the copies of what a puller already took
+are answered `duplicate` (its `KeyLedger` is in the checkpoint too).
 
 `Ledger` keeps one bitmap over dataset rows per epoch, so 200k prompts cost
 25 kB per epoch on disk (`save`: numpy's npz, bits packed), whatever the
@@ -15,6 +17,7 @@ ever carries its path.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 
@@ -78,8 +81,13 @@ class Ledger:
     def update(self, other: Ledger) -> Ledger:
         """Adds everything `other` holds; returns self."""
         for epoch, bits in other._epochs.items():
-            for row in np.flatnonzero(bits):
-                self.mark(epoch, int(row))
+            mine = self._epochs.get(epoch)
+            if mine is None or len(mine) < len(bits):
+                grown = np.zeros(len(bits), dtype=bool)
+                if mine is not None:
+                    grown[: len(mine)] = mine
+                self._epochs[epoch] = mine = grown
+            mine[: len(bits)] |= bits
         return self
 
     def copy(self) -> Ledger:
@@ -93,6 +101,36 @@ class Ledger:
     @property
     def epochs(self) -> list[int]:
         return sorted(self._epochs)
+
+    def to_wire(self) -> dict[str, dict]:
+        """A JSON- and msgpack-safe form: per epoch its row count and bits
+        (packed, base64): the size of the bitmaps, whatever the ids."""
+        return {
+            str(epoch): {"rows": len(bits), "bits": base64.b64encode(np.packbits(bits)).decode("ascii")}
+            for epoch, bits in self._epochs.items()
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> Ledger:
+        """ValueError for anything `to_wire` does not write."""
+        out = cls()
+        if not isinstance(wire, dict):
+            raise ValueError(f"a ledger is a JSON object, got {type(wire).__name__}")
+        for epoch, part in wire.items():
+            if not str(epoch).isdigit() or not isinstance(part, dict):
+                raise ValueError(f"ledger epoch {epoch!r}: not <epoch>: {{rows, bits}}")
+            rows, bits = part.get("rows"), part.get("bits")
+            if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0 or not isinstance(bits, str):
+                raise ValueError(f"ledger epoch {epoch!r}: rows must be a count and bits a base64 string")
+            packed = np.frombuffer(base64.b64decode(bits, validate=True), dtype=np.uint8)
+            if len(packed) != (rows + 7) // 8:
+                raise ValueError(f"ledger epoch {epoch!r}: {len(packed)} bytes for {rows} rows")
+            out._epochs[int(epoch)] = np.unpackbits(packed, count=rows).astype(bool)
+        return out
+
+    def nbytes(self) -> int:
+        """Memory the bitmaps hold."""
+        return int(sum(b.nbytes for b in self._epochs.values()))
 
     def save(self, path: str) -> None:
         """Written to a temporary name and renamed: a reader never sees half a ledger."""
@@ -114,6 +152,47 @@ class Ledger:
                     epoch = int(name[5:])
                     n = int(data[f"rows_{epoch}"])
                     out._epochs[epoch] = np.unpackbits(data[name], count=n).astype(bool)
+        return out
+
+
+class KeyLedger:
+    """The trajectory keys `(rollout_id, index)` a puller took, as one
+    `Ledger` per index: a set of ids would grow by ~150 bytes per
+    trajectory for the whole trial, these bitmaps by one bit per dataset
+    row and epoch. Ids that are not a rollout worker's are never held."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, Ledger] = {}
+
+    def add(self, key: tuple[str, int]) -> None:
+        rollout_id, index = key
+        parsed = parse_rollout_id(rollout_id)
+        if parsed is None or not isinstance(index, int) or index < 0:
+            raise ValueError(f"not a trajectory key of a rollout worker: {key!r}")
+        self.by_index.setdefault(index, Ledger()).mark(parsed[1], parsed[2])
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        rollout_id, index = key
+        ledger = self.by_index.get(index)
+        return ledger is not None and ledger.is_done(rollout_id)
+
+    def update(self, other: KeyLedger) -> KeyLedger:
+        for index, ledger in other.by_index.items():
+            self.by_index.setdefault(index, Ledger()).update(ledger)
+        return self
+
+    def nbytes(self) -> int:
+        return sum(ledger.nbytes() for ledger in self.by_index.values())
+
+    def to_wire(self) -> dict[str, dict]:
+        return {str(index): ledger.to_wire() for index, ledger in self.by_index.items()}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> KeyLedger:
+        out = cls()
+        if not isinstance(wire, dict) or not all(str(k).isdigit() for k in wire):
+            raise ValueError("a key ledger is {<index>: <ledger>}")
+        out.by_index = {int(index): Ledger.from_wire(part) for index, part in wire.items()}
         return out
 
 

@@ -65,6 +65,7 @@ from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in
 from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
+from realrl.system.ledger import KeyLedger
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
 from realrl.system.weights_check import (
@@ -728,22 +729,24 @@ class ModelWorker(Worker):
         """Writes this rank's part of a recovery checkpoint into `dir` (the
         master's temporary directory, which it renames once every part and the
         manifest are there): rank 0 the models, optimizers, schedules and
-        version; every rank its buffered trajectories (so none is lost). The
-        reply names the rollouts buffered and dropped as stale, for the data ledger."""
+        version; every rank its buffered trajectories (so none is lost) and
+        the keys its puller took (so a rollout generated again after a resume
+        gets `duplicate` for those). The reply names the rollouts buffered."""
         directory = data["dir"]
         state = {"actor": trainer_state(self.actor, self.cfg.fsdp)}  # every rank: a collective under FSDP
         if self.critic is not None:
             state["critic"] = trainer_state(self.critic, self.cfg.fsdp)
         buffered = self.dataset.snapshot()
         with open(os.path.join(directory, f"buffer-rank{self.dp_rank}.wire"), "wb") as f:
-            f.write(wire.dumps({"trajectories": [t.to_wire() for t in buffered]}))
+            f.write(
+                wire.dumps({"trajectories": [t.to_wire() for t in buffered], "seen": self.dataset.seen().to_wire()})
+            )
         if self.dp_rank == 0:
             torch.save(state, os.path.join(directory, "model_worker.pt"))
             with open(os.path.join(directory, "meta.json"), "w") as f:
                 json.dump({"version": self.version, "step": int(data["step"]), "dp_size": self.dp_size}, f)
-        dropped, self.dataset.dropped_rollout_ids = self.dataset.dropped_rollout_ids, []
         self._checkpointed = True
-        return {"buffered_rollout_ids": [t.rollout_id for t in buffered], "dropped_rollout_ids": dropped}
+        return {"buffered_rollout_ids": [t.rollout_id for t in buffered]}
 
     def _handle_load(self, data: dict) -> dict:
         """Restores a checkpoint the master has verified: models, version, and
@@ -758,14 +761,17 @@ class ModelWorker(Worker):
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         version = int(meta["version"])
-        restored = []
-        for r in range(self.dp_rank, int(meta.get("dp_size", 1)), self.dp_size):
+        restored, seen = [], KeyLedger()
+        for r in range(int(meta.get("dp_size", 1))):
             buffer_path = os.path.join(path, f"buffer-rank{r}.wire")
             if os.path.exists(buffer_path):
                 with open(buffer_path, "rb") as f:
                     msg = wire.loads(f.read())
-                restored += [Trajectory.from_wire(t) for t in msg["trajectories"]]
-        self.dataset.restore(restored)
+                # Every rank knows every rank's keys: a rollout worker's puller may differ now.
+                seen.update(KeyLedger.from_wire(msg.get("seen", {})))
+                if r % self.dp_size == self.dp_rank:
+                    restored += [Trajectory.from_wire(t) for t in msg["trajectories"]]
+        self.dataset.restore(restored, seen)
         state_dict = self._full_state_dict(self.actor.model)
         self._expect_shards(state_dict)
         self._publish(version, state_dict)

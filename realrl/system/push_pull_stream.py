@@ -250,12 +250,15 @@ class ZMQPusher:
 
     def _send(self, message: Any, timeout: float) -> None:
         """One frame, within `timeout` seconds (TimeoutError: the queues are full)."""
-        try:
-            self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if not self._socket.poll(max(1, int(timeout * 1000)), zmq.POLLOUT):
-                raise TimeoutError(f"push to {self.address}: the high-water mark is reached") from None
-            self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
+                    raise TimeoutError(f"push to {self.address}: the high-water mark is reached") from None
         self.n_pushed += 1
 
     def close(self, linger: float = CLOSE_LINGER_S) -> None:

@@ -313,7 +313,8 @@ class RolloutWorker(AsyncWorker):
         regenerated_before = 0
         if self.restarts:
             reply = self._reset_at_manager()
-            ledger.mark_ids(reply.done)
+            finished = Ledger.from_wire(reply.done)
+            ledger.update(finished)
             published = self._published_cursor()
             if published:
                 cursors.append(published)
@@ -322,7 +323,7 @@ class RolloutWorker(AsyncWorker):
                 "took over from a failed rollout worker %d: %d of its running rollouts released, %d finished",
                 self.info.worker_index,
                 len(reply.rollout_ids),
-                len(reply.done),
+                finished.count(),
             )
         self._ledger = ledger
         if cursors:

@@ -23,6 +23,8 @@ import collections
 from collections.abc import Iterable
 from typing import Any
 
+from realrl.system.ledger import Ledger
+
 # Finished rollout ids remembered for idempotent retries; a retry arrives within
 # seconds, so the newest ones suffice and memory stays bounded.
 FINISHED_IDS_KEPT = 100_000
@@ -69,15 +71,14 @@ class StalenessController:
         self.dropped = 0  # trajectories the trainer dropped (whole trial, from the master)
         self.accepted = 0  # trajectories finished and accepted (whole trial)
         self.rejected = 0  # episodes the agent rejected (whole trial)
-        self.rejected_qids: list[str] = []  # their qids (this process)
-        self.rejected_rollout_ids: list[str] = []  # and rollout ids (this process), for the recovery ledger
+        # The rollouts finished in this process, accepted or rejected (done: never generated again,
+        # docs/design.md §12): bits per dataset row and epoch, so memory stays flat over a trial.
+        self.done = Ledger()
         self.admitted = 0  # episodes admitted by this process
         self.n_tokens = 0
         self.stopped = False
         self._running: dict[str, str] = {}  # rollout_id -> qid
         self._finished: collections.OrderedDict[str, int] = collections.OrderedDict()  # rollout_id -> trajectories
-        # rollout worker index -> ids of its rollouts finished in this process (done: never generated again)
-        self._done_by_worker: dict[str, set[str]] = collections.defaultdict(set)
 
     @property
     def running(self) -> int:
@@ -155,17 +156,15 @@ class StalenessController:
             return
         if rollout_id not in self._running:
             raise KeyError(f"no running rollout with id {rollout_id!r}")
-        qid = self._running.pop(rollout_id)
+        self._running.pop(rollout_id)
         self._finished[rollout_id] = n_trajectories
-        self._done_by_worker[rollout_id.split(":", 1)[0]].add(rollout_id)
+        self.done.mark_ids([rollout_id])  # (an id not of a rollout worker's form is never generated again anyway)
         if len(self._finished) > FINISHED_IDS_KEPT:
             self._finished.popitem(last=False)
         if n_trajectories:
             self.accepted += n_trajectories
         else:
             self.rejected += 1
-            self.rejected_qids.append(qid)
-            self.rejected_rollout_ids.append(rollout_id)
         self.n_tokens += n_tokens
 
     def finish_many(self, rollouts: list[tuple[str, int, int]]) -> None:
@@ -177,15 +176,14 @@ class StalenessController:
         for rollout_id, n_trajectories, n_tokens in rollouts:
             self.finish(rollout_id, n_trajectories, n_tokens)
 
-    def release_worker(self, worker_index: int) -> tuple[list[str], list[str], list[str]]:
+    def release_worker(self, worker_index: int) -> tuple[list[str], list[str]]:
         """Forgets the running rollouts of rollout worker `worker_index` (rollout
-        ids start with `<index>:`): (their ids, their qids, the ids of the
-        worker's rollouts finished in this process). A restarted worker
-        generates the released ones again, under the same ids, and never the
-        finished ones (docs/design.md §12)."""
+        ids start with `<index>:`): (their ids, their qids). A restarted worker
+        generates them again, under the same ids, and never those in `done`
+        (docs/design.md §12)."""
         gone = [rid for rid in self._running if rid.split(":", 1)[0] == str(worker_index)]
         qids = [self._running.pop(rid) for rid in gone]
-        return gone, qids, sorted(self._done_by_worker.get(str(worker_index), ()))
+        return gone, qids
 
     def stop(self) -> None:
         self.stopped = True

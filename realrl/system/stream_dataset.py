@@ -37,8 +37,9 @@ every trajectory restored from a checkpoint, is either rejected (wire format),
 invalid (schema or vocabulary), foreign, a duplicate, taken (consumed),
 dropped as stale, or still buffered: `received_total + restored ==
 n_wire_rejected + n_invalid + n_foreign + n_duplicates + n_taken +
-n_dropped_stale + buffered`. `snapshot()` / `restore()` carry the buffer
-across a recovery checkpoint.
+n_dropped_stale + buffered`. `snapshot()` / `seen()` / `restore()` carry the
+buffer and the keys taken (`KeyLedger`: bitmaps, so memory stays flat over a
+trial) across a recovery checkpoint.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from collections.abc import Callable
 
 from realrl.api.trajectory import Trajectory, TrajectoryError
 from realrl.base.logging import getLogger
+from realrl.system.ledger import KeyLedger
 from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog
 
 logger = getLogger("stream_dataset")
@@ -99,9 +101,8 @@ class PullerStreamDataset:
         self.n_dropped_stale = 0
         self.n_foreign = 0  # no rollout id of ours: never buffered, never in the ledger
         self.n_duplicates = 0  # a second copy of a key already taken
-        self._seen: set[tuple[str, int]] = set()  # every key taken (buffered, trained or dropped since)
+        self._seen = KeyLedger()  # every key taken (buffered, trained or dropped since): bits, not a set of ids
         self.n_restored = 0  # put back from a checkpoint (recovery)
-        self.dropped_rollout_ids: list[str] = []  # of the stale drops: a resumed trial must not generate them again
         self.address = ""
         # zmq sockets are not thread-safe: the puller lives entirely in the thread.
         self._thread = threading.Thread(
@@ -211,7 +212,7 @@ class PullerStreamDataset:
         dropped = 0
         with self._lock:  # the heap is ordered by version_start: the stale ones are on top
             while self._heap and self._heap[0][0] < min_version:
-                self.dropped_rollout_ids.append(heapq.heappop(self._heap)[3].rollout_id)
+                heapq.heappop(self._heap)
                 dropped += 1
             self.n_dropped_stale += dropped
             oldest = heapq.nsmallest(limit, self._heap)
@@ -237,9 +238,18 @@ class PullerStreamDataset:
         with self._lock:
             return [item[3] for item in sorted(self._heap)]
 
-    def restore(self, trajectories: list[Trajectory]) -> None:
-        """Buffers trajectories saved by `snapshot` (resuming a trial)."""
+    def seen(self) -> KeyLedger:
+        """A copy of the keys taken so far (for a checkpoint)."""
         with self._lock:
+            return KeyLedger().update(self._seen)
+
+    def restore(self, trajectories: list[Trajectory], seen: KeyLedger | None = None) -> None:
+        """Buffers trajectories saved by `snapshot` and knows the keys `seen`
+        (resuming a trial): a rollout generated again gets `duplicate` for
+        what was taken before the checkpoint."""
+        with self._lock:
+            if seen is not None:
+                self._seen.update(seen)
             for traj in trajectories:
                 self._seen.add(traj.key)
                 heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))

@@ -120,9 +120,10 @@ def test_release_and_reset():
     )
     assert "missing field 'worker_index'" in refused(lambda b: from_json(api.ResetRolloutWorkerRequest, b), {})
     assert "must be >= 0" in refused(lambda b: from_json(api.ResetRolloutWorkerRequest, b), {"worker_index": -1})
-    assert to_json(api.ResetRolloutWorkerReply(qids=[])) == {"qids": [], "rollout_ids": [], "done": []}
-    reply = from_json(api.ResetRolloutWorkerReply, {"qids": ["q@1"], "rollout_ids": ["0:1:4"], "done": ["0:1:2"]})
-    assert (reply.rollout_ids, reply.done) == (["0:1:4"], ["0:1:2"])
+    assert to_json(api.ResetRolloutWorkerReply(qids=[])) == {"qids": [], "rollout_ids": [], "done": {}}
+    done = {"1": {"rows": 3, "bits": "IA=="}}  # epoch 1, row 2 (Ledger.to_wire)
+    reply = from_json(api.ResetRolloutWorkerReply, {"qids": ["q@1"], "rollout_ids": ["0:1:4"], "done": done})
+    assert (reply.rollout_ids, reply.done) == (["0:1:4"], done)
 
 
 def test_status_replies_round_trip():

@@ -218,3 +218,44 @@ def test_a_point_armed_after_a_kill_does_not_fire_in_the_dying_process(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _KILL_RACE_CHILD], env=env, capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["x.kill"], proc.stderr
+
+
+def test_a_partly_delivered_rollout_is_not_done_and_its_copies_are_duplicates_after_a_resume(tmp_path, etcd_server):
+    """A rollout of two trajectories: the first is taken, the second held
+    back (back-pressure) when a checkpoint is written. It is not done (the
+    manager never saw its finish), so a resumed trial generates it again;
+    the checkpoint's keys make the new puller answer the first copy
+    `duplicate` and take the second: nothing lost, nothing twice."""
+    from realrl.system.ledger import KeyLedger, Ledger
+    from realrl.system.staleness import StalenessController
+
+    manager = StalenessController(train_batch_size=4, max_head_offpolicyness=4, max_concurrent_rollouts=8)
+    manager.start()
+    for rid in ("0:0:5", "0:0:6"):
+        manager.allocate(rid, f"q{rid}")
+    manager.finish("0:0:6", 1)  # delivered whole and finished
+    name_resolve.reconfigure(make_nr_config("etcd3", tmp_path, etcd_server))
+    trial = uuid.uuid4().hex[:8]
+    try:
+        first = PullerStreamDataset("once", trial, 0, vocab_size=10)
+        pusher = NameResolvingZmqPusher("once", trial, 0, 1, 1, timeout=30)
+        assert push_acked(pusher, trajectory("0:0:6").to_wire())["verdict"] == "taken"
+        assert push_acked(pusher, trajectory("0:0:5", index=0).to_wire())["verdict"] == "taken"
+        # The checkpoint: the manager's finished rollouts, then the buffer and the keys taken.
+        done = Ledger().update(Ledger.from_wire(manager.done.to_wire()))
+        buffered, seen = first.snapshot(), KeyLedger.from_wire(first.seen().to_wire())
+        pusher.close(linger=0)
+        first.close()
+        assert (done.is_done("0:0:6"), done.is_done("0:0:5")) == (True, False)
+
+        resumed = PullerStreamDataset("once", trial, 0, vocab_size=10)
+        resumed.restore(buffered, seen)
+        pusher = NameResolvingZmqPusher("once", trial, 0, 1, 1, timeout=30)
+        again = [push_acked(pusher, trajectory("0:0:5", index=i).to_wire())["verdict"] for i in (0, 1)]
+        pusher.close(linger=0)
+        stats = resumed.stats()
+        resumed.close()
+    finally:
+        name_resolve.reconfigure(NameResolveConfig())
+    assert again == ["duplicate", "taken"]
+    assert (stats["restored"], stats["duplicates_dropped"], stats["buffered"]) == (2, 1, 3)

@@ -99,7 +99,7 @@ def test_finish_many_is_all_or_nothing():
         c.finish_many([("a", 1, 5), ("zzz", 1, 5), ("b", 0, 0)])
     assert (c.running, c.accepted, c.rejected, c.n_tokens) == (2, 0, 0, 0)  # nothing finished
     c.finish_many([("a", 2, 5), ("b", 0, 1)])
-    assert (c.running, c.accepted, c.rejected, c.rejected_qids, c.n_tokens) == (0, 2, 1, ["qb"], 6)
+    assert (c.running, c.accepted, c.rejected, c.n_tokens) == (0, 2, 1, 6)
     c.finish_many([("a", 2, 5)])  # a retry of a finished one: a no-op
     assert (c.accepted, c.n_tokens) == (2, 6)
 
@@ -121,18 +121,18 @@ def test_admission_names_why_it_is_closed():
 def test_release_worker_frees_its_rollouts_and_done_says_what_it_finished():
     """Rollout ids `<worker>:<epoch>:<row>`: a restarted rollout worker gets
     its predecessor's running rollouts back (ids and qids, generated again
-    under the same ids) and the ids of those it finished (rejected ones
-    too), never to be generated again; other workers' rollouts stay."""
+    under the same ids); `done` holds those finished (rejected ones too),
+    never to be generated again; other workers' rollouts stay."""
     c = started(100, 0, 100)
     for rid, qid in [("0:1:5", "p5"), ("0:2:1", "p1"), ("0:1:9", "p9"), ("0:1:7", "p7"), ("1:3:3", "o"), ("f", "f")]:
         assert c.allocate(rid, qid)[0]
     c.finish("0:1:9", 1)
     c.finish("0:1:7", 0)  # rejected by the agent: done as well
-    assert c.release_worker(0) == (["0:1:5", "0:2:1"], ["p5", "p1"], ["0:1:7", "0:1:9"])
+    assert c.release_worker(0) == (["0:1:5", "0:2:1"], ["p5", "p1"])
+    assert [c.done.is_done(r) for r in ("0:1:7", "0:1:9", "0:1:5", "0:2:1")] == [True, True, False, False]
     assert c.running == 2 and c.allocate("0:1:5", "p5")[0]  # the slot is back; the same id is admitted again
-    assert c.release_worker(1) == (["1:3:3"], ["o"], [])
-    assert c.release_worker(7) == ([], [], [])  # never admitted anything
-    assert c.rejected_rollout_ids == ["0:1:7"]
+    assert c.release_worker(1) == (["1:3:3"], ["o"])
+    assert c.release_worker(7) == ([], [])  # never admitted anything
 
 
 def test_finished_ids_are_remembered_up_to_a_bound(monkeypatch):
