@@ -18,7 +18,7 @@ is a `BodyError`: HTTP 400 naming the field.
     POST /stop_rollouts         (no body)                                   -> SuccessReply
     GET  /get_model_version                                                 -> ModelVersionReply
     GET  /rollout_stats                                                     -> RolloutStats
-    GET  /finished_rollouts                                                 -> FinishedRolloutsReply
+    GET  /rejected_rollouts                                                 -> RejectedRolloutsReply
     GET  /servers                                                           -> ServersReply
     GET  /health                                                            -> HealthReply
     a refused request (400, 413)                                            -> ErrorReply
@@ -316,11 +316,11 @@ class RolloutStats:
 
 
 @dataclasses.dataclass
-class FinishedRolloutsReply:
-    """The rollouts this manager process saw finish, accepted or rejected by
-    the agent, as a ledger (`Ledger.to_wire`): what a checkpoint counts done."""
+class RejectedRolloutsReply:
+    """The rollouts the agent rejected (this manager process), as a ledger
+    (`Ledger.to_wire`: bitmaps, whatever their number): the recovery ledger."""
 
-    done: dict[str, Any] = _field(default_factory=dict)
+    rejected: dict[str, Any] = _field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -80,12 +80,12 @@ from realrl.api.manager_api import (
     ErrorReply,
     FailureReply,
     FailureReport,
-    FinishedRolloutsReply,
     FinishRolloutRequest,
     HealthReply,
     LoadReply,
     LoadReport,
     ModelVersionReply,
+    RejectedRolloutsReply,
     ReleaseRequest,
     ResetRolloutWorkerReply,
     ResetRolloutWorkerRequest,
@@ -238,7 +238,7 @@ class GserverManager(AsyncWorker):
         )
         get("/get_model_version", self._handle(self._get_model_version))
         get("/rollout_stats", self._handle(self._rollout_stats))
-        get("/finished_rollouts", self._handle(self._finished_rollouts))
+        get("/rejected_rollouts", self._handle(self._rejected_rollouts))
         get("/servers", self._handle(self._servers_info))
         get("/health", self._handle(HealthReply))  # {"status": "ok"}
         self._runner = web.AppRunner(app, access_log=None)
@@ -890,8 +890,8 @@ class GserverManager(AsyncWorker):
     def _get_model_version(self) -> ModelVersionReply:
         return ModelVersionReply(version=self.router.version)
 
-    def _finished_rollouts(self) -> FinishedRolloutsReply:
-        return FinishedRolloutsReply(done=self.controller.done.to_wire())
+    def _rejected_rollouts(self) -> RejectedRolloutsReply:
+        return RejectedRolloutsReply(rejected=self.controller.rejected_done.to_wire())
 
     def _rollout_stats(self) -> RolloutStats:
         # utilization() changes with the clock: not in _stats(), whose changes trigger a log line

@@ -3,11 +3,11 @@
 A rollout worker's rollout id is `<worker>:<epoch>:<row>`, `row` the prompt's
 position in the dataset file; the id names one prompt of one epoch, so a
 rollout generated again (after a crash) carries the same id. A rollout is
-*done* once the manager saw its finish: every one of its trajectories was
-acknowledged by a puller (taken or a duplicate), or the agent rejected it.
-A resumed trial, and a restarted rollout worker, generate again exactly the
-issued rollouts that are not done; the copies of what a puller already took
-are answered `duplicate` (its `KeyLedger` is in the checkpoint too).
+*done* once the trainers hold, trained or dropped one of its trajectories,
+or the agent rejected it; a resumed trial, and a restarted rollout worker,
+generate again exactly the issued rollouts that are not done. A puller's
+`KeyLedger` (the keys it took, a bitmap per trajectory index) is in the
+checkpoint too: a copy of one after a resume is a `duplicate`.
 
 `Ledger` keeps one bitmap over dataset rows per epoch, so 200k prompts cost
 25 kB per epoch on disk (`save`: numpy's npz, bits packed), whatever the

@@ -46,7 +46,7 @@ from typing import TypeVar
 import aiohttp
 
 from realrl.api.agent_api import FULL_CREDIT
-from realrl.api.manager_api import FinishedRolloutsReply, RolloutStats, SuccessReply
+from realrl.api.manager_api import RejectedRolloutsReply, RolloutStats, SuccessReply
 from realrl.api.system_api import MasterWorkerConfig
 from realrl.base import name_resolve, names
 from realrl.base.console import STEP_LOGGER
@@ -315,6 +315,7 @@ class MasterWorker(AsyncWorker):
         self.version += 1
         self.step += 1
         self.consumed += len(batch["staleness"])
+        self.ledger.mark_ids(batch["rollout_ids"])
         self.max_staleness_trained = max([self.max_staleness_trained] + batch["staleness"])
         self._publish_counters()
 
@@ -544,41 +545,32 @@ class MasterWorker(AsyncWorker):
 
     async def _checkpoint(self) -> None:
         """A recovery checkpoint (realrl/system/checkpoints.py), in this order:
-        the rollouts the manager saw finish (done: every trajectory of each
-        was acknowledged by a puller, or the agent rejected it), then the
-        trainers write models, buffered trajectories and the keys their
-        pullers took, then the rollout cursors are read. Done before the
-        buffers were saved, a rollout's trajectories are all in the
-        checkpoint (trained, buffered or dropped); a cursor read after covers
-        every prompt they hold. Whatever was issued before it and is not done
-        (`ledger.npz`) is generated again by a resumed trial, and the copies
-        of what the pullers already took are answered `duplicate` (exactly
-        once, docs/design.md §12). Without the manager's answer there is no
-        ledger to write: the checkpoint waits for the next interval."""
-        try:  # the agent-filtered count keeps the whole-trial accounting after a resume
-            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
-            finished = await self._manager("GET", "/finished_rollouts", FinishedRolloutsReply)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            self.logger.warning(
-                "checkpoint at step %d skipped: the manager's finished rollouts are unknown (%s: %s)",
-                self.step,
-                type(e).__name__,
-                e,
-            )
-            self._last_checkpoint = time.monotonic()
-            return
-        # (no manager registered: nothing was admitted, so nothing finished)
-        filtered = rs.rejected if rs is not None else self.filtered_at_checkpoint
-        done = self.ledger.copy()
-        if finished is not None:
-            done.update(Ledger.from_wire(finished.done))
+        the trainers write models, buffered trajectories and the keys their
+        pullers took, then the rollout cursors are read, then the manager's
+        rejected rollouts. A cursor read after the buffers were saved covers
+        every prompt they hold; whatever was issued before it and is not in
+        the ledger (trained, buffered, rejected, dropped: `ledger.npz`) is
+        generated again by a resumed trial (exactly once, docs/design.md §12)."""
         n = self.cfg.n_model_workers
         temp = checkpoints.new_temp_dir(self.cfg.checkpoint_dir, self.step)
         parts = await self.stream.call_async(
             list(range(n)), "checkpoint", [{"step": self.step, "dir": temp}] * n, timeout=self.cfg.rpc_timeout
         )
+        for p in parts:
+            self.ledger.update(Ledger.from_wire(p["dropped"]))
         cursors = await asyncio.to_thread(self._read_rollout_cursors)
+        filtered = self.filtered_at_checkpoint
+        try:  # the agent-filtered count keeps the whole-trial accounting after a resume
+            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
+            rq = await self._manager("GET", "/rejected_rollouts", RejectedRolloutsReply)
+            if rs is not None and rq is not None:
+                filtered = rs.rejected
+                self.ledger.update(Ledger.from_wire(rq.rejected))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            self.logger.warning("checkpoint without the manager's rejected episodes: %s", e)
+        done = self.ledger.copy()
         buffered = [q for p in parts for q in p["buffered_rollout_ids"]]
+        done.mark_ids(buffered)
         await asyncio.to_thread(done.save, os.path.join(temp, LEDGER_FILE))
         state = {
             "step": self.step,

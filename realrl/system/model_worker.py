@@ -730,8 +730,9 @@ class ModelWorker(Worker):
         master's temporary directory, which it renames once every part and the
         manifest are there): rank 0 the models, optimizers, schedules and
         version; every rank its buffered trajectories (so none is lost) and
-        the keys its puller took (so a rollout generated again after a resume
-        gets `duplicate` for those). The reply names the rollouts buffered."""
+        the keys its puller took (so a copy of one after a resume is a
+        `duplicate`). The reply names the rollouts buffered and those with a
+        stale drop (a ledger), for the data ledger."""
         directory = data["dir"]
         state = {"actor": trainer_state(self.actor, self.cfg.fsdp)}  # every rank: a collective under FSDP
         if self.critic is not None:
@@ -746,7 +747,10 @@ class ModelWorker(Worker):
             with open(os.path.join(directory, "meta.json"), "w") as f:
                 json.dump({"version": self.version, "step": int(data["step"]), "dp_size": self.dp_size}, f)
         self._checkpointed = True
-        return {"buffered_rollout_ids": [t.rollout_id for t in buffered]}
+        return {
+            "buffered_rollout_ids": [t.rollout_id for t in buffered],
+            "dropped": self.dataset.dropped_rollouts().to_wire(),
+        }
 
     def _handle_load(self, data: dict) -> dict:
         """Restores a checkpoint the master has verified: models, version, and

@@ -72,8 +72,10 @@ class StalenessController:
         self.accepted = 0  # trajectories finished and accepted (whole trial)
         self.rejected = 0  # episodes the agent rejected (whole trial)
         # The rollouts finished in this process, accepted or rejected (done: never generated again,
-        # docs/design.md §12): bits per dataset row and epoch, so memory stays flat over a trial.
+        # docs/design.md §12), and those rejected: bits per dataset row and epoch, so memory stays
+        # flat over a trial.
         self.done = Ledger()
+        self.rejected_done = Ledger()
         self.admitted = 0  # episodes admitted by this process
         self.n_tokens = 0
         self.stopped = False
@@ -165,6 +167,7 @@ class StalenessController:
             self.accepted += n_trajectories
         else:
             self.rejected += 1
+            self.rejected_done.mark_ids([rollout_id])
         self.n_tokens += n_tokens
 
     def finish_many(self, rollouts: list[tuple[str, int, int]]) -> None:

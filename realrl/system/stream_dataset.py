@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 from realrl.api.trajectory import Trajectory, TrajectoryError
 from realrl.base.logging import getLogger
-from realrl.system.ledger import KeyLedger
+from realrl.system.ledger import KeyLedger, Ledger
 from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog
 
 logger = getLogger("stream_dataset")
@@ -103,6 +103,7 @@ class PullerStreamDataset:
         self.n_duplicates = 0  # a second copy of a key already taken
         self._seen = KeyLedger()  # every key taken (buffered, trained or dropped since): bits, not a set of ids
         self.n_restored = 0  # put back from a checkpoint (recovery)
+        self.dropped = Ledger()  # rollouts with a stale drop: a resumed trial must not generate them again
         self.address = ""
         # zmq sockets are not thread-safe: the puller lives entirely in the thread.
         self._thread = threading.Thread(
@@ -212,7 +213,7 @@ class PullerStreamDataset:
         dropped = 0
         with self._lock:  # the heap is ordered by version_start: the stale ones are on top
             while self._heap and self._heap[0][0] < min_version:
-                heapq.heappop(self._heap)
+                self.dropped.mark_ids([heapq.heappop(self._heap)[3].rollout_id])
                 dropped += 1
             self.n_dropped_stale += dropped
             oldest = heapq.nsmallest(limit, self._heap)
@@ -237,6 +238,11 @@ class PullerStreamDataset:
         self._check()
         with self._lock:
             return [item[3] for item in sorted(self._heap)]
+
+    def dropped_rollouts(self) -> Ledger:
+        """A copy of the rollouts with a trajectory dropped as stale (for a checkpoint)."""
+        with self._lock:
+            return self.dropped.copy()
 
     def seen(self) -> KeyLedger:
         """A copy of the keys taken so far (for a checkpoint)."""

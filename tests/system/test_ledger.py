@@ -9,10 +9,11 @@ import os
 import uuid
 
 import numpy as np
+import pytest
 
 from realrl.base import name_resolve, names
 from realrl.base.name_resolve import NameResolveConfig
-from realrl.system.ledger import LEDGER_FILE, Ledger, parse_rollout_id, resume_info, rollout_id, undone
+from realrl.system.ledger import LEDGER_FILE, KeyLedger, Ledger, parse_rollout_id, resume_info, rollout_id, undone
 from tests.conftest import make_nr_config
 
 
@@ -100,3 +101,32 @@ def test_a_resume_of_a_200k_prompt_ledger_keeps_every_name_service_value_small(t
             assert {(e, int(rows[i])) for e, i in redo} == not_done[w] and len(redo) == 7 * (epoch + 1)
     finally:
         name_resolve.reconfigure(NameResolveConfig())
+
+
+def test_the_wire_form_and_the_key_ledger_hold_bits_not_ids():
+    """What the manager answers (`Ledger.to_wire`) and what a puller keeps of
+    the keys it took (`KeyLedger`) round-trip exactly, refuse what they do
+    not write, and take one bit per row and epoch however many ids pass."""
+    ledger = Ledger()
+    ledger.mark_ids(["0:0:3", "2:0:9", "1:4:100000"])
+    back = Ledger.from_wire(ledger.to_wire())
+    assert [back.is_done(r) for r in ("5:0:3", "0:0:9", "0:4:100000", "0:4:99999", "0:1:3")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    for bad in ([1], {"x": {"rows": 1, "bits": "AA=="}}, {"0": {"rows": 9, "bits": "AA=="}}, {"0": {"rows": 1}}):
+        with pytest.raises(ValueError):
+            Ledger.from_wire(bad)
+
+    keys = KeyLedger()
+    for epoch in range(20):
+        for row in range(1000):
+            keys.add((f"{row % 4}:{epoch}:{row}", row % 2))
+    assert ("1:3:5", 1) in keys and ("1:3:5", 0) not in keys and ("0:20:0", 0) not in keys
+    assert keys.nbytes() <= 20 * 2 * 2048  # 40k keys: a byte per row (grown by doubling), epoch, index; a set: ~6 MB
+    assert ("2:7:6", 0) in KeyLedger.from_wire(keys.to_wire())
+    with pytest.raises(ValueError):
+        keys.add(("foreign", 0))
