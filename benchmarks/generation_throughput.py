@@ -1,6 +1,7 @@
 """Generation throughput: the torch server vs `model.generate` on the same batch.
 
-    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N] [--device cuda]
+    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N] [--device cuda] \
+        [--engine auto|paged|dense]
 
 A small random Llama (hidden 256, 4 layers, vocab 100; about 3M parameters) is
 built and saved to a temp directory. The torch generation server runs it in a
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu | cuda, for both sides")
+    parser.add_argument("--engine", default="auto", help="the server's --engine (auto | paged | dense)")
     args = parser.parse_args()
 
     batch = args.batch or (32 if args.quick else 64)
@@ -163,6 +165,8 @@ def main() -> None:
                 str(batch),
                 "--log-level",
                 "WARNING",
+                "--engine",
+                args.engine,
             ],
             start_new_session=True,
         )
@@ -192,6 +196,7 @@ def main() -> None:
             "threads": args.threads,
             "params": n_params,
             "device": args.device,
+            "engine": args.engine,
         }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
