@@ -229,8 +229,9 @@ def test_stale_slots_never_reach_attention(paged_model, reference_model):
     paged = PagedGenerationEngine(
         paged_model, device=CPU, kv_cache_tokens=1024, block_size=8, cuda_graphs=False, max_running_requests=4
     )
-    paged.runner.k_cache.fill_(float("nan"))
-    paged.runner.v_cache.fill_(float("nan"))
+    pool = slice(0, paged.allocator.num_blocks * paged.allocator.block_size)  # not the runner's scratch block
+    paged.runner.k_cache[:, pool].fill_(float("nan"))
+    paged.runner.v_cache[:, pool].fill_(float("nan"))
     paged.start()
     driver = Driver(paged)
     prompts = prompts_of_mixed_lengths(6, seed=9)

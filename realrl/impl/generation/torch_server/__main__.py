@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--engine",
-        default="paged",  # TEMP
+        default="auto",
         choices=["auto", "paged", "dense"],
         help="KV cache layout: paged (block pool, shared prompts, CUDA graphs) or dense (left-padded buffers); "
         "auto: paged on CUDA, dense on CPU and for sliding-window/hybrid models",

@@ -176,6 +176,18 @@ class ModelRunner:
             raise FloatingPointError("the model produced non-finite logits (NaN or inf)")
         return tokens, ([int(t) for t in host[0]], host[1], host[2])
 
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero blocks before their new owner uses them, where attention reads
+        a block's unwritten slots (the gather reference; the Triton kernel
+        and prefill never do): they may hold a failed request's NaN."""
+        if not blocks or self.use_triton:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)
+        slots = (torch.tensor(blocks, device=self.device)[:, None] * bs + offsets).reshape(-1)
+        for cache in (self.k_cache, self.v_cache):
+            cache.index_fill_(1, slots, 0)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination) in every layer: a fork's partial last block."""
         if not copies:

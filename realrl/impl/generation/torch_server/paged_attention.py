@@ -58,6 +58,8 @@ class PagedKV:
     block_tables: torch.Tensor | None = None  # [rows, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [rows] int32
     use_triton: bool = False
+    gather_slots: torch.Tensor | None = None  # the reference's gather (`gather_layout`), set by its first layer
+    gather_mask: torch.Tensor | None = None
 
 
 def paged_supported(config) -> str | None:
@@ -136,16 +138,16 @@ def _prefill_attention(query, key, value, paged_kv: PagedKV, scaling) -> torch.T
 
 def reference_paged_decode(query, k_cache, v_cache, paged_kv: PagedKV, scaling) -> torch.Tensor:
     """Gather each row's blocks into a dense view and attend with SDPA under a
-    length mask; query [B, H, 1, d] -> [B, 1, H, d]."""
-    bs = paged_kv.block_size
-    tables = paged_kv.block_tables.long()
-    offsets = torch.arange(bs, device=tables.device)
-    slots = (tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1)  # [B, max_blocks * bs]
-    mask = torch.arange(slots.shape[1], device=tables.device)[None, :] < paged_kv.context_lens[:, None]
-    # Slots past a row's length hold whatever the block held before (a failed
-    # request's NaN, too): zero them, as a masked NaN still turns attention NaN.
-    keys = k_cache[slots].masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)  # [B, kv_heads, L, d]
-    values = v_cache[slots].masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
+    length mask; query [B, H, 1, d] -> [B, 1, H, d]. Slots past a row's
+    length are zero or the row's own finite keys/values (`ModelRunner`
+    clears every block it hands out: a masked NaN would still turn the
+    attention NaN), so the mask makes them count 0."""
+    if paged_kv.gather_slots is None:
+        paged_kv.gather_slots, paged_kv.gather_mask = gather_layout(paged_kv)
+    slots, mask = paged_kv.gather_slots, paged_kv.gather_mask
+    rows, length = mask.shape
+    keys = k_cache.index_select(0, slots).view(rows, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, kv_heads, L, d]
+    values = v_cache.index_select(0, slots).view(rows, length, *v_cache.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query,
         keys.to(query.dtype),
@@ -155,6 +157,18 @@ def reference_paged_decode(query, k_cache, v_cache, paged_kv: PagedKV, scaling) 
         enable_gqa=query.shape[1] != keys.shape[1],
     )
     return out.transpose(1, 2)
+
+
+def gather_layout(paged_kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of every row's blocks, flattened [B * max_blocks * block_size],
+    and which of them hold the row's tokens [B, max_blocks * block_size] (the
+    same for every layer: computed once per step)."""
+    bs = paged_kv.block_size
+    tables = paged_kv.block_tables.long()
+    slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).reshape(-1)
+    length = tables.shape[1] * bs
+    mask = torch.arange(length, device=tables.device)[None, :] < paged_kv.context_lens[:, None]
+    return slots, mask
 
 
 def triton_paged_decode(query, k_cache, v_cache, paged_kv: PagedKV, scaling) -> torch.Tensor:

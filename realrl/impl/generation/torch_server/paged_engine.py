@@ -122,6 +122,7 @@ class PagedGenerationEngine(GenerationEngine):
 
     def _prefill(self, seqs: list[Sequence], rows: list[Sequence], source: list[int], copies) -> None:
         """One packed forward; the first token of every row; forks get their blocks."""
+        self.runner.clear_blocks(self.allocator.take_handed_out())
         _, (tokens, logprobs, sampling) = self.runner.prefill(
             seqs, rows, source, self._banned([s.request for s in rows])
         )
@@ -155,6 +156,7 @@ class PagedGenerationEngine(GenerationEngine):
             return
         requests = [s.request for s in step.seqs]
         try:
+            self.runner.clear_blocks(self.allocator.take_handed_out())
             _, (tokens, logprobs, sampling) = self.runner.decode(step.seqs, self._banned(requests))
         except Exception as e:
             self.stats["engine_errors"] += 1
