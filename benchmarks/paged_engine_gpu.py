@@ -1,6 +1,6 @@
 """The paged engine on a GPU: parity, graph replay, throughput and GPU-busy time.
 
-    python benchmarks/paged_engine_gpu.py [--json PATH] [--sizes 64,256] [--quick]
+    python benchmarks/paged_engine_gpu.py [--json PATH] [--sizes 64,256] [--quick] [--cpu-dry-run]
 
 Runs in one process, in about 5 minutes on an H200 (`scripts/gpu_check.py`'s
 `paged_engine` step). Without CUDA it writes `{"skipped": true, "reason":
@@ -19,6 +19,10 @@ configuration built in memory (no download):
 - `gpu_busy`: the fraction of wall time some kernel runs on the device over
   a decode-dominated run (64 requests of 16 prompt tokens, 256 new tokens),
   from the profiler's kernel intervals.
+
+`--cpu-dry-run` runs every step on the CPU with a tiny model of the same
+family and 8 requests (no graphs, no kernel profile): the script's own code
+paths, checked where there is no GPU.
 
 Targets on an H200 (the issue): throughput >= 3x `model.generate` at 64 and
 256 requests; decode GPU-busy >= 80%. The script reports; it fails (exit 1)
@@ -42,11 +46,25 @@ from realrl.impl.generation import torch_server  # noqa: E402
 from realrl.impl.generation.torch_server.paged_engine import PagedGenerationEngine  # noqa: E402
 
 PARITY_TOL = 2e-3  # float32 on a GPU, no TF32: kernels differ in summation order only
+DEVICE = "cuda"
+TINY = False  # --cpu-dry-run: a tiny model of the same family
 
 
 def qwen25_05b_config():
     from transformers import Qwen2Config
 
+    if TINY:
+        return Qwen2Config(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+        )
     return Qwen2Config(
         vocab_size=151936,
         hidden_size=896,
@@ -66,14 +84,14 @@ def build_model(dtype: torch.dtype):
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = Qwen2ForCausalLM._from_config(qwen25_05b_config(), dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 
 def workload(n: int, seed: int, prompt_range=(16, 512), new_range=(32, 256)):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10, 150000) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    prompts = [[rng.randrange(10, 1000 if TINY else 150000) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
     return prompts, [rng.randint(*new_range) for _ in range(n)]
 
 
@@ -115,17 +133,17 @@ def logprobs_of(result) -> torch.Tensor:
 
 
 def teacher_forced(model, prompt, output, temperature=1.0) -> torch.Tensor:
-    ids = torch.tensor([prompt + output], device="cuda")
+    ids = torch.tensor([prompt + output], device=DEVICE)
     with torch.inference_mode():
         logits = model(ids).logits[0].float()
     t = temperature if temperature > 0 else 1.0
     lp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1 : -1]
-    return lp.gather(1, torch.tensor(output, device="cuda")[:, None]).squeeze(1).double().cpu()
+    return lp.gather(1, torch.tensor(output, device=DEVICE)[:, None]).squeeze(1).double().cpu()
 
 
 def paged(model, **kwargs) -> PagedGenerationEngine:
     kwargs.setdefault("kv_cache_tokens", 256 * 1024)
-    engine = PagedGenerationEngine(model, device=torch.device("cuda"), **kwargs)
+    engine = PagedGenerationEngine(model, device=torch.device(DEVICE), **kwargs)
     engine.start()
     return engine
 
@@ -134,14 +152,14 @@ def check_parity() -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     reference = build_model(torch.float32)
-    prompts, lengths = workload(12, seed=1, prompt_range=(3, 300), new_range=(8, 48))
+    prompts, lengths = workload(4 if TINY else 12, seed=1, prompt_range=(3, 300), new_range=(8, 48))
     out = {}
     for name in ("paged", "dense"):
         model = build_model(torch.float32)
         engine = (
             paged(model, max_running_requests=16)
             if name == "paged"
-            else torch_server.GenerationEngine(model, device=torch.device("cuda"), max_running_requests=16)
+            else torch_server.GenerationEngine(model, device=torch.device(DEVICE), max_running_requests=16)
         )
         if name == "dense":
             engine.start()
@@ -168,7 +186,7 @@ def check_parity() -> dict:
 
 
 def check_graphs(model) -> dict:
-    prompts, lengths = workload(24, seed=2, prompt_range=(3, 200), new_range=(8, 64))
+    prompts, lengths = workload(4 if TINY else 24, seed=2, prompt_range=(3, 200), new_range=(8, 64))
     runs = {}
     for graphs in (True, False):
         engine = paged(model, max_running_requests=32, cuda_graphs=graphs)
@@ -185,8 +203,13 @@ def check_graphs(model) -> dict:
         "graphs_captured": n_graphs,
         "tokens_equal": tokens_equal,
         "max_abs_delta_logprob": delta,
-        "ok": n_graphs > 0 and tokens_equal and delta <= 1e-2,
+        "ok": (n_graphs > 0 or DEVICE == "cpu") and tokens_equal and delta <= 1e-2,  # no graphs on a CPU
     }
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def hf_generate_seconds(model, prompts, lengths) -> float:
@@ -196,8 +219,8 @@ def hf_generate_seconds(model, prompts, lengths) -> float:
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    ids, mask = ids.cuda(), mask.cuda()
-    torch.cuda.synchronize()
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(
@@ -211,14 +234,14 @@ def hf_generate_seconds(model, prompts, lengths) -> float:
             top_p=1.0,
             pad_token_id=0,
         )
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - t0
 
 
 def check_throughput(model, hf_model, sizes: list[int]) -> dict:
     out = {}
     for n in sizes:
-        prompts, lengths = workload(n, seed=3)
+        prompts, lengths = workload(n, seed=3, prompt_range=(4, 64), new_range=(4, 16)) if TINY else workload(n, seed=3)
         engine = paged(model, max_running_requests=n)
         try:
             run_engine(engine, *workload(min(n, 8), seed=9, new_range=(4, 8)))  # warm-up
@@ -257,8 +280,9 @@ def busy_fraction(kernels: list[tuple[float, float]]) -> float:
 def check_gpu_busy(model) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    prompts, lengths = workload(64, seed=4, prompt_range=(16, 16), new_range=(256, 256))
-    engine = paged(model, max_running_requests=64)
+    n, new = (8, 16) if TINY else (64, 256)
+    prompts, lengths = workload(n, seed=4, prompt_range=(16, 16), new_range=(new, new))
+    engine = paged(model, max_running_requests=n)
     try:
         run_engine(engine, *workload(8, seed=9, new_range=(4, 8)))  # warm-up
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -278,14 +302,19 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--sizes", default="64,256")
     parser.add_argument("--quick", action="store_true", help="64 requests only")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="every step on the CPU, tiny model, 8 requests")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE, TINY
+    if args.cpu_dry_run:
+        DEVICE, TINY = "cpu", True
+        args.sizes = "8"
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         result = {"skipped": True, "reason": f"no CUDA device visible to torch {torch.__version__}"}
         print(f"paged_engine_gpu: skipped: {result['reason']}")
     else:
         sizes = [64] if args.quick else [int(s) for s in args.sizes.split(",")]
         t0 = time.monotonic()
-        result = {"skipped": False, "device": torch.cuda.get_device_name()}
+        result = {"skipped": False, "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"}
         result["parity"] = check_parity()
         print(f"paged_engine_gpu: parity {result['parity']}", flush=True)
         model, hf_model = build_model(torch.bfloat16), build_model(torch.bfloat16)
