@@ -7,6 +7,8 @@ Runs in one process, in about 5 minutes on an H200 (`scripts/gpu_check.py`'s
 ...}` and exits 0. With CUDA, on a random-weight model of Qwen2.5-0.5B's
 configuration built in memory (no download):
 
+- `kernels`: bf16 on random tensors with Qwen2.5-0.5B's heads: varlen
+  prefill vs SDPA per sequence, the Triton decode kernel vs gather + SDPA;
 - `parity`: float32, no TF32: the paged engine (Triton decode kernel, CUDA
   graphs) and the dense engine against a teacher-forced forward of the same
   weights, max |Δ logprob| over mixed-length requests (sampled and greedy);
@@ -91,7 +93,9 @@ def build_model(dtype: torch.dtype):
 
 def workload(n: int, seed: int, prompt_range=(16, 512), new_range=(32, 256)):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10, 1000 if TINY else 150000) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    prompts = [
+        [rng.randrange(10, 1000 if TINY else 150000) for _ in range(rng.randint(*prompt_range))] for _ in range(n)
+    ]
     return prompts, [rng.randint(*new_range) for _ in range(n)]
 
 
@@ -182,6 +186,52 @@ def check_parity() -> dict:
     out["greedy_tokens_equal"] = out["paged"].pop("greedy") == out["dense"].pop("greedy")
     out["ok"] = out["paged"]["max_abs_delta_logprob"] <= PARITY_TOL
     torch.backends.cuda.matmul.allow_tf32 = True
+    return out
+
+
+def check_kernels() -> dict:
+    """The CUDA kernels against the reference on random tensors, in bf16:
+    varlen prefill vs SDPA per sequence, the Triton decode kernel vs gather +
+    SDPA (Qwen2.5-0.5B's heads: 14 query, 2 kv, 64 dims; a stale NaN block
+    in the pool must not leak)."""
+    from realrl.impl.generation.torch_server import paged_attention as pa
+
+    torch.manual_seed(0)
+    dev, dtype, heads, kv_heads, d, bs = DEVICE, torch.bfloat16, 14, 2, 64, 16
+    out: dict = {"varlen": pa._varlen_causal() is not None, "triton": pa.triton_usable(torch.device(dev), bs, d)}
+    lens = [1, 7, 16, 33, 250]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    q = torch.randn(1, heads, bounds[-1], d, device=dev, dtype=dtype)
+    k = torch.randn(1, kv_heads, bounds[-1], d, device=dev, dtype=dtype)
+    v = torch.randn(1, kv_heads, bounds[-1], d, device=dev, dtype=dtype)
+    kv = pa.PagedKV(None, None, bs, None, True, cu_seqlens=bounds)
+    kv.cu_seqlens_dev = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    fast = pa._prefill_attention(q, k, v, kv, d**-0.5)
+    reference = pa._prefill_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), kv, d**-0.5)
+    out["prefill_max_abs_diff"] = float((fast.float().cpu() - reference).abs().max())
+    blocks = 64
+    pool_k = torch.randn(blocks * bs, kv_heads, d, device=dev, dtype=dtype)
+    pool_v = torch.randn(blocks * bs, kv_heads, d, device=dev, dtype=dtype)
+    pool_k[-bs:] = float("nan")  # the padding block: must be masked out
+    pool_v[-bs:] = float("nan")
+    widths = [-(-n // bs) for n in lens]
+    order = torch.randperm(blocks - 1).tolist()
+    tables, i = [], 0
+    for w in widths:
+        tables.append(order[i : i + w] + [blocks - 1] * (max(widths) - w))
+        i += w
+    kv = pa.PagedKV(None, None, bs, None, False)
+    kv.block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
+    kv.context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    query = torch.randn(len(lens), heads, 1, d, device=dev, dtype=dtype)
+    clean = lambda t: t.masked_fill(t.isnan(), 0)  # noqa: E731  (the reference expects cleared blocks)
+    reference = pa.reference_paged_decode(query.float(), clean(pool_k).float(), clean(pool_v).float(), kv, d**-0.5)
+    if out["triton"]:
+        fast = pa.triton_paged_decode(query[:, :, 0], pool_k, pool_v, kv, d**-0.5)
+        out["decode_max_abs_diff"] = float((fast.float() - reference[:, 0]).abs().max())
+    out["ok"] = out["prefill_max_abs_diff"] <= 3e-2 and out.get("decode_max_abs_diff", 0.0) <= 3e-2
     return out
 
 
@@ -315,6 +365,8 @@ def main() -> int:
         sizes = [64] if args.quick else [int(s) for s in args.sizes.split(",")]
         t0 = time.monotonic()
         result = {"skipped": False, "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"}
+        result["kernels"] = check_kernels()
+        print(f"paged_engine_gpu: kernels {result['kernels']}", flush=True)
         result["parity"] = check_parity()
         print(f"paged_engine_gpu: parity {result['parity']}", flush=True)
         model, hf_model = build_model(torch.bfloat16), build_model(torch.bfloat16)
@@ -323,7 +375,7 @@ def main() -> int:
         result["throughput"] = check_throughput(model, hf_model, sizes)
         result["gpu_busy"] = check_gpu_busy(model)
         print(f"paged_engine_gpu: gpu_busy {result['gpu_busy']}", flush=True)
-        result["ok"] = result["parity"]["ok"] and result["graphs"]["ok"]
+        result["ok"] = result["kernels"]["ok"] and result["parity"]["ok"] and result["graphs"]["ok"]
         result["wall_s"] = round(time.monotonic() - t0, 1)
     if args.json:
         with open(args.json, "w") as f:

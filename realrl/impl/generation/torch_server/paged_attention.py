@@ -111,29 +111,62 @@ def _prefill_attention(query, key, value, paged_kv: PagedKV, scaling) -> torch.T
     """Causal attention within each packed sequence; query [1, H, T, d] -> [1, T, H, d]."""
     bounds = paged_kv.cu_seqlens
     gqa = query.shape[1] != key.shape[1]
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and paged_kv.cu_seqlens_dev is not None:
-        from torch.nn.attention.varlen import varlen_attn
-
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_causal() is not None:
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-        out = varlen_attn(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            paged_kv.cu_seqlens_dev,
-            paged_kv.cu_seqlens_dev,
-            longest,
-            longest,
-            scale=scaling,
-            window_size=(-1, 0),
-            enable_gqa=gqa,
-        )
-        return out[None]
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, d]
+        if gqa and not _VARLEN_GQA:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return _varlen_causal()(q, k, v, paged_kv.cu_seqlens_dev, longest, scaling, gqa)[None]
     out = torch.empty_like(query.transpose(1, 2))
     for a, b in zip(bounds, bounds[1:]):
         out[0, a:b] = F.scaled_dot_product_attention(
             query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=gqa
         )[0].transpose(0, 1)
     return out
+
+
+_VARLEN: list = []  # [callable or None], resolved once
+_VARLEN_GQA = False
+
+
+def _varlen_causal():
+    """torch's varlen flash attention as f(q, k, v, cu_seqlens, longest,
+    scale, gqa) -> [T, heads, d], causal; None where this torch has none.
+    Its keywords changed between releases (`is_causal` in 2.10/2.11,
+    `window_size` and `enable_gqa` later): read from its signature."""
+    global _VARLEN_GQA
+    if _VARLEN:
+        return _VARLEN[0]
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+    except (ImportError, ValueError, TypeError):
+        _VARLEN.append(None)
+        return None
+    if "window_size" in params:
+        _VARLEN_GQA = "enable_gqa" in params
+
+        def call(q, k, v, cu, longest, scale, gqa):
+            extra = {"enable_gqa": gqa} if _VARLEN_GQA else {}
+            return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), **extra)
+
+    elif "is_causal" in params:
+
+        def call(q, k, v, cu, longest, scale, gqa):
+            if scale is not None and "scale" not in params:
+                q = q * (scale * q.shape[-1] ** 0.5)  # its default scale is 1 / sqrt(d)
+                scale = None
+            extra = {"scale": scale} if "scale" in params else {}
+            return varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=True, **extra)
+
+    else:
+        call = None
+    _VARLEN.append(call)
+    return call
 
 
 def reference_paged_decode(query, k_cache, v_cache, paged_kv: PagedKV, scaling) -> torch.Tensor:
