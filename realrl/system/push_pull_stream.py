@@ -242,11 +242,13 @@ class AckedPusher:
             if self._closed is not None:
                 future.set_exception(RuntimeError(self._closed))
                 return future
+            idle = not self._queue  # else the thread is sending and takes this one too
             self._queue.append((message, key, future))
-        try:
-            os.write(self._wake_w, b"w")
-        except BlockingIOError:  # the pipe is full of wake-ups the thread has not read yet: it will
-            pass
+        if idle:
+            try:
+                os.write(self._wake_w, b"w")
+            except BlockingIOError:  # the pipe is full of wake-ups the thread has not read yet: it will
+                pass
         return future
 
     def close(self, reason: str = "the pusher was closed") -> None:
