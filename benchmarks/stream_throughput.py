@@ -5,12 +5,13 @@ logprobs, int32 versions and the usual metadata), a pusher process sends
 messages over tcp on 127.0.0.1 to a puller in this process:
 
 - `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode);
-- `acked`: the stream as the runtime uses it (docs/design.md §12): an
-  AckedPusher submits each trajectory under its own key and waits for every
-  verdict; the puller decodes, and acknowledges each pull with one message
-  per sender listing its verdicts (as PullerStreamDataset does);
-- `acked1` (with `--serial-acks`): the delivery before AckedPusher, one round
-  trip per message (push, wait for its acknowledgement, push the next);
+- `acked`: acknowledged delivery with a window in flight: an AckedPusher
+  submits each trajectory under its own key and waits for every verdict; the
+  puller decodes, and acknowledges each pull with one message per sender
+  listing its verdicts;
+- `acked1` (with `--serial-acks`): one round trip per message (push, wait for
+  its acknowledgement, push the next), as the rollout worker delivers today
+  (docs/design.md §12);
 - `raw`:  a plain PUSH socket sends one pre-built bytes blob of the same size
   -> a plain PULL socket recv() (no encode, no decode).
 

@@ -13,7 +13,8 @@
 - `AckedPusher` delivers over a `ZMQPusher` with many messages in flight:
   `submit(message, key)` returns a future of the puller's verdict for `key`;
   one thread of its own sends and matches acknowledgements to keys, never
-  waiting for one before sending the next (docs/design.md §4, §12).
+  waiting for one before sending the next (benchmarks/stream_throughput.py
+  measures it; the rollout worker still sends one trajectory per round trip).
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
@@ -191,10 +192,10 @@ class ZMQPusher:
 
 class AckedPusher:
     """Delivery with acknowledgements over one `ZMQPusher`, a window of
-    messages in flight (docs/design.md §4, §12). The puller answers each pull
-    with one acknowledgement message per sender: a list of `{"rollout_id",
-    "index", "verdict"}`; each resolves the future of the message submitted
-    under that key `(rollout_id, index)`.
+    messages in flight. An acknowledgement `{"rollout_id", "index",
+    "verdict"}` (or a list of them: a puller may answer a whole pull in one
+    message) resolves the future of the message submitted under that key
+    `(rollout_id, index)`.
 
     One thread of its own is the only one that touches the socket: it sends
     whatever is queued and reads acknowledgements as they come. One message
@@ -332,8 +333,10 @@ class AckedPusher:
             except wire.WireFormatError as e:
                 self._logger.warning("ignoring a malformed acknowledgement: %s", e)
                 continue
-            if not isinstance(acks, list):
-                self._logger.warning("ignoring an acknowledgement that is not a list: %.200r", acks)
+            if isinstance(acks, dict):  # one acknowledgement per message, as PullerStreamDataset answers today
+                acks = [acks]
+            elif not isinstance(acks, list):
+                self._logger.warning("ignoring an acknowledgement that is neither a dict nor a list: %.200r", acks)
                 continue
             for ack in acks:
                 futures = (

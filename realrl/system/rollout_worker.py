@@ -23,9 +23,8 @@ Each rollout worker owns a shard of the prompt data set
    whole life on its node's address and registers as `chat_endpoint/<index>`;
 3. every returned trajectory, stamped with the rollout's id and its index
    (docs/design.md §12), is pushed (`traj.to_wire()`) to this worker's
-   trainer puller and acknowledged by it, through an `AckedPusher` (a thread
-   of its own, so that back-pressure never blocks the event loop, and many
-   trajectories in flight at once, not a round trip each); then
+   trainer puller and acknowledged by it, from a dedicated thread so that
+   back-pressure (a full high-water mark) never blocks the event loop; then
    `/finish_rollout` with the number of trajectories the trainer holds (0:
    the agent rejected the prompt, which uses no staleness budget), one call
    for the episodes that end together.
@@ -48,12 +47,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import os
 import re
 import time
+from typing import Any
 
 import numpy as np
 
@@ -72,12 +73,12 @@ from realrl.system.client_routing import ClientRouting, ManagerRouting
 from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
-from realrl.system.push_pull_stream import AckedPusher, NameResolvingZmqPusher
+from realrl.system.push_pull_stream import NameResolvingZmqPusher
 from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 
 STATS_INTERVAL_S = 10.0
 CURSOR_AHEAD = 32  # prompts the published data cursor runs ahead of the real one
-PUSH_POLL_S = 1.0  # a blocked delivery re-checks for exit this often
+PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
 # An allocation the manager refuses waits there up to this long for admission
 # to open (a new weight version, a finished rollout): the next rollout starts
 # as soon as it may, with no polling. Short, so the loop still reaps episodes.
@@ -122,7 +123,7 @@ class RolloutWorker(AsyncWorker):
             config.n_pullers,
             timeout=SETUP_TIMEOUT_S,
         )
-        self._delivery = AckedPusher(self.pusher, poll_s=PUSH_POLL_S, should_stop=lambda: self.exiting, log=self.logger)
+        self._push_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
 
         self._sample_file = None
         if self.info.log_dir and config.sample_log_every > 0:
@@ -446,7 +447,7 @@ class RolloutWorker(AsyncWorker):
             "episodes": len(self._episodes),
             "started": c["episodes_started"],
             "pushed": c["trajectories_pushed"],
-            "push_queue": self._delivery.in_flight,
+            "push_queue": self._push_thread._work_queue.qsize(),
             "epoch": self.epoch,
         }
 
@@ -472,18 +473,17 @@ class RolloutWorker(AsyncWorker):
         finally:
             await env.close()
 
-        # The rollout is reported finished only once the trainer's puller
-        # acknowledged all of its trajectories (docs/design.md §12). A copy the
-        # puller already had (this rollout was delivered by a predecessor that
-        # died before its finish) is in the trainer's hands as well: it counts.
-        # Other episodes' trajectories travel meanwhile (AckedPusher's window).
-        futures = []
+        # Each trajectory is pushed and acknowledged by the trainer's puller
+        # before the next; the rollout is reported finished only once all are
+        # (docs/design.md §12). A copy the puller already had (this rollout
+        # was delivered by a predecessor that died before its finish) is in the
+        # trainer's hands as well: it counts.
+        n_tokens = held = 0
         for index, traj in enumerate(trajectories):
             traj.rollout_id, traj.index = record.metadata["rollout_id"], index
-            futures.append(asyncio.wrap_future(self._delivery.submit(traj.to_wire(), traj.key)))
-        verdicts = await asyncio.gather(*futures)
-        n_tokens = held = 0
-        for index, (traj, verdict) in enumerate(zip(trajectories, verdicts)):
+            verdict = await asyncio.get_running_loop().run_in_executor(
+                self._push_thread, self._push_blocking, traj.to_wire(), traj.key
+            )
             self.counters[f"trajectories_{verdict}"] += 1
             if verdict not in ("taken", "duplicate"):
                 self.logger.error("the trainer refused trajectory %s of %s: %s", index, traj.qid, verdict)
@@ -506,6 +506,29 @@ class RolloutWorker(AsyncWorker):
     async def _send_finishes(self, _key, finished: list[tuple[str, int, int]]) -> list[None]:
         await self.manager.finish_rollouts(finished)
         return [None] * len(finished)
+
+    def _push_blocking(self, message: dict[str, Any], key: tuple[str, int]) -> str:
+        """Runs on the push thread (the only thread that touches the socket):
+        sends one trajectory and waits for its acknowledgement; returns the
+        puller's verdict. Blocks under back-pressure, re-checking for exit
+        every PUSH_POLL_S."""
+        waited = 0.0
+        sent = False
+        while True:
+            try:
+                if not sent:
+                    self.pusher.push(message, timeout=PUSH_POLL_S)
+                    sent = True
+                ack = self.pusher.wait_ack(timeout=PUSH_POLL_S)
+                if isinstance(ack, dict) and (ack.get("rollout_id"), ack.get("index")) == key:
+                    return str(ack.get("verdict"))
+                self.logger.warning("ignoring an acknowledgement for another trajectory: %s", ack)
+            except TimeoutError:
+                if self.exiting:
+                    raise RuntimeError("worker exiting while a trajectory push was blocked") from None
+                waited += PUSH_POLL_S
+                if waited % 30 < PUSH_POLL_S:
+                    self.logger.info("push blocked for %.0fs: the trainer is not pulling (back-pressure)", waited)
 
     # ---- logs ---------------------------------------------------------------------
     def _write_sample(self, record: PromptRecord, traj: Trajectory) -> None:
@@ -576,10 +599,10 @@ class RolloutWorker(AsyncWorker):
                 await client.close()
 
     def _exit_hook(self) -> None:
-        delivery = getattr(self, "_delivery", None)
-        if delivery is not None:
-            self.request_exit("shutting down")
-            delivery.close("worker exiting while trajectories were waiting for the trainer")
+        push_thread = getattr(self, "_push_thread", None)
+        if push_thread is not None:
+            self.request_exit("shutting down")  # a blocked push sees `exiting` within PUSH_POLL_S
+            push_thread.shutdown(wait=True)
         if getattr(self, "pusher", None) is not None:
             # Flush queued trajectories when the trial completed (they are
             # accounted for); an aborted trial has nobody left to take them.

@@ -24,8 +24,7 @@ to no admitted rollout: it is dropped and counted `foreign`. A second copy of
 a key this puller already took (a rollout generated again after its worker
 died between delivery and finish) is dropped and counted
 `duplicates_dropped`. Every decoded message is acknowledged to its sender
-with its verdict (`taken`, `duplicate`, `invalid`, `foreign`; one
-acknowledgement message per sender per pull, a list of verdicts): a rollout
+with its verdict (`taken`, `duplicate`, `invalid`, `foreign`): a rollout
 worker reports a rollout finished only once all of its trajectories were
 acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands.
 
@@ -123,12 +122,8 @@ class PullerStreamDataset:
                     continue
                 messages = puller.pull_with_senders(timeout=0.05)
                 self.n_wire_rejected = puller.n_rejected
-                # One acknowledgement message per sender per pull, listing each of its verdicts.
-                acks: dict[bytes, list[dict]] = {}
                 for sender, msg in messages:
-                    acks.setdefault(sender, []).append(self._add(msg))
-                for sender, verdicts in acks.items():
-                    puller.acknowledge(sender, verdicts)
+                    puller.acknowledge(sender, self._add(msg))
         except BaseException as e:  # surfaced on the next take()
             self._error = e
             logger.error("stream dataset thread failed: %s", e)

@@ -183,6 +183,10 @@ def test_acked_pusher_keeps_a_window_in_flight_and_matches_one_batched_ack_to_ea
         assert {i: f.result(timeout=10) for i, f in futures.items()} == {i: f"v{i}" for i in range(5)}
         assert delivery.in_flight == 0
         assert "another trajectory" in realrl_caplog.text
+        one = delivery.submit({"rollout_id": "0:0:2", "index": 0}, ("0:0:2", 0))  # a single dict answers one
+        sender, _ = _pull_with_senders_until(puller, 1)[0]
+        puller.acknowledge(sender, {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"})
+        assert one.result(timeout=10) == "taken"
     finally:
         delivery.close()
         pusher.close(linger=0)
