@@ -316,6 +316,8 @@ class Trajectory:
     def _trainable_at_once(self, vocab_size: int | None, max_positions: int | None, newest: int | None) -> bool:
         """`check_trainable`'s conditions over the concatenated sequences (the
         same bounds: each holds for every sequence iff it holds for all)."""
+        if not self.input_ids:  # nothing to check (validate refuses it)
+            return True
         ids = np.concatenate(self.input_ids)
         if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             return False
