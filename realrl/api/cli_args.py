@@ -168,7 +168,8 @@ class PPOConfig:
     """What the cap does: mask (MIS: a token or sequence above it gets no loss) | truncate (TIS: its
     weight becomes the cap)."""
     behav_imp_weight_level: str = "token"
-    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens)."""
+    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens) |
+    geometric (one per sequence: the geometric mean of its tokens' weights, GSPO's)."""
     kl_ctl: float = 0.0
     """KL in the reward: coefficient of a per-token penalty against a frozen reference model; > 0
     loads that model."""
@@ -741,9 +742,9 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be truncate|mask, got {p.behav_imp_weight_mode!r}",
     )
     _check(
-        p.behav_imp_weight_level in ("token", "sequence"),
+        p.behav_imp_weight_level in ("token", "sequence", "geometric"),
         "ppo.behav_imp_weight_level",
-        f"must be token|sequence, got {p.behav_imp_weight_level!r}",
+        f"must be token|sequence|geometric, got {p.behav_imp_weight_level!r}",
     )
     _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
     for key in ("kl_estimator", "kl_loss_estimator"):
