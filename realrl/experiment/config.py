@@ -156,6 +156,22 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
     )
 
 
+def evaluation_fields(cfg: AsyncPPOConfig, model_path: str, test_path: str) -> dict:
+    """What evaluation runs (the `eval_*`, dataset, agent and environment fields
+    of `ModelWorkerConfig`), derived alike for the trainers (experiment/build.py)
+    and `realrl eval` (realrl/cli/eval.py), so both score a model the same way."""
+    return dict(
+        eval_dataset_path=test_path,
+        dataset=cfg.dataset,
+        eval_max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.gconfig.max_new_tokens,
+        eval_batch_size=cfg.eval.batch_size,
+        eval_max_prompts=cfg.eval.max_prompts,
+        agent=agent_config(cfg),
+        agent_settings=agent_settings(cfg, model_path),
+        env=env_config(cfg),
+    )
+
+
 def agent_config(cfg: AsyncPPOConfig) -> AgentConfig:
     """The agent episodes use: `rollout.agent_fn` becomes the "function"
     agent; file paths are made absolute (workers may run elsewhere)."""
@@ -188,11 +204,32 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
     if cfg.judge.model.path and env_takes_judge(env.type):
         # (the checks refuse a judge that neither the reward function nor the environment takes)
         return dataclasses.replace(env, args={"judge": judge_settings(cfg), **env.args})
-    if not cfg.dataset.train_path and env.type == "math":
+    if env.type == "math" and synthetic_arithmetic(cfg):
         # The synthetic arithmetic task's answers are bare numbers ("81");
         # a hedged or decorated answer ("~81") does not count.
         return dataclasses.replace(env, args={"answer_format": "exact", **env.args})
     return env
+
+
+def synthetic_arithmetic(cfg: AsyncPPOConfig) -> bool:
+    """Whether the run's data are the tiny kit's synthetic arithmetic: training
+    without a data set of the user's (the kit's own), or `realrl eval` of a
+    kit's synthetic test file. Decided by the data, not by which keys the
+    command named: `realrl eval` names only `dataset.test_path`, and a user's
+    test set is scored as training scored it (free text, answers extracted)."""
+    if cfg.dataset.train_path:
+        return False
+    return not cfg.dataset.test_path or _is_synthetic_kit_file(cfg.dataset.test_path)
+
+
+def _is_synthetic_kit_file(path: str) -> bool:
+    """A data file of a tiny kit (its manifest, `kit.json`, beside it: realrl/impl/tiny_model.py)
+    whose recipe drew the data (no `dataset_sha256`: not a copy of a user's data set)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), "kit.json"), encoding="utf-8") as f:
+            return not json.load(f)["recipe"].get("dataset_sha256")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def env_takes_judge(env_type: str) -> bool:
