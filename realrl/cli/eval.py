@@ -32,7 +32,6 @@ def evaluate_model(cfg: AsyncPPOConfig) -> dict:
     from transformers import AutoTokenizer
 
     from realrl.api.system_api import ModelWorkerConfig
-    from realrl.impl import datasets
     from realrl.impl.eval_metrics import metrics, samples, summarize
     from realrl.impl.generation.torch_server.model import DTYPES
     from realrl.impl.ppo.models import load_policy
@@ -42,7 +41,6 @@ def evaluate_model(cfg: AsyncPPOConfig) -> dict:
     # What the trainers' evaluation gets from the same config, and their loading of the model.
     setup = ModelWorkerConfig(**evaluation_fields(cfg, cfg.model.path, cfg.dataset.test_path))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    datasets.warn_unused_template(tokenizer, cfg.dataset)
     device = torch.device(cfg.train.device)
     lora = cfg.model.lora.rank > 0
     model = load_policy(cfg.model.path, DTYPES[cfg.model.dtype], cfg.model.fp32_master, lora, device).eval()
@@ -74,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in (("model.path", cfg.model.path), ("dataset.test_path", cfg.dataset.test_path)):
             if not value:
                 raise ConfigError(f"{key}: required by realrl eval")
-        from realrl.experiment.checks import check_datasets, check_plugins
+        from realrl.experiment.checks import check_datasets, check_model_path, check_plugins
 
+        check_model_path(cfg)
         check_plugins(cfg)
         check_datasets(cfg)
         if cfg.judge.model.path:  # its judge servers live only inside a trial

@@ -62,7 +62,7 @@ def load_config(
             cfg = compose(config_name=config_name, overrides=overrides)
         typed = OmegaConf.to_object(cfg)
     except Exception as e:  # Hydra / OmegaConf errors: keep the line that says what and where
-        raise ConfigError(_error_line(e)) from None
+        raise ConfigError(_unknown_key_line(e, overrides) or _error_line(e)) from None
     size_new_tokens(typed)
     return typed
 
@@ -92,6 +92,37 @@ def size_new_tokens(cfg: AsyncPPOConfig) -> None:
     if isinstance(positions, int) and positions > 1:
         sized = min(sized, positions // 2)
     gconfig.max_new_tokens = sized
+
+
+def schema_keys(node: type = AsyncPPOConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (a dataclass's fields, recursively)."""
+    keys = []
+    for f in dataclasses.fields(node):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            keys += schema_keys(f.default_factory, f"{key}.")
+    return keys
+
+
+def _unknown_key_line(e: Exception, overrides: list[str]) -> str | None:
+    """`<key>: unknown key; did you mean <nearest>?` for a key the schema does not have."""
+    cause = e.__cause__ or e
+    text = str(cause)
+    if not re.search(r"Key '[^']*' not in '", text):
+        return None
+    full_key = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.strip().startswith("full_key:")), "")
+    # the whole key as the user wrote it (`modle.path`, whose full_key is `modle`)
+    written = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    key = next((w for w in written if full_key and (w == full_key or w.startswith(full_key + "."))), full_key)
+    if not key:
+        return None
+    import difflib
+
+    known = schema_keys()
+    nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {nearest[0]}?" if nearest else "`realrl config` lists the keys"
+    return f"{key}: unknown key; {hint}"
 
 
 def _error_line(e: Exception) -> str:
