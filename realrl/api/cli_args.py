@@ -518,7 +518,7 @@ class AsyncPPOConfig:
     seed: int = 1
     """Seed of model initialisation, shuffling and sampling."""
     fileroot: str = "runs"
-    """Logs, weights, checkpoints and caches live under here."""
+    """Logs, weights, checkpoints and caches live under here (a relative path is from the working directory)."""
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
     """"<gen backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>": generation servers + trainers."""
     total_train_steps: int = 40
