@@ -115,7 +115,7 @@ def _unknown_key_line(e: Exception, overrides: list[str]) -> str | None:
     # the whole key as the user wrote it (`modle.path`, whose full_key is `modle`)
     written = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     key = next((w for w in written if full_key and (w == full_key or w.startswith(full_key + "."))), full_key)
-    if not key:
+    if not key or key in REPLACED_KEYS:  # a replaced key: _error_line names its replacement
         return None
     import difflib
 
