@@ -319,6 +319,14 @@ class TorchServerConfig:
     emulate_sglang_dp: int = 1
     """With emulate_sglang: the data-parallel ranks SGLang would report (per-rank lists
     in its answers when > 1)."""
+    engine: str = "auto"
+    """KV cache layout: paged (a block pool, a group's answers sharing their prompt's
+    blocks, CUDA graphs on GPU) | dense (left-padded buffers) | auto: paged on cuda,
+    dense on cpu and for sliding-window / hybrid models (docs/design.md §6)."""
+    kv_cache_tokens: int | None = None
+    """Paged engine: tokens the KV pool holds; null = max_running_requests x 2048
+    (model positions permitting), on cuda at most half the free GPU memory. Lower it
+    when a trainer shares the GPU."""
 
 
 @dataclasses.dataclass
@@ -844,6 +852,14 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     s, ts, sg = cfg.server, cfg.server.torch, cfg.server.sglang
     _check(ts.device in ("cpu", "cuda"), "server.torch.device", f"must be cpu|cuda, got {ts.device!r}")
     _check(ts.dtype in TORCH_DTYPES, "server.torch.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}")
+    _check(
+        ts.engine in ("auto", "paged", "dense"), "server.torch.engine", f"must be auto|paged|dense, got {ts.engine!r}"
+    )
+    _check(
+        ts.kv_cache_tokens is None or ts.kv_cache_tokens >= 16,
+        "server.torch.kv_cache_tokens",
+        f"must be null or >= 16, got {ts.kv_cache_tokens}",
+    )
     _check(
         ts.max_running_requests >= 1,
         "server.torch.max_running_requests",

@@ -52,6 +52,8 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("eval.max_prompts=-1", "eval.max_prompts"),
         ("server.torch.max_running_requests=0", "server.torch.max_running_requests"),
         ("server.torch.dtype=int8", "server.torch.dtype"),
+        ("server.torch.engine=vllm", "server.torch.engine"),
+        ("server.torch.kv_cache_tokens=8", "server.torch.kv_cache_tokens"),
         ("server.startup_timeout=0", "server.startup_timeout"),
         ("server.weight_update_timeout=0", "server.weight_update_timeout"),
         ("server.weight_update_retries=-1", "server.weight_update_retries"),
