@@ -168,7 +168,8 @@ class PPOConfig:
     """What the cap does: mask (MIS: a token or sequence above it gets no loss) | truncate (TIS: its
     weight becomes the cap)."""
     behav_imp_weight_level: str = "token"
-    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens)."""
+    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens) |
+    geometric (one per sequence: the geometric mean of its tokens' weights, GSPO's)."""
     kl_ctl: float = 0.0
     """KL in the reward: coefficient of a per-token penalty against a frozen reference model; > 0
     loads that model."""
@@ -529,7 +530,7 @@ class AsyncPPOConfig:
     seed: int = 1
     """Seed of model initialisation, shuffling and sampling."""
     fileroot: str = "runs"
-    """Logs, weights, checkpoints and caches live under here."""
+    """Logs, weights, checkpoints and caches live under here (a relative path is from the working directory)."""
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
     """"<gen backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>": generation servers + trainers."""
     total_train_steps: int = 40
@@ -753,9 +754,9 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be truncate|mask, got {p.behav_imp_weight_mode!r}",
     )
     _check(
-        p.behav_imp_weight_level in ("token", "sequence"),
+        p.behav_imp_weight_level in ("token", "sequence", "geometric"),
         "ppo.behav_imp_weight_level",
-        f"must be token|sequence, got {p.behav_imp_weight_level!r}",
+        f"must be token|sequence|geometric, got {p.behav_imp_weight_level!r}",
     )
     _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
     for key in ("kl_estimator", "kl_loss_estimator"):
