@@ -10,7 +10,7 @@ import uuid
 import psutil
 import pytest
 
-from realrl.base import name_resolve
+from realrl.base import name_resolve, trial_secret
 from realrl.base.etcd_server import EtcdServer
 
 os.environ.setdefault("REALRL_LOG_LEVEL", "INFO")
@@ -72,3 +72,10 @@ def realrl_caplog(caplog):
     root.addHandler(caplog.handler)
     yield caplog
     root.removeHandler(caplog.handler)
+
+
+@pytest.fixture(autouse=True)
+def no_trial_keys_after_the_test():
+    """A test that installs a trial's keys in this process (TrialThread) leaves none to the next."""
+    yield
+    trial_secret.install("")

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from realrl.api.system_api import WorkerInfo, WorkerSpec, to_plain
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.base.console import ConsoleRenderer
 from realrl.base.etcd_server import start_supervised
 from realrl.base.logging import getLogger
@@ -45,6 +45,11 @@ logger = getLogger("launcher")
 
 _TRACEBACK_TAIL_LINES = 40
 HUNG_STOP_TIMEOUT_S = 10.0  # after a hang report: ABORTED, SIGTERM, then SIGKILL this soon
+SECURITY_OFF_WARNING = (
+    "security.enabled=false: anyone who reaches this trial's ports can steer it: the manager's, the "
+    "generation servers' and the chat endpoint's HTTP APIs take requests without a key, and the servers load "
+    "weights from any path"
+)
 
 
 @dataclasses.dataclass
@@ -144,6 +149,7 @@ class LocalLauncher:
         console_every_n_steps: int = 10,
         watchdog_timeout: float = 0.0,
         watchdog_action: str = "stop",
+        security: bool = True,
     ):
         names.trial_root(experiment_name, trial_name)  # validates both names
         name_resolve_config.validate()
@@ -176,12 +182,17 @@ class LocalLauncher:
         self.watchdog_action = watchdog_action
         self._watchdog = None
         self._outcome: int | None = None  # what run() returns, for the trial record
+        # The trial secret (docs/design.md §14): created by `acquire_trial`, its path in every spec.
+        self.security = security
+        self.secret_path = ""
 
     # ---- public ---------------------------------------------------------------
     def run(self, groups: list[WorkerGroup], timeout: float | None = None) -> int:
         """Runs the trial to the end. Returns 0 on success, 1 when a worker
         failed, 124 on `timeout`, 130 when interrupted."""
         self.acquire_trial()
+        if not self.security:
+            logger.warning(SECURITY_OFF_WARNING)
         previous_sigterm = signal.getsignal(signal.SIGTERM)
         if _in_main_thread():
             signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -233,6 +244,9 @@ class LocalLauncher:
         f.write(str(os.getpid()))
         f.flush()
         self._lock_file = f
+        # The secret comes before anything else of the trial (a resume keeps it).
+        if self.security:
+            self.secret_path = trial_secret.ensure_secret(self.run_dir)
 
     def release_trial(self) -> None:
         if self._lock_file is not None:
@@ -312,6 +326,7 @@ class LocalLauncher:
                     heartbeat_ttl=self.heartbeat_ttl,
                     mode=self.mode,
                     plugins=self.plugins,
+                    secret_path=self.secret_path,
                 )
                 info = self._worker_info(info)
                 config = group.config_for(index)

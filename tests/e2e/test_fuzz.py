@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve, names, wire
+from realrl.base import name_resolve, names, trial_secret, wire
 from tests.e2e.test_faults import Trial
 
 EXP = "async-ppo-tiny"
@@ -49,8 +49,10 @@ def _trajectory(qid: str, prompt_len: int, gen_len: int, version: int = 0, logpr
 
 
 def _http(url: str, body=None, raw: bytes | None = None) -> int:
+    """A request from the insider: it holds the trial's key (`_send_junk` installs it)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **trial_secret.http_headers()}
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status
@@ -75,6 +77,7 @@ FOREIGN = [_trajectory("fuzz-foreign@0", 4, 3)]
 
 def _send_junk(tmp_path, trial: str, context: zmq.Context, strays: list) -> dict[str, list[int]]:
     repo = _repository(tmp_path, trial)
+    trial_secret.install(os.path.join(tmp_path, "run", EXP, trial, "secret"))  # an insider: it holds the secret
     key = lambda stream: names.request_reply_stream(EXP, trial, stream)  # noqa: E731
     puller = repo.get(names.push_pull_stream(EXP, trial, "puller0"))
     push = context.socket(zmq.DEALER)  # the puller is a ROUTER that acknowledges (docs/design.md §4)
