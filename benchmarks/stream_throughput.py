@@ -4,16 +4,21 @@ For trajectories of 256, 2k and 16k tokens (int32 input_ids, float32
 logprobs, int32 versions and the usual metadata), a pusher process sends
 messages over tcp on 127.0.0.1 to a puller in this process:
 
-- `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode);
+- `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode), unsealed
+  (`security.enabled=false`);
+- `sealed`: the same with the trial's seal (HMAC-SHA256 per message and its check,
+  docs/design.md §14), as every trial runs it;
 - `raw`:  a plain PUSH socket sends one pre-built bytes blob of the same size
   -> a plain PULL socket recv() (no encode, no decode).
 
-The two modes alternate, several rounds each; the table shows the median
-msgs/s, MB/s and wire/raw ("ratio"), and the CPU time per message of both
-processes together (zmq I/O threads included) with raw/wire ("cpu ratio"):
-on a machine whose cores are busy with other work, throughput follows the
-CPU cost, so the CPU ratio is the steadier number. `--json PATH` writes the numbers with a top-level
-"ratio" (the 2k-token ratio). `--quick` runs fewer, shorter rounds (< 60 s).
+The three modes alternate, several rounds each; the table shows the median
+msgs/s, wire/raw ("ratio"), sealed/raw and sealed/wire (the seal's own
+cost), and the CPU time per message of both processes together (zmq I/O
+threads included): on a machine whose cores are busy with other work,
+throughput follows the CPU cost, so the CPU ratios are the steadier numbers.
+`--json PATH` writes the numbers with top-level "ratio" (wire/raw),
+"sealed_ratio" (sealed/raw) and "seal_ratio" (sealed/wire), all at 2k
+tokens. `--quick` runs fewer, shorter rounds (< 60 s).
 
     python benchmarks/stream_throughput.py [--quick] [--json PATH]
 """
@@ -38,6 +43,8 @@ from realrl.base import wire  # noqa: E402
 from realrl.system.push_pull_stream import DEFAULT_HWM, ZMQPuller, ZMQPusher  # noqa: E402
 
 SIZES = [256, 2048, 16384]
+MODES = ("raw", "wire", "sealed")
+SEAL_KEY = b"benchmark-stream-key-32-bytes..."  # any 32 bytes: the seal's cost does not depend on them
 
 
 def make_trajectory(n_tokens: int, seed: int = 0) -> dict:
@@ -64,9 +71,9 @@ def message_bytes(n_tokens: int) -> int:
 
 def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
     """Sends `count` messages, then prints the CPU seconds (all threads) the sending took."""
-    if mode == "wire":
+    if mode != "raw":
         trajectory = make_trajectory(n_tokens)
-        pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM)
+        pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM, seal_key=SEAL_KEY if mode == "sealed" else None)
         cpu = time.process_time()
         for _ in range(count):
             pusher.push(trajectory)
@@ -96,8 +103,8 @@ def spawn_pusher(mode: str, port: int, n_tokens: int, count: int) -> subprocess.
 def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
     """(msgs/s from the first message received to the last, CPU microseconds
     per message of both processes together, zmq I/O threads included)."""
-    if mode == "wire":
-        puller = ZMQPuller("127.0.0.1", None, hwm=DEFAULT_HWM)
+    if mode != "raw":
+        puller = ZMQPuller("127.0.0.1", None, hwm=DEFAULT_HWM, seal_key=SEAL_KEY if mode == "sealed" else None)
         port = puller.port
     else:
         context = zmq.Context()
@@ -109,7 +116,7 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
     cpu = time.process_time()
     try:
         received, start = 0, 0.0
-        if mode == "wire":
+        if mode != "raw":
             while received < count:
                 batch = puller.pull(timeout=30.0)
                 if not batch:
@@ -138,13 +145,13 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
         if child.poll() is None:
             child.kill()
             child.wait()
-        if mode == "wire":
+        if mode != "raw":
             puller.close()
         else:
             sock.close()
             context.term()
-    if mode == "wire":
-        assert puller.n_rejected == 0
+    if mode != "raw":
+        assert puller.n_rejected == 0 and puller.n_seal_refused == 0
     return (count - 1) / elapsed, (puller_cpu + pusher_cpu) / count * 1e6
 
 
@@ -167,54 +174,59 @@ def main() -> None:
         # Calibrate the message count so one round takes about seconds_per_round.
         rate_guess, _ = measure("raw", n_tokens, 2000 if n_tokens < 16384 else 500)
         count = max(200, int(rate_guess * seconds_per_round))
-        rates: dict[str, list[float]] = {"raw": [], "wire": []}
-        cpus: dict[str, list[float]] = {"raw": [], "wire": []}
+        rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+        cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
         for _ in range(rounds):
-            for mode in ("raw", "wire"):
+            for mode in MODES:
                 rate, cpu_us = measure(mode, n_tokens, count)
                 rates[mode].append(rate)
                 cpus[mode].append(cpu_us)
-        raw, wire_rate = statistics.median(rates["raw"]), statistics.median(rates["wire"])
-        raw_cpu, wire_cpu = statistics.median(cpus["raw"]), statistics.median(cpus["wire"])
+        rate = {mode: statistics.median(rates[mode]) for mode in MODES}
+        cpu = {mode: statistics.median(cpus[mode]) for mode in MODES}
         rows.append(
             {
                 "tokens": n_tokens,
                 "message_bytes": size,
                 "messages_per_round": count,
-                "raw_msgs_per_s": raw,
-                "wire_msgs_per_s": wire_rate,
-                "raw_MB_per_s": raw * size / 1e6,
-                "wire_MB_per_s": wire_rate * size / 1e6,
-                "ratio": wire_rate / raw,
-                "raw_cpu_us_per_msg": raw_cpu,
-                "wire_cpu_us_per_msg": wire_cpu,
-                "cpu_ratio": raw_cpu / wire_cpu,
-                "raw_rounds": rates["raw"],
-                "wire_rounds": rates["wire"],
+                **{f"{mode}_msgs_per_s": rate[mode] for mode in MODES},
+                **{f"{mode}_MB_per_s": rate[mode] * size / 1e6 for mode in MODES},
+                "ratio": rate["wire"] / rate["raw"],
+                "sealed_ratio": rate["sealed"] / rate["raw"],
+                "seal_ratio": rate["sealed"] / rate["wire"],
+                **{f"{mode}_cpu_us_per_msg": cpu[mode] for mode in MODES},
+                "cpu_ratio": cpu["raw"] / cpu["wire"],
+                "sealed_cpu_ratio": cpu["raw"] / cpu["sealed"],
+                "seal_cpu_ratio": cpu["wire"] / cpu["sealed"],
+                **{f"{mode}_rounds": rates[mode] for mode in MODES},
             }
         )
         print(f"... {n_tokens} tokens done", file=sys.stderr, flush=True)
 
     header = (
-        f"{'tokens':>7} {'bytes':>8} {'raw msg/s':>10} {'wire msg/s':>11} {'raw MB/s':>9} {'wire MB/s':>10} "
-        f"{'ratio':>6} {'raw cpu us':>11} {'wire cpu us':>12} {'cpu ratio':>10}"
+        f"{'tokens':>7} {'bytes':>8} {'raw msg/s':>10} {'wire msg/s':>11} {'sealed msg/s':>13} {'wire/raw':>9} "
+        f"{'sealed/raw':>11} {'sealed/wire':>12} {'raw cpu us':>11} {'wire cpu us':>12} {'sealed cpu us':>14}"
     )
     print(header)
     for r in rows:
         print(
             f"{r['tokens']:>7} {r['message_bytes']:>8} {r['raw_msgs_per_s']:>10.0f} {r['wire_msgs_per_s']:>11.0f} "
-            f"{r['raw_MB_per_s']:>9.1f} {r['wire_MB_per_s']:>10.1f} {r['ratio']:>6.2f} "
-            f"{r['raw_cpu_us_per_msg']:>11.1f} {r['wire_cpu_us_per_msg']:>12.1f} {r['cpu_ratio']:>10.2f}"
+            f"{r['sealed_msgs_per_s']:>13.0f} {r['ratio']:>9.2f} {r['sealed_ratio']:>11.2f} {r['seal_ratio']:>12.2f} "
+            f"{r['raw_cpu_us_per_msg']:>11.1f} {r['wire_cpu_us_per_msg']:>12.1f} {r['sealed_cpu_us_per_msg']:>14.1f}"
         )
-    ratio_2k = next(r["ratio"] for r in rows if r["tokens"] == 2048)
-    print(f"ratio at 2k tokens: {ratio_2k:.2f}")
+    at_2k = next(r for r in rows if r["tokens"] == 2048)
+    print(
+        f"at 2k tokens: wire/raw {at_2k['ratio']:.2f}, sealed/raw {at_2k['sealed_ratio']:.2f}, "
+        f"sealed/wire {at_2k['seal_ratio']:.2f} (cpu: {at_2k['seal_cpu_ratio']:.2f})"
+    )
     if args.json:
         result = {
             "benchmark": "stream_throughput",
             "quick": args.quick,
             "rounds": rounds,
             "cpu_count": os.cpu_count(),
-            "ratio": ratio_2k,
+            "ratio": at_2k["ratio"],
+            "sealed_ratio": at_2k["sealed_ratio"],
+            "seal_ratio": at_2k["seal_ratio"],
             "sizes": rows,
         }
         with open(args.json, "w") as f:

@@ -47,8 +47,8 @@ _TRACEBACK_TAIL_LINES = 40
 HUNG_STOP_TIMEOUT_S = 10.0  # after a hang report: ABORTED, SIGTERM, then SIGKILL this soon
 SECURITY_OFF_WARNING = (
     "security.enabled=false: anyone who reaches this trial's ports can steer it: the manager's, the "
-    "generation servers' and the chat endpoint's HTTP APIs take requests without a key, and the servers load "
-    "weights from any path"
+    "generation servers' and the chat endpoint's HTTP APIs take requests without a key, the servers load "
+    "weights from any path, and the trainers train any trajectory pushed to them"
 )
 
 

@@ -701,6 +701,7 @@ class MasterWorker(AsyncWorker):
                 "buffered": sum(s["buffered"] for s in buf),
                 # Refused by the pullers, counted apart from the ledger (never accepted, no budget back):
                 "rejected_frames": sum(s["wire_rejected"] for s in buf),
+                "seal_refused_frames": sum(s["seal_refused"] for s in buf),  # not from this trial (§14)
                 "foreign": sum(s["foreign"] for s in buf),  # no rollout of ours
                 "duplicates_dropped": sum(s["duplicates_dropped"] for s in buf),  # a second copy of one taken
                 **({} if ledger is not None else {"note": "the gserver manager did not report: produced unknown"}),

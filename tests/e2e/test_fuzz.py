@@ -19,6 +19,7 @@ import zmq
 
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names, trial_secret, wire
+from realrl.system.push_pull_stream import StreamSeal
 from tests.e2e.test_faults import Trial
 
 EXP = "async-ppo-tiny"
@@ -31,7 +32,9 @@ def _repository(tmp_path, trial: str):
         return name_resolve.make_repository(name_resolve.NameResolveConfig("etcd3", f.read().strip()))
 
 
-def _trajectory(qid: str, prompt_len: int, gen_len: int, version: int = 0, logprob: float = -1.0) -> dict:
+def _trajectory(
+    qid: str, prompt_len: int, gen_len: int, version: int = 0, logprob: float = -1.0, rollout_id: str = ""
+) -> dict:
     ids = np.full(prompt_len + gen_len, 5, dtype=np.int32)
     return Trajectory(
         qid=qid,
@@ -45,6 +48,7 @@ def _trajectory(qid: str, prompt_len: int, gen_len: int, version: int = 0, logpr
         version_end=[version],
         reward=[1.0],
         no_eos=[False],
+        rollout_id=rollout_id,
     ).to_wire()
 
 
@@ -70,9 +74,13 @@ INVALID = [
     _trajectory("fuzz-future@0", 4, 3, version=10**6),  # a weight version the trainer never had
     _trajectory("fuzz-positive@0", 4, 3, logprob=0.5),
 ]
-REJECTED_FRAMES = [[b"not a realrl message"], [b"two", b"frames"]]
+REJECTED_FRAMES = [b"not a realrl message", b"RJ" + bytes(30)]  # sealed, but no wire message
 # A well-formed trajectory of no admitted rollout (no rollout id): foreign.
 FOREIGN = [_trajectory("fuzz-foreign@0", 4, 3)]
+# From outside the trial (docs/design.md §14): a trainable trajectory of a rollout id of the trial's
+# form, unsealed, sealed with another trial's key, and sealed then tampered with. Were one taken, it
+# would be trained and the ledger would not balance.
+OUTSIDER = wire.dumps(_trajectory("fuzz-outsider@0", 4, 3, rollout_id="0:0:99999"))
 
 
 def _send_junk(tmp_path, trial: str, context: zmq.Context, strays: list) -> dict[str, list[int]]:
@@ -83,9 +91,13 @@ def _send_junk(tmp_path, trial: str, context: zmq.Context, strays: list) -> dict
     push = context.socket(zmq.DEALER)  # the puller is a ROUTER that acknowledges (docs/design.md §4)
     push.setsockopt(zmq.LINGER, 5000)
     push.connect(f"tcp://{puller}")
-    for message in INVALID + FOREIGN:
-        push.send(wire.dumps(message))
-    for frames in REJECTED_FRAMES:
+    seal = StreamSeal(trial_secret.current().stream_mac_key, "push")  # the insider's: the trial's own
+    for frame in [wire.dumps(m) for m in INVALID + FOREIGN] + REJECTED_FRAMES:
+        push.send_multipart([frame, seal.tag(frame)])
+    other_trial = StreamSeal(os.urandom(32), "push")
+    tampered = bytearray(OUTSIDER)
+    tampered[-1] ^= 1
+    for frames in ([OUTSIDER], [OUTSIDER, other_trial.tag(OUTSIDER)], [bytes(tampered), seal.tag(OUTSIDER)]):
         push.send_multipart(frames)
     push.close()  # (lingers until delivered)
 
@@ -164,6 +176,7 @@ def test_junk_to_a_live_trial_is_counted_apart_and_bends_nothing(tmp_path, kit_c
     # The junk is refused and counted: invalid trajectories, rejected frames, bad requests; no
     # request of a stray was left in flight on a server.
     assert t["dropped_invalid"] == len(INVALID) and t["rejected_frames"] == len(REJECTED_FRAMES), t
+    assert t["seal_refused_frames"] == 3, t  # the outsider's three: refused, never trained
     assert t["foreign"] == len(FOREIGN), t
     assert summary["rollouts"]["bad_requests"] == len(statuses["manager"]), summary["rollouts"]
     assert set(summary["rollouts"]["server_in_flight"].values()) == {0}, summary["rollouts"]
