@@ -93,10 +93,26 @@ def _links(text: str) -> list[tuple[int, str]]:
     return links
 
 
-def _code_span_paths(text: str) -> list[tuple[int, str]]:
+def _clone_top_level(repo: Path = REPO) -> set[str]:
+    """The top-level names a fresh clone has: the tracked ones. What a user's runs
+    left in the checkout (`runs/`, `.venv/`) does not make `runs/...` a repository path."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True)
+    if listed.returncode != 0:  # not a git checkout (an unpacked archive): what is there
+        return {p.name for p in repo.iterdir()}
+    return {f.split("/")[0] for f in listed.stdout.decode().split("\0") if f}
+
+
+def _git_ignored(path: Path, repo: Path = REPO) -> bool:
+    """`path` is in a git-ignored place (by the patterns alone: it need not exist)."""
+    return subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=repo, capture_output=True).returncode == 0
+
+
+def _code_span_paths(text: str, repo: Path = REPO) -> list[tuple[int, str]]:
     """Code spans that name a file or directory of the repository, e.g.
-    `realrl/api/trajectory.py` or `training/utils.py:place_gpus`."""
-    top_level = {p.name for p in REPO.iterdir()}
+    `realrl/api/trajectory.py` or `training/utils.py:place_gpus`. A span in a
+    git-ignored place (`runs/checkpoints/...`, `benchmarks/results/x.json`) names
+    what a run writes, not a file of the repository."""
+    top_level = _clone_top_level(repo)
     refs = []
     for n, line in _prose_lines(text):
         for m in _CODE_SPAN.finditer(line):
@@ -108,6 +124,8 @@ def _code_span_paths(text: str) -> list[tuple[int, str]]:
                 continue
             first = token.split("/")[0]
             if first in top_level or first in (".", "..") or token.rstrip("/").endswith(_FILE_SUFFIXES):
+                if first not in (".", "..") and _git_ignored(repo / token, repo):
+                    continue
                 refs.append((n, token))
     return refs
 
@@ -133,21 +151,18 @@ def _anchors(md: Path) -> set[str]:
     return anchors
 
 
-def _inside_repo(path: Path) -> bool:
+def _inside_repo(path: Path, repo: Path = REPO) -> bool:
     try:
-        path.resolve().relative_to(REPO)
+        path.resolve().relative_to(repo.resolve())
         return True
     except ValueError:
         return False
 
 
-def _exists_in_clone(path: Path) -> bool:
+def _exists_in_clone(path: Path, repo: Path = REPO) -> bool:
     """Exists, and would exist in a fresh clone too (not a git-ignored output of
     some earlier run, e.g. benchmark results)."""
-    if not path.exists():
-        return False
-    ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=REPO, capture_output=True)
-    return ignored.returncode != 0  # 0: ignored; 1: not ignored; 128: not a git checkout
+    return path.exists() and not _git_ignored(path, repo)
 
 
 def _check_target(doc: Path, target: str) -> str | None:
@@ -197,13 +212,18 @@ def test_markdown_links_resolve_inside_repo(doc: Path):
 def test_file_references_exist(doc: Path):
     """A code span naming a repository path must name one that exists,
     relative to the repository root (or to the file itself)."""
-    errors = []
-    for n, token in _code_span_paths(doc.read_text(encoding="utf-8")):
-        candidates = [REPO / token, doc.parent / token]
-        hits = [c for c in candidates if _inside_repo(c) and _exists_in_clone(c)]
-        if not hits:
-            errors.append(f"{_rel(doc)}:{n}: `{token}` does not exist in the repository")
+    errors = _missing_references(doc)
     assert not errors, "\n".join(errors)
+
+
+def _missing_references(doc: Path, repo: Path = REPO) -> list[str]:
+    errors = []
+    for n, token in _code_span_paths(doc.read_text(encoding="utf-8"), repo):
+        candidates = [repo / token, doc.parent / token]
+        hits = [c for c in candidates if _inside_repo(c, repo) and _exists_in_clone(c, repo)]
+        if not hits:
+            errors.append(f"{doc.relative_to(repo)}:{n}: `{token}` does not exist in the repository")
+    return errors
 
 
 _FORBIDDEN = [
@@ -295,3 +315,28 @@ def test_checker_rejects_bad_targets(tmp_path):
         for x in _REF.finditer(m.group(1))
     ]
     assert cited == [2, 6, 5]
+
+
+def test_file_references_do_not_depend_on_what_runs_left(tmp_path):
+    """A user's runs leave `runs/` (ignored) in the checkout: the docs' `runs/...`
+    spans stay outputs, not repository paths, whether or not it exists; a span to
+    a tracked path still must exist."""
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / ".gitignore").write_text("/runs/\nbenchmarks/results/\n")
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "a.py").write_text("")
+    doc = repo / "docs" / "page.md"
+    doc.write_text(
+        "checkpoints in `runs/checkpoints/...`, configs in `runs/logs/x/config.yaml`,\n"
+        "results in `benchmarks/results/a.json`, the benchmark `benchmarks/a.py`\n"
+    )
+    for argv in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", *argv], cwd=repo, check=True, capture_output=True)
+    assert _missing_references(doc, repo) == []
+    (repo / "runs" / "checkpoints").mkdir(parents=True)  # the demo ran
+    (repo / "runs" / "logs" / "x").mkdir(parents=True)
+    (repo / "benchmarks" / "results").mkdir()
+    assert _missing_references(doc, repo) == []
+    doc.write_text("the benchmark `benchmarks/b.py` and `runs/logs/x/config.yaml`\n")
+    assert _missing_references(doc, repo) == ["docs/page.md:1: `benchmarks/b.py` does not exist in the repository"]
