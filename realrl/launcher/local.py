@@ -35,7 +35,7 @@ from typing import Any
 from realrl.api.system_api import WorkerInfo, WorkerSpec, to_plain
 from realrl.base import name_resolve, names, trial_secret
 from realrl.base.console import ConsoleRenderer
-from realrl.base.etcd_server import start_supervised
+from realrl.base.etcd_server import PRIVATE_ETCD_USER, enable_auth, start_supervised
 from realrl.base.logging import getLogger
 from realrl.base.process import log_tail, signal_tree
 from realrl.system import worker_class_path
@@ -48,7 +48,7 @@ HUNG_STOP_TIMEOUT_S = 10.0  # after a hang report: ABORTED, SIGTERM, then SIGKIL
 SECURITY_OFF_WARNING = (
     "security.enabled=false: anyone who reaches this trial's ports can steer it: the manager's, the "
     "generation servers' and the chat endpoint's HTTP APIs take requests without a key, the servers load "
-    "weights from any path, and the trainers train any trajectory pushed to them"
+    "weights from any path, the trainers train any trajectory pushed to them, and etcd takes any write"
 )
 
 
@@ -269,6 +269,9 @@ class LocalLauncher:
             self._etcd_supervisor, addr = start_supervised(
                 os.path.join(self.run_dir, "etcd"), os.getpid(), linger, host=self._etcd_host()
             )
+            if self.security:  # authentication on before anyone learns the address (docs/design.md §14)
+                enable_auth(addr, trial_secret.load_keys(self.secret_path).etcd_password)
+                self.nr_config.etcd3_user, self.nr_config.etcd3_secret = PRIVATE_ETCD_USER, self.secret_path
             self.nr_config.etcd3_addr = addr
             logger.info("started private etcd at %s", addr)
         # The launcher's own repository: the one before it (another launcher's, in a test process

@@ -19,6 +19,7 @@ import zmq
 
 from realrl.api.trajectory import Trajectory
 from realrl.base import name_resolve, names, trial_secret, wire
+from realrl.cli.trial import connect
 from realrl.system.push_pull_stream import StreamSeal
 from tests.e2e.test_faults import Trial
 
@@ -28,8 +29,9 @@ STEPS, ETA = 10, 2
 
 def _repository(tmp_path, trial: str):
     """The trial's private etcd, found as `realrl status` finds it."""
-    with open(os.path.join(tmp_path, "run", EXP, trial, "etcd", "etcd.addr")) as f:
-        return name_resolve.make_repository(name_resolve.NameResolveConfig("etcd3", f.read().strip()))
+    repo, problem = connect(name_resolve.NameResolveConfig("etcd3"), os.path.join(tmp_path, "run", EXP, trial))
+    assert repo is not None, problem
+    return repo
 
 
 def _trajectory(
