@@ -48,7 +48,8 @@ HUNG_STOP_TIMEOUT_S = 10.0  # after a hang report: ABORTED, SIGTERM, then SIGKIL
 SECURITY_OFF_WARNING = (
     "security.enabled=false: anyone who reaches this trial's ports can steer it: the manager's, the "
     "generation servers' and the chat endpoint's HTTP APIs take requests without a key, the servers load "
-    "weights from any path, the trainers train any trajectory pushed to them, and etcd takes any write"
+    "weights from any path, the trainers train any trajectory pushed to them, the master and the trainers "
+    "take any control message, and etcd takes any write"
 )
 
 
