@@ -75,7 +75,9 @@ def realrl_caplog(caplog):
 
 
 @pytest.fixture(autouse=True)
-def no_trial_keys_after_the_test():
-    """A test that installs a trial's keys in this process (TrialThread) leaves none to the next."""
+def trial_keys_stay_where_they_were_installed():
+    """A test that installs a trial's keys in this process leaves the keys as it found them
+    (a module's trial, started by a module fixture, keeps its keys for the module's tests)."""
+    before = trial_secret.installed_path()
     yield
-    trial_secret.install("")
+    trial_secret.install(before)

@@ -102,3 +102,5 @@ class TrialThread:
                 pass
             self.thread.join(120)
         self.repo.close()
+        if trial_secret.installed_path() == self.launcher.secret_path:
+            trial_secret.install("")
