@@ -4,23 +4,29 @@ For trajectories of 256, 2k and 16k tokens (int32 input_ids, float32
 logprobs, int32 versions and the usual metadata), a pusher process sends
 messages over tcp on 127.0.0.1 to a puller in this process:
 
-- `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode), unsealed
-  (`security.enabled=false`);
-- `sealed`: the same with the trial's seal (HMAC-SHA256 per message and its check,
-  docs/design.md §14), as every trial runs it;
+- `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode);
+- `acked`: acknowledged delivery with a window in flight: an AckedPusher
+  submits each trajectory under its own key and waits for every verdict; the
+  puller decodes, and acknowledges each pull with one message per sender
+  listing its verdicts;
+- `acked1` (with `--serial-acks`): one round trip per message (push, wait for
+  its acknowledgement, push the next), as the rollout worker delivers today
+  (docs/design.md §12);
+- `sealed`: `wire` with the trial's seal on every message (docs/design.md §4, §14),
+  as every trial with security on sends; "seal ratio" is sealed/wire, the seal's own cost;
 - `raw`:  a plain PUSH socket sends one pre-built bytes blob of the same size
   -> a plain PULL socket recv() (no encode, no decode).
 
-The three modes alternate, several rounds each; the table shows the median
-msgs/s, wire/raw ("ratio"), sealed/raw and sealed/wire (the seal's own
-cost), and the CPU time per message of both processes together (zmq I/O
-threads included): on a machine whose cores are busy with other work,
-throughput follows the CPU cost, so the CPU ratios are the steadier numbers.
-`--json PATH` writes the numbers with top-level "ratio" (wire/raw),
-"sealed_ratio" (sealed/raw) and "seal_ratio" (sealed/wire), all at 2k
-tokens. `--quick` runs fewer, shorter rounds (< 60 s).
+The modes alternate, several rounds each; the table shows the median msgs/s
+and MB/s, each mode's ratio to raw (wire/raw is "ratio", acked/raw
+"acked ratio"), and the CPU time per message of both processes together (zmq
+I/O threads included) with raw/mode ("cpu ratio"): on a machine whose cores
+are busy with other work, throughput follows the CPU cost, so the CPU ratio
+is the steadier number. `--json PATH` writes the numbers with a top-level
+"ratio" (wire/raw at 2k tokens) and "acked_ratio" (acked/raw at 2k tokens).
+`--quick` runs fewer, shorter rounds (< 90 s).
 
-    python benchmarks/stream_throughput.py [--quick] [--json PATH]
+    python benchmarks/stream_throughput.py [--quick] [--serial-acks] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,10 +46,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from realrl.base import wire  # noqa: E402
-from realrl.system.push_pull_stream import DEFAULT_HWM, ZMQPuller, ZMQPusher  # noqa: E402
+from realrl.system.push_pull_stream import DEFAULT_HWM, AckedPusher, ZMQPuller, ZMQPusher  # noqa: E402
 
 SIZES = [256, 2048, 16384]
-MODES = ("raw", "wire", "sealed")
 SEAL_KEY = b"benchmark-stream-key-32-bytes..."  # any 32 bytes: the seal's cost does not depend on them
 
 
@@ -59,6 +64,8 @@ def make_trajectory(n_tokens: int, seed: int = 0) -> dict:
         "version_start": 7,
         "version_end": 8,
         "birth_time": time.time(),
+        "rollout_id": "0:0:1",
+        "index": 0,
     }
 
 
@@ -71,12 +78,23 @@ def message_bytes(n_tokens: int) -> int:
 
 def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
     """Sends `count` messages, then prints the CPU seconds (all threads) the sending took."""
-    if mode != "raw":
+    if mode in ("wire", "sealed", "acked", "acked1"):
         trajectory = make_trajectory(n_tokens)
         pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM, seal_key=SEAL_KEY if mode == "sealed" else None)
         cpu = time.process_time()
-        for _ in range(count):
-            pusher.push(trajectory)
+        if mode in ("wire", "sealed"):
+            for _ in range(count):
+                pusher.push(trajectory)
+        elif mode == "acked":
+            delivery = AckedPusher(pusher)
+            futures = [delivery.submit(dict(trajectory, index=i), ("0:0:1", i)) for i in range(count)]
+            for future in futures:
+                assert future.result(timeout=120) == "taken"
+            delivery.close()
+        else:
+            for i in range(count):
+                pusher.push(dict(trajectory, index=i))
+                assert pusher.wait_ack(120)[0]["index"] == i
         pusher.close(linger=60)
     else:
         blob = os.urandom(message_bytes(n_tokens))
@@ -117,16 +135,21 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
     try:
         received, start = 0, 0.0
         if mode != "raw":
+            acked = mode not in ("wire", "sealed")
             while received < count:
-                batch = puller.pull(timeout=30.0)
+                batch = puller.pull_with_senders(timeout=30.0)
                 if not batch:
                     raise RuntimeError("pusher stalled")
                 if received == 0:
                     start = time.perf_counter()
-                    batch = batch[1:]  # the clock starts at the first message
-                    received = 1
-                for trajectory in batch:  # touch every message like a consumer would
+                acks: dict[bytes, list] = {}
+                for sender, trajectory in batch:  # touch every message like a consumer would
                     assert trajectory["input_ids"].shape[0] == n_tokens
+                    if acked:  # one acknowledgement per sender per pull, as PullerStreamDataset sends
+                        key = {"rollout_id": trajectory["rollout_id"], "index": trajectory["index"]}
+                        acks.setdefault(sender, []).append(dict(key, verdict="taken"))
+                for sender, verdicts in acks.items():
+                    puller.acknowledge(sender, verdicts)
                 received += len(batch)
         else:
             if not sock.poll(30000):
@@ -157,8 +180,11 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds (< 90 s)")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument(
+        "--serial-acks", action="store_true", help="add acked1: one round trip per message (the delivery before)"
+    )
     parser.add_argument("--_pusher", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._pusher:
@@ -168,55 +194,51 @@ def main() -> None:
 
     rounds = 3 if args.quick else 7
     seconds_per_round = 0.6 if args.quick else 2.0
+    modes = ["raw", "wire", "sealed", "acked"] + (["acked1"] if args.serial_acks else [])
     rows = []
     for n_tokens in SIZES:
         size = message_bytes(n_tokens)
         # Calibrate the message count so one round takes about seconds_per_round.
         rate_guess, _ = measure("raw", n_tokens, 2000 if n_tokens < 16384 else 500)
         count = max(200, int(rate_guess * seconds_per_round))
-        rates: dict[str, list[float]] = {mode: [] for mode in MODES}
-        cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        cpus: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(rounds):
-            for mode in MODES:
-                rate, cpu_us = measure(mode, n_tokens, count)
+            for mode in modes:
+                # one round trip per message is slow: fewer messages keep its round short
+                rate, cpu_us = measure(mode, n_tokens, count if mode != "acked1" else max(200, count // 8))
                 rates[mode].append(rate)
                 cpus[mode].append(cpu_us)
-        rate = {mode: statistics.median(rates[mode]) for mode in MODES}
-        cpu = {mode: statistics.median(cpus[mode]) for mode in MODES}
-        rows.append(
-            {
-                "tokens": n_tokens,
-                "message_bytes": size,
-                "messages_per_round": count,
-                **{f"{mode}_msgs_per_s": rate[mode] for mode in MODES},
-                **{f"{mode}_MB_per_s": rate[mode] * size / 1e6 for mode in MODES},
-                "ratio": rate["wire"] / rate["raw"],
-                "sealed_ratio": rate["sealed"] / rate["raw"],
-                "seal_ratio": rate["sealed"] / rate["wire"],
-                **{f"{mode}_cpu_us_per_msg": cpu[mode] for mode in MODES},
-                "cpu_ratio": cpu["raw"] / cpu["wire"],
-                "sealed_cpu_ratio": cpu["raw"] / cpu["sealed"],
-                "seal_cpu_ratio": cpu["wire"] / cpu["sealed"],
-                **{f"{mode}_rounds": rates[mode] for mode in MODES},
-            }
-        )
+        rate = {m: statistics.median(rates[m]) for m in modes}
+        cpu = {m: statistics.median(cpus[m]) for m in modes}
+        row = {"tokens": n_tokens, "message_bytes": size, "messages_per_round": count}
+        for m in modes:
+            row[f"{m}_msgs_per_s"] = rate[m]
+            row[f"{m}_MB_per_s"] = rate[m] * size / 1e6
+            row[f"{m}_cpu_us_per_msg"] = cpu[m]
+            row[f"{m}_rounds"] = rates[m]
+            if m != "raw":
+                prefix = "" if m == "wire" else f"{m}_"
+                row[f"{prefix}ratio"] = rate[m] / rate["raw"]
+                row[f"{prefix}cpu_ratio"] = cpu["raw"] / cpu[m]
+        row["seal_ratio"] = rate["sealed"] / rate["wire"]  # the seal's own cost
+        row["seal_cpu_ratio"] = cpu["wire"] / cpu["sealed"]
+        rows.append(row)
         print(f"... {n_tokens} tokens done", file=sys.stderr, flush=True)
 
-    header = (
-        f"{'tokens':>7} {'bytes':>8} {'raw msg/s':>10} {'wire msg/s':>11} {'sealed msg/s':>13} {'wire/raw':>9} "
-        f"{'sealed/raw':>11} {'sealed/wire':>12} {'raw cpu us':>11} {'wire cpu us':>12} {'sealed cpu us':>14}"
-    )
+    header = f"{'tokens':>7} {'bytes':>8} " + " ".join(f"{m + ' msg/s':>12}" for m in modes)
+    header += " " + " ".join(f"{m + ' ratio':>13} {'cpu':>5}" for m in modes if m != "raw")
     print(header)
     for r in rows:
-        print(
-            f"{r['tokens']:>7} {r['message_bytes']:>8} {r['raw_msgs_per_s']:>10.0f} {r['wire_msgs_per_s']:>11.0f} "
-            f"{r['sealed_msgs_per_s']:>13.0f} {r['ratio']:>9.2f} {r['sealed_ratio']:>11.2f} {r['seal_ratio']:>12.2f} "
-            f"{r['raw_cpu_us_per_msg']:>11.1f} {r['wire_cpu_us_per_msg']:>12.1f} {r['sealed_cpu_us_per_msg']:>14.1f}"
-        )
-    at_2k = next(r for r in rows if r["tokens"] == 2048)
+        line = f"{r['tokens']:>7} {r['message_bytes']:>8} " + " ".join(f"{r[m + '_msgs_per_s']:>12.0f}" for m in modes)
+        for m in modes[1:]:
+            prefix = "" if m == "wire" else f"{m}_"
+            line += f" {r[prefix + 'ratio']:>13.2f} {r[prefix + 'cpu_ratio']:>5.2f}"
+        print(line)
+    row_2k = next(r for r in rows if r["tokens"] == 2048)
     print(
-        f"at 2k tokens: wire/raw {at_2k['ratio']:.2f}, sealed/raw {at_2k['sealed_ratio']:.2f}, "
-        f"sealed/wire {at_2k['seal_ratio']:.2f} (cpu: {at_2k['seal_cpu_ratio']:.2f})"
+        f"ratio at 2k tokens: wire/raw {row_2k['ratio']:.2f}, acked/raw {row_2k['acked_ratio']:.2f}, "
+        f"sealed/wire {row_2k['seal_ratio']:.2f} (cpu {row_2k['seal_cpu_ratio']:.2f})"
     )
     if args.json:
         result = {
@@ -224,9 +246,9 @@ def main() -> None:
             "quick": args.quick,
             "rounds": rounds,
             "cpu_count": os.cpu_count(),
-            "ratio": at_2k["ratio"],
-            "sealed_ratio": at_2k["sealed_ratio"],
-            "seal_ratio": at_2k["seal_ratio"],
+            "ratio": row_2k["ratio"],
+            "acked_ratio": row_2k["acked_ratio"],
+            "seal_ratio": row_2k["seal_ratio"],
             "sizes": rows,
         }
         with open(args.json, "w") as f:

@@ -63,7 +63,8 @@ from realrl.impl.warm_start import WarmStartConfig, greedy_accuracy, pass_at_k, 
 logger = getLogger("realrl.impl.tiny_model")  # not __main__ under `python -m`
 
 # Bump when the kit's layout or build procedure changes: old caches then miss.
-KIT_FORMAT_VERSION = 3  # 2: hedged warm-start demonstrations; 3: chat template and tool-call tokens
+KIT_FORMAT_VERSION = 4  # 2: hedged warm-start demonstrations; 3: chat template and tool-call tokens;
+# 4: the tool tokens appended after the warm start (which then runs on the characters alone)
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -184,6 +185,15 @@ def build_tiny_model(
     return model
 
 
+def append_tool_tokens(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> None:
+    """Grow `model` (sized for the character tokenizer) to the kit tokenizer's
+    vocabulary. Each new row is the mean of the old rows (transformers' mean
+    resizing, Hewitt 2021): a new token's logit is then the mean of the old
+    logits, so its probability is at most about 1/(old vocabulary) and, on a trained
+    model, far below that of any answer character."""
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -298,15 +308,19 @@ def _build_into(build_dir: str, recipe: TinyKitRecipe, dataset: tuple[str, str] 
         shutil.copyfile(dataset[1], test_path)
     train_records, test_records = load_math_jsonl(train_path), load_math_jsonl(test_path)
 
-    tokenizer = build_kit_tokenizer()
-    # Initialised as the character tokenizer's model (the same weights as
-    # kit format 2), then rows for the tool tokens appended.
-    model = build_tiny_model(build_char_tokenizer(), recipe.model, seed=recipe.seed)
-    model.resize_token_embeddings(len(tokenizer))
+    # The warm start runs on the characters alone, then the tool tokens' rows
+    # are appended: rows present during the warm start (never a target, only in
+    # the softmax) change every one of its updates, so a kit that carried them
+    # from the start was a different warm-started model, one that RL improved
+    # far less (docs/benchmarks.md, "The default run"). Appended after, the
+    # kit's arithmetic is exactly that of the character model.
+    char_tokenizer, tokenizer = build_char_tokenizer(), build_kit_tokenizer()
+    model = build_tiny_model(char_tokenizer, recipe.model, seed=recipe.seed)
+    train_stats = warm_start(model, char_tokenizer, train_records, recipe.warm_start, seed=recipe.seed)
+    append_tool_tokens(model, tokenizer)
     n_params = count_parameters(model)
     logger.info("tiny Llama: %.2fM parameters, vocab %d", n_params / 1e6, len(tokenizer))
 
-    train_stats = warm_start(model, tokenizer, train_records, recipe.warm_start, seed=recipe.seed)
     accuracy = greedy_accuracy(model, tokenizer, test_records, recipe.eval_max_new_tokens)
     pass_k = pass_at_k(
         model,

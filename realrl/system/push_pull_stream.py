@@ -10,6 +10,11 @@
   high-water marks (sender's + receiver's, plus the kernel's socket buffers)
   are full, which is how a slow trainer slows the rollout workers down;
   `wait_ack(timeout)` returns the puller's next acknowledgement.
+- `AckedPusher` delivers over a `ZMQPusher` with many messages in flight:
+  `submit(message, key)` returns a future of the puller's verdict for `key`;
+  one thread of its own sends and matches acknowledgements to keys, never
+  waiting for one before sending the next (benchmarks/stream_throughput.py
+  measures it; the rollout worker still sends one trajectory per round trip).
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
@@ -36,10 +41,14 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import hmac
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import zmq
@@ -231,6 +240,179 @@ class ZMQPusher:
         if not self._socket.closed:
             self._socket.close(linger=int(linger * 1000))
             self._context.term()
+
+
+class AckedPusher:
+    """Delivery with acknowledgements over one `ZMQPusher`, a window of
+    messages in flight. An acknowledgement `{"rollout_id", "index",
+    "verdict"}` (or a list of them: a puller may answer a whole pull in one
+    message) resolves the future of the message submitted under that key
+    `(rollout_id, index)`.
+
+    One thread of its own is the only one that touches the socket: it sends
+    whatever is queued and reads acknowledgements as they come. One message
+    per round trip (push, wait for its acknowledgement, push the next) capped
+    the stream at two process wake-ups per message, which on a busy machine
+    cost more than encoding, sending and decoding it. Under back-pressure (the
+    high-water marks are full) the queue waits, and the thread still reads
+    acknowledgements. `should_stop` is asked every `poll_s` seconds while
+    something waits; once it says so, or `close()` was called, every future
+    not yet resolved fails with RuntimeError (what was sent may still be taken
+    by the puller: exactly-once does not rest on the future, §12)."""
+
+    def __init__(
+        self,
+        pusher: ZMQPusher,
+        poll_s: float = 1.0,
+        should_stop: Callable[[], bool] | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.pusher = pusher
+        self.poll_s = poll_s
+        self._should_stop = should_stop or (lambda: False)
+        self._logger = log or logger
+        self._lock = threading.Lock()  # submit() against the thread's exit
+        self._queue: collections.deque[tuple[Any, Hashable, concurrent.futures.Future]] = collections.deque()
+        self._waiting: dict[Hashable, collections.deque[concurrent.futures.Future]] = {}  # sent, not acknowledged
+        self._n_waiting = 0
+        self._closed: str | None = None  # why no more futures are resolved
+        self._wake_r, self._wake_w = os.pipe()  # submit() wakes the thread out of its poll
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name="push", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        """Messages queued or sent and not yet acknowledged."""
+        return len(self._queue) + self._n_waiting
+
+    def submit(self, message: Any, key: Hashable) -> concurrent.futures.Future:
+        """Queues `message`; the future resolves to the verdict of the
+        acknowledgement for `key` (a str), or fails (closed, exiting, a message
+        that does not encode)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed is not None:
+                future.set_exception(RuntimeError(self._closed))
+                return future
+            idle = not self._queue  # else the thread is sending and takes this one too
+            self._queue.append((message, key, future))
+        if idle:
+            try:
+                os.write(self._wake_w, b"w")
+            except BlockingIOError:  # the pipe is full of wake-ups the thread has not read yet: it will
+                pass
+        return future
+
+    def close(self, reason: str = "the pusher was closed") -> None:
+        """Fails what is still unresolved with `reason` and stops the thread
+        (the ZMQPusher stays open: its owner closes it)."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+        try:
+            os.write(self._wake_w, b"c")
+        except (BlockingIOError, OSError):
+            pass
+        self._thread.join()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        socket = self.pusher._socket
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        blocked_since: float | None = None
+        try:
+            while True:
+                with self._lock:
+                    if self._closed is None and self._should_stop():
+                        self._closed = "worker exiting while trajectories were waiting for the trainer"
+                    if self._closed is not None:
+                        break
+                blocked = self._send_queued()
+                if blocked and blocked_since is None:
+                    blocked_since = time.monotonic()
+                    poller.modify(socket, zmq.POLLIN | zmq.POLLOUT)
+                elif not blocked and blocked_since is not None:
+                    blocked_since = None
+                    poller.modify(socket, zmq.POLLIN)
+                events = dict(poller.poll(int(self.poll_s * 1000)))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 65536)
+                if events.get(socket, 0) & zmq.POLLIN:
+                    self._read_acks()
+                if blocked_since is not None and not events:
+                    waited = time.monotonic() - blocked_since
+                    if waited % 30 < self.poll_s:
+                        self._logger.info("push blocked for %.0fs: the trainer is not pulling (back-pressure)", waited)
+        finally:
+            self._fail_all(self._closed or "the push thread stopped")
+
+    def _send_queued(self) -> bool:
+        """Sends what is queued; True if the high-water marks stopped it."""
+        queue = self._queue
+        while queue:
+            message, key, future = queue[0]
+            # Running from here on: a cancel (the episode's) no longer races the result.
+            if not future.running() and not future.set_running_or_notify_cancel():
+                queue.popleft()
+                continue
+            try:
+                self.pusher.push(message, timeout=0)
+            except TimeoutError:
+                return True
+            except Exception as e:  # a message that does not encode fails its own future only
+                queue.popleft()
+                future.set_exception(e)
+                continue
+            queue.popleft()
+            self._waiting.setdefault(key, collections.deque()).append(future)
+            self._n_waiting += 1
+        return False
+
+    def _read_acks(self) -> None:
+        socket = self.pusher._socket
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                acks = self.pusher.wait_ack(0)
+            except TimeoutError:
+                return
+            except wire.WireFormatError as e:
+                self._logger.warning("ignoring a malformed acknowledgement: %s", e)
+                continue
+            if isinstance(acks, dict):  # one acknowledgement per message, as PullerStreamDataset answers today
+                acks = [acks]
+            elif not isinstance(acks, list):
+                self._logger.warning("ignoring an acknowledgement that is neither a dict nor a list: %.200r", acks)
+                continue
+            for ack in acks:
+                futures = (
+                    self._waiting.get((ack.get("rollout_id"), ack.get("index"))) if isinstance(ack, dict) else None
+                )
+                if not futures:
+                    self._logger.warning("ignoring an acknowledgement for another trajectory: %.200r", ack)
+                    continue
+                future = futures.popleft()
+                if not futures:
+                    del self._waiting[(ack["rollout_id"], ack["index"])]
+                self._n_waiting -= 1
+                future.set_result(str(ack.get("verdict")))
+
+    def _fail_all(self, reason: str) -> None:
+        futures = [f for _, _, f in self._queue] + [f for d in self._waiting.values() for f in d]
+        self._queue.clear()
+        self._waiting.clear()
+        self._n_waiting = 0
+        for future in futures:
+            try:
+                future.set_exception(RuntimeError(reason))
+            except concurrent.futures.InvalidStateError:  # cancelled before it was sent
+                pass
 
 
 class ZMQPuller:

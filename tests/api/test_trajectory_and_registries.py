@@ -163,3 +163,26 @@ def test_check_trainable_takes_context_versions_inside_a_chain():
     chain([0, 0, -1, -1, 1], [True, True, False, False, True]).check_trainable(100, 64, newest_version=1)
     with pytest.raises(TrajectoryError, match="weight versions"):
         chain([0, -1, -1, -1, 1], [True, True, False, False, True]).check_trainable(100, 64, newest_version=1)
+
+
+@pytest.mark.parametrize(
+    "breaks, message",
+    [
+        (lambda t: t.input_ids[1].__setitem__(6, 50), "seq 1: token id 50 at position 6"),
+        (lambda t: t.versions[2].__setitem__(0, 7), "seq 2: weight versions 1..7 outside 0..3"),
+        (lambda t: t.logprobs[1].__setitem__(1, 0.5), "seq 1: a logprob above 0"),
+        (lambda t: t.sampling_logprobs[2].__setitem__(0, 0.5), "seq 2: a sampling logprob above 0"),
+        (lambda t: t.logprobs[2].__setitem__(0, np.nan), "seq 2: non-finite logprobs"),
+    ],
+)
+def test_the_checks_over_all_sequences_at_once_still_name_the_sequence_that_fails(breaks, message):
+    """validate / check_trainable check every sequence in one pass; a
+    trajectory that fails is gone through again to say which sequence."""
+    t = with_sampling(make_traj())
+    t.check_trainable(50, 16, newest_version=3)
+    breaks(t)
+    with pytest.raises(TrajectoryError, match=message):
+        t.validate().check_trainable(50, 16, newest_version=3)
+    t = make_traj()
+    with pytest.raises(TrajectoryError, match="seq 1: 9 tokens, more than the model's 8 positions"):
+        t.check_trainable(50, 8)

@@ -15,6 +15,7 @@ import zmq
 
 from realrl.base import name_resolve, wire
 from realrl.system.push_pull_stream import (
+    AckedPusher,
     NameResolvingZmqPuller,
     NameResolvingZmqPusher,
     RateLimitedLog,
@@ -149,6 +150,68 @@ def test_back_pressure_times_out_then_resumes_without_loss():
         np.testing.assert_array_equal(got[-1]["x"], big)
         assert puller.n_rejected == 0
     finally:
+        pusher.close(linger=0)
+        puller.close()
+
+
+# ---- acknowledged delivery ------------------------------------------------------------------
+
+
+def _pull_with_senders_until(puller, total: int, patience: float = 30.0) -> list:
+    got: list = []
+    give_up = time.monotonic() + patience
+    while len(got) < total and time.monotonic() < give_up:
+        got += puller.pull_with_senders(timeout=0.05)
+    return got
+
+
+def test_acked_pusher_keeps_a_window_in_flight_and_matches_one_batched_ack_to_each_key(realrl_caplog):
+    """Five messages reach the puller before it acknowledged any (one round
+    trip per message would deliver one); one acknowledgement message listing
+    their verdicts, out of order and with a stranger's key among them,
+    resolves each future with its own verdict."""
+    puller = ZMQPuller()
+    pusher = ZMQPusher("127.0.0.1", puller.port)
+    delivery = AckedPusher(pusher, poll_s=0.1)
+    try:
+        futures = {i: delivery.submit({"rollout_id": "0:0:1", "index": i}, ("0:0:1", i)) for i in range(5)}
+        got = _pull_with_senders_until(puller, 5)
+        assert sorted(m["index"] for _, m in got) == list(range(5))
+        assert not any(f.done() for f in futures.values()) and delivery.in_flight == 5
+        sender = got[0][0]
+        acks = [{"rollout_id": "0:0:1", "index": i, "verdict": f"v{i}"} for i in (3, 0, 4, 1, 2)]
+        puller.acknowledge(sender, [*acks[:2], {"rollout_id": "9:9:9", "index": 0, "verdict": "taken"}, *acks[2:]])
+        assert {i: f.result(timeout=10) for i, f in futures.items()} == {i: f"v{i}" for i in range(5)}
+        assert delivery.in_flight == 0
+        assert "another trajectory" in realrl_caplog.text
+        one = delivery.submit({"rollout_id": "0:0:2", "index": 0}, ("0:0:2", 0))  # a single dict answers one
+        sender, _ = _pull_with_senders_until(puller, 1)[0]
+        puller.acknowledge(sender, {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"})
+        assert one.result(timeout=10) == "taken"
+    finally:
+        delivery.close()
+        pusher.close(linger=0)
+        puller.close()
+
+
+def test_acked_pusher_fails_what_waits_once_stopped_or_closed():
+    """An unacknowledged message's future fails when the owner says stop
+    (checked every poll_s) or closes; a submit after close fails at once."""
+    puller = ZMQPuller()
+    pusher = ZMQPusher("127.0.0.1", puller.port)
+    stop = False
+    delivery = AckedPusher(pusher, poll_s=0.05, should_stop=lambda: stop)
+    try:
+        waiting = delivery.submit({"index": 0}, ("0:0:1", 0))
+        assert len(_pull_with_senders_until(puller, 1)) == 1
+        stop = True
+        with pytest.raises(RuntimeError, match="exiting"):
+            waiting.result(timeout=10)
+        delivery.close("closed for the test")
+        with pytest.raises(RuntimeError, match="exiting"):  # the first reason stays
+            delivery.submit({"index": 1}, ("0:0:1", 1)).result(timeout=1)
+    finally:
+        delivery.close()
         pusher.close(linger=0)
         puller.close()
 

@@ -1,0 +1,45 @@
+"""benchmarks/regress.py's comparison: what counts as moved, and what --record writes.
+(The benchmarks themselves are not run here: timing on a shared CI machine is noise.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import regress
+
+
+def test_a_figure_moves_only_beyond_the_recorded_spread_or_the_floor():
+    spread = {"median": 1.50, "runs": [1.40, 1.50, 1.60]}  # tolerance 0.20 (the spread)
+    assert regress.verdict(spread, 1.31) == ("held", pytest.approx(0.20))
+    assert regress.verdict(spread, 1.29)[0] == "slower"
+    assert regress.verdict(spread, 1.71)[0] == "faster"
+    tight = {"median": 1.00, "runs": [1.00, 1.00, 1.00]}  # no spread: the floor (3%) decides
+    assert regress.verdict(tight, 0.98)[0] == "held"
+    assert regress.verdict(tight, 0.96)[0] == "slower"
+
+
+def test_compare_marks_new_metrics_and_main_exits_1_on_a_slower_one(tmp_path, capsys):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"metrics": {"stream": {"median": 0.9, "runs": [0.88, 0.9, 0.92]}}}))
+    results = tmp_path / "results"
+    results.mkdir()
+    for i, (ratio, acked) in enumerate([(0.80, 0.70), (0.82, 0.71)]):
+        (results / f"regress_stream_throughput_{i}.json").write_text(json.dumps({"ratio": ratio, "acked_ratio": acked}))
+    rows = regress.compare(
+        json.loads(baseline.read_text()), regress.from_json(["stream", "stream_acked"], str(results))
+    )
+    assert [(r["metric"], r["verdict"]) for r in rows] == [("stream", "slower"), ("stream_acked", "new")]
+    args = ["--from-json", str(results), "--baseline", str(baseline), "--only", "stream", "stream_acked"]
+    assert regress.main(args) == 1
+    assert "slower" in capsys.readouterr().out
+
+
+def test_record_keeps_other_metrics_and_says_why(tmp_path):
+    baseline = {"metrics": {"generation": {"median": 2.3, "runs": [2.3]}}}
+    out = regress.record(baseline, {"stream": [0.9, 0.92, 0.91]}, "AckedPusher: a window of acknowledgements")
+    assert out["metrics"]["generation"] == baseline["metrics"]["generation"]
+    stream = out["metrics"]["stream"]
+    assert stream["median"] == 0.91 and stream["runs"] == [0.9, 0.92, 0.91]
+    assert stream["reason"] == "AckedPusher: a window of acknowledgements" and stream["commit"]
