@@ -1,6 +1,7 @@
 """Generation throughput: the torch server vs `model.generate` on the same batch.
 
-    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N] [--device cuda]
+    python benchmarks/generation_throughput.py [--quick] [--json PATH] [--threads N] [--device cuda] \
+        [--engine auto|paged|dense]
 
 A small random Llama (hidden 256, 4 layers, vocab 100; about 3M parameters) is
 built and saved to a temp directory. The torch generation server runs it in a
@@ -16,7 +17,13 @@ threads, on the same device (`--device`, default cpu). Two workloads:
 
 Throughput counts only the tokens the prompts asked for (sum of max_new_tokens)
 over the wall time of the whole batch, best of `--repeats` interleaved runs. Prints a table
-and with --json writes {"equal": {...}, "mixed": {...}, "ratio": <mixed ratio>}.
+and with --json writes {"equal": {...}, "mixed": {...}, "ratio": <mixed ratio>,
+"group_kv": {...}}.
+
+`group_kv`: the KV memory one GRPO group of 16 answers to a 500-token prompt
+holds once prefilled, in the paged engine (blocks in use, measured in
+process as the first answer finishes) and in the dense engine (16 rows of the
+prompt), in tokens' worth of keys/values.
 """
 
 from __future__ import annotations
@@ -131,6 +138,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu | cuda, for both sides")
+    parser.add_argument("--engine", default="auto", help="the server's --engine (auto | paged | dense)")
     args = parser.parse_args()
 
     batch = args.batch or (32 if args.quick else 64)
@@ -163,6 +171,8 @@ def main() -> None:
                 str(batch),
                 "--log-level",
                 "WARNING",
+                "--engine",
+                args.engine,
             ],
             start_new_session=True,
         )
@@ -184,17 +194,71 @@ def main() -> None:
     for mode in ("equal", "mixed"):
         r = results[mode]
         print(f"{mode:<8}{r['tokens']:>8}{r['server_tok_s']:>15.1f}{r['generate_tok_s']:>17.1f}{r['ratio']:>8.2f}")
+    group = group_kv_tokens(model.cpu(), prompt_len=500, answers=16)
+    print(
+        f"group of {group['answers']} answers to a {group['prompt_tokens']}-token prompt: paged KV "
+        f"{group['paged_tokens']} tokens, dense {group['dense_tokens']} ({group['ratio']:.3f} of dense)"
+    )
     if args.json:
         out = {"equal": results["equal"], "mixed": results["mixed"], "ratio": results["mixed"]["ratio"]}
+        out["group_kv"] = group
         out["config"] = {
             "batch": batch,
             "repeats": repeats,
             "threads": args.threads,
             "params": n_params,
             "device": args.device,
+            "engine": args.engine,
         }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+
+
+def group_kv_tokens(model, prompt_len: int, answers: int) -> dict:
+    """KV held by a group of `answers` answers to one prompt right after its
+    prefill: paged (blocks in use when the first answer, asking for 1 token,
+    finishes) vs dense (a row of the whole prompt per answer)."""
+    import copy
+    import threading
+
+    from realrl.impl.generation.torch_server import parse_generate_body
+    from realrl.impl.generation.torch_server.paged_engine import PagedGenerationEngine
+
+    engine = PagedGenerationEngine(
+        copy.deepcopy(model), device=torch.device("cpu"), kv_cache_tokens=64 * 1024, cuda_graphs=False
+    )
+    engine.start()
+    prompt = [0] + [random.Random(5).randrange(2, VOCAB) for _ in range(prompt_len - 1)]
+    used, done = [], threading.Event()
+    left = [answers]
+
+    def reply(_result):
+        if not used:
+            used.append(engine.allocator.num_blocks - engine.allocator.num_free)
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+
+    engine.command("pause", {"mode": "in_place"}, lambda _: None)  # the group reaches one prefill step
+    for k in range(answers):
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1 + k, "ignore_eos": True}}
+        (req,), _ = parse_generate_body(body, engine.limits)
+        req.reply = reply
+        engine.submit(req)
+    engine.command("continue", {}, lambda _: None)
+    try:
+        assert done.wait(300)
+    finally:
+        engine.stop()
+    paged = used[0] * engine.allocator.block_size
+    return {
+        "answers": answers,
+        "prompt_tokens": prompt_len,
+        "block_size": engine.allocator.block_size,
+        "paged_tokens": paged,
+        "dense_tokens": answers * prompt_len,
+        "ratio": paged / (answers * prompt_len),
+    }
 
 
 async def _measure(model, url, batch, repeats, equal_len, mixed_range) -> dict:

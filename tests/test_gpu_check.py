@@ -98,3 +98,24 @@ def test_wheel_download_takes_realrl_pins_without_torch(tmp_path):
         assert part in command
     assert not dest.exists()  # a dry run downloads nothing
     assert run_script("scripts/gpu_wheels.sh").returncode == 2  # DIR is required
+
+
+def test_the_paged_engine_step_skips_without_cuda_and_runs_on_cpu_as_a_dry_run(tmp_path):
+    """benchmarks/paged_engine_gpu.py (gpu_check's paged_engine step): without
+    CUDA it writes why and exits 0; --cpu-dry-run takes every step of it on a
+    tiny model (no graphs or kernel profile on a CPU), so the GPU run's own
+    code has run before it meets a GPU."""
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "paged.json"
+    script = [sys.executable, "benchmarks/paged_engine_gpu.py", "--json", str(out)]
+    proc = subprocess.run(script, cwd=REPO, env=environ, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text()) == {"skipped": True, "reason": proc.stdout.split("skipped: ")[1].strip()}
+    proc = subprocess.run(
+        [*script, "--cpu-dry-run"], cwd=REPO, env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["parity"]["paged"]["max_abs_delta_logprob"] <= 1e-4
+    assert result["parity"]["greedy_tokens_equal"] and result["graphs"]["tokens_equal"]
+    assert result["throughput"]["8"]["tokens"] > 0 and "fraction" in result["gpu_busy"]

@@ -168,7 +168,8 @@ class PPOConfig:
     """What the cap does: mask (MIS: a token or sequence above it gets no loss) | truncate (TIS: its
     weight becomes the cap)."""
     behav_imp_weight_level: str = "token"
-    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens)."""
+    """token (a weight per token) | sequence (one weight per sequence: the product over its tokens) |
+    geometric (one per sequence: the geometric mean of its tokens' weights, GSPO's)."""
     kl_ctl: float = 0.0
     """KL in the reward: coefficient of a per-token penalty against a frozen reference model; > 0
     loads that model."""
@@ -318,6 +319,14 @@ class TorchServerConfig:
     emulate_sglang_dp: int = 1
     """With emulate_sglang: the data-parallel ranks SGLang would report (per-rank lists
     in its answers when > 1)."""
+    engine: str = "auto"
+    """KV cache layout: paged (a block pool, a group's answers sharing their prompt's
+    blocks, CUDA graphs on GPU) | dense (left-padded buffers) | auto: paged on cuda,
+    dense on cpu and for sliding-window / hybrid models (docs/design.md §6)."""
+    kv_cache_tokens: int | None = None
+    """Paged engine: tokens the KV pool holds; null = max_running_requests x 2048
+    (model positions permitting), on cuda at most half the free GPU memory. Lower it
+    when a trainer shares the GPU."""
 
 
 @dataclasses.dataclass
@@ -526,7 +535,7 @@ class AsyncPPOConfig:
     seed: int = 1
     """Seed of model initialisation, shuffling and sampling."""
     fileroot: str = "runs"
-    """Logs, weights, checkpoints and caches live under here."""
+    """Logs, weights, checkpoints and caches live under here (a relative path is from the working directory)."""
     allocation_mode: str = "torch.d1p1m1+d1p1m1"
     """"<gen backend>.d<dp>p<pp>m<tp>+d<dp>p<pp>m<tp>": generation servers + trainers."""
     total_train_steps: int = 40
@@ -751,9 +760,9 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be truncate|mask, got {p.behav_imp_weight_mode!r}",
     )
     _check(
-        p.behav_imp_weight_level in ("token", "sequence"),
+        p.behav_imp_weight_level in ("token", "sequence", "geometric"),
         "ppo.behav_imp_weight_level",
-        f"must be token|sequence, got {p.behav_imp_weight_level!r}",
+        f"must be token|sequence|geometric, got {p.behav_imp_weight_level!r}",
     )
     _check(p.kl_ctl >= 0, "ppo.kl_ctl", "must be >= 0")
     for key in ("kl_estimator", "kl_loss_estimator"):
@@ -853,6 +862,14 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     s, ts, sg = cfg.server, cfg.server.torch, cfg.server.sglang
     _check(ts.device in ("cpu", "cuda"), "server.torch.device", f"must be cpu|cuda, got {ts.device!r}")
     _check(ts.dtype in TORCH_DTYPES, "server.torch.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}")
+    _check(
+        ts.engine in ("auto", "paged", "dense"), "server.torch.engine", f"must be auto|paged|dense, got {ts.engine!r}"
+    )
+    _check(
+        ts.kv_cache_tokens is None or ts.kv_cache_tokens >= 16,
+        "server.torch.kv_cache_tokens",
+        f"must be null or >= 16, got {ts.kv_cache_tokens}",
+    )
     _check(
         ts.max_running_requests >= 1,
         "server.torch.max_running_requests",

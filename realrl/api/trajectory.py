@@ -205,6 +205,13 @@ class Trajectory:
                 raise TrajectoryError(f"trajectory {self.qid}: {name} has {len(values)} entries for {n} sequences")
         if not all(isinstance(s, Sampling) for s in self.sampling):
             raise TrajectoryError(f"trajectory {self.qid}: sampling must hold Sampling records")
+        chain = self.metadata.get("chain") if isinstance(self.metadata, dict) else None
+        if chain is not None and (
+            not isinstance(chain, (list, tuple))
+            or len(chain) != n
+            or not all(isinstance(c, int) and not isinstance(c, bool) for c in chain)
+        ):
+            raise TrajectoryError(f"trajectory {self.qid}: metadata['chain'] must hold one int per sequence ({n})")
         per_seq = dict(
             prompt_len=self.prompt_len,
             logprobs=self.logprobs,

@@ -46,7 +46,7 @@ def worker_status_root(experiment_name: str, trial_name: str) -> str:
 
 
 def worker_status(experiment_name: str, trial_name: str, worker_type: str, worker_index: int) -> str:
-    """Value: READY | RUNNING | PAUSED | COMPLETED | ERROR, refreshed with a TTL."""
+    """Value: READY | RUNNING | PAUSED | COMPLETED | STOPPED | ERROR, refreshed with a TTL."""
     return f"{worker_status_root(experiment_name, trial_name)}/{worker_type}/{worker_index}"
 
 

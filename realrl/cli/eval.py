@@ -17,45 +17,35 @@ one line naming the key, exit code 2.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 import sys
 import time
 
 from realrl.api.cli_args import AsyncPPOConfig, ConfigError
 from realrl.cli.trial import HelpRequested, UsageError, parse_trial_args
-from realrl.experiment.config import agent_config, agent_settings, env_config, load_config
+from realrl.experiment.config import evaluation_fields, load_config
 
 
 def evaluate_model(cfg: AsyncPPOConfig) -> dict:
     """Accuracy of cfg.model.path on cfg.dataset.test_path (module docstring)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from realrl.api.agent_api import make_agent
-    from realrl.api.env_api import make_env
-    from realrl.impl import datasets
+    from realrl.api.system_api import ModelWorkerConfig
     from realrl.impl.eval_metrics import metrics, samples, summarize
-    from realrl.impl.evaluation import ModelGenerator, evaluate_prompts
     from realrl.impl.generation.torch_server.model import DTYPES
+    from realrl.impl.ppo.models import load_policy
+    from realrl.system.model_worker import eval_agent, evaluate_policy
 
     t0 = time.monotonic()
+    # What the trainers' evaluation gets from the same config, and their loading of the model.
+    setup = ModelWorkerConfig(**evaluation_fields(cfg, cfg.model.path, cfg.dataset.test_path))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    records = datasets.load_records(cfg.dataset.test_path, cfg.dataset)
-    if cfg.eval.max_prompts:
-        records = records[: cfg.eval.max_prompts]
-    datasets.warn_unused_template(tokenizer, cfg.dataset)
-    prompts, _ = datasets.prompt_records(records, tokenizer, cfg.dataset)
     device = torch.device(cfg.train.device)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype]).to(device).eval()
-    agent, env = agent_config(cfg), env_config(cfg)
-    settings = dataclasses.replace(agent_settings(cfg, cfg.model.path), tokenizer=tokenizer)
-    max_new_tokens = cfg.eval.max_new_tokens or cfg.rollout.gconfig.max_new_tokens
-    evaluator = make_agent(agent.type, settings.for_evaluation(max_new_tokens), **agent.args)
-    generator = ModelGenerator(model, tokenizer, device, version=0, batch_size=cfg.eval.batch_size)
+    lora = cfg.model.lora.rank > 0
+    model = load_policy(cfg.model.path, DTYPES[cfg.model.dtype], cfg.model.fp32_master, lora, device).eval()
     with torch.no_grad():
-        results = asyncio.run(evaluate_prompts(evaluator, lambda: make_env(env.type, **env.args), prompts, generator))
+        prompts, results, _ = evaluate_policy(setup, eval_agent(setup, tokenizer), model, tokenizer, device, 0)
     summary = summarize(results)
     return {
         "model": cfg.model.path,
@@ -82,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in (("model.path", cfg.model.path), ("dataset.test_path", cfg.dataset.test_path)):
             if not value:
                 raise ConfigError(f"{key}: required by realrl eval")
-        from realrl.experiment.checks import check_datasets, check_plugins
+        from realrl.experiment.checks import check_datasets, check_model_path, check_plugins
 
+        check_model_path(cfg)
         check_plugins(cfg)
         check_datasets(cfg)
         if cfg.judge.model.path:  # its judge servers live only inside a trial

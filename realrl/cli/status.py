@@ -30,7 +30,15 @@ import sys
 from realrl.base import name_resolve, names
 from realrl.base.process import pid_alive
 from realrl.cli.trial import HelpRequested, UsageError, connect, parse_trial_args, read_json, resolve_trial
-from realrl.system.trial_status import DEAD, Row, expected_workers, format_table, read_rows, row_from_json
+from realrl.system.trial_status import (
+    DEAD,
+    FINAL_STATES,
+    Row,
+    expected_workers,
+    format_table,
+    read_rows,
+    row_from_json,
+)
 
 _NR_KEYS = ("name_resolve.type", "name_resolve.etcd3_addr", "name_resolve.file_root")
 
@@ -59,8 +67,10 @@ def rows_from_logs(log_dir: str) -> list[Row]:
             tail = ""
         mark = "exited with code "
         if mark in tail:
-            code = tail.rsplit(mark, 1)[1].split()[0]
-            row.state, row.note = ("COMPLETED" if code == "0" else "ERROR"), f"log: exited with code {code}"
+            code, *how = tail.rsplit(mark, 1)[1].split("\n", 1)[0].split()
+            said = how[0].strip("()") if how else ""  # "(COMPLETED)", "(STOPPED)": how a clean exit ended
+            clean = said if said in FINAL_STATES else "COMPLETED"
+            row.state, row.note = (clean if code == "0" else "ERROR"), f"log: exited with code {code}"
         else:
             row.state, row.note = DEAD, "its log has no exit line (killed?)"
         rows.append(row)

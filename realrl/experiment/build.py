@@ -23,7 +23,14 @@ from realrl.api.system_api import (
 )
 from realrl.base.logging import getLogger
 from realrl.experiment.checks import check_environment
-from realrl.experiment.config import TrialPaths, agent_config, agent_settings, env_config, trial_paths
+from realrl.experiment.config import (
+    TrialPaths,
+    agent_config,
+    agent_settings,
+    env_config,
+    evaluation_fields,
+    trial_paths,
+)
 from realrl.launcher.local import WorkerGroup
 
 logger = getLogger("experiment")
@@ -140,14 +147,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         max_new_tokens=rollout.gconfig.max_new_tokens,
         weights_dir=paths.weights_dir,
         checkpoint_dir=paths.checkpoint_dir,
-        eval_dataset_path=test_path,
-        dataset=cfg.dataset,
-        eval_max_new_tokens=cfg.eval.max_new_tokens or rollout.gconfig.max_new_tokens,
-        eval_batch_size=cfg.eval.batch_size,
-        eval_max_prompts=cfg.eval.max_prompts,
-        agent=agent_config(cfg),
-        agent_settings=agent_settings(cfg, model_path),
-        env=rollout.env,
+        **evaluation_fields(cfg, model_path, test_path),
     )
     gen_server = GenerationServerConfig(
         backend=alloc.gen_backend,

@@ -14,8 +14,11 @@ import tempfile
 from collections.abc import Callable
 
 from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError
+from realrl.base.logging import getLogger
 from realrl.base.plugins import is_object_spec
 from realrl.experiment.config import agent_config, env_config
+
+logger = getLogger(__name__)
 
 
 def _one_line(text: str) -> str:
@@ -63,6 +66,14 @@ def check_plugins(cfg: AsyncPPOConfig) -> None:
         import realrl.impl.environments  # noqa: F401
     except (Exception, SystemExit) as e:
         raise ConfigError(f"plugins: {_one_line(e) or type(e).__name__}") from None
+
+
+def check_model_path(cfg: AsyncPPOConfig) -> None:
+    """A ConfigError when model.path names nothing on disk (before any check reads it)."""
+    path = cfg.model.path
+    if path and not os.path.exists(path):
+        where = "" if os.path.isabs(path) else f", relative to the working directory {os.getcwd()}"
+        raise ConfigError(f"model.path: {path!r} does not exist{where} (a Hugging Face model directory)")
 
 
 def model_positions(cfg: AsyncPPOConfig) -> int | None:
@@ -146,6 +157,7 @@ def check_datasets(cfg: AsyncPPOConfig) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    notice = None
     for key in ("train_path", "test_path"):
         path = getattr(cfg.dataset, key)
         if not path:
@@ -154,8 +166,11 @@ def check_datasets(cfg: AsyncPPOConfig) -> None:
             records = datasets.load_records(path, cfg.dataset)
             if tokenizer is not None:
                 datasets.prompt_records(records, tokenizer, cfg.dataset)
+                notice = notice or datasets.template_notice(tokenizer, cfg.dataset, records)
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset.{key}: {_one_line(e)}") from None
+    if notice:  # on the launcher's console, once, before anything starts
+        logger.warning("%s", notice)
 
 
 def check_arguments(factory: Callable, args: dict, key: str, with_settings: bool) -> None:
@@ -204,6 +219,7 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
     config, run after `validate` and before anything is created (fileroot,
     etcd, the tiny kit, workers). Returns the most positions (prompt + new
     tokens) a generation request may use, or None if the model does not say."""
+    check_model_path(cfg)
     check_writable_dir(cfg.fileroot, "fileroot")
     if cfg.tiny_kit.cache_dir and not (cfg.model.path and cfg.dataset.train_path):  # the kit will be built there
         check_writable_dir(cfg.tiny_kit.cache_dir, "tiny_kit.cache_dir")

@@ -62,7 +62,7 @@ def load_config(
             cfg = compose(config_name=config_name, overrides=overrides)
         typed = OmegaConf.to_object(cfg)
     except Exception as e:  # Hydra / OmegaConf errors: keep the line that says what and where
-        raise ConfigError(_error_line(e)) from None
+        raise ConfigError(_unknown_key_line(e, overrides) or _error_line(e)) from None
     size_new_tokens(typed)
     return typed
 
@@ -92,6 +92,37 @@ def size_new_tokens(cfg: AsyncPPOConfig) -> None:
     if isinstance(positions, int) and positions > 1:
         sized = min(sized, positions // 2)
     gconfig.max_new_tokens = sized
+
+
+def schema_keys(node: type = AsyncPPOConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (a dataclass's fields, recursively)."""
+    keys = []
+    for f in dataclasses.fields(node):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            keys += schema_keys(f.default_factory, f"{key}.")
+    return keys
+
+
+def _unknown_key_line(e: Exception, overrides: list[str]) -> str | None:
+    """`<key>: unknown key; did you mean <nearest>?` for a key the schema does not have."""
+    cause = e.__cause__ or e
+    text = str(cause)
+    if not re.search(r"Key '[^']*' not in '", text):
+        return None
+    full_key = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.strip().startswith("full_key:")), "")
+    # the whole key as the user wrote it (`modle.path`, whose full_key is `modle`)
+    written = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    key = next((w for w in written if full_key and (w == full_key or w.startswith(full_key + "."))), full_key)
+    if not key or key in REPLACED_KEYS:  # a replaced key: _error_line names its replacement
+        return None
+    import difflib
+
+    known = schema_keys()
+    nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {nearest[0]}?" if nearest else "`realrl config` lists the keys"
+    return f"{key}: unknown key; {hint}"
 
 
 def _error_line(e: Exception) -> str:
@@ -156,6 +187,22 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
     )
 
 
+def evaluation_fields(cfg: AsyncPPOConfig, model_path: str, test_path: str) -> dict:
+    """What evaluation runs (the `eval_*`, dataset, agent and environment fields
+    of `ModelWorkerConfig`), derived alike for the trainers (experiment/build.py)
+    and `realrl eval` (realrl/cli/eval.py), so both score a model the same way."""
+    return dict(
+        eval_dataset_path=test_path,
+        dataset=cfg.dataset,
+        eval_max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.gconfig.max_new_tokens,
+        eval_batch_size=cfg.eval.batch_size,
+        eval_max_prompts=cfg.eval.max_prompts,
+        agent=agent_config(cfg),
+        agent_settings=agent_settings(cfg, model_path),
+        env=env_config(cfg),
+    )
+
+
 def agent_config(cfg: AsyncPPOConfig) -> AgentConfig:
     """The agent episodes use: `rollout.agent_fn` becomes the "function"
     agent; file paths are made absolute (workers may run elsewhere)."""
@@ -188,11 +235,32 @@ def env_config(cfg: AsyncPPOConfig) -> EnvConfig:
     if cfg.judge.model.path and env_takes_judge(env.type):
         # (the checks refuse a judge that neither the reward function nor the environment takes)
         return dataclasses.replace(env, args={"judge": judge_settings(cfg), **env.args})
-    if not cfg.dataset.train_path and env.type == "math":
+    if env.type == "math" and synthetic_arithmetic(cfg):
         # The synthetic arithmetic task's answers are bare numbers ("81");
         # a hedged or decorated answer ("~81") does not count.
         return dataclasses.replace(env, args={"answer_format": "exact", **env.args})
     return env
+
+
+def synthetic_arithmetic(cfg: AsyncPPOConfig) -> bool:
+    """Whether the run's data are the tiny kit's synthetic arithmetic: training
+    without a data set of the user's (the kit's own), or `realrl eval` of a
+    kit's synthetic test file. Decided by the data, not by which keys the
+    command named: `realrl eval` names only `dataset.test_path`, and a user's
+    test set is scored as training scored it (free text, answers extracted)."""
+    if cfg.dataset.train_path:
+        return False
+    return not cfg.dataset.test_path or _is_synthetic_kit_file(cfg.dataset.test_path)
+
+
+def _is_synthetic_kit_file(path: str) -> bool:
+    """A data file of a tiny kit (its manifest, `kit.json`, beside it: realrl/impl/tiny_model.py)
+    whose recipe drew the data (no `dataset_sha256`: not a copy of a user's data set)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), "kit.json"), encoding="utf-8") as f:
+            return not json.load(f)["recipe"].get("dataset_sha256")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def env_takes_judge(env_type: str) -> bool:

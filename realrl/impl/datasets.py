@@ -35,10 +35,7 @@ from typing import Any
 
 from realrl.api.agent_api import PromptRecord
 from realrl.api.cli_args import DatasetConfig
-from realrl.base.logging import getLogger
 from realrl.impl.math_data import read_json_lines
-
-logger = getLogger(__name__)
 
 # Fields the runtime reads itself; every other field of a row reaches reward
 # functions and agents (`PromptRecord.row`).
@@ -132,14 +129,20 @@ def load_records(path: str, cfg: DatasetConfig) -> list[dict[str, Any]]:
             messages = _messages(messages, where)
         elif not isinstance(prompt, str):
             what = "missing" if prompt is None else f"not a string ({type(prompt).__name__})"
-            raise ValueError(f"{where}: prompt key {cfg.prompt_key!r} {what} and no 'messages' (dataset.prompt_key)")
+            raise ValueError(
+                f"{where}: prompt key {cfg.prompt_key!r} {what} and no 'messages' (dataset.prompt_key); "
+                f"the row's fields: {_fields(row)}"
+            )
         raw = field(row, cfg.answer_key)
         if raw is None:
             raw = row.get("solutions")
         if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
             raw = [raw]
         if not isinstance(raw, list) or not raw:
-            raise ValueError(f"{where}: answer key {cfg.answer_key!r} missing or empty (dataset.answer_key)")
+            raise ValueError(
+                f"{where}: answer key {cfg.answer_key!r} missing or empty (dataset.answer_key); "
+                f"the row's fields: {_fields(row)}"
+            )
         solutions = [reference_answer(str(a)) for a in raw]
         qid = field(row, cfg.id_key)
         qid = f"{name}-{i}" if qid is None else str(qid)
@@ -160,6 +163,14 @@ def load_records(path: str, cfg: DatasetConfig) -> list[dict[str, Any]]:
     if not records:
         raise ValueError(f"{path}: no rows")
     return records
+
+
+def _fields(row: dict[str, Any]) -> str:
+    """The row's keys, nested ones dotted (what dataset.prompt_key and answer_key can name)."""
+    keys = []
+    for k, v in row.items():
+        keys += [f"{k}.{sub}" for sub in v] if isinstance(v, dict) and v else [str(k)]
+    return ", ".join(keys)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -184,12 +195,26 @@ def render_prompt(record: dict[str, Any], tokenizer: Any, cfg: DatasetConfig) ->
     return text, list(tokenizer.encode(text, add_special_tokens=False)), messages
 
 
-def warn_unused_template(tokenizer: Any, cfg: DatasetConfig) -> None:
+def template_notice(tokenizer: Any, cfg: DatasetConfig, records: list[dict[str, Any]]) -> str | None:
+    """What the launcher says on the console (once, before the trial starts)
+    when the prompts reach the model as raw text: the model has a chat
+    template the config switched off, or none at all (None: templated, or
+    every row a conversation, which a missing template refuses)."""
+    plain = next((r for r in records if r.get("messages") is None), None)
+    if plain is None:
+        return None
     if has_chat_template(tokenizer) and not cfg.chat_template:
-        logger.warning(
+        return (
             "the model has a chat template that the prompts do not use (dataset.chat_template=false): "
             "a chat model usually answers badly to raw text"
         )
+    if not has_chat_template(tokenizer) and cfg.chat_template:
+        return (
+            f"the tokenizer of model.path has no chat template: the prompts reach the model as raw text, "
+            f"e.g. {plain['prompt'][:80]!r} (right for a base model; a chat model needs its template, "
+            f"and dataset.chat_template=false says raw text is meant)"
+        )
+    return None
 
 
 def prompt_records(

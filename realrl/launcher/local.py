@@ -624,7 +624,7 @@ class LocalLauncher:
             )
         if final:
             try:
-                from realrl.system.trial_status import read_rows, row_to_json
+                from realrl.system.trial_status import FINAL_STATES, read_rows, row_to_json
 
                 rows = read_rows(
                     name_resolve.default_repository(),
@@ -638,7 +638,7 @@ class LocalLauncher:
                     code = proc.poll() if proc is not None else None
                     if code not in (None, 0):
                         row.note = f"process ended: {proc.describe_exit(code)}" + (f"; {row.note}" if row.note else "")
-                        if row.state not in ("COMPLETED", "ERROR"):
+                        if row.state not in FINAL_STATES:
                             row.state = "DEAD"
                 record["workers"] = [row_to_json(r) for r in rows]
             except Exception as e:  # the record must not fail the teardown

@@ -156,17 +156,17 @@ def busy_frame(stacks: str, main_thread: str = "") -> tuple[str, int, str] | Non
 
 
 def _rpc_waits(master: Row | None) -> list[tuple[str, str, float]]:
-    """(worker tag, RPC, seconds) the master waits on for longer than LONG_RPC_S."""
+    """(worker tag, RPC, seconds) the master's row says it waits on: those
+    longer than LONG_RPC_S when there are some (a short one beside them is a
+    call in its normal course), else every one it shows."""
     out = []
     for entry in (master.doing.get("waiting_on") or []) if master is not None else []:
         parts = str(entry).split()
         try:
-            seconds = float(parts[2].rstrip("s"))
+            out.append((parts[0], parts[1], float(parts[2].rstrip("s"))))
         except (IndexError, ValueError):
             continue
-        if seconds >= LONG_RPC_S:
-            out.append((parts[0], parts[1], seconds))
-    return out
+    return [w for w in out if w[2] >= LONG_RPC_S] or out
 
 
 def diagnose(rows: list[Row], stacks: dict[str, str]) -> tuple[list[str], str | None]:

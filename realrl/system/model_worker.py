@@ -63,7 +63,7 @@ from realrl.api.trajectory import Trajectory
 from realrl.base import faults, name_resolve, names, network, wire
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
-from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in
+from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in, load_policy
 from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
@@ -293,6 +293,39 @@ def _shard(model: torch.nn.Module) -> None:
     fully_shard(inner)  # a LoRA model's HF model is the root: generate() calls its forward, which unshards
 
 
+def eval_agent(cfg: ModelWorkerConfig, tokenizer):
+    """The run's agent as evaluation runs it (greedy, one answer, `eval_max_new_tokens`)."""
+    from realrl.api.agent_api import make_agent
+
+    settings = dataclasses.replace(cfg.agent_settings, tokenizer=tokenizer)
+    return make_agent(cfg.agent.type, settings.for_evaluation(cfg.eval_max_new_tokens), **cfg.agent.args)
+
+
+def evaluate_policy(
+    cfg: ModelWorkerConfig, agent, model, tokenizer, device, version, dp_rank=0, dp_size=1, all_ranks_busy=None
+):
+    """This rank's share of the test prompts through the run's agent and
+    environment on `model` (realrl/impl/evaluation.py): (prompts, outcomes,
+    the generator). The trainers' evaluation; `realrl eval` scores with the
+    same pieces, derived from the same config (tests/impl/test_eval_agrees.py)."""
+    import asyncio
+
+    from realrl.impl import datasets
+    from realrl.impl.evaluation import ModelGenerator, evaluate_prompts
+
+    records = datasets.load_records(cfg.eval_dataset_path, cfg.dataset)
+    if cfg.eval_max_prompts:
+        records = records[: cfg.eval_max_prompts]
+    prompts, _ = datasets.prompt_records(records[dp_rank::dp_size], tokenizer, cfg.dataset)
+    for p in prompts:
+        p.qid = f"eval-{p.qid}"
+    generator = ModelGenerator(
+        model, tokenizer, device, version, batch_size=cfg.eval_batch_size, all_ranks_busy=all_ranks_busy
+    )
+    results = asyncio.run(evaluate_prompts(agent, lambda: make_env(cfg.env.type, **cfg.env.args), prompts, generator))
+    return prompts, results, generator
+
+
 class ModelWorker(Worker):
     config_cls = ModelWorkerConfig
 
@@ -326,9 +359,7 @@ class ModelWorker(Worker):
         trained_dtype = torch.float32 if mixed else dtype
         # What is published and saved: the run's dtype, whatever the trainer holds.
         self.save_dtype = dtype if mixed else None
-        actor = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=trained_dtype).to(self.device)
-        if mixed:
-            compute_in(actor, self.device.type, dtype)
+        actor = load_policy(config.model_path, dtype, config.fp32_master, self.lora, self.device)
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
         if self.lora:
@@ -655,41 +686,25 @@ class ModelWorker(Worker):
         """Every test prompt of this rank's share through the run's agent and
         environment, greedy, on this trainer's current weights (the contract:
         realrl/impl/evaluation.py). The master merges the ranks' sums (eval_metrics.merge)."""
-        import asyncio
-
-        from realrl.api.agent_api import make_agent
-        from realrl.impl import datasets
         from realrl.impl.eval_metrics import samples, summarize
-        from realrl.impl.evaluation import ModelGenerator, evaluate_prompts
 
         t0 = time.monotonic()
-        records = datasets.load_records(self.cfg.eval_dataset_path, self.cfg.dataset)
-        if self.cfg.eval_max_prompts:
-            records = records[: self.cfg.eval_max_prompts]
-        prompts, _ = datasets.prompt_records(records[self.dp_rank :: self.dp_size], self.tokenizer, self.cfg.dataset)
-        for p in prompts:
-            p.qid = f"eval-{p.qid}"
         if self._eval_agent is None:
-            settings = dataclasses.replace(self.cfg.agent_settings, tokenizer=self.tokenizer)
-            self._eval_agent = make_agent(
-                self.cfg.agent.type, settings.for_evaluation(self.cfg.eval_max_new_tokens), **self.cfg.agent.args
-            )
-        generator = ModelGenerator(
-            self.actor.model,
-            self.tokenizer,
-            self.device,
-            self.version,
-            batch_size=self.cfg.eval_batch_size,
-            all_ranks_busy=self._all_ranks_busy if self.cfg.fsdp else None,
-        )
+            self._eval_agent = eval_agent(self.cfg, self.tokenizer)
         model = self.actor.model
         was_training = model.training
         model.eval()
         try:
-            results = asyncio.run(
-                evaluate_prompts(
-                    self._eval_agent, lambda: make_env(self.cfg.env.type, **self.cfg.env.args), prompts, generator
-                )
+            prompts, results, generator = evaluate_policy(
+                self.cfg,
+                self._eval_agent,
+                model,
+                self.tokenizer,
+                self.device,
+                self.version,
+                self.dp_rank,
+                self.dp_size,
+                all_ranks_busy=self._all_ranks_busy if self.cfg.fsdp else None,
             )
         finally:
             model.train(was_training)

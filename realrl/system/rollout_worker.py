@@ -178,8 +178,6 @@ class RolloutWorker(AsyncWorker):
                 f"{cfg.dataset_path} holds only {len(records)} records"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        if self.info.worker_index == 0:
-            datasets.warn_unused_template(self.tokenizer, cfg.dataset)
         prompts, skipped = [], 0
         rows = []  # each prompt's row in the dataset file (its rollout ids name it: docs/design.md §12)
         for k, r in enumerate(shard):

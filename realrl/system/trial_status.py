@@ -22,7 +22,7 @@ from realrl.base.name_resolve import NameEntryNotFoundError, NameRecordRepositor
 from realrl.base.process import pid_alive
 
 LIVE_STATES = ("READY", "RUNNING", "PAUSED")
-FINAL_STATES = ("COMPLETED", "ERROR")
+FINAL_STATES = ("COMPLETED", "STOPPED", "ERROR")
 DEAD = "DEAD"  # no heartbeat (status key expired) or its process is gone, without a final state
 NO_RECORD = "-"  # nothing published (not started yet, or the trial never got there)
 STALE_S = 10.0  # a live worker whose loop has not published for this long is flagged "stale"

@@ -4,7 +4,7 @@ A worker is a loop: `_configure` once, then `_poll` (or `_poll_async`) until
 the trial ends. The base class owns everything that is the same for every
 kind of worker:
 
-- a status key (READY / RUNNING / PAUSED / COMPLETED / ERROR) held with a TTL,
+- a status key (READY / RUNNING / PAUSED / COMPLETED / STOPPED / ERROR) held with a TTL,
   so a worker that dies even by SIGKILL drops out of name_resolve;
 - exit when `experiment_status` becomes COMPLETE or ABORTED, when the
   launcher's keep-alive key disappears (the launcher died), or on SIGTERM /
@@ -51,7 +51,8 @@ class WorkerStatus:
     READY = "READY"
     RUNNING = "RUNNING"
     PAUSED = "PAUSED"
-    COMPLETED = "COMPLETED"
+    COMPLETED = "COMPLETED"  # exited cleanly once the trial completed
+    STOPPED = "STOPPED"  # exited cleanly before that: Ctrl-C, the trial aborted, the launcher gone
     ERROR = "ERROR"
 
 
@@ -150,7 +151,7 @@ class Worker:
 
     def set_status(self, status: str) -> None:
         key = names.worker_status(self.experiment_name, self.trial_name, self.info.worker_type, self.info.worker_index)
-        final = status in (WorkerStatus.COMPLETED, WorkerStatus.ERROR)
+        final = status in (WorkerStatus.COMPLETED, WorkerStatus.STOPPED, WorkerStatus.ERROR)
         # Live states carry a TTL (a dead worker's key vanishes); final states
         # stay after exit so the launcher can read how the worker ended.
         name_resolve.add(
@@ -382,14 +383,24 @@ class Worker:
                 if code == 0:
                     code = 1
                     self._report_error(traceback.format_exc())
+            final = WorkerStatus.ERROR if code else self._clean_exit_status()
             try:
-                self.set_status(WorkerStatus.ERROR if code else WorkerStatus.COMPLETED)
+                self.set_status(final)
                 name_resolve.reset()
             except Exception as e:  # name service gone at shutdown: nothing to tell
                 self.logger.debug("final status not recorded: %s", e)
-        self.logger.info("exited with code %d", code)
+        self.logger.info("exited with code %d (%s)", code, final)
         self._uninstall_stack_dumps()
         return code
+
+    def _clean_exit_status(self) -> str:
+        """COMPLETED when the trial completed (the master set COMPLETE), else STOPPED: a
+        worker that Ctrl-C or an aborted trial stopped did not complete anything."""
+        try:
+            status = name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
+        except Exception:  # not set, or the name service is gone: nothing says the trial completed
+            status = None
+        return WorkerStatus.COMPLETED if status == ExperimentStatus.COMPLETE else WorkerStatus.STOPPED
 
     def _name_service_reachable(self) -> bool:
         try:

@@ -52,6 +52,8 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("eval.max_prompts=-1", "eval.max_prompts"),
         ("server.torch.max_running_requests=0", "server.torch.max_running_requests"),
         ("server.torch.dtype=int8", "server.torch.dtype"),
+        ("server.torch.engine=vllm", "server.torch.engine"),
+        ("server.torch.kv_cache_tokens=8", "server.torch.kv_cache_tokens"),
         ("server.startup_timeout=0", "server.startup_timeout"),
         ("server.weight_update_timeout=0", "server.weight_update_timeout"),
         ("server.weight_update_retries=-1", "server.weight_update_retries"),
@@ -318,3 +320,53 @@ def test_dataset_files_rows_and_attention_are_checked_before_start(tmp_path):
     cfg = config(tmp_path, *base)
     with pytest.raises(ConfigError, match=r"^model.path: Llama4ForCausalLM: .*chunked"):
         check_environment(cfg, validate(cfg))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("ppo.grup_size=4", "ppo.grup_size: unknown key; did you mean ppo.group_size?"),
+        (
+            "rollout.gconfig.max_new_token=3",
+            "rollout.gconfig.max_new_token: unknown key; did you mean rollout.gconfig.max_new_tokens?",
+        ),
+        ("modle.path=x", "modle.path: unknown key; did you mean model.path?"),
+        ("ppo.zzzzqq=1", "ppo.zzzzqq: unknown key; `realrl config` lists the keys"),
+    ],
+)
+def test_an_unknown_key_suggests_the_nearest_known_one(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config([override])
+    assert str(e.value) == message
+
+
+def test_an_unknown_key_in_a_config_file_suggests_the_nearest_too(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - async-ppo\n  - _self_\nppo:\n  train_bach_size: 8\n")
+    with pytest.raises(ConfigError, match=r"^ppo.train_bach_size: unknown key; did you mean ppo.train_batch_size\?$"):
+        load_config([], config_name="mine", config_dir=str(tmp_path))
+
+
+def test_a_missing_prompt_key_lists_the_rows_fields(tmp_path):
+    model = write_model(tmp_path, max_position_embeddings=64)
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"question": "1+1=", "extra": {"level": 1}, "answer": "2"}) + "\n")
+    cfg = config(tmp_path, f"model.path={model}", f"dataset.train_path={train}")
+    with pytest.raises(ConfigError) as e:
+        check_environment(cfg, validate(cfg))
+    assert str(e.value).startswith("dataset.train_path: ") and "\n" not in str(e.value)
+    assert str(e.value).endswith(
+        "prompt key 'prompt' missing and no 'messages' (dataset.prompt_key); "
+        "the row's fields: question, extra.level, answer"
+    )
+
+
+def test_a_model_path_that_does_not_exist_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config(tmp_path, "model.path=models/mine")
+    with pytest.raises(ConfigError) as e:
+        check_environment(cfg, validate(cfg))
+    assert str(e.value) == (
+        f"model.path: 'models/mine' does not exist, relative to the working directory {tmp_path} "
+        "(a Hugging Face model directory)"
+    )
+    assert not (tmp_path / "runs").exists()  # before anything is created

@@ -63,9 +63,16 @@ def test_dotted_keys_answer_lists_repeated_ids_and_other_fields(tmp_path):
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"answer": "1"}, "prompt key 'prompt' missing and no 'messages' (dataset.prompt_key)"),
-        ({"prompt": 3, "answer": "1"}, "prompt key 'prompt' not a string (int) and no 'messages' (dataset.prompt_key)"),
-        ({"prompt": "p"}, "answer key 'answer' missing or empty (dataset.answer_key)"),
+        (
+            {"answer": "1"},
+            "prompt key 'prompt' missing and no 'messages' (dataset.prompt_key); the row's fields: answer",
+        ),
+        (
+            {"prompt": 3, "answer": "1"},
+            "prompt key 'prompt' not a string (int) and no 'messages' (dataset.prompt_key); "
+            "the row's fields: prompt, answer",
+        ),
+        ({"prompt": "p"}, "answer key 'answer' missing or empty (dataset.answer_key); the row's fields: prompt"),
         (
             {"messages": [{"role": "user"}], "answer": "1"},
             "every message needs a string 'role' and 'content', got {'role': 'user'}",

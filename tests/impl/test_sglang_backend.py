@@ -120,7 +120,18 @@ def test_torch_command():
         "--seed": "5",
         "--weight-version": "2",
         "--num-threads": "3",
+        "--engine": "auto",
     }
+    config.torch.engine, config.torch.kv_cache_tokens = "paged", 4096
+    assert {
+        k: v
+        for k, v in flags(TorchBackend().command(config, "127.0.0.1", 20001)[3:]).items()
+        if "-engine" in k or "-kv" in k
+    } == {
+        "--engine": "paged",
+        "--kv-cache-tokens": "4096",
+    }
+    config.torch.engine, config.torch.kv_cache_tokens = "auto", None
     # On CUDA, server i gets its own device.
     config.torch.device = "cuda"
     assert flags(TorchBackend().command(config, "127.0.0.1", 20001, base_gpu_id=1)[3:])["--device"] == "cuda:1"

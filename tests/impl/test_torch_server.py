@@ -16,13 +16,38 @@ import pytest
 import torch
 
 from realrl.impl.generation.client import GenerationClient, GenerationServerError
-from tests.impl.conftest import EOS_ID, MAX_POSITIONS, load_reference, save_perturbed
+from tests.impl.conftest import EOS_ID, MAX_POSITIONS, ServerProcess, load_reference, save_perturbed
 
 PROMPTS = [[0, 5], [0, 7, 9, 11], [0, 3, 3, 8, 20, 41, 12, 9, 50], [0] + [(7 * i + 3) % 60 + 2 for i in range(25)]]
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+# Every server test runs on both KV layouts (docs/design.md §6): dense, the
+# default on CPU, and paged, the default on CUDA.
+@pytest.fixture(scope="module", params=["dense", "paged"])
+def engine_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_llama_dir, tmp_path_factory, engine_kind):
+    """A server the read-only tests of one module share (never paused or updated)."""
+    server = ServerProcess(
+        tiny_llama_dir, str(tmp_path_factory.mktemp("server") / "server.log"), ("--engine", engine_kind)
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def start_server(start_server, engine_kind):
+    return lambda model_dir, *args: start_server(model_dir, "--engine", engine_kind, *args)
 
 
 async def _with_client(fn, timeout_s: float = 300.0):
@@ -780,21 +805,38 @@ class DirectSubmitter:
         return done
 
 
-def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeypatch):
+def make_engine(kind: str, model, **kwargs):
+    """A dense or paged engine on CPU; the paged one on its own copy of the
+    model (it switches the model's attention to the paged one)."""
+    import copy
+
+    from realrl.impl.generation import torch_server
+    from realrl.impl.generation.torch_server.paged_engine import PagedGenerationEngine
+
+    if kind == "dense":
+        return torch_server.GenerationEngine(model, device=torch.device("cpu"), **kwargs)
+    kwargs.setdefault("kv_cache_tokens", 4096)
+    return PagedGenerationEngine(copy.deepcopy(model), device=torch.device("cpu"), cuda_graphs=False, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeypatch, kind):
     """Rows joining (left-widening and re-allocating the window), leaving, trimming
     and column re-allocation, driven hard: a tiny batch limit, a small prefill
-    budget and a 7-column headroom; every output must equal the request run alone."""
+    budget and a 7-column headroom; every output must equal the request run alone.
+    Paged: a pool of 24 blocks of 4 tokens, so running requests are preempted."""
     import random
 
     from realrl.impl.generation import torch_server
 
     monkeypatch.setattr(torch_server.batch, "MAX_HEADROOM", 7)
-    engine = torch_server.GenerationEngine(
+    engine = make_engine(
+        kind,
         reference_model,
-        device=torch.device("cpu"),
         max_running_requests=6,
         max_prefill_tokens=64,
         eos_token_ids=torch_server.eos_token_ids_of(reference_model),
+        **({"kv_cache_tokens": 96, "block_size": 4} if kind == "paged" else {}),
     )
     engine.start()
     rng = random.Random(0)
@@ -822,9 +864,12 @@ def test_engine_cache_bookkeeping_under_random_arrivals(reference_model, monkeyp
         engine.stop()
     assert [results[i].output_ids for i in range(n)] == alone
     assert engine.stats["finish_stop"] > 0  # some rows left early at eos
+    if kind == "paged":
+        assert engine.stats["preemptions"] > 0 and engine.allocator.num_free == engine.allocator.num_blocks
 
 
-def test_engine_isolates_requests_that_bypassed_validation(reference_model):
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_engine_isolates_requests_that_bypassed_validation(reference_model, kind):
     """Requests built past the HTTP checks with values the engine cannot use
     (temperature 1e-40: NaN logprobs; top_k 2**70: no int64) fail alone in a
     prefill group with valid requests; after `stop` every submission is
@@ -832,9 +877,7 @@ def test_engine_isolates_requests_that_bypassed_validation(reference_model):
 
     from realrl.impl.generation import torch_server
 
-    engine = torch_server.GenerationEngine(
-        reference_model, device=torch.device("cpu"), eos_token_ids=torch_server.eos_token_ids_of(reference_model)
-    )
+    engine = make_engine(kind, reference_model, eos_token_ids=torch_server.eos_token_ids_of(reference_model))
     engine.start()
     direct = DirectSubmitter(engine)
     results, events = direct.results, direct.events

@@ -117,11 +117,21 @@ def test_rows_from_keys_tell_live_dead_and_finished_workers():
 
 def test_rows_from_logs_after_the_trial(tmp_path):
     (tmp_path / "specs").mkdir()
-    for tag, tail in (("master_worker-0", "... exited with code 0\n"), ("rollout_worker-0", "step 3\n")):
+    for tag, tail in (
+        ("master_worker-0", "... exited with code 0 (COMPLETED)\n"),
+        ("model_worker-0", "... exited with code 0 (STOPPED)\n"),  # Ctrl-C: stopped, not completed
+        ("gserver_manager-0", "... exited with code 0\n"),  # a log of before the state was written
+        ("rollout_worker-0", "step 3\n"),
+    ):
         (tmp_path / "specs" / f"{tag}.json").write_text("{}")
         (tmp_path / f"{tag}.log").write_text(tail)
     rows = rows_from_logs(str(tmp_path))
-    assert [(r.tag, r.state) for r in rows] == [("master_worker/0", "COMPLETED"), ("rollout_worker/0", DEAD)]
+    assert sorted((r.tag, r.state) for r in rows) == [
+        ("gserver_manager/0", "COMPLETED"),
+        ("master_worker/0", "COMPLETED"),
+        ("model_worker/0", "STOPPED"),
+        ("rollout_worker/0", DEAD),
+    ]
 
 
 def test_status_arguments():
@@ -199,6 +209,13 @@ def test_diagnosis_names_the_worker_the_others_wait_on():
     _, culprit = diagnose([master, trainer, rollout], {})
     assert culprit == "model_worker/1"
 
+    # Its row shows it waiting on one trainer, not yet for long: `realrl status --stacks` names that trainer.
+    master.doing = {"step": 5, "stage": "train_step", "waiting_on": ["model_worker/0 train_step 4s (unconfirmed)"]}
+    findings, culprit = diagnose([master, trainer, rollout], {})
+    assert culprit == "model_worker/0"
+    assert findings[0] == "master_worker/0: step 5/?, stage train_step; waits on model_worker/0 for train_step (4s)"
+    assert findings[-1] == "=> every other worker waits on model_worker/0 (the master's RPC waits on it)"
+
     # Nothing stands out: say so.
     master.doing = {"step": 5, "stage": "fetch"}
     findings, culprit = diagnose([master, trainer, rollout], {})
@@ -249,7 +266,39 @@ def test_a_worker_publishes_progress_and_dumps_its_stacks_on_request(tmp_path):
     assert "in _poll" in dump and "in _main_loop" in dump  # the worker thread, at work
     assert os.path.exists(stacks_path(str(tmp_path), "sleepy_worker", 0))
     final = read_row(repo, EXP, TRIAL, "sleepy_worker", 0)
-    assert final.state == WorkerStatus.COMPLETED  # the last record stays after exit
+    # The last record stays after exit; stopped before the trial completed, it is not COMPLETED.
+    assert final.state == WorkerStatus.STOPPED
+    name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
+
+
+@pytest.mark.parametrize("trial_status, final", [("COMPLETE", "COMPLETED"), ("ABORTED", "STOPPED"), (None, "STOPPED")])
+def test_a_clean_exit_is_completed_only_when_the_trial_completed(tmp_path, trial_status, final):
+    """Ctrl-C, an aborted trial or a gone launcher stop a worker cleanly (exit
+    code 0): STOPPED in its status key (and its log's exit line), which `realrl
+    status` reads after the trial. COMPLETED once the master set COMPLETE."""
+    from realrl.system.worker_base import set_experiment_status
+
+    name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
+    repo = name_resolve.default_repository()
+    info = WorkerInfo(EXP, TRIAL, "sleepy_worker", 0, log_dir=str(tmp_path), watch_launcher=False)
+    worker = SleepyWorker(info)
+    thread = threading.Thread(target=worker.run, name="sleepy")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while read_row(repo, EXP, TRIAL, "sleepy_worker", 0).doing.get("polls", 0) < 1:
+            assert time.monotonic() < deadline  # a hang guard
+            time.sleep(0.05)
+        if trial_status is not None:
+            set_experiment_status(EXP, TRIAL, trial_status)
+        else:
+            worker.request_exit("signal SIGINT")  # what Ctrl-C does to a worker
+    finally:
+        thread.join(30)
+        if thread.is_alive():
+            worker.request_exit("test over")
+            thread.join(30)
+    assert read_row(repo, EXP, TRIAL, "sleepy_worker", 0).state == final
     name_resolve.reconfigure(name_resolve.NameResolveConfig(type="memory"))
 
 

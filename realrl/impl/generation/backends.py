@@ -186,7 +186,11 @@ class TorchBackend(GenerationBackend):
             str(config.weight_version),
             "--num-threads",
             str(torch_cfg.num_threads),
+            "--engine",
+            torch_cfg.engine,
         ]
+        if torch_cfg.kv_cache_tokens is not None:
+            cmd += ["--kv-cache-tokens", str(torch_cfg.kv_cache_tokens)]
         if torch_cfg.length_before_eos:
             cmd.append("--length-before-eos")
         if config.judge:

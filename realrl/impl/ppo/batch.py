@@ -38,6 +38,9 @@ class SequenceBatch:
     rewards: torch.Tensor  # float32 [N], already shaped by the agent
     no_eos: torch.Tensor  # bool [N]
     groups: list[list[int]]  # the sequence indices of each trajectory
+    # Per group, its chains: the sequence indices of each sampled episode (a multi-turn agent's turns,
+    # `metadata["chain"]`, docs/design.md §5); None: every sequence is a chain of its own
+    chains: list[list[list[int]]] | None = None
     prox_logprobs: list[torch.Tensor] | None = None  # [L_i - P_i]
     # Decoupled loss with one minibatch: the proximal logprobs are the train
     # forward's own (detached) logprobs, taken at the same weights (no pass of their own).
@@ -56,10 +59,13 @@ class SequenceBatch:
     @staticmethod
     def from_trajectories(trajectories: list[Trajectory]) -> SequenceBatch:
         input_ids, prompt_lens, behav, rewards, no_eos, groups, masks = [], [], [], [], [], [], []
-        sampling, temperatures = [], []
+        sampling, temperatures, chains = [], [], []
         for traj in trajectories:
             group = []
+            chain_of = traj.metadata.get("chain") or range(traj.group_size)
+            by_chain: dict[int, list[int]] = {}
             for i in range(traj.group_size):
+                by_chain.setdefault(int(chain_of[i]), []).append(len(input_ids))
                 group.append(len(input_ids))
                 input_ids.append(torch.from_numpy(traj.input_ids[i].astype("int64")))
                 prompt_lens.append(int(traj.prompt_len[i]))
@@ -70,6 +76,7 @@ class SequenceBatch:
                 no_eos.append(bool(traj.no_eos[i]))
                 masks.append(None if not traj.loss_mask else torch.from_numpy(traj.loss_mask[i].astype(bool)))
             groups.append(group)
+            chains.append(list(by_chain.values()))
         return SequenceBatch(
             input_ids,
             prompt_lens,
@@ -77,6 +84,7 @@ class SequenceBatch:
             torch.tensor(rewards, dtype=torch.float32),
             torch.tensor(no_eos, dtype=torch.bool),
             groups,
+            chains=chains,
             loss_masks=masks if any(m is not None for m in masks) else None,
             # a sequence that records none: its tokens were drawn from the unfiltered distribution
             sampling_logprobs=[b if s is None else s for s, b in zip(sampling, behav)]
@@ -102,6 +110,23 @@ class SequenceBatch:
         trajectory's `loss_mask`, docs/design.md §5; all when it has none)."""
         mask = None if self.loss_masks is None else self.loss_masks[i]
         return torch.ones(self.completion_len(i), dtype=torch.bool) if mask is None else mask.bool()
+
+    def group_chains(self) -> list[list[list[int]]]:
+        """Per group, the sequence indices of each of its chains (sampled episodes), in order."""
+        return self.chains if self.chains is not None else [[[i] for i in group] for group in self.groups]
+
+    def sampled_spans(self, i: int) -> list[int]:
+        """The lengths of sequence i's sampled spans: each one generation call's answer (a chain of chat
+        turns holds context between them); one span, the whole completion, without a loss mask."""
+        mask = self.trained_mask(i).tolist()
+        spans, run = [], 0
+        for sampled in mask + [False]:
+            if sampled:
+                run += 1
+            elif run:
+                spans.append(run)
+                run = 0
+        return spans
 
     def n_sampled(self, i: int) -> int:
         mask = None if self.loss_masks is None else self.loss_masks[i]

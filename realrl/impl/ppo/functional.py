@@ -54,8 +54,7 @@ PPO (with a critic)::
 
     token_rewards = reward_to_token_rewards(shape_reward(r, bias, scale), loss_mask)
     token_rewards = apply_kl_to_rewards(token_rewards, behav_logp, ref_logp, loss_mask, kl_ctl)
-    bootstrap = torch.where(no_eos, last_token_values(values, loss_mask), 0.0)
-    adv, returns = gae_advantages(token_rewards, values, loss_mask, gamma, lam, bootstrap)
+    adv, returns = gae_advantages(token_rewards, values, loss_mask, gamma, lam)   # the answer is terminal
     adv = masked_whiten(adv, loss_mask)
 
 GRPO (no critic)::
@@ -189,7 +188,8 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
 def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] values[b, last valid t] (0 for a sequence with no valid token).
 
-    The usual bootstrap for a truncated (no_eos) sequence in `gae_advantages`.
+    A bootstrap for `gae_advantages` where an episode goes on after the sequence
+    (the trainer's scored answers are terminal and take none).
     """
     last = last_valid_index(mask)
     picked = values.gather(-1, last.clamp(min=0)[:, None]).squeeze(-1)
@@ -552,6 +552,9 @@ def cispo_loss(
 # ---------------------------------------------------------------------------
 
 
+BEHAV_IMP_WEIGHT_LEVELS = ("token", "sequence", "geometric")
+
+
 def behav_imp_weight(
     proximal_logprobs: torch.Tensor,
     behav_logprobs: torch.Tensor,
@@ -565,6 +568,8 @@ def behav_imp_weight(
 
         token:     w_bt = exp(prox_logp_bt - behav_logp_bt)
         sequence:  w_bt = exp(sum_t' (prox_logp_bt' - behav_logp_bt'))   (the product over b's trained tokens)
+        geometric: w_bt = exp(mean_t' (prox_logp_bt' - behav_logp_bt'))  (its geometric mean, as AReaL for
+                   GSPO: the product vanishes or explodes on a long answer, the mean stays near 1)
         truncate:  w = min(w, cap)                      TIS (Yao et al. 2025)
         mask:      w = 0 where w > cap                  MIS: the token (sequence) is dropped
 
@@ -576,8 +581,12 @@ def behav_imp_weight(
     log_w = torch.where(valid, proximal_logprobs - behav_logprobs, torch.zeros_like(proximal_logprobs))
     if level == "sequence":
         log_w = masked_sum(log_w, valid, dim=-1)[:, None].expand_as(log_w)
+    elif level == "geometric":
+        log_w = masked_mean(log_w, valid, dim=-1)[:, None].expand_as(log_w)
     elif level != "token":
-        raise ValueError(f"unknown behav_imp_weight_level {level!r}; expected token or sequence")
+        raise ValueError(
+            f"unknown behav_imp_weight_level {level!r}; expected one of {', '.join(BEHAV_IMP_WEIGHT_LEVELS)}"
+        )
     raw = torch.where(valid, torch.exp(log_w.clamp(max=80.0)), torch.zeros_like(log_w))
     if cap is None:
         return raw, raw, torch.zeros_like(valid)

@@ -80,6 +80,20 @@ class CriticModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()  # [B, T]
 
 
+def load_policy(path: str, dtype: torch.dtype, fp32_master: bool, lora: bool, device: torch.device) -> nn.Module:
+    """The causal LM at `path` as the trainer holds it: with a 16-bit `dtype` and
+    `fp32_master` (not LoRA, whose base stays in `dtype`), float32 weights
+    computing in `dtype` (`compute_in`), else weights in `dtype`. `realrl eval`
+    loads a model this way too, so it scores with the trainer's arithmetic."""
+    from transformers import AutoModelForCausalLM
+
+    mixed = fp32_master and dtype != torch.float32 and not lora
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if mixed else dtype).to(device)
+    if mixed:
+        compute_in(model, device.type, dtype)
+    return model
+
+
 def compute_in(model: nn.Module, device_type: str, dtype: torch.dtype) -> nn.Module:
     """Mixed precision: `model`'s forward (so its backward too, and generate)
     runs under torch.autocast in `dtype` while its weights, their gradients and

@@ -48,6 +48,8 @@ from realrl.impl.ppo.models import (
 from realrl.impl.ppo.packing import plan_micro_batches
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
+# The estimators whose baseline is the other samples of a group.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +110,7 @@ _SUM_KEYS = (
     "n_seqs",
     "n_completion_tokens",
     "truncated_masked_seqs",
+    "groups_of_one",
 )
 # Maxed: extremes (the minimum as the max of its negation) and the grad norms,
 # which are of the summed gradients and so already the same on every rank.
@@ -291,13 +294,26 @@ class PPOTrainer:
             masks.append(mask)
         return masks
 
+    def overlong_penalties(self, batch: SequenceBatch) -> torch.Tensor:
+        """[N] DAPO's soft overlong punishment (times its factor; 0 when off). The budget is per
+        generation call: a sequence's length is its longest sampled span (a chain of chat turns holds
+        tool results and user turns between its calls' answers, which no budget counted)."""
+        if self.cfg.overlong_penalty_factor <= 0:
+            return torch.zeros(batch.n_seqs)
+        lengths = torch.tensor([max(batch.sampled_spans(i), default=0) for i in range(batch.n_seqs)])
+        penalty = F.overlong_penalty(lengths, self.max_new_tokens, self.overlong_buffer_len)
+        return self.cfg.overlong_penalty_factor * penalty
+
     def shaped_rewards(self, batch: SequenceBatch) -> torch.Tensor:
         """[N] the sequences' rewards plus DAPO's soft overlong punishment."""
-        if self.cfg.overlong_penalty_factor <= 0:
-            return batch.rewards
-        lengths = torch.tensor([batch.completion_len(i) for i in range(batch.n_seqs)], dtype=torch.float32)
-        penalty = F.overlong_penalty(lengths, self.max_new_tokens, self.overlong_buffer_len)
-        return batch.rewards + self.cfg.overlong_penalty_factor * penalty
+        return batch.rewards + self.overlong_penalties(batch)
+
+    def chain_rewards(self, batch: SequenceBatch, chains: list[list[int]]) -> torch.Tensor:
+        """[len(chains)] what a group estimator compares: each chain's reward, its first sequence's
+        (the episode's return from its start: a multi-turn agent's turn-level discount gives later
+        turns more), plus its worst call's overlong penalty."""
+        penalties = self.overlong_penalties(batch)
+        return torch.stack([batch.rewards[chain[0]] + penalties[chain].min() for chain in chains])
 
     def advantages(
         self, batch: SequenceBatch, masks: list[torch.Tensor] | None = None
@@ -310,17 +326,23 @@ class PPOTrainer:
         masks = self.trained_masks(batch) if masks is None else masks
         rewards = self.shaped_rewards(batch)
         advs: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
-        if cfg.adv_estimator in ("grpo", "dr_grpo", "rloo"):
-            for group in batch.groups:
-                if cfg.adv_estimator == "rloo":
-                    seq_adv = F.rloo_advantages(rewards[group], len(group))
-                else:
-                    std_norm = cfg.adv_estimator == "grpo"
-                    seq_adv = F.group_normalized_advantages(rewards[group], len(group), std_normalize=std_norm)
-                for a, i in zip(seq_adv.tolist(), group):
-                    kl = self._kl_token_rewards(batch, i) * masks[i]
-                    # advantage_t = A_seq + sum_{t' >= t} (-kl_ctl * KL_t')
-                    advs[i] = (a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])) * masks[i]
+        if cfg.adv_estimator in GROUP_ESTIMATORS:
+            # Each chain (a sampled episode: one sequence, or a multi-turn agent's turns) is one sample
+            # of its group; its sequences share its advantage.
+            for chains in batch.group_chains():
+                chain_adv = torch.zeros(len(chains))
+                if len(chains) >= 2:  # a group of one has no baseline: no signal (counted: groups_of_one)
+                    chain_rewards = self.chain_rewards(batch, chains)
+                    if cfg.adv_estimator == "rloo":
+                        chain_adv = F.rloo_advantages(chain_rewards, len(chains))
+                    else:
+                        std_norm = cfg.adv_estimator == "grpo"
+                        chain_adv = F.group_normalized_advantages(chain_rewards, len(chains), std_normalize=std_norm)
+                for a, chain in zip(chain_adv.tolist(), chains):
+                    for i in chain:
+                        kl = self._kl_token_rewards(batch, i) * masks[i]
+                        # advantage_t = A_chain + sum_{t' >= t} (-kl_ctl * KL_t')
+                        advs[i] = (a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])) * masks[i]
             return advs, None
         returns: list[torch.Tensor] = [torch.zeros(0)] * batch.n_seqs
         for i in range(batch.n_seqs):
@@ -339,9 +361,10 @@ class PPOTrainer:
             if cfg.adv_estimator == "reinforce_plus_plus":
                 advs[i] = F.discounted_returns(token_rewards, mask, cfg.discount)[0]
                 continue
+            # The scored answer is terminal, truncated or not (as verl and OpenRLHF): the value after its
+            # last token is never trained (the critic's loss covers the predicted tokens only), so no bootstrap.
             values = batch.values[i]  # at tokens P-1 .. L-1
-            bootstrap = values[-1:] if batch.no_eos[i] else torch.zeros(1)
-            adv, ret = F.gae_advantages(token_rewards, values[None, :-1], mask, cfg.discount, cfg.gae_lambda, bootstrap)
+            adv, ret = F.gae_advantages(token_rewards, values[None, :-1], mask, cfg.discount, cfg.gae_lambda)
             advs[i], returns[i] = adv[0], ret[0]
         if cfg.adv_norm or cfg.adv_estimator == "reinforce_plus_plus":
             # Whitened over the trained tokens of every rank (two all-reduces), also on a rank without sequences.
@@ -398,6 +421,9 @@ class PPOTrainer:
             adv_sum=float(sum(float(a[m].sum()) for a, m in zip(advs, masks))),
             adv_count=float(sum(int(m.sum()) for m in masks)),
             truncated_masked_seqs=float(sum(bool(cfg.mask_truncated and x) for x in batch.no_eos.tolist())),
+            groups_of_one=float(
+                sum(len(chains) < 2 for chains in batch.group_chains()) if cfg.adv_estimator in GROUP_ESTIMATORS else 0
+            ),
         )
         return self._global_stats(acc, n_mbs)
 
@@ -441,6 +467,7 @@ class PPOTrainer:
             n_seqs=sums["n_seqs"],
             n_completion_tokens=sums["n_completion_tokens"],
             truncated_masked_frac=sums["truncated_masked_seqs"] / max(sums["n_seqs"], 1.0),
+            groups_of_one=sums["groups_of_one"],
             lr=float(self.actor.scheduler.get_last_lr()[0]),
         )
         return stats

@@ -3,7 +3,8 @@
     python -m realrl.impl.generation.torch_server --model-path DIR --port N \
         [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
         [--max-running-requests 64] [--seed 1] [--weight-version 0] [--num-threads K] \
-        [--length-before-eos] [--emulate-sglang VERSION [--emulate-sglang-dp N]]
+        [--length-before-eos] [--emulate-sglang VERSION [--emulate-sglang-dp N]] \
+        [--engine auto|paged|dense] [--kv-cache-tokens N]
 
 It speaks the subset of SGLang's native API that realrl uses (docs/design.md
 §6), with the request and response bodies of `realrl.api.sglang_api`, so the
@@ -21,7 +22,16 @@ layer, each usable alone:
 - `model`: loading the model, its eos ids, which models are supported
   (full-attention decoders only);
 - `engine`: the thread that owns the model and runs the continuous-batching
-  loop, fault isolation, weight swaps between decode steps;
+  loop, fault isolation, weight swaps between decode steps (the dense engine:
+  left-padded KV buffers);
+- the paged engine, in small rooms: `sequence` (a request's tokens and block
+  table), `block_manager` (the block allocator: reference counts, forks;
+  pure Python), `scheduler` (packed prefill or decode steps, preemption;
+  pure Python), `paged_attention` (attention over the block pool through
+  transformers' attention interface: reference, Triton decode kernel, varlen
+  prefill), `model_runner` (the pool tensors, one forward per step, CUDA
+  graphs) and `paged_engine` (the engine's loop over them; `create_engine`
+  picks paged or dense, `--engine`);
 - `http`: the aiohttp routes, body checks and rejection counters;
 - `sglang_compat`: SGLang's behaviours where they differ, by release, which
   the server copies for tests (`--emulate-sglang`);

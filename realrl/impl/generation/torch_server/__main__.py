@@ -5,6 +5,7 @@
         [--max-running-requests 64] [--max-prefill-tokens 8192] [--seed 1] \
         [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL] \
         [--emulate-sglang VERSION [--emulate-sglang-dp N]] [--weight-load-gate FILE] [--frozen] \
+        [--engine auto|paged|dense] [--kv-cache-tokens N] [--kv-block-size 16] [--no-cuda-graphs] \
         [--secret-file FILE] [--weights-dir DIR]
 """
 
@@ -19,9 +20,9 @@ import transformers
 from realrl.base import trial_secret
 from realrl.base.logging import configure, getLogger
 from realrl.impl.generation.eos import eos_token_ids_in_dir
-from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
 from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model
+from realrl.impl.generation.torch_server.paged_engine import DEFAULT_BLOCK_SIZE, create_engine
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 
 logger = getLogger("realrl.impl.generation.torch_server")
@@ -61,6 +62,22 @@ def main(argv: list[str] | None = None) -> None:
         "--frozen", action="store_true", help="refuse every weight change with 400 (a judge model's server)"
     )
     parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "paged", "dense"],
+        help="KV cache layout: paged (block pool, shared prompts, CUDA graphs) or dense (left-padded buffers); "
+        "auto: paged on CUDA, dense on CPU and for sliding-window/hybrid models",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="paged engine: tokens the KV pool holds (default: max-running-requests x 2048, on CUDA at most half "
+        "the free memory; lower it when a trainer shares the GPU)",
+    )
+    parser.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged engine: tokens per block")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="paged engine: decode eagerly on CUDA")
+    parser.add_argument(
         "--secret-file",
         default="",
         metavar="FILE",
@@ -82,8 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
     model = load_model(args.model_path, args.device, args.dtype)
-    engine = GenerationEngine(
+    engine = create_engine(
+        args.engine,
         model,
+        kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.kv_block_size,
+        cuda_graphs=not args.no_cuda_graphs,
         device=device,
         seed=args.seed,
         max_running_requests=args.max_running_requests,
@@ -96,10 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine.start()
     logger.info(
-        "loaded %s on %s (%s), weight version %s, stop ids %s%s",
+        "loaded %s on %s (%s, %s engine), weight version %s, stop ids %s%s",
         args.model_path,
         args.device,
         args.dtype,
+        type(engine).__name__,
         engine.weight_version,
         sorted(engine.limits.eos_token_ids),
         f", emulating SGLang {args.emulate_sglang}: {compat}" if compat else "",

@@ -30,6 +30,7 @@ class BlockAllocator:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._handed_out: list[int] = []  # blocks taken from the free list since `take_handed_out`
 
     @property
     def num_free(self) -> int:
@@ -45,6 +46,13 @@ class BlockAllocator:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.refcount[b] = 1
+        self._handed_out += blocks
+        return blocks
+
+    def take_handed_out(self) -> list[int]:
+        """The blocks handed out since the last call (the runner clears them:
+        a block may hold anything its last owner wrote)."""
+        blocks, self._handed_out = self._handed_out, []
         return blocks
 
     def allocate(self, num_tokens: int) -> list[int]:

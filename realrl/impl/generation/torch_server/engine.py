@@ -473,7 +473,8 @@ class GenerationEngine:
                     n += 1
                 else:
                     kept.append(req)
-            self._waiting = kept
+            self._waiting.clear()  # in place: the paged scheduler holds this queue too
+            self._waiting.extend(kept)
         if self._batch is not None:
             drop = []
             for i, req in enumerate(self._batch.requests):

@@ -60,13 +60,17 @@ def sample_tokens(
     params: RowParams,
     generator: torch.Generator,
     banned: list[tuple[int, list[int]]] | None = None,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens, logprobs, sampling_logprobs):
     logprob = log_softmax(logits / T)[token] (T = 1 for greedy rows), before
     any filtering; sampling logprob = the token's logprob under the filtered,
     renormalised distribution it was drawn from (module docstring).
 
-    `banned`: (row, token ids) that must not be picked (min_new_tokens)."""
+    `banned`: (row, token ids) that must not be picked (min_new_tokens).
+    `check_finite=False` skips the host sync of the non-finite check: such a
+    row samples from a uniform stand-in and reports NaN logprobs, which the
+    caller turns into the same FloatingPointError after its one copy."""
     logits = logits.float()
     temperature = params.temperature
     scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
@@ -75,8 +79,11 @@ def sample_tokens(
     # NaN / +inf logits (or all -inf) make every logprob of the row NaN. Refuse
     # them here: torch.multinomial would raise on CPU but hit a device-side
     # assert on CUDA (which ends the process), and greedy rows would return NaN.
-    if not bool(torch.isfinite(logprobs.amax(dim=-1)).all()):
-        raise FloatingPointError("the model produced non-finite logits (NaN or inf)")
+    if check_finite:
+        if not bool(torch.isfinite(logprobs.amax(dim=-1)).all()):
+            raise FloatingPointError("the model produced non-finite logits (NaN or inf)")
+    else:
+        scaled = scaled.masked_fill(~torch.isfinite(logprobs.amax(dim=-1, keepdim=True)), 0.0)
 
     pick_from = scaled
     masked = torch.zeros_like(params.filtered)  # rows whose stop tokens are banned
@@ -117,7 +124,7 @@ def sample_tokens(
     # ban did; the filtered one where a filter did (after the ban too); 0 for
     # a greedy row.
     sampling_logprobs = token_logprobs
-    if bool(masked.any()):
+    if banned:  # some row is masked (no device sync to find out)
         banned_only = torch.log_softmax(pick_from, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         sampling_logprobs = torch.where(masked, banned_only, sampling_logprobs)
     if filtered_logprobs is not None:

@@ -85,13 +85,17 @@ class Scheduler:
 
     # ---- steps
 
-    def schedule_prefill(self) -> PrefillStep | None:
+    def schedule_prefill(self, resumed_only: bool = False) -> PrefillStep | None:
+        """`resumed_only`: take only preempted requests (they have outputs),
+        e.g. while new requests wait for a weight update."""
         step = PrefillStep(seqs=[])
         parents: dict[tuple[int, ...], int] = {}  # prompt -> index in step.seqs
         forks: list[tuple[int, Sequence]] = []
         alloc = self.allocator
         while self.waiting and len(self.running) + len(step.seqs) + len(forks) < self.max_seqs:
             req = self.waiting[0]
+            if resumed_only and not req.output_ids:
+                break
             if req.max_new_tokens == 0:
                 step.no_tokens.append(self.waiting.popleft())
                 continue
