@@ -323,7 +323,7 @@ class Trial:
                 raise TimeoutError("the launcher did not start its etcd")
             time.sleep(0.1)
         self.etcd_addr = self.launcher.nr_config.etcd3_addr
-        self.repo = name_resolve.make_repository(NameResolveConfig(type="etcd3", etcd3_addr=self.etcd_addr))
+        self.repo = name_resolve.make_repository(self.launcher.nr_config)  # (authenticated: §14)
         return self
 
     def _check_running(self) -> None:

@@ -12,6 +12,8 @@ messages over tcp on 127.0.0.1 to a puller in this process:
 - `acked1` (with `--serial-acks`): one round trip per message (push, wait for
   its acknowledgement, push the next), as the rollout worker delivers today
   (docs/design.md §12);
+- `sealed`: `wire` with the trial's seal on every message (docs/design.md §4, §14),
+  as every trial with security on sends; "seal ratio" is sealed/wire, the seal's own cost;
 - `raw`:  a plain PUSH socket sends one pre-built bytes blob of the same size
   -> a plain PULL socket recv() (no encode, no decode).
 
@@ -47,6 +49,7 @@ from realrl.base import wire  # noqa: E402
 from realrl.system.push_pull_stream import DEFAULT_HWM, AckedPusher, ZMQPuller, ZMQPusher  # noqa: E402
 
 SIZES = [256, 2048, 16384]
+SEAL_KEY = b"benchmark-stream-key-32-bytes..."  # any 32 bytes: the seal's cost does not depend on them
 
 
 def make_trajectory(n_tokens: int, seed: int = 0) -> dict:
@@ -75,11 +78,11 @@ def message_bytes(n_tokens: int) -> int:
 
 def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
     """Sends `count` messages, then prints the CPU seconds (all threads) the sending took."""
-    if mode in ("wire", "acked", "acked1"):
+    if mode in ("wire", "sealed", "acked", "acked1"):
         trajectory = make_trajectory(n_tokens)
-        pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM)
+        pusher = ZMQPusher("127.0.0.1", port, hwm=DEFAULT_HWM, seal_key=SEAL_KEY if mode == "sealed" else None)
         cpu = time.process_time()
-        if mode == "wire":
+        if mode in ("wire", "sealed"):
             for _ in range(count):
                 pusher.push(trajectory)
         elif mode == "acked":
@@ -119,7 +122,7 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
     """(msgs/s from the first message received to the last, CPU microseconds
     per message of both processes together, zmq I/O threads included)."""
     if mode != "raw":
-        puller = ZMQPuller("127.0.0.1", None, hwm=DEFAULT_HWM)
+        puller = ZMQPuller("127.0.0.1", None, hwm=DEFAULT_HWM, seal_key=SEAL_KEY if mode == "sealed" else None)
         port = puller.port
     else:
         context = zmq.Context()
@@ -132,7 +135,7 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
     try:
         received, start = 0, 0.0
         if mode != "raw":
-            acked = mode != "wire"
+            acked = mode not in ("wire", "sealed")
             while received < count:
                 batch = puller.pull_with_senders(timeout=30.0)
                 if not batch:
@@ -171,7 +174,7 @@ def measure(mode: str, n_tokens: int, count: int) -> tuple[float, float]:
             sock.close()
             context.term()
     if mode != "raw":
-        assert puller.n_rejected == 0
+        assert puller.n_rejected == 0 and puller.n_seal_refused == 0
     return (count - 1) / elapsed, (puller_cpu + pusher_cpu) / count * 1e6
 
 
@@ -191,7 +194,7 @@ def main() -> None:
 
     rounds = 3 if args.quick else 7
     seconds_per_round = 0.6 if args.quick else 2.0
-    modes = ["raw", "wire", "acked"] + (["acked1"] if args.serial_acks else [])
+    modes = ["raw", "wire", "sealed", "acked"] + (["acked1"] if args.serial_acks else [])
     rows = []
     for n_tokens in SIZES:
         size = message_bytes(n_tokens)
@@ -218,6 +221,8 @@ def main() -> None:
                 prefix = "" if m == "wire" else f"{m}_"
                 row[f"{prefix}ratio"] = rate[m] / rate["raw"]
                 row[f"{prefix}cpu_ratio"] = cpu["raw"] / cpu[m]
+        row["seal_ratio"] = rate["sealed"] / rate["wire"]  # the seal's own cost
+        row["seal_cpu_ratio"] = cpu["wire"] / cpu["sealed"]
         rows.append(row)
         print(f"... {n_tokens} tokens done", file=sys.stderr, flush=True)
 
@@ -231,7 +236,10 @@ def main() -> None:
             line += f" {r[prefix + 'ratio']:>13.2f} {r[prefix + 'cpu_ratio']:>5.2f}"
         print(line)
     row_2k = next(r for r in rows if r["tokens"] == 2048)
-    print(f"ratio at 2k tokens: wire/raw {row_2k['ratio']:.2f}, acked/raw {row_2k['acked_ratio']:.2f}")
+    print(
+        f"ratio at 2k tokens: wire/raw {row_2k['ratio']:.2f}, acked/raw {row_2k['acked_ratio']:.2f}, "
+        f"sealed/wire {row_2k['seal_ratio']:.2f} (cpu {row_2k['seal_cpu_ratio']:.2f})"
+    )
     if args.json:
         result = {
             "benchmark": "stream_throughput",
@@ -240,6 +248,7 @@ def main() -> None:
             "cpu_count": os.cpu_count(),
             "ratio": row_2k["ratio"],
             "acked_ratio": row_2k["acked_ratio"],
+            "seal_ratio": row_2k["seal_ratio"],
             "sizes": rows,
         }
         with open(args.json, "w") as f:

@@ -10,7 +10,7 @@ import uuid
 import psutil
 import pytest
 
-from realrl.base import name_resolve
+from realrl.base import name_resolve, trial_secret
 from realrl.base.etcd_server import EtcdServer
 
 os.environ.setdefault("REALRL_LOG_LEVEL", "INFO")
@@ -72,3 +72,12 @@ def realrl_caplog(caplog):
     root.addHandler(caplog.handler)
     yield caplog
     root.removeHandler(caplog.handler)
+
+
+@pytest.fixture(autouse=True)
+def trial_keys_stay_where_they_were_installed():
+    """A test that installs a trial's keys in this process leaves the keys as it found them
+    (a module's trial, started by a module fixture, keeps its keys for the module's tests)."""
+    before = trial_secret.installed_path()
+    yield
+    trial_secret.install(before)

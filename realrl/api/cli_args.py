@@ -518,6 +518,15 @@ class WatchdogConfig:
 
 
 @dataclasses.dataclass
+class SecurityConfig:
+    """The trial secret on every hop (docs/design.md §14)."""
+
+    enabled: bool = True
+    """false: no secret, no keys: anyone who reaches the trial's ports can steer it (a warning says so). For a
+    network you isolate yourself, and for measuring what security costs."""
+
+
+@dataclasses.dataclass
 class AsyncPPOConfig:
     """The whole config of `realrl train` (defaults: realrl/configs/async-ppo.yaml)."""
 
@@ -563,6 +572,7 @@ class AsyncPPOConfig:
     console: ConsoleConfig = dataclasses.field(default_factory=ConsoleConfig)
     stats: StatsConfig = dataclasses.field(default_factory=StatsConfig)
     watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
 
 # ---- allocation_mode --------------------------------------------------------

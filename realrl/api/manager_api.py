@@ -309,6 +309,7 @@ class RolloutStats:
     server_in_flight: dict[str, int]
     server_events: dict[str, int]  # down / joined / rejoined / retired
     bad_requests: int
+    unauthorized: int  # requests refused 401 (no or wrong trial key, docs/design.md §14)
     gen_idle_s: float
     gen_server_s: float
     gen_tokens: int

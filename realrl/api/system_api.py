@@ -31,6 +31,8 @@ class WorkerInfo:
     plugins: list[str] = dataclasses.field(default_factory=list)
     # Exit when the launcher's keep-alive key disappears (the launcher died).
     watch_launcher: bool = True
+    # The trial secret's file (docs/design.md §14); "" = security off (security.enabled=false).
+    secret_path: str = ""
 
     @property
     def tag(self) -> str:

@@ -101,6 +101,9 @@ class EtcdServer:
             # minutes of history, not all of it (etcd's space quota).
             "--auto-compaction-mode=periodic",
             "--auto-compaction-retention=10m",
+            # With authentication on (the private etcd of a trial): a token lives a day
+            # without use (each use renews it), so an idle client is never logged out.
+            "--auth-token-ttl=86400",
         ]
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
@@ -146,6 +149,32 @@ class EtcdServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+PRIVATE_ETCD_USER = "root"  # etcd turns authentication on only with a root user
+
+
+def enable_auth(addr: str, password: str) -> None:
+    """Turns authentication on in the etcd at `addr`: user root with
+    `password` (docs/design.md §14); from then on a request without a valid
+    token is refused. An etcd whose authentication is already on with this
+    password (a resumed trial's data directory) is left as it is."""
+    import pyetcd
+    from pyetcd import etcdrpc
+
+    host, _, port = addr.rpartition(":")
+    client = pyetcd.client(host=host, port=int(port), timeout=10)
+    try:
+        auth = client.authstub
+        try:
+            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=PRIVATE_ETCD_USER, password=password), 10)
+        except Exception:  # authentication already on: our password must work
+            pyetcd.client(host=host, port=int(port), timeout=10, user=PRIVATE_ETCD_USER, password=password).close()
+            return
+        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=PRIVATE_ETCD_USER, role="root"), 10)
+        auth.AuthEnable(etcdrpc.AuthEnableRequest(), 10)
+    finally:
+        client.close()
 
 
 def start_supervised(

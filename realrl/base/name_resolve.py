@@ -55,6 +55,11 @@ class NameResolveConfig:
     """memory (one process only) | file | etcd3."""
     etcd3_addr: str = ""
     """host:port of an etcd server; "" with etcd3 = the launcher starts a private etcd."""
+    etcd3_user: str = ""
+    """etcd with authentication: the user; "" = none. Its password comes from REALRL_ETCD3_PASSWORD (never a
+    config file), or for the launcher's private etcd (which sets both keys) from the trial secret."""
+    etcd3_secret: str = ""
+    """Set by the launcher: the trial secret whose derived etcd password the private etcd's root user has."""
     file_root: str = ""
     """Directory of the file backend (shared by every node)."""
 
@@ -453,15 +458,20 @@ class FileNameRecordRepository(NameRecordRepository):
 
 
 class Etcd3NameRecordRepository(NameRecordRepository):
-    """A real etcd (v3 API) through the `pyetcd` client (etcd-sdk-python)."""
+    """A real etcd (v3 API) through the `pyetcd` client (etcd-sdk-python),
+    authenticated as `user` when one is given."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, user: str = "", password: str | None = None) -> None:
         import pyetcd  # heavy (grpc); imported only when etcd is used
 
         super().__init__()
         host, _, port = addr.rpartition(":")
         self.addr = addr
-        self._client = pyetcd.client(host=host, port=int(port), timeout=10)
+        credentials = {"user": user, "password": password} if user else {}
+        self._client = pyetcd.client(host=host, port=int(port), timeout=10, **credentials)
+        # The token travels as call metadata; pyetcd also attaches it as call credentials, which
+        # grpc refuses on a plaintext channel ("insufficient security level"): keep the metadata only.
+        self._client.call_credentials = None
         self._leases: dict[str, object] = {}  # key -> lease
         self._values: dict[str, str] = {}  # key -> value we wrote (ownership)
 
@@ -536,6 +546,25 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         self._client.close()
 
 
+ETCD3_PASSWORD_ENV = "REALRL_ETCD3_PASSWORD"
+
+
+def etcd3_password(config: NameResolveConfig) -> str | None:
+    """The password of `config.etcd3_user` (None without a user): derived from
+    the trial secret `etcd3_secret` (the private etcd, docs/design.md §14), else
+    REALRL_ETCD3_PASSWORD (a shared etcd)."""
+    if not config.etcd3_user:
+        return None
+    if config.etcd3_secret:
+        from realrl.base import trial_secret
+
+        return trial_secret.load_keys(config.etcd3_secret).etcd_password
+    password = os.environ.get(ETCD3_PASSWORD_ENV)
+    if not password:
+        raise ValueError(f"name_resolve.etcd3_user={config.etcd3_user!r} needs a password: set {ETCD3_PASSWORD_ENV}")
+    return password
+
+
 def make_repository(config: NameResolveConfig) -> NameRecordRepository:
     config.validate()
     if config.type == "memory":
@@ -544,7 +573,7 @@ def make_repository(config: NameResolveConfig) -> NameRecordRepository:
         return FileNameRecordRepository(config.file_root)
     if not config.etcd3_addr:
         raise ValueError("name_resolve.etcd3_addr is empty: start etcd first (the local launcher does)")
-    return Etcd3NameRecordRepository(config.etcd3_addr)
+    return Etcd3NameRecordRepository(config.etcd3_addr, config.etcd3_user, etcd3_password(config))
 
 
 def config_from_env() -> NameResolveConfig:
@@ -552,6 +581,8 @@ def config_from_env() -> NameResolveConfig:
     return NameResolveConfig(
         type=os.environ.get("REALRL_NAME_RESOLVE_TYPE", "memory"),
         etcd3_addr=os.environ.get("REALRL_NAME_RESOLVE_ETCD3_ADDR", ""),
+        etcd3_user=os.environ.get("REALRL_NAME_RESOLVE_ETCD3_USER", ""),
+        etcd3_secret=os.environ.get("REALRL_NAME_RESOLVE_ETCD3_SECRET", ""),
         file_root=os.environ.get("REALRL_NAME_RESOLVE_FILE_ROOT", ""),
     )
 
@@ -561,6 +592,8 @@ def config_to_env(config: NameResolveConfig) -> dict[str, str]:
     return {
         "REALRL_NAME_RESOLVE_TYPE": config.type,
         "REALRL_NAME_RESOLVE_ETCD3_ADDR": config.etcd3_addr,
+        "REALRL_NAME_RESOLVE_ETCD3_USER": config.etcd3_user,
+        "REALRL_NAME_RESOLVE_ETCD3_SECRET": config.etcd3_secret,
         "REALRL_NAME_RESOLVE_FILE_ROOT": config.file_root,
     }
 

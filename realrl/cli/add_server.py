@@ -36,7 +36,7 @@ import time
 import urllib.request
 
 from realrl.api.system_api import WorkerSpec
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.base.process import log_tail, signal_tree
 from realrl.cli.trial import HelpRequested, UsageError, connect, parse_trial_args, read_json, resolve_trial
 from realrl.launcher.local import worker_command
@@ -88,9 +88,11 @@ def write_spec(log_dir: str, template: WorkerSpec, registered: list[str]) -> tup
     raise RuntimeError(f"could not claim a generation server index in {log_dir}/specs")
 
 
-def _manager_servers(manager_url: str) -> dict | None:
+def _manager_servers(manager_url: str, secret_path: str) -> dict | None:
+    """The manager's `/servers`, asked with the trial's key (read from the secret the workers read)."""
+    headers = {"Authorization": f"Bearer {trial_secret.load_keys(secret_path).http_api_key}"} if secret_path else {}
     try:
-        with urllib.request.urlopen(f"{manager_url}/servers", timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(f"{manager_url}/servers", headers=headers), timeout=5) as r:
             return json.load(r)
     except Exception:
         return None
@@ -190,7 +192,7 @@ def main(argv: list[str]) -> int:
                     manager_url = repo.get(names.gen_server_manager(exp, trial))
                 except name_resolve.NameEntryNotFoundError:
                     manager_url = None
-                info = _manager_servers(manager_url) if manager_url else None
+                info = _manager_servers(manager_url, template.info.secret_path) if manager_url else None
                 server = next((s for s in (info or {}).get("servers", []) if s.get("url") == url), None)
                 if server is not None and server.get("state") == "up":
                     print(

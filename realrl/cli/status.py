@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     nr = settings["name_resolve"]
     if record is not None and isinstance(record.get("name_resolve"), dict):
         nr = name_resolve.NameResolveConfig(
-            **{k: v for k, v in record["name_resolve"].items() if k in ("type", "etcd3_addr", "file_root")}
+            **{k: v for k, v in record["name_resolve"].items() if k in _RECORDED_NR_KEYS}
         )
     for o in overrides:  # an explicit name_resolve.* override wins over the record
         key, _, value = o.lstrip("+").partition("=")
@@ -125,6 +125,10 @@ def main(argv: list[str]) -> int:
     finally:
         if repo is not None:
             repo.close()
+
+
+# What a trial record's name service config says (the private etcd's user and secret: §14 of docs/design.md).
+_RECORDED_NR_KEYS = ("type", "etcd3_addr", "etcd3_user", "etcd3_secret", "file_root")
 
 
 def _where(nr: name_resolve.NameResolveConfig) -> str:

@@ -6,11 +6,13 @@ found it (the same defaults and overrides), and reaching its name service.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import urllib.request
 
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
+from realrl.base.etcd_server import PRIVATE_ETCD_USER
 from realrl.experiment.config import DEFAULT_CONFIG, load_config
 
 
@@ -118,7 +120,14 @@ def connect(nr: name_resolve.NameResolveConfig, run_dir: str):
             return None, "no etcd address (the trial's private etcd never started)"
     if not _etcd_healthy(addr):
         return None, f"etcd at {addr} does not answer"
-    return name_resolve.make_repository(name_resolve.NameResolveConfig("etcd3", addr)), None
+    config = dataclasses.replace(nr, etcd3_addr=addr)
+    secret = trial_secret.secret_path(run_dir)
+    if not nr.etcd3_addr and os.path.exists(secret):  # the private etcd of a trial with security on (§14)
+        config = dataclasses.replace(config, etcd3_user=PRIVATE_ETCD_USER, etcd3_secret=secret)
+    try:
+        return name_resolve.make_repository(config), None
+    except Exception as e:  # a refused password, or etcd gone meanwhile
+        return None, f"etcd at {addr}: {type(e).__name__}: {e}"[:300]
 
 
 def read_json(path: str) -> dict | None:

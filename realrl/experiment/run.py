@@ -72,6 +72,7 @@ def _run_trial_once(cfg: AsyncPPOConfig, timeout: float | None = None) -> tuple[
             console_every_n_steps=cfg.console.every_n_steps,
             watchdog_timeout=cfg.watchdog.timeout,
             watchdog_action=cfg.watchdog.action,
+            security=cfg.security.enabled,
         )
         if cfg.mode == "ray":
             from realrl.launcher.ray import RayLauncher

@@ -33,9 +33,9 @@ import time
 from typing import Any
 
 from realrl.api.system_api import WorkerInfo, WorkerSpec, to_plain
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.base.console import ConsoleRenderer
-from realrl.base.etcd_server import start_supervised
+from realrl.base.etcd_server import PRIVATE_ETCD_USER, enable_auth, start_supervised
 from realrl.base.logging import getLogger
 from realrl.base.process import log_tail, signal_tree
 from realrl.system import worker_class_path
@@ -45,6 +45,12 @@ logger = getLogger("launcher")
 
 _TRACEBACK_TAIL_LINES = 40
 HUNG_STOP_TIMEOUT_S = 10.0  # after a hang report: ABORTED, SIGTERM, then SIGKILL this soon
+SECURITY_OFF_WARNING = (
+    "security.enabled=false: anyone who reaches this trial's ports can steer it: the manager's, the "
+    "generation servers' and the chat endpoint's HTTP APIs take requests without a key, the servers load "
+    "weights from any path, the trainers train any trajectory pushed to them, the master and the trainers "
+    "take any control message, and etcd takes any write"
+)
 
 
 @dataclasses.dataclass
@@ -144,6 +150,7 @@ class LocalLauncher:
         console_every_n_steps: int = 10,
         watchdog_timeout: float = 0.0,
         watchdog_action: str = "stop",
+        security: bool = True,
     ):
         names.trial_root(experiment_name, trial_name)  # validates both names
         name_resolve_config.validate()
@@ -176,12 +183,17 @@ class LocalLauncher:
         self.watchdog_action = watchdog_action
         self._watchdog = None
         self._outcome: int | None = None  # what run() returns, for the trial record
+        # The trial secret (docs/design.md §14): created by `acquire_trial`, its path in every spec.
+        self.security = security
+        self.secret_path = ""
 
     # ---- public ---------------------------------------------------------------
     def run(self, groups: list[WorkerGroup], timeout: float | None = None) -> int:
         """Runs the trial to the end. Returns 0 on success, 1 when a worker
         failed, 124 on `timeout`, 130 when interrupted."""
         self.acquire_trial()
+        if not self.security:
+            logger.warning(SECURITY_OFF_WARNING)
         previous_sigterm = signal.getsignal(signal.SIGTERM)
         if _in_main_thread():
             signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -233,6 +245,9 @@ class LocalLauncher:
         f.write(str(os.getpid()))
         f.flush()
         self._lock_file = f
+        # The secret comes before anything else of the trial (a resume keeps it).
+        if self.security:
+            self.secret_path = trial_secret.ensure_secret(self.run_dir)
 
     def release_trial(self) -> None:
         if self._lock_file is not None:
@@ -255,6 +270,9 @@ class LocalLauncher:
             self._etcd_supervisor, addr = start_supervised(
                 os.path.join(self.run_dir, "etcd"), os.getpid(), linger, host=self._etcd_host()
             )
+            if self.security:  # authentication on before anyone learns the address (docs/design.md §14)
+                enable_auth(addr, trial_secret.load_keys(self.secret_path).etcd_password)
+                self.nr_config.etcd3_user, self.nr_config.etcd3_secret = PRIVATE_ETCD_USER, self.secret_path
             self.nr_config.etcd3_addr = addr
             logger.info("started private etcd at %s", addr)
         # The launcher's own repository: the one before it (another launcher's, in a test process
@@ -312,6 +330,7 @@ class LocalLauncher:
                     heartbeat_ttl=self.heartbeat_ttl,
                     mode=self.mode,
                     plugins=self.plugins,
+                    secret_path=self.secret_path,
                 )
                 info = self._worker_info(info)
                 config = group.config_for(index)

@@ -362,7 +362,9 @@ def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str) -> tuple[
         _say(f"realrl: dry run: wrote {script_path} (submit it with `sbatch {script_path}`)")
         return 0, ""
     # One launcher per trial: a local one holding the lock is found here too.
-    probe = LocalLauncher(cfg.experiment_name, cfg.trial_name, cfg.fileroot, cfg.name_resolve)
+    probe = LocalLauncher(
+        cfg.experiment_name, cfg.trial_name, cfg.fileroot, cfg.name_resolve, security=cfg.security.enabled
+    )
     probe.acquire_trial()
     probe.release_trial()
     out = _run(["sbatch", "--parsable", script_path])

@@ -95,6 +95,8 @@ class GenerationServer(Worker):
         # CUDA_VISIBLE_DEVICES; without that, server i takes GPUs [i*tp, (i+1)*tp).
         base_gpu_id = 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else self.info.worker_index * config.tp_size
         cmd = self._backend.command(config, host, port, base_gpu_id=base_gpu_id)
+        if self.info.secret_path:  # the trial's key on every route (docs/design.md §14)
+            cmd += self._backend.secure_args(config, self.info.secret_path, self.info.tag.replace("/", "-"))
         self.logger.info(
             "starting %s server on %s:%d (log %s): %s", config.backend, host, port, self.log_path, " ".join(cmd)
         )

@@ -100,7 +100,8 @@ from realrl.api.manager_api import (
     SuccessReply,
 )
 from realrl.api.system_api import GserverManagerConfig
-from realrl.base import faults, name_resolve, names, network
+from realrl.base import faults, name_resolve, names, network, trial_secret
+from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.system.router import NoServerUp, RequestRouter, Reservations
@@ -157,6 +158,7 @@ class GserverManager(AsyncWorker):
         self._finishes_failing = False
         self.registry: ServerRegistry | None = None
         self.bad_requests = 0
+        self._gate = BearerGate(trial_secret.http_api_key())  # docs/design.md §14
         self.requests_served = 0  # HTTP requests answered (progress record: the load on the manager)
         self._refusals: collections.Counter[str] = collections.Counter()
         # Set (and replaced) whenever admission may have opened: waiting allocations try again.
@@ -222,7 +224,7 @@ class GserverManager(AsyncWorker):
         self.registry = ServerRegistry(self.router, self.server_urls, self.cfg.health_check_failures)
         self._health_task = asyncio.create_task(self._health_loop())
 
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._gate.middleware])
         post, get = app.router.add_post, app.router.add_get
         post("/allocate_rollout", self._handle(self._allocate_rollout, AllocateRolloutRequest.from_body))
         post("/finish_rollout", self._handle(self._finish_rollout, FinishRolloutRequest.from_body))
@@ -923,6 +925,7 @@ class GserverManager(AsyncWorker):
             "server_in_flight": dict(self.router.in_flight),
             "server_events": dict(self.registry.events),  # down / joined / rejoined / retired
             "bad_requests": self.bad_requests,
+            "unauthorized": self._gate.refused,
         }
 
     def _log_refusals(self, now: float) -> None:

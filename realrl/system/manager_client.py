@@ -32,6 +32,7 @@ from realrl.api.manager_api import (
     ServersReply,
     SuccessReply,
 )
+from realrl.base import trial_secret
 from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
 
@@ -69,7 +70,9 @@ class GserverManagerClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=trial_secret.http_headers()
+            )
         return self._session
 
     async def close(self) -> None:

@@ -48,7 +48,7 @@ import aiohttp
 from realrl.api.agent_api import FULL_CREDIT
 from realrl.api.manager_api import RejectedRolloutsReply, RolloutStats, SuccessReply
 from realrl.api.system_api import MasterWorkerConfig
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.base.console import STEP_LOGGER
 from realrl.base.datapack import partition_balanced
 from realrl.base.http_body import from_json, to_json
@@ -644,7 +644,7 @@ class MasterWorker(AsyncWorker):
             url = name_resolve.get(names.gen_server_manager(self.experiment_name, self.trial_name))
         except name_resolve.NameEntryNotFoundError:
             return None
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             async with session.request(method, f"{url}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 resp.raise_for_status()
                 return from_json(reply_type, await resp.json())
@@ -702,6 +702,7 @@ class MasterWorker(AsyncWorker):
                 "buffered": sum(s["buffered"] for s in buf),
                 # Refused by the pullers, counted apart from the ledger (never accepted, no budget back):
                 "rejected_frames": sum(s["wire_rejected"] for s in buf),
+                "seal_refused_frames": sum(s["seal_refused"] for s in buf),  # not from this trial (§14)
                 "foreign": sum(s["foreign"] for s in buf),  # no rollout of ours
                 "duplicates_dropped": sum(s["duplicates_dropped"] for s in buf),  # a second copy of one taken
                 **({} if ledger is not None else {"note": "the gserver manager did not report: produced unknown"}),

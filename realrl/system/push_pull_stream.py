@@ -30,6 +30,15 @@
   passed, or at close); the puller keeps running. (A
   message over twice the size limit is refused by zmq itself, which drops
   that connection instead of buffering it.)
+- Sealed (docs/design.md §14): with the trial's stream key (`seal_key`; the
+  name-resolving classes take this process's by default), a message is two
+  ZMQ frames, the wire message and its seal, HMAC-SHA256 of that frame under
+  the key (computed over the buffer itself, no copy), and so is each
+  acknowledgement, under a key of its own. A message without a seal, with a
+  seal that does not match (tampered, or another trial's key) is refused
+  before it is decoded: counted in `n_seal_refused`, apart from `n_rejected`
+  and from the ledger, never acknowledged, never trained. An acknowledgement
+  whose seal does not match is ignored and counted (`n_acks_refused`).
 - `NameResolvingZmqPuller` registers its address under
   `names.push_pull_stream(exp, trial, "puller{i}")`; `NameResolvingZmqPusher`
   picks its puller with `grouping(pusher_count, puller_count)` and waits for
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hmac
 import logging
 import os
 import threading
@@ -50,7 +60,7 @@ from typing import Any
 
 import zmq
 
-from realrl.base import name_resolve, names, network, wire
+from realrl.base import name_resolve, names, network, trial_secret, wire
 from realrl.base.logging import getLogger
 
 logger = getLogger("push_pull_stream")
@@ -121,6 +131,34 @@ class RateLimitedLog:
             self._since, self._suppressed, self._last_suppressed = now, 0, None
 
 
+class StreamSeal:
+    """The seal of one direction of the stream: HMAC-SHA256 of a frame (32 bytes).
+    The trajectories and the acknowledgements have keys of their own, derived
+    from the trial's stream key, so neither can be passed off as the other."""
+
+    TAG_BYTES = 32
+
+    def __init__(self, stream_key: bytes, direction: str):
+        self._key = hmac.digest(stream_key, b"realrl/stream/" + direction.encode(), "sha256")
+
+    def tag(self, frame: Any) -> bytes:
+        """The seal of `frame` (any buffer: bytes, memoryview, a zmq frame's buffer), no copy."""
+        return hmac.digest(self._key, frame, "sha256")
+
+    def verify(self, frame: Any, tag: Any) -> bool:
+        return hmac.compare_digest(self.tag(frame), tag)
+
+
+def _seals(seal_key: bytes | None) -> tuple[StreamSeal | None, StreamSeal | None]:
+    """(trajectories' seal, acknowledgements' seal), or (None, None) without a key."""
+    return (StreamSeal(seal_key, "push"), StreamSeal(seal_key, "ack")) if seal_key else (None, None)
+
+
+def _trial_stream_key() -> bytes | None:
+    keys = trial_secret.current()
+    return keys.stream_mac_key if keys is not None else None
+
+
 def grouping(num_pushers: int, num_pullers: int) -> dict[int, list[int]]:
     """Assigns pushers to pullers in contiguous blocks: puller i gets
     `num_pushers // num_pullers` pushers, and the first `num_pushers %
@@ -154,8 +192,10 @@ class ZMQPusher:
     """Connects a DEALER socket to a puller at `host:port` (one peer: every
     message goes to that puller, and its acknowledgements come back here)."""
 
-    def __init__(self, host: str, port: int, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(self, host: str, port: int, hwm: int = DEFAULT_HWM, seal_key: bytes | None = None) -> None:
         self.address = f"{host}:{port}"
+        self._seal, self._ack_seal = _seals(seal_key)
+        self.n_acks_refused = 0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
@@ -173,13 +213,15 @@ class ZMQPusher:
         `obj` is serialized into a new buffer first, so the caller may modify
         it as soon as push returns."""
         message = wire.dumps(obj)
+        # One message: the wire frame, then its seal (zmq delivers a multipart message whole or not at all).
+        parts = [message] if self._seal is None else [message, self._seal.tag(message)]
         if timeout is None:
-            self._socket.send(message, copy=False)
+            self._socket.send_multipart(parts, copy=False)
         else:
             deadline = time.monotonic() + timeout
             while True:
                 try:
-                    self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+                    self._socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
                     break
                 except zmq.Again:
                     remaining = deadline - time.monotonic()
@@ -193,10 +235,20 @@ class ZMQPusher:
 
     def wait_ack(self, timeout: float) -> Any:
         """The puller's next acknowledgement (decoded), waiting up to `timeout`
-        seconds; TimeoutError if none came. A malformed one raises WireFormatError."""
-        if not self._socket.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
-            raise TimeoutError(f"no acknowledgement from the puller at {self.address} within {timeout}s")
-        return wire.loads(self._socket.recv(copy=False))
+        seconds; TimeoutError if none came. A malformed one raises WireFormatError;
+        one whose seal does not match is ignored and counted (`n_acks_refused`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            if not self._socket.poll(int(remaining * 1000), zmq.POLLIN):
+                raise TimeoutError(f"no acknowledgement from the puller at {self.address} within {timeout}s")
+            parts = self._socket.recv_multipart(copy=False)
+            if self._ack_seal is None:
+                return wire.loads(parts[0])
+            if len(parts) == 2 and self._ack_seal.verify(parts[0].buffer, parts[1].buffer):
+                return wire.loads(parts[0])
+            self.n_acks_refused += 1
+            logger.warning("pusher to %s ignored an acknowledgement without a valid seal", self.address)
 
     def push_acknowledged(
         self,
@@ -258,10 +310,11 @@ class ZMQPusher:
 
     def _send(self, message: Any, timeout: float) -> None:
         """One frame, within `timeout` seconds (TimeoutError: the queues are full)."""
+        parts = [message] if self._seal is None else [message, self._seal.tag(message)]  # (as `push`: sealed)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._socket.send(message, flags=zmq.NOBLOCK, copy=False)
+                self._socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
                 break
             except zmq.Again:
                 remaining = deadline - time.monotonic()
@@ -461,6 +514,7 @@ class ZMQPuller:
         hwm: int = DEFAULT_HWM,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         max_pull: int = DEFAULT_MAX_PULL,
+        seal_key: bytes | None = None,
         reject_ack: Callable[[str], Any] | None = None,
     ) -> None:
         """`reject_ack`: the answer to a sender whose frame is rejected, from
@@ -489,6 +543,8 @@ class ZMQPuller:
         self.n_received = 0
         self.n_rejected = 0
         self.reject_ack = reject_ack
+        self._seal, self._ack_seal = _seals(seal_key)
+        self.n_seal_refused = 0  # no seal, or one that does not match: not from this trial
         self._reject_log = RateLimitedLog()
         self._rcvtimeo_ms: int | None = None
 
@@ -519,6 +575,20 @@ class ZMQPuller:
             frame = socket.recv(copy=False) if socket.getsockopt(zmq.RCVMORE) else None
             if frame is None:
                 self._reject(sender, "an empty message")
+            elif self._seal is not None:
+                tag = socket.recv(copy=False) if frame.more else None
+                if tag is not None and tag.more:  # more than a frame and its seal: drain the rest
+                    while socket.recv(copy=False).more:
+                        pass
+                    tag = None
+                if tag is None or not self._seal.verify(frame.buffer, tag.buffer):
+                    # (not answered: an unsealed sender is not of this trial)
+                    self._refuse_seal("no seal" if tag is None else "a seal that does not match")
+                else:
+                    try:
+                        out.append((sender, wire.loads(frame, self.max_message_bytes)))
+                    except wire.WireFormatError as e:
+                        self._reject(sender, str(e))
             elif frame.more:  # streams send one frame per message: a multipart one is not ours
                 while socket.recv(copy=False).more:  # the rest of a multipart message is already here
                     pass
@@ -540,10 +610,21 @@ class ZMQPuller:
 
     def acknowledge(self, sender: bytes, obj: Any) -> None:
         """Sends `obj` back to `sender` (dropped if that peer is gone or not reading)."""
+        ack = wire.dumps(obj)
+        parts = [sender, ack] if self._ack_seal is None else [sender, ack, self._ack_seal.tag(ack)]
         try:
-            self._socket.send_multipart([sender, wire.dumps(obj)], flags=zmq.NOBLOCK, copy=False)
+            self._socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             pass
+
+    def _refuse_seal(self, what: str) -> None:
+        self.n_seal_refused += 1
+        self._reject_log.warning(
+            "puller %s refused a message with %s (%d refused so far): not from this trial",
+            self.address,
+            what,
+            self.n_seal_refused,
+        )
 
     def _reject(self, sender: bytes, reason: str) -> None:
         self.n_rejected += 1
@@ -573,6 +654,7 @@ class NameResolvingZmqPuller(ZMQPuller):
         **kwargs: Any,
     ) -> None:
         host = host or network.bind_address("local")
+        kwargs.setdefault("seal_key", _trial_stream_key())  # this process's trial key (None: unsealed)
         for attempt in range(bind_retries):
             # A port claimed in name_resolve, so no other process of the trial is handed it.
             port = network.find_free_port(experiment_name, trial_name, host=host)
@@ -621,5 +703,6 @@ class NameResolvingZmqPusher(ZMQPusher):
                 f"pusher {pusher_index}: puller {self.puller_index} did not register {key!r} within {timeout}s"
             ) from None
         host, port = address.rsplit(":", 1)
+        kwargs.setdefault("seal_key", _trial_stream_key())
         super().__init__(host, int(port), **kwargs)
         logger.info("pusher %d -> puller %d at %s", pusher_index, self.puller_index, address)

@@ -63,7 +63,7 @@ from realrl.api.env_api import make_env
 from realrl.api.manager_api import ResetRolloutWorkerReply, ResetRolloutWorkerRequest
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import faults, name_resolve, names, network
+from realrl.base import faults, name_resolve, names, network, trial_secret
 from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
@@ -273,7 +273,7 @@ class RolloutWorker(AsyncWorker):
         request = urllib.request.Request(
             f"{self.manager_url}/reset_rollout_worker",
             data=json.dumps(to_json(ResetRolloutWorkerRequest(self.info.worker_index))).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **trial_secret.http_headers()},
             method="POST",
         )
         with urllib.request.urlopen(request, timeout=MANAGER_CALL_TIMEOUT_S) as resp:

@@ -37,7 +37,9 @@ every trajectory restored from a checkpoint, is either rejected (wire format),
 invalid (schema or vocabulary), foreign, a duplicate, taken (consumed),
 dropped as stale, or still buffered: `received_total + restored ==
 n_wire_rejected + n_invalid + n_foreign + n_duplicates + n_taken +
-n_dropped_stale + buffered`. `snapshot()` / `seen()` / `restore()` carry the
+n_dropped_stale + buffered`. A message without the trial's seal (§14) never
+reaches this account: it is refused by the puller and counted
+`n_seal_refused` alone. `snapshot()` / `seen()` / `restore()` carry the
 buffer and the keys taken (`KeyLedger`: bitmaps, so memory stays flat over a
 trial) across a recovery checkpoint.
 """
@@ -96,6 +98,7 @@ class PullerStreamDataset:
         self._error: BaseException | None = None
         self.n_received = 0  # decoded messages (valid or not)
         self.n_wire_rejected = 0
+        self.n_seal_refused = 0  # not from this trial (docs/design.md §14): apart from every count below
         self.n_invalid = 0
         self.n_taken = 0
         self.n_dropped_stale = 0
@@ -138,6 +141,7 @@ class PullerStreamDataset:
                     continue
                 messages = puller.pull_with_senders(timeout=0.05)
                 self.n_wire_rejected = puller.n_rejected
+                self.n_seal_refused = puller.n_seal_refused
                 for sender, msg in messages:
                     puller.acknowledge(sender, self._add(msg))
         except BaseException as e:  # surfaced on the next take()
@@ -267,6 +271,7 @@ class PullerStreamDataset:
                 "restored": self.n_restored,
                 "received": self.n_received + self.n_wire_rejected,
                 "wire_rejected": self.n_wire_rejected,
+                "seal_refused": self.n_seal_refused,
                 "invalid": self.n_invalid,
                 "foreign": self.n_foreign,
                 "duplicates_dropped": self.n_duplicates,

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 from realrl.api.system_api import WorkerInfo, WorkerSpec, from_plain
 from realrl.base import logging as realrl_logging
-from realrl.base import name_resolve, names, network
+from realrl.base import name_resolve, names, network, trial_secret
 from realrl.base.plugins import load_plugins
 
 
@@ -501,6 +501,7 @@ def run_worker(spec: WorkerSpec) -> int:
 
     info = spec.info
     realrl_logging.configure(info.tag)
+    trial_secret.install(info.secret_path)  # this process's keys, before it talks to anyone
     name_resolve.reconfigure(info.name_resolve)
     try:
         load_plugins(info.plugins)

@@ -146,6 +146,7 @@ def test_status_replies_round_trip():
         server_in_flight={"a": 0},
         server_events={},
         bad_requests=0,
+        unauthorized=0,
         gen_idle_s=1.5,
         gen_server_s=2.0,
         gen_tokens=3,

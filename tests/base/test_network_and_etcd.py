@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -13,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from realrl.base import name_resolve, names, network
-from realrl.base.etcd_server import EtcdServer, start_supervised
+from realrl.base import name_resolve, names, network, trial_secret
+from realrl.base.etcd_server import PRIVATE_ETCD_USER, EtcdServer, enable_auth, start_supervised
 from tests.conftest import make_nr_config
 
 
@@ -103,3 +104,31 @@ def test_names_are_scoped_and_validated(monkeypatch):
     assert names.worker_status("exp", "t1", "model_worker", 0).startswith(names.trial_root("exp", "t1") + "/")
     with pytest.raises(ValueError, match="trial_name"):
         names.trial_root("exp", "a/b")
+
+
+def test_an_etcd_write_without_the_trials_credentials_is_refused(tmp_path):
+    """docs/design.md §14: the private etcd runs with authentication on (root,
+    the password derived from the trial secret)."""
+    secret = trial_secret.ensure_secret(str(tmp_path / "run"))
+    server = EtcdServer(str(tmp_path / "etcd")).start()
+    try:
+        enable_auth(server.addr, trial_secret.load_keys(secret).etcd_password)
+        enable_auth(server.addr, trial_secret.load_keys(secret).etcd_password)  # a resume: left as it is
+        trial = name_resolve.NameResolveConfig(
+            type="etcd3", etcd3_addr=server.addr, etcd3_user=PRIVATE_ETCD_USER, etcd3_secret=secret
+        )
+        repo = name_resolve.make_repository(trial)
+        repo.add("trial/key", "ours", delete_on_exit=False)
+        anonymous = name_resolve.make_repository(name_resolve.NameResolveConfig(type="etcd3", etcd3_addr=server.addr))
+        with pytest.raises(Exception, match="user name is empty"):
+            anonymous.add("trial/key", "theirs", replace=True)
+        with pytest.raises(Exception, match="user name is empty"):
+            anonymous.get("trial/key")
+        other = trial_secret.ensure_secret(str(tmp_path / "other"))  # another trial's secret
+        with pytest.raises(Exception, match="authentication failed"):
+            name_resolve.make_repository(dataclasses.replace(trial, etcd3_secret=other))
+        assert repo.get("trial/key") == "ours"
+        anonymous.close()
+        repo.close()
+    finally:
+        server.stop()

@@ -18,7 +18,9 @@ import numpy as np
 import zmq
 
 from realrl.api.trajectory import Trajectory
-from realrl.base import name_resolve, names, wire
+from realrl.base import name_resolve, names, trial_secret, wire
+from realrl.cli.trial import connect
+from realrl.system.push_pull_stream import StreamSeal
 from tests.e2e.test_faults import Trial
 
 EXP = "async-ppo-tiny"
@@ -27,11 +29,14 @@ STEPS, ETA = 10, 2
 
 def _repository(tmp_path, trial: str):
     """The trial's private etcd, found as `realrl status` finds it."""
-    with open(os.path.join(tmp_path, "run", EXP, trial, "etcd", "etcd.addr")) as f:
-        return name_resolve.make_repository(name_resolve.NameResolveConfig("etcd3", f.read().strip()))
+    repo, problem = connect(name_resolve.NameResolveConfig("etcd3"), os.path.join(tmp_path, "run", EXP, trial))
+    assert repo is not None, problem
+    return repo
 
 
-def _trajectory(qid: str, prompt_len: int, gen_len: int, version: int = 0, logprob: float = -1.0) -> dict:
+def _trajectory(
+    qid: str, prompt_len: int, gen_len: int, version: int = 0, logprob: float = -1.0, rollout_id: str = ""
+) -> dict:
     ids = np.full(prompt_len + gen_len, 5, dtype=np.int32)
     return Trajectory(
         qid=qid,
@@ -45,12 +50,15 @@ def _trajectory(qid: str, prompt_len: int, gen_len: int, version: int = 0, logpr
         version_end=[version],
         reward=[1.0],
         no_eos=[False],
+        rollout_id=rollout_id,
     ).to_wire()
 
 
 def _http(url: str, body=None, raw: bytes | None = None) -> int:
+    """A request from the insider: it holds the trial's key (`_send_junk` installs it)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **trial_secret.http_headers()}
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status
@@ -68,21 +76,30 @@ INVALID = [
     _trajectory("fuzz-future@0", 4, 3, version=10**6),  # a weight version the trainer never had
     _trajectory("fuzz-positive@0", 4, 3, logprob=0.5),
 ]
-REJECTED_FRAMES = [[b"not a realrl message"], [b"two", b"frames"]]
+REJECTED_FRAMES = [b"not a realrl message", b"RJ" + bytes(30)]  # sealed, but no wire message
 # A well-formed trajectory of no admitted rollout (no rollout id): foreign.
 FOREIGN = [_trajectory("fuzz-foreign@0", 4, 3)]
+# From outside the trial (docs/design.md §14): a trainable trajectory of a rollout id of the trial's
+# form, unsealed, sealed with another trial's key, and sealed then tampered with. Were one taken, it
+# would be trained and the ledger would not balance.
+OUTSIDER = wire.dumps(_trajectory("fuzz-outsider@0", 4, 3, rollout_id="0:0:99999"))
 
 
 def _send_junk(tmp_path, trial: str, context: zmq.Context, strays: list) -> dict[str, list[int]]:
     repo = _repository(tmp_path, trial)
+    trial_secret.install(os.path.join(tmp_path, "run", EXP, trial, "secret"))  # an insider: it holds the secret
     key = lambda stream: names.request_reply_stream(EXP, trial, stream)  # noqa: E731
     puller = repo.get(names.push_pull_stream(EXP, trial, "puller0"))
     push = context.socket(zmq.DEALER)  # the puller is a ROUTER that acknowledges (docs/design.md §4)
     push.setsockopt(zmq.LINGER, 5000)
     push.connect(f"tcp://{puller}")
-    for message in INVALID + FOREIGN:
-        push.send(wire.dumps(message))
-    for frames in REJECTED_FRAMES:
+    seal = StreamSeal(trial_secret.current().stream_mac_key, "push")  # the insider's: the trial's own
+    for frame in [wire.dumps(m) for m in INVALID + FOREIGN] + REJECTED_FRAMES:
+        push.send_multipart([frame, seal.tag(frame)])
+    other_trial = StreamSeal(os.urandom(32), "push")
+    tampered = bytearray(OUTSIDER)
+    tampered[-1] ^= 1
+    for frames in ([OUTSIDER], [OUTSIDER, other_trial.tag(OUTSIDER)], [bytes(tampered), seal.tag(OUTSIDER)]):
         push.send_multipart(frames)
     push.close()  # (lingers until delivered)
 
@@ -161,6 +178,7 @@ def test_junk_to_a_live_trial_is_counted_apart_and_bends_nothing(tmp_path, kit_c
     # The junk is refused and counted: invalid trajectories, rejected frames, bad requests; no
     # request of a stray was left in flight on a server.
     assert t["dropped_invalid"] == len(INVALID) and t["rejected_frames"] == len(REJECTED_FRAMES), t
+    assert t["seal_refused_frames"] == 3, t  # the outsider's three: refused, never trained
     assert t["foreign"] == len(FOREIGN), t
     assert summary["rollouts"]["bad_requests"] == len(statuses["manager"]), summary["rollouts"]
     assert set(summary["rollouts"]["server_in_flight"].values()) == {0}, summary["rollouts"]

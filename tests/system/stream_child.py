@@ -4,6 +4,8 @@ environment (name_resolve.config_to_env).
 
     python stream_child.py pusher EXP TRIAL INDEX COUNT PULLER_COUNT N_MESSAGES
     python stream_child.py reply_server EXP TRIAL WORKER_INDEX [GO_FILE]
+
+With TEST_TRIAL_SECRET naming a trial secret file, the child seals its streams with its keys.
 """
 
 from __future__ import annotations
@@ -106,7 +108,10 @@ def run_reply_server(exp: str, trial: str, worker_index: int, go_file: str | Non
     server.register("fail", remote_failing_function)
     server.register("release", release)
     server.register("mark", mark)
-    server.register("stats", lambda data: {"n_rejected": server.n_rejected, "n_handled": server.n_handled})
+    server.register(
+        "stats",
+        lambda data: {"n_rejected": server.n_rejected, "n_forged": server.n_forged, "n_handled": server.n_handled},
+    )
     server.register("unsendable", lambda data: {"x": object()})
     server.register("block", block, long_running=True)
     server.register("long_echo", long_echo, long_running=True)
@@ -119,6 +124,9 @@ def run_reply_server(exp: str, trial: str, worker_index: int, go_file: str | Non
 
 
 def main() -> None:
+    from realrl.base import trial_secret
+
+    trial_secret.install(os.environ.get("TEST_TRIAL_SECRET", ""))  # a sealed stream's key (docs/design.md §14)
     action, args = sys.argv[1], sys.argv[2:]
     if action == "pusher":
         exp, trial, index, count, puller_count, n_messages = args

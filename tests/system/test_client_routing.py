@@ -16,7 +16,7 @@ import urllib.request
 
 from realrl.api.manager_api import RoutedServer, RoutingTable
 from realrl.api.system_api import GserverManagerConfig
-from realrl.base import names
+from realrl.base import names, trial_secret
 from realrl.impl.generation.sim_server import SimServerHost
 from realrl.launcher.local import WorkerGroup
 from realrl.system.client_routing import ClientRouting
@@ -29,7 +29,8 @@ HEALTH_S = 0.3  # the manager's health_check_interval here
 
 
 def rollout_stats(manager_url: str) -> dict:
-    with urllib.request.urlopen(manager_url + "/rollout_stats", timeout=10) as resp:
+    request = urllib.request.Request(manager_url + "/rollout_stats", headers=trial_secret.http_headers())
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return json.load(resp)
 
 

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from realrl.api.system_api import GserverManagerConfig
-from realrl.base import names, network
+from realrl.base import names, network, trial_secret
 from realrl.impl.generation.client import GenerationClient
 from realrl.launcher.local import WorkerGroup
 from realrl.system.gserver_manager import delete_old_weight_dirs
@@ -149,7 +149,8 @@ def start_manager_trial(
         trial.set(names.training_start(EXP, trial.trial), json.dumps(start))
 
         def started() -> bool:
-            with urllib.request.urlopen(manager_url + "/rollout_stats", timeout=10) as resp:
+            request = urllib.request.Request(manager_url + "/rollout_stats", headers=trial_secret.http_headers())
+            with urllib.request.urlopen(request, timeout=10) as resp:
                 return json.load(resp)["started"]
 
         wait_until(started, 60, "the manager to open admission")
@@ -208,7 +209,8 @@ class Manager:
 
 def run_with_manager(url: str, scenario):
     async def main():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout, headers=trial_secret.http_headers()) as session:
             return await scenario(Manager(session, url))
 
     return asyncio.run(main())

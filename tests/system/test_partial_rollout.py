@@ -27,7 +27,7 @@ from realrl.api.env_api import make_env
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.api.manager_api import ScheduledServer, ScheduleReply
 from realrl.api.system_api import GenerationServerConfig, GserverManagerConfig
-from realrl.base import names
+from realrl.base import names, trial_secret
 from realrl.base.http_body import to_json
 from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
 from realrl.impl import environments as _environments  # noqa: F401
@@ -131,7 +131,8 @@ def trial(request, tmp_path_factory, etcd_server, tiny_kit):
 
 
 def manager_stats(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/rollout_stats", timeout=30) as resp:
+    request = urllib.request.Request(f"{url}/rollout_stats", headers=trial_secret.http_headers())
+    with urllib.request.urlopen(request, timeout=30) as resp:
         return json.loads(resp.read())
 
 
@@ -296,7 +297,7 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
 def server_stats(url: str) -> dict[str, float]:
     """The torch server's counters, from /metrics (emulating SGLang, its
     /get_server_info has SGLang's shape)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=trial_secret.http_headers())) as resp:
         lines = resp.read().decode().splitlines()
     prefix = "realrl_torch_server_"
     return {k[len(prefix) :]: float(v) for k, v in (line.split() for line in lines) if "{" not in k}

@@ -21,6 +21,7 @@ from realrl.system.push_pull_stream import (
     NameResolvingZmqPusher,
     PushNotAcknowledged,
     RateLimitedLog,
+    StreamSeal,
     ZMQPuller,
     ZMQPusher,
     grouping,
@@ -433,4 +434,67 @@ def test_a_frame_the_puller_rejects_is_answered_when_it_has_a_reject_ack():
     finally:
         raw.close()
         context.term()
+        puller.close()
+
+
+def test_a_sealed_stream_takes_only_what_the_trials_key_sealed_and_ignores_forged_acks():
+    """docs/design.md §14: unsealed, tampered and other-trial messages are refused before
+    decoding, counted apart from `n_rejected`, never acknowledged; forged acks are ignored."""
+    key = b"k" * 32
+    puller = ZMQPuller(seal_key=key)
+    pusher = ZMQPusher("127.0.0.1", puller.port, seal_key=key)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{puller.address}")
+    try:
+        good = wire.dumps({"trajectory": np.arange(4, dtype=np.int32)})
+        tampered = bytearray(good)
+        tampered[-1] ^= 1
+        seal, other = StreamSeal(key, "push"), StreamSeal(b"o" * 32, "push")
+        for parts in (
+            [good],  # no seal
+            [good, other.tag(good)],  # another trial's key
+            [bytes(tampered), seal.tag(good)],  # tampered after sealing
+            [good, seal.tag(good)[:-1]],  # a cut seal
+            [good, seal.tag(good), b"more"],  # three frames
+            [good, StreamSeal(key, "ack").tag(good)],  # the acknowledgements' seal
+        ):
+            raw.send_multipart(parts)
+        pusher.push({"from": "the trial"}, timeout=5)
+        got = []
+        give_up = time.monotonic() + 30
+        while not got and time.monotonic() < give_up:
+            got = puller.pull_with_senders(timeout=0.1)
+        assert [msg for _, msg in got] == [{"from": "the trial"}]
+        assert puller.n_seal_refused == 6 and puller.n_rejected == 0 and puller.n_received == 1
+        assert not raw.poll(100)  # nothing refused was acknowledged
+
+        # A sealed ack arrives; a forged one (unsealed, or sealed as a trajectory) is ignored, counted.
+        forged = wire.dumps({"verdict": "taken"})
+        router = puller._socket
+        router.send_multipart([got[0][0], forged])
+        router.send_multipart([got[0][0], forged, seal.tag(forged)])
+        puller.acknowledge(got[0][0], {"verdict": "duplicate"})
+        assert pusher.wait_ack(timeout=10) == {"verdict": "duplicate"}
+        assert pusher.n_acks_refused == 2
+    finally:
+        raw.close()
+        context.term()
+        pusher.close(linger=0)
+        puller.close()
+
+
+def test_an_unsealed_pusher_gets_nothing_into_a_sealed_puller():
+    puller = ZMQPuller(seal_key=b"k" * 32)
+    pusher = ZMQPusher("127.0.0.1", puller.port)  # no key: an outsider's pusher
+    try:
+        for i in range(3):
+            pusher.push({"i": i}, timeout=5)
+        give_up = time.monotonic() + 30
+        while puller.n_seal_refused < 3 and time.monotonic() < give_up:
+            assert puller.pull(timeout=0.1) == []
+        assert puller.n_seal_refused == 3 and puller.n_received == 0
+    finally:
+        pusher.close(linger=0)
         puller.close()

@@ -396,3 +396,53 @@ def test_payload_validation():
     ]:
         with pytest.raises(ValueError):
             Payload.from_wire(bad)
+
+
+def test_a_sealed_stream_ignores_forged_replies_and_forged_requests(tmp_path, etcd_server, monkeypatch):
+    """docs/design.md §14: with the trial's keys, every control message carries a seal; a
+    reply from outside the trial (unsealed, or sealed with another trial's key) is ignored
+    and counted, even one naming a request in flight, and so is a request to a worker."""
+    from realrl.base import trial_secret
+    from realrl.system.push_pull_stream import StreamSeal
+
+    secret = trial_secret.ensure_secret(str(tmp_path / "trial"))
+    monkeypatch.setenv("TEST_TRIAL_SECRET", secret)
+    trial_secret.install(secret)
+    config = make_nr_config("etcd3", tmp_path, etcd_server)
+    name_resolve.reconfigure(config)
+    c = start_cluster(config, 1, go_file=str(tmp_path / "go"))
+    context = zmq.Context()
+    try:
+        client = c.client
+        other = StreamSeal(os.urandom(32), "to-master")
+
+        async def scenario():
+            call = asyncio.ensure_future(client.call_async([0], "echo", ["genuine"], timeout=60))
+            await asyncio.sleep(0.2)  # the request is in flight; the worker waits for the go file
+            (request_id,) = list(client._inflight)
+            forged = wire.dumps(Payload(0, "echo", request_id=request_id, result="forged", kind="reply").to_wire())
+            stray = context.socket(zmq.PUSH)
+            stray.setsockopt(zmq.LINGER, 1000)
+            stray.connect(f"tcp://{client.recv_address}")
+            stray.send(forged)
+            stray.send_multipart([forged, other.tag(forged)])
+            stray.close()
+            give_up = time.monotonic() + 30
+            while client.n_forged < 2 and time.monotonic() < give_up:
+                await asyncio.sleep(0.05)
+            assert not call.done()
+            open(tmp_path / "go", "w").close()
+            return await call
+
+        assert asyncio.run(scenario()) == ["genuine"]
+        assert client.n_forged == 2 and client.n_rejected == 0
+        # A request that does not carry the master's seal never runs on the worker.
+        worker0 = client._routing_ids[0]
+        request = wire.dumps(Payload(0, "mark", kind="request").to_wire())
+        client._send_sockets[0].send_multipart([worker0, request])
+        (stats,) = call(client, [0], "stats", timeout=30)
+        assert stats["n_forged"] == 1 and call(client, [0], "mark", timeout=30) == [1]
+    finally:
+        context.term()
+        stop_cluster(c)
+        name_resolve.reconfigure(name_resolve.NameResolveConfig())

@@ -23,7 +23,7 @@ from realrl.api.agent_api import AgentSettings
 from realrl.api.cli_args import AgentConfig
 from realrl.api.system_api import RolloutWorkerConfig
 from realrl.api.trajectory import Sampling, Trajectory
-from realrl.base import names
+from realrl.base import names, trial_secret
 from realrl.impl.math_data import load_math_jsonl, write_jsonl
 from realrl.impl.tiny_model import build_tiny_model
 from realrl.system.push_pull_stream import NameResolvingZmqPuller
@@ -237,13 +237,13 @@ async def external_agent(endpoint: str, episodes: int) -> list[tuple[str, float]
     """An agent process outside realrl: per episode, open it, make two chat
     calls (the second continues the first), close it with a reward."""
     done = []
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as http:  # it reads the trial's key
         while len(done) < episodes:
             async with http.post(f"{endpoint}/rl/episodes", json={"wait_s": 5}) as resp:
                 opened = await resp.json()
             if opened["episode_id"] is None:
                 continue
-            client = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="unused")
+            client = openai.AsyncOpenAI(base_url=opened["base_url"], api_key=trial_secret.http_api_key())
             messages = list(opened["row"]["messages"])
             first = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
             messages += [first.choices[0].message, {"role": "user", "content": "Again?"}]

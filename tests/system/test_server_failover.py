@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
-from realrl.base import names
+from realrl.base import names, trial_secret
 from tests.system.test_generation_server import SERVER_MODES
 from tests.system.test_partial_rollout import (  # noqa: F401  (tiny_kit: a fixture)
     EXP,
@@ -75,7 +75,7 @@ class NonBatchingServer(HealthOnlyServer):
             body = await request.json()
             if isinstance(body["input_ids"][0], list):
                 return web.json_response({"output_ids": [], "meta_info": {"finish_reason": None}})
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
                 async with session.post(f"{self.upstream}/generate", json=body) as resp:
                     return web.json_response(await resp.json(), status=resp.status)
 
@@ -116,7 +116,7 @@ def two_groups(t: TrialThread, prefix: str) -> tuple[dict, list[dict]]:
 
 
 def manager_servers(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/servers", timeout=30) as resp:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/servers", headers=trial_secret.http_headers())) as resp:
         return {s["url"]: s for s in json.loads(resp.read())["servers"]}
 
 

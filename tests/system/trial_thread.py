@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.base.name_resolve import NameResolveConfig
 from realrl.launcher.local import LocalLauncher, WorkerGroup
 from realrl.system.worker_base import ExperimentStatus
@@ -53,6 +53,9 @@ class TrialThread:
         # The launcher clears the trial's keys before it sets its keep-alive key:
         # from then on, keys the test adds stay.
         self.wait_key(names.launcher_keepalive(self.experiment, self.trial))
+        # The test process is one of the trial's (its clients carry the trial's key); conftest's
+        # autouse fixture drops the keys after the test.
+        trial_secret.install(self.launcher.secret_path)
         return self
 
     def get(self, key: str) -> str | None:
@@ -99,3 +102,5 @@ class TrialThread:
                 pass
             self.thread.join(120)
         self.repo.close()
+        if trial_secret.installed_path() == self.launcher.secret_path:
+            trial_secret.install("")

@@ -102,12 +102,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
+import os
 import sys
 
 from packaging.version import InvalidVersion, Version
 
 from realrl.api.cli_args import ALL_LINEAR
 from realrl.api.system_api import GenerationServerConfig
+from realrl.base import trial_secret
 from realrl.base.registry import Registry
 
 SGLANG_MIN_VERSION = "0.5.16"  # see the module docstring
@@ -133,6 +136,11 @@ class GenerationBackend:
     def env(self, config: GenerationServerConfig) -> dict[str, str]:
         """Environment variables the server process gets on top of the worker's."""
         return {}
+
+    def secure_args(self, config: GenerationServerConfig, secret_path: str, server_name: str) -> list[str]:
+        """Arguments (after `command`'s) that make the server demand the trial's HTTP key
+        (docs/design.md §14), never the key itself; `server_name` names a file of its own."""
+        return []
 
 
 def _module_available(name: str) -> bool:
@@ -196,6 +204,11 @@ class TorchBackend(GenerationBackend):
             ]
         return cmd
 
+    def secure_args(self, config: GenerationServerConfig, secret_path: str, server_name: str) -> list[str]:
+        # It reads the secret itself; weights load only from the trial's weights directory.
+        args = ["--secret-file", secret_path]
+        return args + ["--weights-dir", config.weights_dir] if config.weights_dir else args
+
     def env(self, config: GenerationServerConfig) -> dict[str, str]:
         # Emulating SGLang: launched as SGLang is.
         return SGLangBackend().env(config) if config.torch.emulate_sglang else {}
@@ -240,6 +253,15 @@ class SGLangBackend(GenerationBackend):
         # weight update; the logprobs are those after temperature scaling,
         # which the trainer reproduces (see the module docstring).
         return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+
+    def secure_args(self, config: GenerationServerConfig, secret_path: str, server_name: str) -> list[str]:
+        # SGLang's `--api-key` (every route but /health*, /ready and /metrics needs it), given in its
+        # `--config` YAML, a 0600 file beside the secret: a command line is visible to every local user.
+        # SGLang loads weights from any path it is given: only the key keeps others from it.
+        path = os.path.join(os.path.dirname(secret_path), f"{server_name}.sglang.yaml")
+        key = trial_secret.load_keys(secret_path).http_api_key
+        trial_secret.write_private(path, json.dumps({"api-key": key}).encode())  # JSON is YAML
+        return ["--config", path]
 
     def command(self, config: GenerationServerConfig, host: str, port: int, base_gpu_id: int = 0) -> list[str]:
         sg = config.sglang

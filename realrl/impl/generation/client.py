@@ -55,6 +55,7 @@ from realrl.api.sglang_api import (
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
 )
+from realrl.base import trial_secret
 from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
 
@@ -218,7 +219,8 @@ class GenerationClient:
                 )
             return self._session
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
-        self._session = aiohttp.ClientSession(connector=connector)
+        # The trial's key on every request (docs/design.md §14; nothing when security is off).
+        self._session = aiohttp.ClientSession(connector=connector, headers=trial_secret.http_headers())
         self._loop = loop
         return self._session
 

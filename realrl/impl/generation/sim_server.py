@@ -54,6 +54,7 @@ from realrl.api.sglang_api import (
     TorchServerInfo,
     UpdateWeightsFromDiskResponse,
 )
+from realrl.base import trial_secret
 from realrl.base.http_body import BodyError
 from realrl.impl.generation.torch_server.http import TorchGenerationServer
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
@@ -350,7 +351,10 @@ class SimServerHost:
         urls = []
         for _ in range(n):
             engine = SimEngine(self.config, on_update=self._loaded)
-            app = TorchGenerationServer(engine, model_path="simulated", device="sim", dtype="none").make_app()
+            server = TorchGenerationServer(
+                engine, model_path="simulated", device="sim", dtype="none", api_key=trial_secret.http_api_key()
+            )
+            app = server.make_app()
             app.middlewares.append(self._count)
             runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
             await runner.setup()

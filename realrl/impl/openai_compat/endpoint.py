@@ -17,6 +17,12 @@ holds it for its episodes, on 127.0.0.1. Only the process's own agents and
 the external agents it invites reach an episode: its key is 144 random bits
 in the URL, unknown keys get 404.
 
+Every route but `/health` needs `Authorization: Bearer <the trial's HTTP
+key>` when the process holds the trial's keys (docs/design.md §14); the
+clients `client()` and `judge_client()` make carry it as their `api_key`, so
+an agent's own code does not change. An external agent reads the key from the
+trial's secret (`realrl.base.trial_secret`).
+
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
 400 for a request the endpoint cannot honour (the client does not retry it),
 404 for an unknown or closed episode, 413 for a body over the limit, and 500
@@ -48,6 +54,8 @@ from realrl.api.openai_api import (
     OpenEpisodeReply,
     OpenEpisodeRequest,
 )
+from realrl.base import trial_secret
+from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.base.logging import getLogger
 from realrl.impl.openai_compat.chat import ChatSession, completion_chunks
@@ -73,11 +81,14 @@ class ChatEndpoint:
     external agent (`POST /rl/episodes`)."""
 
     def __init__(
-        self, host: str = LOOPBACK, port: int = 0, middlewares: Iterable[Middleware] = (), api_key: str = "realrl"
+        self, host: str = LOOPBACK, port: int = 0, middlewares: Iterable[Middleware] = (), api_key: str | None = None
     ):
         self.host, self.port = host, port
-        self.middlewares = list(middlewares)
-        self.api_key = api_key  # what this process's own clients send (`client()`)
+        # Every route but /health needs the trial's key when the process has one (docs/design.md §14):
+        # the process's own agents get it as their client's api_key, so their code needs no change.
+        self.gate = BearerGate(trial_secret.http_api_key())
+        self.middlewares = [self.gate.middleware, *middlewares]
+        self.api_key = api_key or trial_secret.http_api_key() or "realrl"  # what `client()` sends
         self.url = ""
         self._http_client: Any = None  # shared by the clients of `client()`: a client of its own costs ~60 ms
         self.sessions: dict[str, ChatSession] = {}
@@ -183,7 +194,8 @@ class ChatEndpoint:
                 return session  # else its episode ended while it waited
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        refused = {"unauthorized": self.gate.refused} if self.gate.refused else {}
+        return {**self.counters, **refused}
 
     # ---- routes --------------------------------------------------------------------
     def _session(self, request: web.Request) -> ChatSession:

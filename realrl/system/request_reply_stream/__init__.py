@@ -41,6 +41,11 @@ A handler's exception becomes an error reply (type, message, traceback); the
 master raises it as `RemoteError`. Malformed messages are dropped, counted in
 `n_rejected` and logged; both ends keep running. Every wait has a timeout.
 
+Seals. In a process holding the trial's keys (docs/design.md §14) every
+message is two frames, the wire buffer and its HMAC-SHA256 under the control
+key of its direction (`protocol.control_seals`); a message without a valid
+seal is ignored before it is decoded and counted in `n_forged`.
+
 Lost requests. A worker confirms every request it takes: a cheap one by its
 reply, a long one by "received" as it queues it (a SYN/ACK one by its syn).
 A request that nobody confirms (its worker died or stalled) is warned about after `warn_after`

@@ -11,8 +11,8 @@ from typing import Any
 
 import zmq
 
-from realrl.base import wire
-from realrl.system.push_pull_stream import RateLimitedLog
+from realrl.base import trial_secret, wire
+from realrl.system.push_pull_stream import RateLimitedLog, StreamSeal
 
 BARRIER = "barrier"
 REQUEST, ACK, CANCEL, SYN, RECEIVED, REPLY = "request", "ack", "cancel", "syn", "received", "reply"
@@ -78,10 +78,26 @@ class Payload:
         return Payload(handler, name, msg.get("data"), no_syn, request_id, msg.get("result"), err, kind)
 
 
-def send_within(socket: zmq.Socket, message: bytes, timeout: float, what: str) -> None:
-    """Queues `message`, waiting up to `timeout` for room or a connection."""
+def control_seals() -> tuple[StreamSeal | None, StreamSeal | None]:
+    """(the seal of messages to the workers, the seal of messages to the master),
+    under this process's trial control key (docs/design.md §14); (None, None)
+    when security is off."""
+    keys = trial_secret.current()
+    if keys is None:
+        return None, None
+    return StreamSeal(keys.control_key, "to-worker"), StreamSeal(keys.control_key, "to-master")
+
+
+def sealed(message: bytes, seal: StreamSeal | None) -> list:
+    """The frames of one message: it, and its seal when there is one."""
+    return [message] if seal is None else [message, seal.tag(message)]
+
+
+def send_within(socket: zmq.Socket, message: bytes, timeout: float, what: str, seal: StreamSeal | None = None) -> None:
+    """Queues `message` (and its seal), waiting up to `timeout` for room or a connection."""
+    parts = sealed(message, seal)
     try:
-        socket.send(message, zmq.NOBLOCK, copy=False)
+        socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
         return
     except zmq.Again:
         pass
@@ -92,22 +108,25 @@ def send_within(socket: zmq.Socket, message: bytes, timeout: float, what: str) -
             raise TimeoutError(f"could not send {what} within {timeout}s (peer not connected or not reading)")
         if socket.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
             try:
-                socket.send(message, zmq.NOBLOCK, copy=False)
+                socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
                 return
             except zmq.Again:
                 continue
 
 
-def send_routed_within(socket: zmq.Socket, routing_id: bytes, message: bytes, timeout: float, what: str) -> bool:
+def send_routed_within(
+    socket: zmq.Socket, routing_id: bytes, message: bytes, timeout: float, what: str, seal: StreamSeal | None = None
+) -> bool:
     """Queues `message` on a ROUTER socket (ROUTER_MANDATORY) for the peer
     `routing_id`, waiting up to `timeout` for room or for that peer to be
     connected (it may still be completing its handshake, or reconnecting).
     Never sends to anyone else. Returns True if it had to wait."""
     deadline = time.monotonic() + timeout
     waited = False
+    parts = [routing_id, *sealed(message, seal)]
     while True:
         try:
-            socket.send_multipart([routing_id, message], zmq.NOBLOCK, copy=False)
+            socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
             return waited
         except zmq.Again:
             pass
@@ -127,13 +146,17 @@ def new_routing_id() -> bytes:
 
 
 class Receiver:
-    """Receive side shared by both ends: decodes, validates and counts rejects."""
+    """Receive side shared by both ends: checks the seal (with `seal`), decodes,
+    validates and counts rejects. A message without the trial's seal is not
+    decoded: it is ignored and counted in `n_forged` (docs/design.md §14)."""
 
-    def __init__(self, socket: zmq.Socket, where: str, max_message_bytes: int) -> None:
+    def __init__(self, socket: zmq.Socket, where: str, max_message_bytes: int, seal: StreamSeal | None = None) -> None:
         self.socket = socket
         self.where = where
         self.max_message_bytes = max_message_bytes
+        self.seal = seal
         self.n_rejected = 0
+        self.n_forged = 0
         self._log = RateLimitedLog()
 
     def receive_all(self) -> list[Payload]:
@@ -145,7 +168,19 @@ class Receiver:
             except zmq.Again:
                 self._log.maybe_flush()  # the suppressed count, once its interval has passed
                 return out
-            if frame.more:
+            if self.seal is not None:
+                tag = self.socket.recv(copy=False) if frame.more else None
+                if tag is not None and tag.more:
+                    while self.socket.recv(copy=False).more:
+                        pass
+                    tag = None
+                if tag is None or not self.seal.verify(frame.buffer, tag.buffer):
+                    self.n_forged += 1
+                    self._log.warning(
+                        "%s ignored a message without this trial's seal (%d so far)", self.where, self.n_forged
+                    )
+                    continue
+            elif frame.more:
                 while self.socket.recv(copy=False).more:
                     pass
                 self.reject("a multipart message (this stream sends single frames)")

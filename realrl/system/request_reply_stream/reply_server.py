@@ -44,6 +44,7 @@ from realrl.system.request_reply_stream.protocol import (
     SYN,
     Payload,
     Receiver,
+    control_seals,
     master_send,
     new_routing_id,
     send_within,
@@ -108,7 +109,8 @@ class NameResolvingReplyServer:
         self._send_socket = self._context.socket(zmq.PUSH)
         self._send_socket.setsockopt(zmq.LINGER, _REPLY_LINGER_MS)
         self._send_socket.connect(f"tcp://{replies_address}")
-        self._receiver = Receiver(recv_socket, f"model worker {worker_index}", max_message_bytes)
+        self._to_worker, self._to_master = control_seals()  # docs/design.md §14
+        self._receiver = Receiver(recv_socket, f"model worker {worker_index}", max_message_bytes, self._to_worker)
         self._recv_socket = recv_socket
 
         # The long-running lane: a FIFO of (payload, fn) for one thread, which puts
@@ -133,6 +135,11 @@ class NameResolvingReplyServer:
     @property
     def n_rejected(self) -> int:
         return self._receiver.n_rejected
+
+    @property
+    def n_forged(self) -> int:
+        """Messages ignored for want of this trial's seal (docs/design.md §14)."""
+        return self._receiver.n_forged
 
     @property
     def n_pending(self) -> int:
@@ -210,7 +217,7 @@ class NameResolvingReplyServer:
         return 1
 
     def _send(self, message: bytes, what: str) -> None:
-        send_within(self._send_socket, message, self.send_timeout, f"the reply to {what!r}")
+        send_within(self._send_socket, message, self.send_timeout, f"the reply to {what!r}", self._to_master)
 
     def _send_finished(self) -> int:
         n = 0

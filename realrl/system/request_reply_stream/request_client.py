@@ -36,6 +36,7 @@ from realrl.system.request_reply_stream.protocol import (
     SYN,
     Payload,
     Receiver,
+    control_seals,
     master_send,
     send_routed_within,
 )
@@ -144,7 +145,8 @@ class NameResolvingRequestClient:
             self.recv_address = _bind_claimed_port(recv_socket, host, experiment_name, trial_name)
             name_resolve.add(key(MASTER_RECV), self.recv_address, replace=True)
             self._keys.append(key(MASTER_RECV))
-            self._receiver = Receiver(recv_socket, f"master {self.recv_address}", max_message_bytes)
+            self._to_worker, self._to_master = control_seals()  # docs/design.md §14
+            self._receiver = Receiver(recv_socket, f"master {self.recv_address}", max_message_bytes, self._to_master)
             self._recv_socket = recv_socket
             self._barrier = key(BARRIER)
             self._wait_for_workers(self._barrier, connect_timeout)
@@ -171,6 +173,11 @@ class NameResolvingRequestClient:
     @property
     def n_rejected(self) -> int:
         return self._receiver.n_rejected
+
+    @property
+    def n_forged(self) -> int:
+        """Replies ignored for want of this trial's seal (docs/design.md §14)."""
+        return self._receiver.n_forged
 
     def in_flight(self) -> list[tuple[str, int, float, bool]]:
         """Requests sent and not yet collected, oldest first: (handle name,
@@ -239,7 +246,9 @@ class NameResolvingRequestClient:
             deadline = time.monotonic() + self.send_timeout
             while True:
                 try:  # (one non-blocking try; the waiting happens here, off the event loop's back)
-                    send_routed_within(self._send_sockets[worker], self._routing_ids[worker], message, 0, what)
+                    send_routed_within(
+                        self._send_sockets[worker], self._routing_ids[worker], message, 0, what, self._to_worker
+                    )
                     break
                 except TimeoutError:
                     if time.monotonic() > deadline:
@@ -262,6 +271,7 @@ class NameResolvingRequestClient:
                 message,
                 self.send_timeout,
                 f"{kind} of {handle_name!r} to model worker {worker}",
+                self._to_worker,
             )
 
     def _syn_timeout(self, ids: list[str], missing: list[str], timeout: float) -> TimeoutError:

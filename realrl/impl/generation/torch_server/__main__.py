@@ -5,7 +5,8 @@
         [--max-running-requests 64] [--max-prefill-tokens 8192] [--seed 1] \
         [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL] \
         [--emulate-sglang VERSION [--emulate-sglang-dp N]] [--weight-load-gate FILE] [--frozen] \
-        [--engine auto|paged|dense] [--kv-cache-tokens N] [--kv-block-size 16] [--no-cuda-graphs]
+        [--engine auto|paged|dense] [--kv-cache-tokens N] [--kv-block-size 16] [--no-cuda-graphs] \
+        [--secret-file FILE] [--weights-dir DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import torch
 import transformers
 
+from realrl.base import trial_secret
 from realrl.base.logging import configure, getLogger
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
@@ -75,6 +77,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged engine: tokens per block")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="paged engine: decode eagerly on CUDA")
+    parser.add_argument(
+        "--secret-file",
+        default="",
+        metavar="FILE",
+        help="the trial's secret: every route but /health then needs its HTTP key (docs/design.md §14)",
+    )
+    parser.add_argument(
+        "--weights-dir", default="", metavar="DIR", help="load weights only from under DIR (or --model-path)"
+    )
     args = parser.parse_args(argv)
     try:
         compat = SGLangCompat.from_env(args.emulate_sglang, args.emulate_sglang_dp) if args.emulate_sglang else None
@@ -82,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--emulate-sglang: {e}")
 
     configure(f"torch_server:{args.port}", args.log_level)
+    keys = trial_secret.install(args.secret_file)  # a bad secret file stops it before the model loads
     transformers.logging.disable_progress_bar()  # a "Loading weights" bar per weight update
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -114,7 +126,16 @@ def main(argv: list[str] | None = None) -> None:
         sorted(engine.limits.eos_token_ids),
         f", emulating SGLang {args.emulate_sglang}: {compat}" if compat else "",
     )
-    server = TorchGenerationServer(engine, args.model_path, args.device, args.dtype, args.weight_load_gate, args.frozen)
+    server = TorchGenerationServer(
+        engine,
+        args.model_path,
+        args.device,
+        args.dtype,
+        args.weight_load_gate,
+        args.frozen,
+        api_key=keys.http_api_key if keys is not None else None,
+        weights_dir=args.weights_dir,
+    )
     asyncio.run(serve(server, args.host, args.port))
 
 

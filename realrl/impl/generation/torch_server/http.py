@@ -23,6 +23,13 @@
   change (`/update_weights_from_disk`, `/update_weight_version`, the LoRA
   routes) is answered 400 and counted in `rejections` as `frozen`.
 
+With `--secret-file` (the trial's secret, docs/design.md §14), every route
+but `/health` needs `Authorization: Bearer <the trial's HTTP key>` (401 and
+counted in `realrl_torch_server_unauthorized_requests` otherwise), and with
+`--weights-dir` weights and adapters load only from under that directory
+(symlinks resolved) or from `--model-path`: any other path is 400, counted in
+`rejections` as `weight_path`.
+
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
 release's do (`sglang_compat`). `weight_load_gate` (`--weight-load-gate
 FILE`, a test hook) holds every weight update, once its weights are read,
@@ -63,6 +70,7 @@ from realrl.api.sglang_api import (
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
 )
+from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.engine import GenerationEngine
@@ -96,6 +104,8 @@ class TorchGenerationServer:
         dtype: str,
         weight_load_gate: str | None = None,
         frozen: bool = False,
+        api_key: str | None = None,
+        weights_dir: str = "",
     ):
         self.engine = engine
         self.compat: SGLangCompat | None = engine.compat
@@ -106,9 +116,13 @@ class TorchGenerationServer:
         # A judge's server: its weights never change (docs/design.md §11).
         self.frozen = frozen
         self._update_lock: asyncio.Lock | None = None
+        # The trial's key on every route but /health, and weights only from the trial's own
+        # directory (or the initial model): docs/design.md §14. None / "": no gate, any path.
+        self.gate = BearerGate(api_key)
+        self.weights_dir = weights_dir
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.gate.middleware])
         r = app.router
         compat, frozen = self.compat, self.frozen
         r.add_post("/generate", self.generate)
@@ -146,6 +160,17 @@ class TorchGenerationServer:
 
     async def _read_json(self, request: web.Request) -> dict:
         return await read_json(request, max_bytes=MAX_BODY_BYTES, max_depth=MAX_BODY_DEPTH)
+
+    def _check_weight_path(self, path: str) -> None:
+        """Raises BodyError (400) for a weight or adapter path outside the trial's weights
+        directory, symlinks resolved; the initial model (version 0) is the one path outside it."""
+        if not self.weights_dir:
+            return
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.weights_dir)
+        if real == os.path.realpath(self.model_path) or real.startswith(root + os.sep):
+            return
+        raise BodyError(f"weights are loaded only from under {self.weights_dir}: {path!r} is not", reason="weight_path")
 
     def _reject(self, e: BodyError) -> web.Response:
         self.engine.count_rejection(e.reason)
@@ -197,6 +222,7 @@ class TorchGenerationServer:
             update = from_json(UpdateWeightsFromDiskRequest, await self._read_json(request))
             if update.load_format not in (None, "auto", "safetensors"):
                 raise BodyError("only safetensors weights are supported", reason="unsupported")
+            self._check_weight_path(update.model_path)
         except BodyError as e:
             return self._reject(e)
         async with self._lock():
@@ -244,6 +270,7 @@ class TorchGenerationServer:
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         try:
             load = from_json(LoadLoRAAdapterRequest, await self._read_json(request))
+            self._check_weight_path(load.lora_path)
         except BodyError as e:
             return self._reject(e)
         async with self._lock():
@@ -375,6 +402,7 @@ class TorchGenerationServer:
         info = self.engine.info()
         lines = [f"realrl_torch_server_{k} {float(v)}" for k, v in info.stats.items()]
         lines += [f'realrl_torch_server_rejections{{reason="{k}"}} {v}' for k, v in info.rejections.items()]
+        lines.append(f"realrl_torch_server_unauthorized_requests {self.gate.refused}")
         lines += [
             f"realrl_torch_server_num_running_requests {info.num_running_requests}",
             f"realrl_torch_server_num_waiting_requests {info.num_waiting_requests}",
