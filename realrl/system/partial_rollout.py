@@ -1,22 +1,17 @@
 """Partial rollouts: one agent `GenerationRequest` -> `group_size` server requests.
 
-Every `await agent.generate(...)` of an episode in the rollout worker becomes
-a `GenerationRequest` for `PartialRolloutManager.generate`, which returns one
-`GenerationResult` (docs/design.md §5-§6).
+Every `await agent.generate(...)` of an episode in the rollout worker becomes a `GenerationRequest` for
+`PartialRolloutManager.generate`, which returns one `GenerationResult` (docs/design.md §5-§6).
 
-A group's answers are generated together first (`_generate_group`): each
-round is one batched `/generate` (one prompt per unfinished answer) on one
-server, scheduled and released through the manager once for the round, so a
-group costs one request per round instead of one per answer, and the server
-prefills the shared prompt once. Rounds of several groups that are ready in
-the same few event-loop iterations (the rollout worker starts a batch of
-admitted episodes at once) go out together (`_send_rounds`): one schedule,
-and one `/generate` and one release per server, instead of one of each per
-group. Unfinished answers (interrupted by a weight update, or a chunk ended
-by length) go on together in the next round, sticky to the server. When a
-round fails, generates nothing, or leaves answers on different weight
-versions, each unfinished answer goes on in its own loop, with what it has,
-all answers concurrently:
+A group's answers are generated together first (`_generate_group`): each round is one batched `/generate` (one
+prompt per unfinished answer) on one server, scheduled and released through the manager once for the round, so a
+group costs one request per round instead of one per answer, and the server prefills the shared prompt once. Rounds
+of several groups that are ready in the same few event-loop iterations (the rollout worker starts a batch of
+admitted episodes at once) go out together (`_send_rounds`): one schedule, and one `/generate` and one release per
+server, instead of one of each per group. Unfinished answers (interrupted by a weight update, or a chunk ended by
+length) go on together in the next round, sticky to the server. When a round fails, generates nothing, or leaves
+answers on different weight versions, each unfinished answer goes on in its own loop, with what it has, all answers
+concurrently:
 
 1. ask the routing for a server (`realrl/system/client_routing.py`: picked in
    this process from the manager's routing table, or asked of the manager);
@@ -39,40 +34,28 @@ all answers concurrently:
    when the response was interrupted (`abort`, e.g. by a weight update; it may
    hold 0 tokens) or when a chunk ended by length below the total budget.
 
-Tokens are never lost or duplicated across resubmissions: a response's tokens
-are appended exactly once, and the next request continues after them.
-`version_start` is the version of the first generated token (or the version the
-manager reported when the answer was first scheduled, if it has no token) and
-`version_end` that of the last.
+Tokens are never lost or duplicated across resubmissions: a response's tokens are appended exactly once, and the
+next request continues after them. `version_start` is the version of the first generated token (or the version the
+manager reported when the answer was first scheduled, if it has no token) and `version_end` that of the last.
 
-Failures: a server that cannot be reached, times out or answers 5xx is retried
-(rescheduled through the manager, exponential backoff) up to `request_retries`
-times in a row; then `PartialRolloutError` names the server, qid, answer index
-and cause. A 4xx answer (e.g. prompt + budget longer than the model's context)
-fails at once: resending the same request cannot help; except, in a LoRA
-run, a refusal of an adapter the server no longer holds (`lora_not_loaded`:
-it moved on since the request was scheduled), retried like a 5xx, scheduled
-again and so naming the adapter of the server's version then (counted,
-`stale_adapters`). The manager itself is
-reached through `GserverManagerClient` with the same retry rule.
+Failures: a server that cannot be reached, times out or answers 5xx is retried (rescheduled through the manager,
+exponential backoff) up to `request_retries` times in a row; then `PartialRolloutError` names the server, qid,
+answer index and cause. A 4xx answer (e.g. prompt + budget longer than the model's context) fails at once: resending
+the same request cannot help; except, in a LoRA run, a refusal of an adapter the server no longer holds
+(`lora_not_loaded`: it moved on since the request was scheduled), retried like a 5xx, scheduled again and so naming
+the adapter of the server's version then (counted, `stale_adapters`). The manager itself is reached through
+`GserverManagerClient` with the same retry rule.
 
-Servers that come and go (docs/architecture.md): the reschedule after a
-failure names the servers that failed in a row (`avoid_urls`), so the manager
-picks another one while any is up. A failure on a server that the manager
-reports taken out of routing (`down`), when it routes the retry to another
-server, does not count against `request_retries` (at most
-MAX_UNCOUNTED_FAILURES such in a row): a dead server cannot use up the
-retries while healthy ones exist. A schedule without a server (none is
-up, e.g. the only one is being restarted by its launcher) does not count
-either: the answer waits, asking again every NO_SERVER_POLL_S at most, for up
-to `no_server_timeout` seconds in a row, then fails naming
-`rollout.no_server_timeout`. The tokens, logprobs and versions an
-answer already has are kept across all of this; only the chunk that was being
-generated on the lost server is generated again. A request in flight on a
-server that the manager takes out of routing (it stopped answering) is
-abandoned and resubmitted at once instead of waiting for `request_timeout`
-(the routing's `left_routing` future).
-"""
+Servers that come and go (docs/architecture.md): the reschedule after a failure names the servers that failed in a
+row (`avoid_urls`), so the manager picks another one while any is up. A failure on a server that the manager reports
+taken out of routing (`down`), when it routes the retry to another server, does not count against `request_retries`
+(at most MAX_UNCOUNTED_FAILURES such in a row): a dead server cannot use up the retries while healthy ones exist. A
+schedule without a server (none is up, e.g. the only one is being restarted by its launcher) does not count either:
+the answer waits, asking again every NO_SERVER_POLL_S at most, for up to `no_server_timeout` seconds in a row, then
+fails naming `rollout.no_server_timeout`. The tokens, logprobs and versions an answer already has are kept across
+all of this; only the chunk that was being generated on the lost server is generated again. A request in flight on a
+server that the manager takes out of routing (it stopped answering) is abandoned and resubmitted at once instead of
+waiting for `request_timeout` (the routing's `left_routing` future)."""
 
 from __future__ import annotations
 

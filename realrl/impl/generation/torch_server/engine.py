@@ -1,51 +1,38 @@
 """The generation engine: one thread that owns the model and runs the loop.
 
-Requests and commands reach the loop through a queue and are handled between
-two decode steps; answers go back through each request's `reply` callback.
-Per iteration the loop admits waiting requests (one prefill forward per group,
-bounded by `--max-prefill-tokens` padded tokens), samples their first token
-and joins their rows to the running batch (`batch.RunningBatch`), then runs
-one decode step for the whole batch. Finished rows leave at once, and their
-answer is sent immediately. Identical prompts prefilled together (the answers
-of one GRPO group) are computed once and their rows copied.
+Requests and commands reach the loop through a queue and are handled between two decode steps; answers go back
+through each request's `reply` callback. Per iteration the loop admits waiting requests (one prefill forward per
+group, bounded by `--max-prefill-tokens` padded tokens), samples their first token and joins their rows to the
+running batch (`batch.RunningBatch`), then runs one decode step for the whole batch. Finished rows leave at once,
+and their answer is sent immediately. Identical prompts prefilled together (the answers of one GRPO group) are
+computed once and their rows copied.
 
-**Errors.** A failure inside the engine fails only the request(s) that cause
-it: when a batched prefill or decode step raises, each of its requests is
-retried alone (prefill) or stepped alone on a copy of its row (decode); those
-that fail alone are answered with an `EngineError` (HTTP 500) and counted
-(`requests_failed`), the others go on. If no single request reproduces the
-fault, the whole batch is failed. Non-finite logits (NaN/inf, e.g. from broken
-weights) are such a fault, caught before sampling. Every admitted request is
-answered, also when the loop stops; a request submitted after that is refused
-at once. Generation stops at the model's eos token(s) (config and
-generation_config) unless `ignore_eos`, and at `stop_token_ids`; the stop token
-is part of `output_ids`. A request whose last allowed token is a stop token
-reports `stop` (SGLang would report `length`); `length_before_eos`
-(`--length-before-eos`) reproduces SGLang's order (the length limit is checked
-first, so it reports `length`), for testing clients against it. `compat`
-(`--emulate-sglang`, `sglang_compat`) copies SGLang's aborts: by rid prefix,
+**Errors.** A failure inside the engine fails only the request(s) that cause it: when a batched prefill or decode
+step raises, each of its requests is retried alone (prefill) or stepped alone on a copy of its row (decode); those
+that fail alone are answered with an `EngineError` (HTTP 500) and counted (`requests_failed`), the others go on. If
+no single request reproduces the fault, the whole batch is failed. Non-finite logits (NaN/inf, e.g. from broken
+weights) are such a fault, caught before sampling. Every admitted request is answered, also when the loop stops; a
+request submitted after that is refused at once. Generation stops at the model's eos token(s) (config and
+generation_config) unless `ignore_eos`, and at `stop_token_ids`; the stop token is part of `output_ids`. A request
+whose last allowed token is a stop token reports `stop` (SGLang would report `length`); `length_before_eos`
+(`--length-before-eos`) reproduces SGLang's order (the length limit is checked first, so it reports `length`), for
+testing clients against it. `compat` (`--emulate-sglang`, `sglang_compat`) copies SGLang's aborts: by rid prefix,
 waiting requests included, and weight updates into a batch paused in place.
 
-**Pauses.** `pause` in mode `abort` ends the running requests (and with
-`compat` the waiting ones) and admits none until `continue`; mode `in_place`
-keeps them where they are, decoding nothing until `continue`.
+**Pauses.** `pause` in mode `abort` ends the running requests (and with `compat` the waiting ones) and admits none
+until `continue`; mode `in_place` keeps them where they are, decoding nothing until `continue`.
 
-**Weight updates.** New weights are read and checked off the loop (`weights`).
-Then, between two decode steps, in-flight requests are aborted (they return
-their partial output, its logprobs and the *old* weight version;
-`abort_all_requests=false` instead lets them finish while no new request
-starts), the tensors are copied into the existing parameters in place, and
-`weight_version` changes. Queued requests that had not started yet run under
-the new weights.
+**Weight updates.** New weights are read and checked off the loop (`weights`). Then, between two decode steps,
+in-flight requests are aborted (they return their partial output, its logprobs and the *old* weight version;
+`abort_all_requests=false` instead lets them finish while no new request starts), the tensors are copied into the
+existing parameters in place, and `weight_version` changes. Queued requests that had not started yet run under the
+new weights.
 
-**LoRA adapters** (docs/design.md §8). `load_adapter` registers an adapter
-under a name (read and checked off the loop); `update_weight_version` is a
-weight update whose new weights are the adapter loaded last, merged into the
-adapted matrices (`weights.AdapterTargets`), or none when no new adapter
-came. One adapter is served at a time: a request must name a loaded adapter
-(or none) in `lora_path`, and runs on the one being served, whose version it
-reports.
-"""
+**LoRA adapters** (docs/design.md §8). `load_adapter` registers an adapter under a name (read and checked off the
+loop); `update_weight_version` is a weight update whose new weights are the adapter loaded last, merged into the
+adapted matrices (`weights.AdapterTargets`), or none when no new adapter came. One adapter is served at a time: a
+request must name a loaded adapter (or none) in `lora_path`, and runs on the one being served, whose version it
+reports."""
 
 from __future__ import annotations
 
