@@ -213,24 +213,10 @@ class ZMQPusher:
         `obj` is serialized into a new buffer first, so the caller may modify
         it as soon as push returns."""
         message = wire.dumps(obj)
-        # One message: the wire frame, then its seal (zmq delivers a multipart message whole or not at all).
-        parts = [message] if self._seal is None else [message, self._seal.tag(message)]
-        if timeout is None:
-            self._socket.send_multipart(parts, copy=False)
-        else:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    self._socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
-                    break
-                except zmq.Again:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"push to {self.address} timed out after {timeout}s: the puller is not "
-                            "reading (high-water mark reached)"
-                        ) from None
-                    self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLOUT)
+        if timeout is not None:
+            self._send(message, timeout)
+            return
+        self._socket.send_multipart(self._parts(message), copy=False)
         self.n_pushed += 1
 
     def wait_ack(self, timeout: float) -> Any:
@@ -309,8 +295,8 @@ class ZMQPusher:
             )
 
     def _send(self, message: Any, timeout: float) -> None:
-        """One frame, within `timeout` seconds (TimeoutError: the queues are full)."""
-        parts = [message] if self._seal is None else [message, self._seal.tag(message)]  # (as `push`: sealed)
+        """One message, within `timeout` seconds (TimeoutError: the queues are full)."""
+        parts = self._parts(message)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -319,8 +305,15 @@ class ZMQPusher:
             except zmq.Again:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
-                    raise TimeoutError(f"push to {self.address}: the high-water mark is reached") from None
+                    raise TimeoutError(
+                        f"push to {self.address} timed out after {timeout}s: the puller is not "
+                        "reading (high-water mark reached)"
+                    ) from None
         self.n_pushed += 1
+
+    def _parts(self, message: Any) -> list:
+        # One message: the wire frame, then its seal (zmq delivers a multipart message whole or not at all).
+        return [message] if self._seal is None else [message, self._seal.tag(message)]
 
     def close(self, linger: float = CLOSE_LINGER_S) -> None:
         """Closes the socket, first trying for up to `linger` seconds to
