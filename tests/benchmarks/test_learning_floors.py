@@ -18,7 +18,8 @@ from benchmarks.learning_floors import (
     check_recorded,
     floor,
     load_record,
-    markdown,
+    readme_range,
+    render_docs,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,11 +57,17 @@ def test_every_run_the_suite_trains_is_recorded_as_it_trains_it_well_clear_of_it
         check_recorded(record, name)
         assert len(run["seeds"]) >= 5, name
         initial = max(s["initial"] for s in run["seeds"].values())
-        # a floor the initial model nearly reaches proves nothing: more steps, then
-        assert floor(record, name) >= initial + 0.1, (name, floor(record, name), initial)
+        # A floor the initial model nearly reaches proves nothing (more steps, then): at least
+        # 4 binomial standard errors of a 500-prompt accuracy near 0.2-0.3 (~0.02 each) above it.
+        assert floor(record, name) >= initial + 0.075, (name, floor(record, name), initial)
 
 
-def test_the_docs_show_the_record_as_it_is():
+def test_the_docs_and_the_readme_show_the_record_as_it_is():
+    record = load_record()
     with open(os.path.join(REPO, "docs", "benchmarks.md")) as f:
         docs = f.read()
-    assert markdown(load_record()) in docs, "regenerate: python benchmarks/learning_floors.py --markdown"
+    assert render_docs(docs, record) == docs, "regenerate: python benchmarks/learning_floors.py --docs"
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    # the README's figure for its first command: the range of the recorded runs
+    assert f"about 0.8 ({readme_range(record)} in the runs recorded" in readme, readme_range(record)
