@@ -89,7 +89,7 @@ def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
             delivery = AckedPusher(pusher)
             futures = [delivery.submit(dict(trajectory, index=i), ("0:0:1", i)) for i in range(count)]
             for future in futures:
-                assert future.result(timeout=120) == "taken"
+                assert future.result(timeout=120)["verdict"] == "taken"
             delivery.close()
         else:
             for i in range(count):

@@ -25,7 +25,8 @@ a key this puller already took (a rollout generated again after its worker
 died between delivery and finish) is dropped and counted
 `duplicates_dropped`. Every decoded message is acknowledged to its sender
 with its verdict (`taken`, `duplicate`, `invalid`, `foreign`), and a frame
-that does not decode with `rejected` and no key: a rollout
+that does not decode with `rejected` and no key, in the order received (one
+acknowledgement message per sender per pull, the list of its verdicts): a rollout
 worker reports a rollout finished only once all of its trajectories were
 acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands. A
 rollout generated again asks `{"held_of": rollout_id}` and is answered
@@ -55,7 +56,7 @@ from collections.abc import Callable
 from realrl.api.trajectory import Trajectory, TrajectoryError
 from realrl.base.logging import getLogger
 from realrl.system.ledger import KeyLedger, Ledger
-from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog
+from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog, RejectedFrame
 
 logger = getLogger("stream_dataset")
 
@@ -125,7 +126,7 @@ class PullerStreamDataset:
                 puller_index,
                 host=host,
                 hwm=self.max_buffered,
-                reject_ack=lambda reason: _ack((None, None), "rejected"),  # the sender waits for an answer
+                report_rejects=True,  # answered `rejected`, in order: the sender takes it as its oldest unanswered
             )
         except BaseException as e:
             self._error = e
@@ -142,8 +143,13 @@ class PullerStreamDataset:
                 messages = puller.pull_with_senders(timeout=0.05)
                 self.n_wire_rejected = puller.n_rejected
                 self.n_seal_refused = puller.n_seal_refused
+                # One acknowledgement message per sender per pull, its verdicts in the order received.
+                acks: dict[bytes, list[dict]] = {}
                 for sender, msg in messages:
-                    puller.acknowledge(sender, self._add(msg))
+                    ack = _ack((None, None), "rejected") if isinstance(msg, RejectedFrame) else self._add(msg)
+                    acks.setdefault(sender, []).append(ack)
+                for sender, verdicts in acks.items():
+                    puller.acknowledge(sender, verdicts)
         except BaseException as e:  # surfaced on the next take()
             self._error = e
             logger.error("stream dataset thread failed: %s", e)

@@ -60,7 +60,13 @@ def stream(tmp_path, etcd_server):
 
 def push_acked(pusher, message) -> dict:
     pusher.push(message, timeout=10)
-    return pusher.wait_ack(timeout=10)
+    return one_ack(pusher.wait_ack(timeout=10))
+
+
+def one_ack(acks: list) -> dict:
+    """The acknowledgement of a pull that took one message (a list of one verdict)."""
+    assert isinstance(acks, list) and len(acks) == 1, acks
+    return acks[0]
 
 
 def test_a_message_counts_as_delivered_only_once_the_puller_acknowledged_it(stream):
@@ -76,7 +82,7 @@ def test_a_message_counts_as_delivered_only_once_the_puller_acknowledged_it(stre
     items, _ = dataset.inventory(0, 10)
     dataset.take([k for k, *_ in items])
     dataset.max_buffered = 10
-    assert pusher.wait_ack(timeout=10) == {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"}
+    assert one_ack(pusher.wait_ack(timeout=10)) == {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"}
     assert dataset.stats()["buffered"] == 1
 
 
