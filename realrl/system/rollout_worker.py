@@ -475,20 +475,26 @@ class RolloutWorker(AsyncWorker):
         # The rollout is reported finished only once the trainer's puller
         # acknowledged all of its trajectories (docs/design.md §12). A copy the
         # puller already had (this rollout was delivered by a predecessor that
-        # died before its finish) is in the trainer's hands as well: it counts.
-        # Other episodes' trajectories travel meanwhile (AckedPusher's window);
-        # one unacknowledged past its bound fails the episode, and the worker
+        # died before its finish) is in the trainer's hands as well: it counts;
+        # one restored from the checkpoint the trial resumed from is too, but
+        # the resumed trial counted it already: it does not. Each trajectory
+        # says how many its rollout has: only a rollout whose trajectories the
+        # trainers all took is done at a checkpoint. Other episodes'
+        # trajectories travel meanwhile (AckedPusher's window); one
+        # unacknowledged past its bound fails the episode, and the worker
         # (PushNotAcknowledged).
         rid = record.metadata["rollout_id"]
         futures = []
         for index, traj in enumerate(trajectories):
-            traj.rollout_id, traj.index = rid, index
+            traj.rollout_id, traj.index, traj.rollout_size = rid, index, len(trajectories)
             futures.append(asyncio.wrap_future(self._delivery.submit(traj.to_wire(), traj.key)))
         acks = await asyncio.gather(*futures)
         n_tokens = held = 0
         for index, (traj, ack) in enumerate(zip(trajectories, acks)):
             verdict = str(ack.get("verdict"))
             self.counters[f"trajectories_{verdict}"] += 1
+            if verdict == "restored":
+                continue
             if verdict not in ("taken", "duplicate"):
                 self.logger.error("the trainer refused trajectory %s of %s: %s", index, traj.qid, verdict)
                 continue
