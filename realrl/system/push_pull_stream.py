@@ -266,12 +266,19 @@ class ZMQPusher:
 class _InFlight:
     """A message sent and not yet acknowledged."""
 
-    __slots__ = ("key", "future", "frame", "seq", "first_sent", "next_send", "interval")
+    __slots__ = ("key", "future", "frame", "in_order", "seq", "first_sent", "next_send", "interval")
 
     def __init__(
-        self, key: Hashable, future: concurrent.futures.Future, frame: Any, seq: int, now: float, resend_s: float
+        self,
+        key: Hashable,
+        future: concurrent.futures.Future,
+        frame: Any,
+        in_order: bool,
+        seq: int,
+        now: float,
+        resend_s: float,
     ):
-        self.key, self.future, self.frame, self.seq = key, future, frame, seq
+        self.key, self.future, self.frame, self.in_order, self.seq = key, future, frame, in_order, seq
         self.first_sent, self.next_send, self.interval = now, now + resend_s, resend_s
 
 
@@ -325,7 +332,7 @@ class AckedPusher:
         self._should_stop = should_stop or (lambda: False)
         self._logger = log or logger
         self._lock = threading.Lock()  # submit() against the thread's exit
-        # Submitted, not yet sent: [message, key, future, its frame once encoded].
+        # Submitted, not yet sent: [message, key, future, its frame once encoded, in_order].
         self._queue: collections.deque[list] = collections.deque()
         self._waiting: dict[Hashable, collections.deque[_InFlight]] = {}  # sent, unanswered, by key
         self._unanswered: dict[int, _InFlight] = {}  # the same by sequence number, in the order first sent
@@ -347,17 +354,19 @@ class AckedPusher:
         """Messages queued or sent and not yet acknowledged."""
         return len(self._queue) + len(self._unanswered)
 
-    def submit(self, message: Any, key: Hashable) -> concurrent.futures.Future:
+    def submit(self, message: Any, key: Hashable, in_order: bool = True) -> concurrent.futures.Future:
         """Queues `message`; the future resolves to the acknowledgement for
         `key` (a dict), or fails (closed, exiting, PushNotAcknowledged, a
-        message that does not encode)."""
+        message that does not encode). `in_order=False`: the puller may
+        answer it after messages sent later (a question it answers once it
+        read what else waits), so a keyless rejection is never its."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed is not None:
                 future.set_exception(self._failure(self._closed))
                 return future
             idle = not self._queue  # else the thread is sending and takes this one too
-            self._queue.append([message, key, future, None])
+            self._queue.append([message, key, future, None, in_order])
         if idle:
             try:
                 os.write(self._wake_w, b"w")
@@ -430,7 +439,7 @@ class AckedPusher:
         queue = self._queue
         while queue:
             item = queue[0]
-            message, key, future, frame = item
+            message, key, future, frame, in_order = item
             # Running from here on: a cancel (the episode's) no longer races the result.
             if frame is None and not future.running() and not future.set_running_or_notify_cancel():
                 queue.popleft()
@@ -447,7 +456,7 @@ class AckedPusher:
             except TimeoutError:
                 return True
             queue.popleft()
-            entry = _InFlight(key, future, frame, next(self._seq), now, self.resend_s)
+            entry = _InFlight(key, future, frame, in_order, next(self._seq), now, self.resend_s)
             self._waiting.setdefault(key, collections.deque()).append(entry)
             self._unanswered[entry.seq] = entry
             heapq.heappush(self._resends, (entry.next_send, entry.seq))
@@ -522,7 +531,7 @@ class AckedPusher:
             return None
         key = (ack.get("rollout_id"), ack.get("index"))
         if key == (None, None) and ack.get("verdict") == "rejected":
-            return next(iter(self._unanswered.values()), None)
+            return next((e for e in self._unanswered.values() if e.in_order), None)
         entries = self._waiting.get(key)
         return entries[0] if entries else None
 
@@ -658,6 +667,10 @@ class ZMQPuller:
         self.n_received += len(out) - (self.n_rejected - rejected_before if self.report_rejects else 0)
         self._reject_log.maybe_flush()
         return out
+
+    def has_queued(self) -> bool:
+        """Is a message waiting to be read (from any sender)?"""
+        return bool(self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def acknowledge(self, sender: bytes, obj: Any) -> None:
         """Sends `obj` back to `sender` (dropped if that peer is gone or not reading)."""

@@ -511,7 +511,8 @@ class RolloutWorker(AsyncWorker):
             # What a predecessor delivered is in the trainers' hands even when this run (the
             # agent now rejects, or returns fewer) did not push it: it counts (docs/design.md §12).
             # Asked after this run's acknowledgements: the puller answers in the order it received.
-            ack = await asyncio.wrap_future(self._delivery.submit({HELD_QUERY: rid}, (rid, None)))
+            # (The puller answers once it read what else waits: a predecessor's frames first.)
+            ack = await asyncio.wrap_future(self._delivery.submit({HELD_QUERY: rid}, (rid, None), in_order=False))
             delivered = int(ack.get("held", 0))
             if delivered > held:
                 self.counters["trajectories_delivered_before"] += delivered - held

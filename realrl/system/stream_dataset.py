@@ -36,8 +36,9 @@ worker reports a rollout finished only once all of its trajectories were
 acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands. A
 rollout generated again asks `{"held_of": rollout_id}` and is answered
 `{"rollout_id", "index": null, "verdict": "held", "held": n}` (the keys taken
-since the resume, not those restored): what its predecessor delivered counts
-even if the new run delivers less.
+since the resume, not those restored; answered once nothing else waits at the
+socket, so a dead predecessor's frames still queued there are taken first):
+what its predecessor delivered counts even if the new run delivers less.
 
 Accounting (docs/design.md §5): every message that reaches the puller, and
 every trajectory restored from a checkpoint, is either rejected (wire format),
@@ -142,6 +143,7 @@ class PullerStreamDataset:
             return
         self.address = puller.address
         self._ready.set()
+        held_queries: list[tuple[bytes, str]] = []  # (sender, rollout id) of `held_of` questions not yet answered
         try:
             while not self._stop.is_set():
                 self._invalid_log.maybe_flush()
@@ -154,10 +156,19 @@ class PullerStreamDataset:
                 # One acknowledgement message per sender per pull, its verdicts in the order received.
                 acks: dict[bytes, list[dict]] = {}
                 for sender, msg in messages:
+                    if _held_query(msg):
+                        held_queries.append((sender, msg[HELD_QUERY]))
+                        continue
                     ack = _ack((None, None), "rejected") if isinstance(msg, RejectedFrame) else self._add(msg)
                     acks.setdefault(sender, []).append(ack)
                 for sender, verdicts in acks.items():
                     puller.acknowledge(sender, verdicts)
+                # A `held_of` is answered once nothing else waits at the socket: the frames of a
+                # dead predecessor (another connection, read in turn with this one) are taken first.
+                if held_queries and not puller.has_queued():
+                    for sender, rollout_id in held_queries:
+                        puller.acknowledge(sender, [self._held_of(rollout_id)])
+                    held_queries.clear()
         except BaseException as e:  # surfaced on the next take()
             self._error = e
             logger.error("stream dataset thread failed: %s", e)
@@ -167,10 +178,7 @@ class PullerStreamDataset:
 
     def _add(self, msg) -> dict:
         """Buffers one decoded message if it is a new trajectory of an admitted
-        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}. A
-        `HELD_QUERY` is answered instead (`_held_of`)."""
-        if isinstance(msg, dict) and set(msg) == {HELD_QUERY} and isinstance(msg[HELD_QUERY], str):
-            return self._held_of(msg[HELD_QUERY])
+        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}."""
         try:
             newest = self._newest_version() if self._newest_version is not None else None
             traj = Trajectory.from_wire(msg).check_trainable(self.vocab_size, self.max_positions, newest)
@@ -298,6 +306,10 @@ class PullerStreamDataset:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _held_query(msg) -> bool:
+    return isinstance(msg, dict) and set(msg) == {HELD_QUERY} and isinstance(msg[HELD_QUERY], str)
 
 
 def _ack(key: tuple, verdict: str) -> dict:

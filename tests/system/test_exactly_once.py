@@ -22,6 +22,7 @@ from realrl.base.name_resolve import NameResolveConfig
 from realrl.system.push_pull_stream import AckedPusher, NameResolvingZmqPusher, ZMQPusher
 from realrl.system.stream_dataset import PullerStreamDataset
 from tests.conftest import make_nr_config
+from tests.system.trial_thread import wait_until
 
 _BIRTH = itertools.count()
 
@@ -185,6 +186,44 @@ def test_a_partly_delivered_rollout_is_not_done_at_a_checkpoint_and_its_restored
         delivery.close()
         delivery.pusher.close(linger=0)
         resumed.close()
+
+
+def _loopback_queues_empty(port: int) -> bool:
+    """Has every byte sent over the TCP connections to `port` left the
+    kernel's queues (/proc/net/tcp: each end's send and receive queue 0)? Then
+    the puller's zmq I/O thread holds it: each message is in its connection's
+    pipe, waiting for the puller to read it."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    mine = [r for r in rows if int(r[1].split(":")[1], 16) == port or int(r[2].split(":")[1], 16) == port]
+    return bool(mine) and all(int(q, 16) == 0 for r in mine for q in r[4].split(":"))
+
+
+def test_a_held_of_question_counts_a_predecessors_frame_still_queued_at_the_puller(stream):
+    """Defect 7's narrow race. A rollout worker delivered trajectory 0 of
+    rollout 0:5:99 after twenty others and died; its frames still wait at the
+    puller (back-pressure: it reads nothing) when its successor, generating
+    the rollout again, asks `held_of`. The puller reads its connections in
+    turn, so the question is read before the predecessor's last frame; it is
+    answered only once nothing else waits, and counts that frame (before: 0,
+    and the rollout's finish counted one trajectory too few)."""
+    dataset, predecessor = stream
+    dataset.max_buffered = 0  # back-pressure: the puller reads nothing
+    for row in range(20):
+        predecessor.push(trajectory(f"0:5:{row}").to_wire(), timeout=10)
+    predecessor.push(trajectory("0:5:99").to_wire(), timeout=10)
+    predecessor.close(linger=10)  # dead: what it sent is on its way to the puller, or there
+    host, port = dataset.address.rsplit(":", 1)
+    successor = AckedPusher(ZMQPusher(host, int(port)), poll_s=0.05)
+    try:
+        held = successor.submit({"held_of": "0:5:99"}, ("0:5:99", None), in_order=False)
+        wait_until(lambda: _loopback_queues_empty(int(port)), 30, "both connections' frames at the puller")
+        dataset.max_buffered = 100  # it reads again: both connections in turn
+        assert held.result(timeout=10)["held"] == 1
+        assert dataset.stats()["buffered"] == 21
+    finally:
+        successor.close()
+        successor.pusher.close(linger=0)
 
 
 _FAULT_CHILD = """
