@@ -46,7 +46,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from realrl.base import wire  # noqa: E402
-from realrl.system.push_pull_stream import DEFAULT_HWM, AckedPusher, ZMQPuller, ZMQPusher  # noqa: E402
+from realrl.system.acked_delivery import AckedPusher  # noqa: E402
+from realrl.system.push_pull_stream import DEFAULT_HWM, ZMQPuller, ZMQPusher  # noqa: E402
 
 SIZES = [256, 2048, 16384]
 SEAL_KEY = b"benchmark-stream-key-32-bytes..."  # any 32 bytes: the seal's cost does not depend on them

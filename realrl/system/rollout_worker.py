@@ -68,11 +68,12 @@ from realrl.base.tick_batch import TickBatcher
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.openai_compat.endpoint import shared_endpoint
+from realrl.system.acked_delivery import AckedPusher
 from realrl.system.client_routing import ClientRouting, ManagerRouting
 from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutManager
-from realrl.system.push_pull_stream import AckedPusher, NameResolvingZmqPusher
+from realrl.system.push_pull_stream import NameResolvingZmqPusher
 from realrl.system.stream_dataset import HELD_QUERY
 from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 

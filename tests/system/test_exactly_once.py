@@ -19,7 +19,8 @@ import pytest
 from realrl.api.trajectory import Trajectory
 from realrl.base import faults, name_resolve
 from realrl.base.name_resolve import NameResolveConfig
-from realrl.system.push_pull_stream import AckedPusher, NameResolvingZmqPusher, ZMQPusher
+from realrl.system.acked_delivery import AckedPusher
+from realrl.system.push_pull_stream import NameResolvingZmqPusher, ZMQPusher
 from realrl.system.stream_dataset import PullerStreamDataset
 from tests.conftest import make_nr_config
 from tests.system.trial_thread import wait_until

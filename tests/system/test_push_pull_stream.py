@@ -15,11 +15,10 @@ import pytest
 import zmq
 
 from realrl.base import name_resolve, wire
+from realrl.system.acked_delivery import AckedPusher, PushNotAcknowledged
 from realrl.system.push_pull_stream import (
-    AckedPusher,
     NameResolvingZmqPuller,
     NameResolvingZmqPusher,
-    PushNotAcknowledged,
     RateLimitedLog,
     StreamSeal,
     ZMQPuller,
