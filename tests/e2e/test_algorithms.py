@@ -50,7 +50,7 @@ def _run(tmp_path, kit_cache, trial: str, *overrides: str) -> tuple[int, str]:
     return run_experiment(cfg, timeout=600)
 
 
-@pytest.mark.parametrize("preset", [p for p in algorithm_presets() if p != "grpo"])
+@pytest.mark.parametrize("preset", [p for p in RUNS if p in algorithm_presets()])
 def test_a_preset_learns_end_to_end_to_its_floor(tmp_path, kit_cache, preset):
     summary, stats = train(preset, 1, str(tmp_path), kit_cache)
     steps = [r for r in stats if "train/actor_loss" in r]
