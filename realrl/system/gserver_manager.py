@@ -103,6 +103,7 @@ from realrl.api.system_api import GserverManagerConfig
 from realrl.base import faults, name_resolve, names, network, trial_secret
 from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
+from realrl.impl.generation import make_client
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.system.router import NoServerUp, RequestRouter, Reservations
 from realrl.system.server_registry import Server, ServerRegistry
@@ -213,7 +214,7 @@ class GserverManager(AsyncWorker):
     async def _setup_async(self) -> None:
         if self.server_urls is None:
             return
-        self._client = GenerationClient(timeout_s=max(60.0, self.cfg.weight_update_timeout))
+        self._client = make_client(self.cfg.server_api, timeout_s=max(60.0, self.cfg.weight_update_timeout))
         await asyncio.gather(*(self._client.wait_healthy(u, SERVER_HEALTH_TIMEOUT_S) for u in self.server_urls))
         versions = await asyncio.gather(*(self._server_version(u) for u in self.server_urls))
         self.router = RequestRouter(self.server_urls, versions)

@@ -68,10 +68,14 @@ def worker_children(worker_pid: int) -> list[psutil.Process]:
 # emulating SGLang as realrl launches it (the lowest release realrl runs with,
 # two data-parallel ranks; realrl.impl.generation.torch_server.sglang_compat).
 SERVER_MODES = {"torch": {}, "sglang": {"emulate_sglang": SGLANG_MIN_VERSION, "emulate_sglang_dp": 2}}
+# ... and emulating vLLM (its own API: realrl.impl.generation.torch_server.vllm_compat), for the
+# tests that cover what differs on it: routing, weight updates, restarts, partial rollouts.
+ENGINE_MODES = {**SERVER_MODES, "vllm": {"emulate_vllm": "0.33"}}
+SERVER_API = {"torch": "sglang", "sglang": "sglang", "vllm": "vllm"}  # the HTTP API each mode speaks
 
 
 def server_config(model_dir: str, mode: str = "torch", **kw) -> GenerationServerConfig:
-    torch_cfg = TorchServerConfig(num_threads=1, **SERVER_MODES[mode])
+    torch_cfg = TorchServerConfig(num_threads=1, **ENGINE_MODES[mode])
     return GenerationServerConfig(model_path=model_dir, startup_timeout=120, torch=torch_cfg, **kw)
 
 

@@ -24,12 +24,13 @@ from aiohttp import web
 
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import names, network, trial_secret
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation import GenerationClient, make_client
 from realrl.launcher.local import WorkerGroup
 from realrl.system.gserver_manager import delete_old_weight_dirs
 from tests.system.test_generation_server import (
+    ENGINE_MODES,
     EXP,
-    SERVER_MODES,
+    SERVER_API,
     build_tiny_model,
     server_config,
 )
@@ -608,7 +609,7 @@ def test_schedules_belong_to_running_rollouts_and_release_exactly_what_they_hold
         trial.close()
 
 
-@pytest.mark.parametrize("mode", SERVER_MODES)
+@pytest.mark.parametrize("mode", ENGINE_MODES)
 def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, tiny_model, mode):
     from realrl.system.model_worker import publish_weights
 
@@ -618,7 +619,12 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
     (weights_dir / "notes.txt").write_text("not a version")
     (weights_dir / ".tmp-2-abcd").mkdir()  # a publish in progress
     manager_cfg = GserverManagerConfig(
-        n_servers=2, train_batch_size=B, max_head_offpolicyness=1, weights_dir=str(weights_dir), poll_interval=0.05
+        n_servers=2,
+        train_batch_size=B,
+        max_head_offpolicyness=1,
+        weights_dir=str(weights_dir),
+        poll_interval=0.05,
+        server_api=SERVER_API[mode],
     )
     groups = [
         WorkerGroup("generation_server", 2, server_config(model_dir, mode)),
@@ -658,7 +664,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
                 break
             await asyncio.sleep(0.05)
         assert (await m.get("/get_model_version"))["version"] == 1
-        async with GenerationClient(timeout_s=60) as client:
+        async with make_client(SERVER_API[mode], timeout_s=60) as client:
             assert [await client.weight_version(u) for u in (a, b)] == ["1", "1"]
             result = await client.generate(a, [5, 6, 7], {"max_new_tokens": 2, "ignore_eos": True})
             assert result.weight_version == "1"
@@ -700,7 +706,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         assert rejoined is not None and rejoined["version"] == 1, servers
         assert seen_versions == {1}
         assert next(s for s in servers if s["url"] == a)["state"] in ("down", "retired")
-        async with GenerationClient(timeout_s=60) as client:
+        async with make_client(SERVER_API[mode], timeout_s=60) as client:
             assert await client.weight_version(rejoined["url"]) == "1"
         await m.finish("s", accepted=False)  # its schedules on a end with it: absorbed
         stats = await m.get("/rollout_stats")
