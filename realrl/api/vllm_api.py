@@ -25,7 +25,10 @@ agree on every body here unless said):
   text `Success: LoRA adapter '<name>' added successfully.`, with
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING` (`entrypoints/serve/lora/api_router.py`,
   `entrypoints/openai/models/serving.py:166-230`); a request names its
-  adapter in `model`.
+  adapter in `model`, and one naming an adapter not loaded (or unloaded by
+  `POST /v1/unload_lora_adapter {"lora_name"}`) is a 404 "The model `<name>`
+  does not exist. Valid aliases: <served model>." (`entrypoints/serve/engine/
+  serving.py:49-85` `_check_model`).
 - Errors: `{"error": {"message", "type", "param", "code"}}` with `code` the
   HTTP status (`entrypoints/serve/exception_handling/error_response.py`);
   0.33 refuses a generation while paused (modes abort and wait) with 503
@@ -203,6 +206,38 @@ class LoadLoRAAdapterRequest:
     lora_name: str = dataclasses.field(metadata=rule(nonempty=True))
     lora_path: str = dataclasses.field(metadata=rule(nonempty=True))
     load_inplace: bool = False
+
+
+@dataclasses.dataclass
+class UnloadLoRAAdapterRequest:
+    """`POST /v1/unload_lora_adapter` -> 200 text `Success: LoRA adapter '<name>' removed successfully.`;
+    a name not loaded is a 404 `NotFoundError` (`entrypoints/openai/models/serving.py:234-300`)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    lora_name: str = dataclasses.field(metadata=rule(nonempty=True))
+
+
+@dataclasses.dataclass
+class ModelCard:
+    """One entry of `GET /v1/models`: the served model (no `parent`), then one per LoRA adapter loaded,
+    whose `parent` is the served model and `root` its path (`entrypoints/openai/models/serving.py:149-165`)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    id: str
+    root: str | None = None
+    parent: str | None = None
+    object: str = "model"
+    owned_by: str = "vllm"
+
+
+@dataclasses.dataclass
+class ModelList:
+    UNKNOWN_FIELDS = "ignore"
+
+    data: list[ModelCard] = dataclasses.field(default_factory=list)
+    object: str = "list"
 
 
 @dataclasses.dataclass

@@ -606,6 +606,28 @@ def test_on_vllm_a_weight_update_interrupts_and_resumes_without_losing_tokens(
     assert sum(s["n"] for s in resumed) == group_size and all(s["url"] == url for s in resumed)
 
 
+class StaleRouting:
+    """A routing that answers `stale` first (its table from before the server moved on), then `current`:
+    the exact moment a LoRA request is scheduled on an adapter its server unloads."""
+
+    def __init__(self, url: str, stale: int, current: int):
+        self.url, self.versions, self.current = url, [stale], current
+
+    def schedule_now(self, *args, **kwargs):
+        return None
+
+    async def schedule_request(self, qid, n=1, *args, parts=None, **kwargs):
+        version = self.versions.pop(0) if self.versions else self.current
+        parts_ = [ScheduledServer(self.url, version)] * len(parts) if parts else None
+        return ScheduleReply(version=version, url=self.url, ticket=1, parts=parts_)
+
+    async def release_request(self, *args, **kwargs):
+        pass
+
+    def left_routing(self, url):
+        return asyncio.get_running_loop().create_future()
+
+
 def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again(tmp_path):
     """The manager schedules an answer on version 5 of a server that has
     moved on to 7 meanwhile (5 -> 6 -> 7: actor-v5 unloaded): the server
@@ -618,26 +640,6 @@ def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again
     for v in (5, 6, 7):
         save_adapter(str(tmp_path / str(v)))
 
-    class StaleRouting:
-        """Answers version 5 first (its table from before the server moved on), then 7."""
-
-        def __init__(self, url):
-            self.url, self.versions = url, [5]
-
-        def schedule_now(self, *args, **kwargs):
-            return None
-
-        async def schedule_request(self, qid, n=1, *args, parts=None, **kwargs):
-            version = self.versions.pop(0) if self.versions else 7
-            parts_ = [ScheduledServer(self.url, version)] * len(parts) if parts else None
-            return ScheduleReply(version=version, url=self.url, ticket=1, parts=parts_)
-
-        async def release_request(self, *args, **kwargs):
-            pass
-
-        def left_routing(self, url):
-            return asyncio.get_running_loop().create_future()
-
     async def go():
         host = SimServerHost(SimServerConfig(token_latency_s=0.001, output_tokens=4, vocab_size=64))
         await host.start(1)
@@ -647,7 +649,7 @@ def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again
                 for v in (5, 6, 7):
                     await client.load_version(url, str(tmp_path / str(v)), v, lora=True)
                 assert "actor-v5" not in host.engines[0].adapters.adapters
-                prm = PartialRolloutManager(StaleRouting(url), client, retry_backoff_s=0.01, lora=True)
+                prm = PartialRolloutManager(StaleRouting(url, 5, 7), client, retry_backoff_s=0.01, lora=True)
                 gconfig = GenerationHyperparameters(max_new_tokens=8)
                 result = await prm.generate(GenerationRequest("stale-0", [3, 4, 5], 1, gconfig))
                 return result, prm.stats.pop(), dict(host.engines[0].rejections)

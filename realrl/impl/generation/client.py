@@ -81,6 +81,14 @@ class GenerationServerUnavailable(ConnectionError):
         self.reason = reason
 
 
+class ServerWeightsBroken(GenerationServerUnavailable):
+    """The server answers but must not serve: a weight load failed part way
+    and left its weights half written (vLLM reloads layer by layer). Only a
+    load that succeeds makes it serve again; the manager takes it out of
+    routing as it does an unavailable server, and brings it back by loading
+    the current version (docs/design.md §6)."""
+
+
 @dataclass
 class GenerateResult:
     """One completion. `output_logprobs[i]` is the unfiltered logprob of

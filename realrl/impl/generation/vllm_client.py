@@ -8,7 +8,9 @@ methods; `VLLMClient` answers the same calls on vLLM's API
   in, `logprobs: 0`, `detokenize: false`); `generate_batch` sends one per
   prompt, concurrently. The result's `output_versions` are per token, read
   from the choice's `weight_versions` spans; `weight_version` is the last
-  token's. A LoRA request names its adapter in `model`. vLLM 0.33 refuses a
+  token's. A LoRA request names its adapter in `model` (vLLM's 404 for one
+  it no longer holds is raised as the 400 "not loaded" the partial rollout
+  schedules again, as on SGLang). vLLM 0.33 refuses a
   generation while paused with 503 "Generation is paused": the request is
   sent again once the pause is over, and never counted as a failure.
 - `load_version` (docs/design.md §8), full weights: `/pause?mode=abort` ->
@@ -18,10 +20,13 @@ methods; `VLLMClient` answers the same calls on vLLM's API
   them as it does on SGLang. A failed reload leaves the weights half
   written (vLLM reloads layer by layer, `model_executor/model_loader/
   reload/inplace.py`): the server stays paused, nothing is served from it,
-  and the update fails (`GenerationServerError`; the manager loads again,
-  which rewrites every weight). LoRA: `/v1/load_lora_adapter` under
-  `actor-v<v>`, `/update_weight_version`, `/v1/unload_lora_adapter` of the
-  versions before the previous one.
+  and the update raises `ServerWeightsBroken`, on which the manager takes
+  the server out of routing and brings it back by loading the current
+  version again (which rewrites every weight). LoRA:
+  `GenerationClient.load_version`'s steps over vLLM's routes:
+  `/v1/load_lora_adapter` under `actor-v<v>`, `/update_weight_version`,
+  `/v1/unload_lora_adapter` of the adapters older than the one served
+  before (`GET /v1/models` lists them).
 - `abort_request`: `/inference/v1/abort_requests` of the exact engine id.
 - `weight_version`: `GET /weight_info`; `loads`: `GET /load` (requests
   being served); `prepare`: `/update_weight_version` to the version the
@@ -35,13 +40,23 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from realrl.api.sglang_api import FinishReason, Loads, MetaInfo, ModelInfo, RankLoad, SamplingParams
+from realrl.api.sglang_api import (
+    FinishReason,
+    Loads,
+    MetaInfo,
+    ModelInfo,
+    RankLoad,
+    SamplingParams,
+    UpdateWeightVersionResponse,
+)
 from realrl.api.vllm_api import (
     PAUSED_MESSAGE,
     REQUEST_ID_PREFIX,
     AbortRequests,
     CollectiveRPCRequest,
     LoadLoRAAdapterRequest,
+    ModelList,
+    UnloadLoRAAdapterRequest,
     UpdateWeightVersionRequest,
     VLLMGenerateRequest,
     VLLMGenerateResponse,
@@ -52,9 +67,9 @@ from realrl.impl.generation.client import (
     GenerateResult,
     GenerationClient,
     GenerationServerError,
+    ServerWeightsBroken,
     _read,
     _sampling_params,
-    lora_adapter_name,
 )
 
 PAUSED_RETRY_S = 0.05  # first wait before a generation refused while paused is sent again (doubling, to 1 s)
@@ -141,6 +156,12 @@ class VLLMClient(GenerationClient):
                 )
                 break
             except GenerationServerError as e:
+                if e.status == 404 and lora_path is not None:
+                    # vLLM's answer for an adapter it does not hold (unloaded since the request was
+                    # scheduled): the refusal the partial rollout schedules again (docs/design.md §8).
+                    raise GenerationServerError(
+                        400, f"LoRA adapter {lora_path!r} is not loaded ({e.message})", url
+                    ) from None
                 # 0.33 refuses a generation while a weight update holds the server paused: not a failure.
                 if e.status != 503 or PAUSED_MESSAGE not in e.message or time.monotonic() >= deadline:
                     raise
@@ -162,15 +183,25 @@ class VLLMClient(GenerationClient):
         timeout_s: float | None = None,
         lora_path: str | list[str | None] | None = None,
     ) -> list[GenerateResult]:
-        """One request per prompt (vLLM's route takes one), concurrently."""
+        """One request per prompt (vLLM's route takes one), concurrently; when one fails, the
+        others are cancelled (their connections closed: vLLM aborts them) and the error raised."""
         n = len(input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
         calls = [
-            self.generate(url, ids, p, return_logprob, None if rids is None else rids[i], timeout_s, lora)
+            asyncio.ensure_future(
+                self.generate(url, ids, p, return_logprob, None if rids is None else rids[i], timeout_s, lora)
+            )
             for i, (ids, p, lora) in enumerate(zip(input_ids, params, loras))
         ]
-        return list(await asyncio.gather(*calls))
+        try:
+            return list(await asyncio.gather(*calls))
+        finally:
+            # One failed (or the caller gave up): the others are closed too, which ends them on the
+            # server, rather than left generating answers nobody reads.
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
 
     # ---- weights
 
@@ -178,40 +209,53 @@ class VLLMClient(GenerationClient):
         return await self._request("POST", url, path, body, timeout_s)
 
     async def load_version(self, url: str, path: str, version: int, lora: bool, timeout_s: float | None = None) -> int:
-        if lora:
-            name = lora_adapter_name(version)
-            body = to_json(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
-            try:
-                await self._post(url, "/v1/load_lora_adapter", body, timeout_s)
-            except GenerationServerError as e:
-                if "has already been loaded" not in e.message:
-                    raise
-            await self.update_weight_version(url, version, timeout_s=timeout_s)
-            if version >= 3:  # the previous adapter stays for requests scheduled on it just before the switch
-                try:
-                    unload = {"lora_name": lora_adapter_name(version - 2)}
-                    await self._post(url, "/v1/unload_lora_adapter", unload, timeout_s)
-                except GenerationServerError:
-                    pass  # never loaded here (a server that joined later), or already gone
-            return 0
+        if lora:  # GenerationClient's: load, switch, unload the older ones, over vLLM's routes (below)
+            return await super().load_version(url, path, version, lora, timeout_s)
         await self._post(url, "/pause?mode=abort", None, timeout_s)
         rpc = CollectiveRPCRequest(method="reload_weights", kwargs={"weights_path": path})
         try:
             await self._post(url, "/collective_rpc", to_json(rpc), timeout_s)
         except GenerationServerError as e:
-            # Half-written weights: stay paused (nothing served from them) until a reload succeeds.
-            raise GenerationServerError(e.status, f"reload_weights from {path} failed: {e.message}", url) from None
+            # Half-written weights: the server stays paused (nothing served from them) and out of
+            # routing until a reload succeeds; vLLM cannot be restarted from here (no such route).
+            raise ServerWeightsBroken(
+                url,
+                f"reload_weights from {path} failed, its weights are half written (paused until a reload "
+                f"succeeds): HTTP {e.status}: {e.message}",
+            ) from None
         await self._post(url, "/reset_prefix_cache", None, timeout_s)
         await self.update_weight_version(url, version, timeout_s=timeout_s)
         await self._post(url, "/resume", None, timeout_s)
         return 0  # vLLM does not count the requests a pause aborts
 
+    async def load_lora_adapter(self, url: str, name: str, path: str, timeout_s: float | None = None) -> list[str]:
+        """`/v1/load_lora_adapter`; a name already loaded counts as loaded (vLLM's 400 says so).
+        Returns the adapters loaded now (`lora_adapters`)."""
+        try:
+            await self._post(url, "/v1/load_lora_adapter", to_json(LoadLoRAAdapterRequest(name, path)), timeout_s)
+        except GenerationServerError as e:
+            if "has already been loaded" not in e.message:
+                raise
+        return await self.lora_adapters(url, timeout_s)
+
+    async def unload_lora_adapter(self, url: str, name: str, timeout_s: float | None = None) -> list[str]:
+        body = to_json(UnloadLoRAAdapterRequest(name))
+        await self._post(url, "/v1/unload_lora_adapter", body, timeout_s)
+        return await self.lora_adapters(url, timeout_s)
+
+    async def lora_adapters(self, url: str, timeout_s: float | None = None) -> list[str]:
+        """The adapters loaded: `GET /v1/models`' cards that have a `parent` (the served model's has none)."""
+        body = await self._request("GET", url, "/v1/models", timeout_s=timeout_s)
+        return sorted(card.id for card in _read(ModelList, body, url, "/v1/models").data if card.parent is not None)
+
     async def update_weight_version(
         self, url: str, version: str | int, abort_all_requests: bool = True, timeout_s: float | None = None
-    ) -> Any:
-        """vLLM's `/update_weight_version` aborts nothing (`abort_all_requests` is SGLang's)."""
+    ) -> UpdateWeightVersionResponse:
+        """vLLM's `/update_weight_version` aborts nothing (`abort_all_requests` is SGLang's; a LoRA
+        request in flight finishes on the adapter it named)."""
         body = to_json(UpdateWeightVersionRequest(new_version=str(version)))
-        return await self._post(url, "/update_weight_version", body, timeout_s)
+        await self._post(url, "/update_weight_version", body, timeout_s)
+        return UpdateWeightVersionResponse(success=True, new_version=str(version))
 
     async def prepare(self, url: str, version: int) -> None:
         await self.update_weight_version(url, version)

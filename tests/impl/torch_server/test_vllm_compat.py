@@ -84,7 +84,7 @@ def test_generation_bodies_versions_and_exact_aborts(start_server, tiny_llama_di
     assert len(aborted.output_logprobs) == len(aborted.output_ids) == len(aborted.output_versions)
     status, body = post(url, "/inference/v1/generate", {"token_ids": [1, 2], "model": "nope"})
     assert status == 404 and body["error"] == {
-        "message": "The model `nope` does not exist.",
+        "message": f"The model `nope` does not exist. Valid aliases: {tiny_llama_dir}.",
         "type": "NotFoundError",
         "param": None,
         "code": 404,
@@ -152,8 +152,14 @@ def test_lora_versions_load_by_name_and_requests_name_them_in_model(
     """A LoRA version on vLLM: `/v1/load_lora_adapter` under `actor-v<v>` (a
     name loaded already is a 400 vLLM words so; the client takes it as loaded),
     `/update_weight_version`; a request names its adapter in `model`, and its
-    tokens carry the version of their span."""
+    tokens carry the version of their span. Loading version 3 unloads
+    actor-v1 (`/v1/unload_lora_adapter`): a request scheduled on version 1
+    just before (vLLM: 404, the model does not exist) is scheduled again, as
+    on SGLang, and generated on version 3."""
+    from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
+    from realrl.system.partial_rollout import PartialRolloutManager
     from tests.impl.torch_server.test_weights import ab, write_adapter
+    from tests.system.test_partial_rollout import StaleRouting
 
     server = start_server(tiny_llama_dir, "--emulate-vllm", "0.33")
     url = server.url
@@ -165,10 +171,21 @@ def test_lora_versions_load_by_name_and_requests_name_them_in_model(
     async def go(client: VLLMClient):
         await client.load_version(url, str(adapter), 1, lora=True)
         await client.load_version(url, str(adapter), 1, lora=True)  # again: already loaded, fine
-        return await client.generate(url, PROMPTS[0], sample, lora_path="actor-v1"), await client.weight_version(url)
+        result = await client.generate(url, PROMPTS[0], sample, lora_path="actor-v1")
+        version = await client.weight_version(url)
+        for v in (2, 3):
+            await client.load_version(url, str(adapter), v, lora=True)
+        prm = PartialRolloutManager(StaleRouting(url, 1, 3), client, retry_backoff_s=0.01, lora=True)
+        stale = await prm.generate(
+            GenerationRequest("stale-0", PROMPTS[1], 1, GenerationHyperparameters(max_new_tokens=4))
+        )
+        return result, version, stale, prm.stats.pop()
 
-    result, version = run(with_vllm(go))
+    result, version, stale, stats = run(with_vllm(go))
     assert version == "1" and result.output_versions == ["1"] * 4
+    assert stats["stale_adapters"] == 1 and stale.output_ids[0] and set(stale.output_versions[0]) == {3}
+    status, body = post(url, "/v1/unload_lora_adapter", {"lora_name": "actor-v1"})  # gone already
+    assert status == 404 and body["error"]["message"] == "The lora adapter 'actor-v1' cannot be found."
     status, body = post(url, "/v1/load_lora_adapter", {"lora_name": "actor-v1", "lora_path": str(adapter)})
     assert status == 400 and body["error"]["type"] == "InvalidUserInput"
     assert "has already been loaded" in body["error"]["message"]

@@ -28,7 +28,10 @@ source shows them (`realrl.api.vllm_api` cites the files):
   engine ids (`generate-tokens-<request_id>`), answered at once (an empty 200).
 - `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` -> 200 `Success:
   LoRA adapter '<name>' added successfully.`; an adapter name already loaded
-  is a 400 `InvalidUserInput`.
+  is a 400 `InvalidUserInput`. `POST /v1/unload_lora_adapter {"lora_name"}`
+  -> 200 `Success: LoRA adapter '<name>' removed successfully.`, a 404
+  `NotFoundError` for a name not loaded. `GET /v1/models`: the served model,
+  then one card per adapter (its `parent` the served model).
 
 What realrl's server adds to vLLM's (docs/design.md §14): with
 `--secret-file`, every route but `/health` needs the trial's key (the torch
@@ -61,6 +64,9 @@ from realrl.api.vllm_api import (
     GenerateLogProbs,
     GenerateTokensChoice,
     LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
     UpdateWeightVersionRequest,
     UsageInfo,
     VLLMGenerateRequest,
@@ -115,6 +121,7 @@ class VLLMRoutes:
         self.engine = server.engine
         self.compat = compat
         self.pause_mode: str | None = None  # None: serving
+        self.adapter_paths: dict[str, str] = {}  # LoRA adapter name -> the path it was loaded from
         self._resumed = asyncio.Event()
         self._resumed.set()
 
@@ -131,6 +138,8 @@ class VLLMRoutes:
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_get("/weight_info", self.weight_info)
         r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        r.add_get("/v1/models", self.models)
         r.add_get("/health", self.health)
         r.add_get("/load", self.load)
 
@@ -171,7 +180,12 @@ class VLLMRoutes:
             return None
         if model in self.engine.adapters.adapters:
             return model
-        raise BodyError(f"The model `{model}` does not exist.", status=404, reason="lora_not_loaded")
+        # (v0.33 entrypoints/serve/engine/serving.py:49-85 `_check_model`)
+        raise BodyError(
+            f"The model `{model}` does not exist. Valid aliases: {self.server.model_path}.",
+            status=404,
+            reason="lora_not_loaded",
+        )
 
     def _engine_request(self, body: VLLMGenerateRequest, lora: str | None):
         sp = body.sampling_params
@@ -349,7 +363,26 @@ class VLLMRoutes:
             result = await self.server._call("load_adapter", {"name": load.lora_name, "adapter": adapter})
         if not result.success:
             return error(500, result.error_message or "loading the adapter failed", "InternalServerError")
+        self.adapter_paths[load.lora_name] = load.lora_path
         return web.Response(text=f"Success: LoRA adapter '{load.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            unload = from_json(UnloadLoRAAdapterRequest, await self._body(request))
+        except BodyError:
+            return error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+        async with self.server._lock():
+            result = await self.server._call("unload_adapter", {"name": unload.lora_name})
+        if not result.success:  # not loaded
+            return error(404, f"The lora adapter '{unload.lora_name}' cannot be found.", "NotFoundError")
+        return web.Response(text=f"Success: LoRA adapter '{unload.lora_name}' removed successfully.")
+
+    async def models(self, request: web.Request) -> web.Response:
+        base = self.server.model_path
+        cards = [ModelCard(base, root=base)]
+        names = sorted(self.engine.adapters.adapters)
+        cards += [ModelCard(name, root=self.adapter_paths.get(name), parent=base) for name in names]
+        return web.json_response(to_json(ModelList(cards)))
 
     async def load(self, request: web.Request) -> web.Response:
         """Requests being served (vLLM counts the calls of its load-aware routes in flight)."""
