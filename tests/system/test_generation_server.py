@@ -69,7 +69,7 @@ def worker_children(worker_pid: int) -> list[psutil.Process]:
 # two data-parallel ranks; realrl.impl.generation.torch_server.sglang_compat).
 SERVER_MODES = {"torch": {}, "sglang": {"emulate_sglang": SGLANG_MIN_VERSION, "emulate_sglang_dp": 2}}
 # ... and emulating vLLM (its own API: realrl.impl.generation.torch_server.vllm_compat), for the
-# tests that cover what differs on it: routing, weight updates, restarts, partial rollouts.
+# tests that cover what differs on it: restarts, weight updates, partial rollouts.
 ENGINE_MODES = {**SERVER_MODES, "vllm": {"emulate_vllm": "0.33"}}
 SERVER_API = {"torch": "sglang", "sglang": "sglang", "vllm": "vllm"}  # the HTTP API each mode speaks
 

@@ -28,9 +28,9 @@ from realrl.impl.generation import GenerationClient, make_client
 from realrl.launcher.local import WorkerGroup
 from realrl.system.gserver_manager import delete_old_weight_dirs
 from tests.system.test_generation_server import (
-    ENGINE_MODES,
     EXP,
     SERVER_API,
+    SERVER_MODES,
     build_tiny_model,
     server_config,
 )
@@ -609,7 +609,7 @@ def test_schedules_belong_to_running_rollouts_and_release_exactly_what_they_hold
         trial.close()
 
 
-@pytest.mark.parametrize("mode", ENGINE_MODES)
+@pytest.mark.parametrize("mode", SERVER_MODES)
 def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, tiny_model, mode):
     from realrl.system.model_worker import publish_weights
 
@@ -869,7 +869,8 @@ def test_a_vllm_server_whose_reload_fails_leaves_routing_until_a_reload_succeeds
     route for it, and its /health stays 200). Emulated (0.33): the update to
     version 1 from a checkpoint that fails to load takes the server out of
     routing, saying why, instead of retrying it in routing and then stopping
-    the trial; once the checkpoint is whole, the server rejoins at version 1."""
+    the trial; once the checkpoint is whole, the server rejoins at version 1,
+    and version 2 loads while it stays in routing."""
     from realrl.impl.generation.vllm_client import VLLMClient
     from realrl.system.model_worker import publish_weights
 
@@ -897,9 +898,14 @@ def test_a_vllm_server_whose_reload_fails_leaves_routing_until_a_reload_succeeds
             f.write(whole)
         up = await server_state(m, lambda s: s["state"] == "up")
         assert up["version"] == 1 and (await m.get("/servers"))["events"]["rejoined"] == 1
-        async with VLLMClient(timeout_s=60) as client:  # resumed: it serves version 1
+        # The next version loads in routing (pause -> reload_weights -> reset -> version -> resume).
+        publish_weights(build_tiny_model(seed=2)[1], str(tmp_path / "weights"), 2)
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "2")
+        await server_state(m, lambda s: s["version"] == 2)
+        async with VLLMClient(timeout_s=60) as client:  # resumed: it serves version 2
             result = await client.generate(server.url, [5, 6, 7], {"max_new_tokens": 2, "ignore_eos": True})
-        assert result.output_versions == ["1", "1"]
+        assert result.output_versions == ["2", "2"]
+        assert (await m.get("/servers"))["events"].get("down") == 1
 
     try:
         trial, url = start_manager_trial(
