@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import torch
 
+from realrl.base import trial_secret
 from realrl.impl.generation.client import GenerationServerError
 from realrl.impl.generation.vllm_client import VLLMClient
 from tests.impl.conftest import load_reference, save_perturbed
@@ -22,7 +23,8 @@ LONG = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}  # never
 
 def post(url: str, path: str, body) -> tuple[int, dict | str]:
     data = json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}{path}", data, {"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json", **trial_secret.http_headers()}
+    req = urllib.request.Request(f"{url}{path}", data, headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, text = resp.status, resp.read().decode()
@@ -35,8 +37,10 @@ def post(url: str, path: str, body) -> tuple[int, dict | str]:
 
 
 def get(url: str, path: str):
-    with urllib.request.urlopen(f"{url}{path}", timeout=30) as resp:
-        return json.loads(resp.read())
+    request = urllib.request.Request(f"{url}{path}", headers=trial_secret.http_headers())
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        text = resp.read()
+    return json.loads(text) if text else None
 
 
 def server_load(url: str) -> int:
@@ -155,17 +159,37 @@ def test_lora_versions_load_by_name_and_requests_name_them_in_model(
     tokens carry the version of their span. Loading version 3 unloads
     actor-v1 (`/v1/unload_lora_adapter`): a request scheduled on version 1
     just before (vLLM: 404, the model does not exist) is scheduled again, as
-    on SGLang, and generated on version 3."""
+    on SGLang, and generated on version 3. The server is the trial's
+    (`--secret-file`, `--weights-dir`): vLLM's routes, its dev routes too,
+    refuse a caller without the key (401; real vLLM's `--api-key` would
+    leave the dev routes open), and load weights only from the trial's
+    directory (400, even with the key)."""
     from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
     from realrl.system.partial_rollout import PartialRolloutManager
     from tests.impl.torch_server.test_weights import ab, write_adapter
     from tests.system.test_partial_rollout import StaleRouting
 
-    server = start_server(tiny_llama_dir, "--emulate-vllm", "0.33")
+    secret = trial_secret.ensure_secret(str(tmp_path / "run"))
+    weights_dir = tmp_path / "weights"
+    trusted = ("--secret-file", secret, "--weights-dir", str(weights_dir))
+    server = start_server(tiny_llama_dir, "--emulate-vllm", "0.33", *trusted)
     url = server.url
+    outsider = [
+        post(url, path, body)[0]
+        for path, body in (
+            ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": tiny_llama_dir}}),
+            ("/pause?mode=abort", {}),
+            ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}),
+            ("/inference/v1/generate", {"token_ids": [1, 2]}),
+        )
+    ]
+    assert outsider == [401] * 4 and get(url, "/health") is None
+    before = trial_secret.installed_path()
+    trial_secret.install(secret)  # this test's clients are the trial's from here on
     out_features, in_features = reference_model.model.layers[0].self_attn.q_proj.weight.shape
-    adapter = tmp_path / "v1"
+    adapter = weights_dir / "v1"
     write_adapter(adapter, {"model.layers.0.self_attn.q_proj": ab(1, out_features, in_features)})
+    evil = str(tmp_path / "elsewhere")  # with the key, still not the trial's weights
     sample = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
 
     async def go(client: VLLMClient):
@@ -181,11 +205,16 @@ def test_lora_versions_load_by_name_and_requests_name_them_in_model(
         )
         return result, version, stale, prm.stats.pop()
 
-    result, version, stale, stats = run(with_vllm(go))
-    assert version == "1" and result.output_versions == ["1"] * 4
-    assert stats["stale_adapters"] == 1 and stale.output_ids[0] and set(stale.output_versions[0]) == {3}
-    status, body = post(url, "/v1/unload_lora_adapter", {"lora_name": "actor-v1"})  # gone already
-    assert status == 404 and body["error"]["message"] == "The lora adapter 'actor-v1' cannot be found."
-    status, body = post(url, "/v1/load_lora_adapter", {"lora_name": "actor-v1", "lora_path": str(adapter)})
+    try:
+        result, version, stale, stats = run(with_vllm(go))
+        status, body = post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": evil}})
+        assert status == 400 and "weights are loaded only from under" in body["error"]["message"]
+        status, body = post(url, "/v1/unload_lora_adapter", {"lora_name": "actor-v1"})  # gone already
+        assert status == 404 and body["error"]["message"] == "The lora adapter 'actor-v1' cannot be found."
+        status, body = post(url, "/v1/load_lora_adapter", {"lora_name": "actor-v3", "lora_path": str(adapter)})
+    finally:
+        trial_secret.install(before)
     assert status == 400 and body["error"]["type"] == "InvalidUserInput"
     assert "has already been loaded" in body["error"]["message"]
+    assert version == "1" and result.output_versions == ["1"] * 4
+    assert stats["stale_adapters"] == 1 and stale.output_ids[0] and set(stale.output_versions[0]) == {3}
