@@ -256,7 +256,8 @@ def judge_groups(cfg: AsyncPPOConfig, gen_server: GenerationServerConfig, env: d
         model_path=os.path.abspath(cfg.judge.model.path),
         judge=True,
         weights_dir="",
-        torch=dataclasses.replace(cfg.server.torch, device="cpu"),
+        # (SGLang's API whatever the policy's servers emulate: realrl.impl.judge's client speaks it)
+        torch=dataclasses.replace(cfg.server.torch, device="cpu", emulate_vllm=""),
         lora=dataclasses.replace(cfg.model.lora, rank=0),
     )
     return [

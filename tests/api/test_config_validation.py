@@ -337,6 +337,23 @@ def test_prompts_that_leave_no_room_for_new_tokens_are_skipped(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_every_worker_speaks_the_api_of_the_policys_servers_and_the_judge_its_own(tmp_path):
+    """Emulating vLLM, the policy's servers, their manager and the rollout
+    workers speak vLLM's API; a judge's servers stay on SGLang's, which the
+    judge's client speaks (and stay frozen)."""
+    from realrl.experiment.build import judge_groups
+
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}", "server.torch.emulate_vllm=0.33"]
+    groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base)).groups}
+    apis = {name: groups[name].config.server_api for name in ("generation_server", "gserver_manager", "rollout_worker")}
+    assert apis == dict.fromkeys(apis, "vllm")
+    (judge,) = judge_groups(
+        config(tmp_path, *base, f"judge.model.path={model}"), groups["generation_server"].config, {}
+    )
+    assert judge.config.judge and judge.config.server_api == "sglang"
+
+
 def test_sglang_missing_is_an_allocation_mode_error(tmp_path):
     pytest.importorskip("torch")
     import importlib.util
