@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--emulate-vllm: {e}")
     if vllm is not None and compat is not None:
         parser.error("--emulate-vllm and --emulate-sglang exclude each other")
+    if vllm is not None and args.frozen:  # (a judge's server speaks SGLang's routes, whose loads it refuses)
+        parser.error("--emulate-vllm and --frozen exclude each other")
 
     configure(f"torch_server:{args.port}", args.log_level)
     keys = trial_secret.install(args.secret_file)  # a bad secret file stops it before the model loads
