@@ -47,6 +47,7 @@ class TrialKeys:
     stream_mac_key: bytes  # the trajectory stream's per-message seal
     control_key: bytes  # the master <-> worker request-reply stream
     etcd_password: str  # the private etcd's root user (hex)
+    weights_group_key: bytes  # seals the store of a weight broadcast group (docs/design.md §8)
 
     @staticmethod
     def from_secret(secret: bytes) -> TrialKeys:
@@ -58,6 +59,7 @@ class TrialKeys:
             stream_mac_key=key("stream-mac"),
             control_key=key("control"),
             etcd_password=key("etcd-password").hex(),
+            weights_group_key=key("weights-group"),
         )
 
     def __repr__(self) -> str:  # never print a key

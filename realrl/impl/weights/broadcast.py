@@ -1,0 +1,500 @@
+"""Weights over the wire: one trainer broadcasts each version to every member
+of a standalone process group (docs/design.md §8, "Broadcast").
+
+- The **tensor list** (`Manifest`): the names `save_pretrained` writes (tied
+  tensors once, under the name it keeps: `published_tensors`), each with the
+  dtype it is published in, its shape, and its byte offset in one flat buffer
+  (each tensor starts at a multiple of `ALIGN` bytes, so every view of the
+  buffer is aligned for its dtype). It goes to the members once per group,
+  through the group's store.
+- The **snapshot** (`Sender.publish`): the trainer copies its weights into a
+  flat buffer (one memory copy, casting to the published dtype on the way) and
+  goes on; a helper thread broadcasts the buffer in buckets of
+  `bucket_bytes`. Two buffers: one on the wire, one for the next snapshot; a
+  version still waiting when a newer one is snapshotted is replaced by it
+  (intermediate versions are skipped, as on the disk path), so the trainer
+  never waits for the network.
+- The **receiver** (`Receiver`): a helper thread joins the group, checks the
+  tensor list against the model once, receives each version's buckets into
+  its own flat buffer and hands the whole version (tensors viewing that
+  buffer) to `on_version`, which copies them into the model in place; only
+  then does the next version's reception start.
+- The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
+  epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
+  never the trainers' group. Every value in the store is sealed under a key
+  derived from the trial secret (`SealedStore`: encrypted, authenticated, and
+  bound to the group's name): a process without the secret can neither read
+  the members' addresses nor put its own there, so it cannot join or feed a
+  group; a forged value fails the rendezvous.
+
+A version is announced in the store (`v/<n>`: its number) before its buckets
+go out, so a member waits for the announcement with a poll it can give up,
+and every collective it then enters is one the sender has begun: a member
+never sits in a collective with no end, and a collective's timeout
+(`timeout_s`) bounds a wedged or dead peer, which fails the group (the owner
+of the epoch builds a new one; its members load from disk meanwhile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from realrl.base import faults
+
+ALIGN = 64  # bytes; a multiple of every dtype's size (and of a cache line)
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_POLL_S = 0.01  # how often a member looks for the next announcement (a store request each)
+
+
+class GroupError(RuntimeError):
+    """The group failed (a member died or timed out, a forged store value, a
+    tensor list that does not fit the model); its members load from disk."""
+
+
+# ---- the tensor list -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # e.g. "float32": the dtype the tensor is published in
+    shape: tuple[int, ...]
+    offset: int  # bytes into the flat buffer, a multiple of ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        n = _DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What each version of one group holds, and where in the flat buffer."""
+
+    entries: tuple[TensorEntry, ...]
+    nbytes: int  # the flat buffer's size
+
+    @staticmethod
+    def of(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> Manifest:
+        """The layout of `tensors` (floating ones in `dtype`, when given), in their order."""
+        entries, offset = [], 0
+        for name, t in tensors.items():
+            published = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            entry = TensorEntry(name, str(published).removeprefix("torch."), tuple(t.shape), offset)
+            if entry.dtype not in _DTYPES:
+                raise GroupError(f"{name}: dtype {entry.dtype} cannot be published over the wire")
+            entries.append(entry)
+            offset += -(-entry.nbytes // ALIGN) * ALIGN
+        return Manifest(tuple(entries), offset)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {"nbytes": self.nbytes, "tensors": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]}
+        ).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Manifest:
+        """The manifest in `data`; GroupError for anything malformed (its
+        layout is checked: in bounds, aligned, no overlap)."""
+        try:
+            raw = json.loads(data)
+            entries = tuple(
+                TensorEntry(str(name), str(dtype), tuple(int(d) for d in shape), int(offset))
+                for name, dtype, shape, offset in raw["tensors"]
+            )
+            manifest = Manifest(entries, int(raw["nbytes"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise GroupError(f"malformed tensor list: {e}") from None
+        end = 0
+        for e in manifest.entries:
+            if e.dtype not in _DTYPES or any(d < 0 for d in e.shape) or e.offset % ALIGN or e.offset < end:
+                raise GroupError(f"malformed tensor list at {e.name!r}")
+            end = e.offset + e.nbytes
+        if end > manifest.nbytes or len({e.name for e in manifest.entries}) != len(manifest.entries):
+            raise GroupError("malformed tensor list: out of bounds or a name twice")
+        return manifest
+
+    def buckets(self, bucket_bytes: int) -> list[tuple[int, int]]:
+        """Byte ranges of the flat buffer, each at most `bucket_bytes`, in order."""
+        step = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+        return [(start, min(start + step, self.nbytes)) for start in range(0, self.nbytes, step)]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each tensor as a view of the flat (uint8) buffer."""
+        return {e.name: flat[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in self.entries}
+
+    def placeholders(self) -> dict[str, torch.Tensor]:
+        """Each tensor's name, shape and dtype without its bytes (meta tensors),
+        for a receiver to check against its model before anything arrives."""
+        return {e.name: torch.empty(e.shape, dtype=_DTYPES[e.dtype], device="meta") for e in self.entries}
+
+
+def published_tensors(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """The tensors `model.save_pretrained` writes, by the names it writes them
+    under: its own rule drops every alias of a tied tensor but the name a
+    reload expects (transformers' `remove_tied_weights_from_state_dict`), and
+    its `_keys_to_ignore_on_save` are left out. `state_dict`: the weights in
+    the model's layout (the full one gathered under FSDP)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = dict(model.state_dict() if state_dict is None else state_dict)
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    return remove_tied_weights_from_state_dict(state, model)
+
+
+# ---- the group's store ---------------------------------------------------------------------
+
+
+class SealedStore(dist.Store):
+    """A store whose values are sealed under `key`: encrypted (an HMAC-SHA256
+    keystream under a fresh nonce) and authenticated (HMAC-SHA256 over the
+    group's name, the key's name, the nonce and the ciphertext). A value read
+    without a valid seal raises, so the rendezvous of a group fails rather
+    than connecting to an address an outsider wrote."""
+
+    def __init__(self, inner: dist.Store, key: bytes, scope: str):
+        super().__init__()
+        self._inner, self._key, self._scope = inner, key, scope.encode()
+
+    def _keystream(self, nonce: bytes, n: int) -> bytes:
+        blocks = (
+            hmac.new(self._key, b"ks" + nonce + i.to_bytes(8, "big"), hashlib.sha256).digest()
+            for i in range(-(-n // 32))
+        )
+        return b"".join(blocks)[:n]
+
+    def _tag(self, name: str, nonce: bytes, body: bytes) -> bytes:
+        msg = b"\0".join((self._scope, name.encode(), nonce, body))
+        return hmac.new(self._key, b"tag" + msg, hashlib.sha256).digest()
+
+    def seal(self, name: str, value: bytes) -> bytes:
+        nonce = os.urandom(16)
+        body = bytes(a ^ b for a, b in zip(value, self._keystream(nonce, len(value))))
+        return nonce + body + self._tag(name, nonce, body)
+
+    def unseal(self, name: str, sealed: bytes) -> bytes:
+        nonce, body, tag = sealed[:16], sealed[16:-32], sealed[-32:]
+        if len(sealed) < 48 or not hmac.compare_digest(tag, self._tag(name, nonce, body)):
+            raise GroupError(f"weight group {self._scope.decode()}: store value {name!r} is not sealed by this trial")
+        return bytes(a ^ b for a, b in zip(body, self._keystream(nonce, len(body))))
+
+    def set(self, key, value):
+        self._inner.set(key, self.seal(key, value if isinstance(value, bytes) else str(value).encode()))
+
+    def get(self, key):
+        return self.unseal(key, self._inner.get(key))
+
+    def wait(self, keys, timeout=None):
+        return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def add(self, key, amount):  # counters carry no addresses
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        raise GroupError("a weight group's store does not compare-and-set")
+
+    def delete_key(self, key):
+        return self._inner.delete_key(key)
+
+    def num_keys(self):
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self._inner.set_timeout(timeout)
+
+
+class StoreServer:
+    """A TCPStore server listening on `host` only, on a free port, for the
+    groups of one owner (each group under its own prefix). `close` ends it."""
+
+    def __init__(self, host: str, timeout_s: float = 60.0):
+        # TCPStore would listen on every interface; it serves on a socket bound here instead.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind((host, 0))
+        self._socket.listen(128)
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self.store = dist.TCPStore(
+            host,
+            self.port,
+            None,
+            True,
+            datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=self._socket.fileno(),
+        )
+        self._socket.detach()  # the store owns the descriptor now (it closes it when it ends)
+
+    def close(self) -> None:
+        self.store = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """One epoch's group, as its owner hands it to the sender and the members."""
+
+    name: str  # `realrl-<trial>-e<n>`: the store's key prefix and the seals' scope
+    store_host: str
+    store_port: int
+    world_size: int  # 1 (the sender, rank 0) + every member's ranks
+    backend: str = "gloo"  # gloo (CPU tensors) | nccl (CUDA tensors)
+    bucket_bytes: int = 64 << 20
+    timeout_s: float = 60.0  # forming the group, and each collective
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> GroupSpec:
+        return GroupSpec(**{f.name: d[f.name] for f in dataclasses.fields(GroupSpec) if f.name in d})
+
+
+def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str) -> tuple[dist.ProcessGroup, SealedStore]:
+    """This process's place (`rank`) in the group: its own process group over
+    a sealed prefix of the epoch's store; blocks until every rank joined (at
+    most `timeout_s`). gloo listens on `bind_host` only."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        client = dist.TCPStore(spec.store_host, spec.store_port, None, False, timeout)
+        store = SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
+        if spec.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+            group = dist.ProcessGroupGloo(store, rank, spec.world_size, options)
+    except GroupError:
+        raise
+    except Exception as e:  # the store unreachable, a rank that never came, a forged address
+        raise GroupError(f"weight group {spec.name}: rank {rank} cannot join: {e}") from e
+    return group, store
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    group.broadcast([tensor], opts).wait()
+
+
+def _flat(nbytes: int, device: str) -> torch.Tensor:
+    flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    return flat
+
+
+# ---- the sender --------------------------------------------------------------------------
+
+
+class Sender:
+    """Rank 0 of one group: `publish` snapshots a version and returns; a
+    helper thread forms the group and broadcasts the newest snapshot."""
+
+    def __init__(self, spec: GroupSpec, key: bytes, manifest: Manifest, bind_host: str, device: str = "cpu"):
+        self.spec, self.manifest = spec, manifest
+        self._key, self._bind_host, self._device = key, bind_host, device
+        self._buffers = [_flat(manifest.nbytes, device), _flat(manifest.nbytes, device)]
+        self._views = [manifest.views(b) for b in self._buffers]
+        self._cond = threading.Condition()
+        self._pending: tuple[int, int] | None = None  # (buffer, version) snapshotted, not yet on the wire
+        self._sending: int | None = None  # the buffer on the wire
+        self._closing = False
+        self.sent_version: int | None = None  # the newest version every member received
+        self.skipped: list[int] = []  # versions replaced by a newer one before they went out
+        self.error: str | None = None
+        self.seconds: dict[int, float] = {}  # version -> seconds on the wire
+        self._thread = threading.Thread(target=self._run, name=f"weights-send-{spec.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @torch.no_grad()
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """Copies `tensors` (every name of the manifest) into the free buffer
+        and queues it for the wire; False when the group has failed (the
+        caller publishes on disk instead)."""
+        if self.failed:
+            return False
+        with self._cond:
+            index = 1 if self._sending == 0 else 0
+            if self._pending is not None and self._pending[0] == index:
+                self.skipped.append(self._pending[1])
+                self._pending = None  # the helper must not start on a buffer being overwritten
+        views = self._views[index]
+        for e in self.manifest.entries:
+            views[e.name].copy_(tensors[e.name])  # the trainer's one copy (a cast when published in another dtype)
+        if self._device != "cpu":
+            torch.cuda.current_stream().synchronize()
+        with self._cond:
+            self._pending = (index, version)
+            self._cond.notify_all()
+        return True
+
+    def wait_sent(self, version: int, timeout_s: float) -> bool:
+        """Whether `version` (or a newer one) is on every member within `timeout_s` (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self.failed and (self.sent_version is None or self.sent_version < version):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return not self.failed
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tells the members the group is over (after what is pending went out) and stops."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            group, store = open_group(self.spec, 0, self._key, self._bind_host)
+            store.set("manifest", self.manifest.to_bytes())
+            n = 0
+            while True:
+                with self._cond:
+                    while self._pending is None and not self._closing:
+                        self._cond.wait()
+                    if self._pending is None:
+                        store.set(f"v/{n}", b"close")
+                        return
+                    index, version = self._pending
+                    self._pending, self._sending = None, index
+                t0 = time.monotonic()
+                store.set(f"v/{n}", str(version).encode())
+                flat = self._buffers[index]
+                for start, end in self.manifest.buckets(self.spec.bucket_bytes):
+                    _broadcast(group, flat[start:end], self.spec.timeout_s)
+                n += 1
+                with self._cond:
+                    self._sending = None
+                    self.sent_version = version
+                    self.seconds[version] = time.monotonic() - t0
+                    self._cond.notify_all()
+        except Exception as e:
+            with self._cond:
+                self.error = f"{type(e).__name__}: {e}"
+                self._cond.notify_all()
+
+
+# ---- the receiver ------------------------------------------------------------------------
+
+
+class Receiver:
+    """One member of a group at `rank`: a helper thread receives each version
+    and calls `on_version(version, tensors)` with the whole version (views of
+    its buffer, valid until `on_version` returns), which puts it in place.
+    `check(manifest)` runs once before anything is received; raising there
+    (a tensor list that does not fit) fails the membership, as does any
+    error of the group: `error` says why and `on_failure` is called."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        key: bytes,
+        bind_host: str,
+        check: Callable[[Manifest], None],
+        on_version: Callable[[int, dict[str, torch.Tensor]], None],
+        on_failure: Callable[[str], None] | None = None,
+        device: str = "cpu",
+    ):
+        self.spec, self.rank = spec, rank
+        self._key, self._bind_host, self._device = key, bind_host, device
+        self._check, self._on_version, self._on_failure = check, on_version, on_failure
+        self._stop = threading.Event()
+        self.received: list[int] = []  # versions put in place, in order
+        self.error: str | None = None
+        self.closed = False  # the sender ended the group
+        self._thread = threading.Thread(target=self._run, name=f"weights-recv-{spec.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Leaves the group at the next version boundary (a version being
+        received is finished or fails first)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    def _wait_key(self, store: SealedStore, key: str) -> bytes | None:
+        """The value of `key` once the sender set it; None when told to stop.
+        A store `check` per poll, not a blocking `wait`: a wait that times out
+        logs a warning in c10d each time."""
+        while not self._stop.is_set():
+            if store.check([key]):
+                return store.get(key)
+            self._stop.wait(_POLL_S)
+        return None
+
+    def _run(self) -> None:
+        try:
+            group, store = open_group(self.spec, self.rank, self._key, self._bind_host)
+            data = self._wait_key(store, "manifest")
+            if data is None:
+                return
+            manifest = Manifest.from_bytes(data)
+            self._check(manifest)
+            flat = _flat(manifest.nbytes, self._device)
+            views = manifest.views(flat)
+            buckets = manifest.buckets(self.spec.bucket_bytes)
+            n = 0
+            while True:
+                announced = self._wait_key(store, f"v/{n}")
+                if announced is None:
+                    return
+                if announced == b"close":
+                    self.closed = True
+                    return
+                version = int(announced)
+                for start, end in buckets:
+                    _broadcast(group, flat[start:end], self.spec.timeout_s)
+                    faults.point("weights.bucket_received")  # a test's member dying mid-version
+                if self._device != "cpu":
+                    torch.cuda.current_stream().synchronize()
+                self._on_version(version, views)
+                self.received.append(version)
+                faults.point("weights.version_in_place")
+                n += 1
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            if self._on_failure is not None:
+                self._on_failure(self.error)
