@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from realrl.base import trial_secret
-from realrl.impl.generation.client import GenerationServerError
+from realrl.impl.generation.client import ServerWeightsBroken
 from realrl.impl.generation.vllm_client import VLLMClient
 from tests.impl.conftest import load_reference, save_perturbed
 from tests.impl.test_torch_server import PROMPTS, forward_logprobs, run, stop_at_token_k, wait_until
@@ -142,7 +142,9 @@ def test_weight_update_pauses_reloads_and_resumes(start_server, tiny_llama_dir, 
     )
 
     async def broken(client: VLLMClient):
-        with pytest.raises(GenerationServerError, match="reload_weights from /nowhere failed"):
+        with pytest.raises(
+            ServerWeightsBroken, match="reload_weights from /nowhere failed, its weights are half written"
+        ):
             await client.load_version(url, "/nowhere", 2, lora=False)
         return await client.weight_version(url)
 
