@@ -65,7 +65,7 @@ from realrl.api.trajectory import Trajectory
 from realrl.base import faults, name_resolve, names, network, trial_secret
 from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation import make_client
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.openai_compat.endpoint import shared_endpoint
 from realrl.system.acked_delivery import AckedPusher
@@ -354,7 +354,7 @@ class RolloutWorker(AsyncWorker):
         self.manager = GserverManagerClient(
             self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S, retries=cfg.request_retries
         )
-        self.client = GenerationClient(timeout_s=cfg.request_timeout)
+        self.client = make_client(cfg.server_api, timeout_s=cfg.request_timeout)
         # The answers' stop ids: every eos id of generation_config.json, config.json and the tokenizer.
         self.stop_ids = eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer)
         self.logger.info(
