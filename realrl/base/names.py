@@ -149,6 +149,11 @@ def model_version(experiment_name: str, trial_name: str, role: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/model_version/{role}"
 
 
+def weights_group(experiment_name: str, trial_name: str, role: str) -> str:
+    """Value: the current weight broadcast epoch of `role` (JSON: the group's spec, set by the manager)."""
+    return f"{trial_root(experiment_name, trial_name)}/weights_group/{role}"
+
+
 def training_samples(experiment_name: str, trial_name: str) -> str:
     """Value: trajectories the trainer has consumed so far."""
     return f"{trial_root(experiment_name, trial_name)}/training_samples"

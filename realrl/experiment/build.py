@@ -20,6 +20,7 @@ from realrl.api.system_api import (
     MasterWorkerConfig,
     ModelWorkerConfig,
     RolloutWorkerConfig,
+    WeightTransportConfig,
 )
 from realrl.base.logging import getLogger
 from realrl.experiment.checks import check_environment
@@ -128,6 +129,14 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         wandb=cfg.stats.wandb,
     )
     train_threads = trainer_threads(cfg, alloc)
+    w = cfg.weights
+    on_cuda = cfg.train.device == "cuda" and cfg.server.torch.device == "cuda"
+    weights = WeightTransportConfig(
+        transport=w.transport,
+        backend=w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo"),
+        bucket_bytes=w.bucket_mb << 20,
+        timeout_s=cfg.server.weight_update_timeout,
+    )
     model_worker = ModelWorkerConfig(
         model_path=model_path,
         tokenizer_path=model_path,
@@ -146,6 +155,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         temperature=temperature,
         max_new_tokens=rollout.gconfig.max_new_tokens,
         weights_dir=paths.weights_dir,
+        weights=weights,
         checkpoint_dir=paths.checkpoint_dir,
         **evaluation_fields(cfg, model_path, test_path),
     )
@@ -175,6 +185,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         health_check_failures=cfg.server.health_check_failures,
         lora=cfg.model.lora.rank > 0,
         n_rollout_workers=rollout.n_workers,
+        weights=weights,
     )
     per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
     max_prompt_len = cfg.dataset.max_prompt_len
