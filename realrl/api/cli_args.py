@@ -305,8 +305,10 @@ class TorchServerConfig:
 
     device: str = "cpu"
     """cpu | cuda."""
-    dtype: str = "float32"
-    """float32 | bfloat16 | float16."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16. auto: bfloat16 on cuda (as SGLang and vLLM
+    serve), float32 on cpu; the trainer's own logprobs correct for the difference
+    (behaviour importance weights, docs/algorithms.md)."""
     max_running_requests: int = 256
     """Requests decoded together; more wait in the server's queue."""
     num_threads: int = 1
@@ -881,7 +883,11 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
     _check(cfg.train.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = auto)")
     s, ts, sg = cfg.server, cfg.server.torch, cfg.server.sglang
     _check(ts.device in ("cpu", "cuda"), "server.torch.device", f"must be cpu|cuda, got {ts.device!r}")
-    _check(ts.dtype in TORCH_DTYPES, "server.torch.dtype", f"must be {'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}")
+    _check(
+        ts.dtype in ("auto", *TORCH_DTYPES),
+        "server.torch.dtype",
+        f"must be auto|{'|'.join(TORCH_DTYPES)}, got {ts.dtype!r}",
+    )
     _check(
         ts.engine in ("auto", "paged", "dense"), "server.torch.engine", f"must be auto|paged|dense, got {ts.engine!r}"
     )

@@ -32,7 +32,7 @@
   that connection instead of buffering it.)
 - Sealed (docs/design.md §14): with the trial's stream key (`seal_key`; the
   name-resolving classes take this process's by default), a message is two
-  ZMQ frames, the wire message and its seal, HMAC-SHA256 of that frame under
+  ZMQ frames, the wire message and its seal, AES-GMAC of that frame under
   the key (computed over the buffer itself, no copy), and so is each
   acknowledgement, under a key of its own. A message without a seal, with a
   seal that does not match (tampered, or another trial's key) is refused
@@ -59,6 +59,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import zmq
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from realrl.base import name_resolve, names, network, trial_secret, wire
 from realrl.base.logging import getLogger
@@ -132,21 +134,34 @@ class RateLimitedLog:
 
 
 class StreamSeal:
-    """The seal of one direction of the stream: HMAC-SHA256 of a frame (32 bytes).
-    The trajectories and the acknowledgements have keys of their own, derived
-    from the trial's stream key, so neither can be passed off as the other."""
+    """The seal of one direction of a stream: AES-256-GMAC of a frame (AES-GCM
+    with the frame as associated data and nothing to encrypt), a random 96-bit
+    nonce then the 16-byte tag: 28 bytes. AES-NI and carry-less multiply make it
+    ~7x cheaper than HMAC-SHA256 on a 24 KB trajectory (docs/design.md §4).
+    Each direction has a key of its own, derived from the trial's key, so no
+    message can be passed off as one of the other direction. Random nonces
+    are safe up to 2^32 messages a key (NIST SP 800-38D), far beyond a trial."""
 
-    TAG_BYTES = 32
+    NONCE_BYTES = 12
+    TAG_BYTES = NONCE_BYTES + 16
 
     def __init__(self, stream_key: bytes, direction: str):
-        self._key = hmac.digest(stream_key, b"realrl/stream/" + direction.encode(), "sha256")
+        self._gmac = AESGCM(hmac.digest(stream_key, b"realrl/stream/" + direction.encode(), "sha256"))
 
     def tag(self, frame: Any) -> bytes:
         """The seal of `frame` (any buffer: bytes, memoryview, a zmq frame's buffer), no copy."""
-        return hmac.digest(self._key, frame, "sha256")
+        nonce = os.urandom(self.NONCE_BYTES)
+        return nonce + self._gmac.encrypt(nonce, b"", frame)
 
     def verify(self, frame: Any, tag: Any) -> bool:
-        return hmac.compare_digest(self.tag(frame), tag)
+        tag = bytes(tag)  # 28 bytes
+        if len(tag) != self.TAG_BYTES:
+            return False
+        try:
+            self._gmac.decrypt(tag[: self.NONCE_BYTES], tag[self.NONCE_BYTES :], frame)
+        except InvalidTag:
+            return False
+        return True
 
 
 def _seals(seal_key: bytes | None) -> tuple[StreamSeal | None, StreamSeal | None]:

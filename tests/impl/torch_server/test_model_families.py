@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Llama4TextConfig, MistralConfig
 
 from realrl.impl.generation import torch_server
-from realrl.impl.generation.torch_server.model import AttentionLayout, attention_layout
+from realrl.impl.generation.torch_server.model import AttentionLayout, attention_layout, resolve_dtype
 from realrl.impl.random_models import FAMILIES, SLIDING_WINDOW, build_random_model
 from tests.impl.test_torch_server import forward_logprobs
 
@@ -97,3 +97,11 @@ def test_a_moe_checkpoint_loads_into_the_served_model_through_transformers_conve
     engine._targets.copy_in(tensors)
     for name, value in trained.state_dict().items():
         assert torch.equal(served.state_dict()[name], value), name
+
+
+def test_the_servers_default_dtype_is_bfloat16_on_cuda_and_float32_on_cpu():
+    # A GPU user gets what SGLang and vLLM serve in without a flag; CPU keeps the
+    # float32 that the logprob parity tests compare against.
+    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cuda:1") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("float16", "cuda") == "float16"

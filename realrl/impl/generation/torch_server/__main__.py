@@ -21,7 +21,7 @@ from realrl.base import trial_secret
 from realrl.base.logging import configure, getLogger
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
-from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model
+from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model, resolve_dtype
 from realrl.impl.generation.torch_server.paged_engine import DEFAULT_BLOCK_SIZE, create_engine
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from realrl.impl.generation.torch_server.weights_group import GroupMembership
@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *sorted(DTYPES)], help="auto: bfloat16 on CUDA, float32 on CPU"
+    )
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=1)
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)
     model = load_model(args.model_path, args.device, args.dtype)
     engine = create_engine(
         args.engine,

@@ -22,6 +22,16 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from realrl.impl.generation.eos import token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto` is bfloat16 on CUDA (what SGLang and vLLM serve in) and float32 on
+    CPU, where bfloat16 matmuls are slow and the trainer's logprobs are float32."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
