@@ -395,8 +395,16 @@ class GserverManager(AsyncWorker):
         if not stale:  # e.g. no server up: a server that joins loads the current version itself
             return
         t0 = time.monotonic()
-        self.logger.info("updating %d servers to weight version %d from %s", len(stale), version, path)
-        results = await asyncio.gather(*(self._update_server(u, path, version) for u in stale), return_exceptions=True)
+        via_group = self._epochs is not None and await asyncio.to_thread(self._epochs.went_through_group, version)
+        self.logger.info(
+            "updating %d servers to weight version %d %s",
+            len(stale),
+            version,
+            "(broadcast)" if via_group else f"from {path}",
+        )
+        results = await asyncio.gather(
+            *(self._update_server(u, path, version, via_group) for u in stale), return_exceptions=True
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise WeightUpdateError(
@@ -434,14 +442,14 @@ class GserverManager(AsyncWorker):
                     version,
                 )
 
-    async def _update_server(self, url: str, path: str, version: int) -> int | None:
+    async def _update_server(self, url: str, path: str, version: int, via_group: bool = False) -> int | None:
         """Loads `version` on `url`; returns how many requests it aborted,
         None if the server left routing meanwhile.
         A failed load is retried: loading the same directory again is
         idempotent, and fixes SGLang 0.5.23's "weights updated, but the cache
         was not flushed" (`success: false` with the new weights serving and
         the old version reported; `realrl.impl.generation.backends`)."""
-        if self._epochs is not None and self._epochs.is_member(url):  # it receives versions through its group
+        if via_group and self._epochs.is_member(url):  # it received the version through its group
             if await self._epochs.await_version(url, version, self.cfg.weight_update_timeout):
                 self.router.set_loaded_version(url, version)
                 return 0

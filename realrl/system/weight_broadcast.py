@@ -22,6 +22,7 @@ the next boundary builds an epoch again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class BroadcastPublisher:
         self.cfg, self.model, self.dtype = cfg, model, dtype
         self._write_to_disk = write_to_disk
         self._key_name = names.weights_group(experiment_name, trial_name, ROLE)
+        self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._bind_host = bind_host
         self.sender: Sender | None = None
         self._announced = -1
@@ -85,22 +87,21 @@ class BroadcastPublisher:
             if self.sender is not None:
                 self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
             logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
-            self.sender = Sender(
-                spec,
-                _group_key(),
-                Manifest.of(tensors, self.dtype),
-                self._bind_host,
-                after_send=self._after_send,
-            )
+            sender = Sender(spec, _group_key(), Manifest.of(tensors, self.dtype), self._bind_host)
+            sender.after_send = functools.partial(self._after_send, sender)
+            self.sender = sender
         self.sender.publish(version, tensors)
         return True
 
-    def _after_send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        sender = self.sender
-        if sender is not None and sender.failed and sender.sent_version != version:
+    def _after_send(self, sender: Sender, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        ok = not sender.failed
+        if not ok:
             logger.warning(
-                "weight group %s failed (%s): version %d goes to disk only", sender.spec.name, sender.error, version
+                "weight group %s failed (%s): version %d goes by disk", sender.spec.name, sender.error, version
             )
+        # Which versions went through which group: the manager waits for members only on those.
+        sent = {"group": sender.spec.name, "version": version, "ok": ok}
+        name_resolve.add(self._sent_name, json.dumps(sent), replace=True)
         # save_pretrained refuses tensors that share one buffer: a copy each (on this thread, not the trainer's).
         self._write_to_disk(version, {name: t.clone() for name, t in tensors.items()})
         with self._announce_lock:  # two senders (an old epoch's, finishing) never move the key back
@@ -130,6 +131,7 @@ class WeightEpochs:
     ):
         self.cfg, self._client = cfg, client
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
+        self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._store = StoreServer(bind_host)
         self._advertise_host = advertise_host
         self.epoch = 0
@@ -183,6 +185,25 @@ class WeightEpochs:
 
     def is_member(self, url: str) -> bool:
         return not self.failed and url in self.members
+
+    def went_through_group(self, version: int) -> bool:
+        """Whether the trainer sent `version` (or a newer one) through the
+        current epoch's group to every member (`names.weights_sent`): only
+        then are members asked for it; a failed send fails the epoch. A
+        version the trainer published before it saw this epoch came by disk."""
+        try:
+            sent = json.loads(name_resolve.get(self._sent_name))
+        except name_resolve.NameEntryNotFoundError:
+            return False
+        if self.spec is None or sent.get("group") != self.spec.name or int(sent.get("version", -1)) < version:
+            return False
+        if not sent.get("ok"):
+            if not self.failed:
+                logger.warning(
+                    "weight group %s failed at version %s: loading from disk", self.spec.name, sent["version"]
+                )
+            self.failed = True
+        return not self.failed
 
     async def await_version(self, url: str, version: int, timeout_s: float) -> bool:
         """Whether member `url` holds `version` through the group; False marks the epoch failed."""

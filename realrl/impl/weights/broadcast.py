@@ -52,7 +52,9 @@ import torch
 import torch.distributed as dist
 
 from realrl.base import faults
+from realrl.base.logging import getLogger
 
+logger = getLogger("weights.broadcast")
 ALIGN = 64  # bytes; a multiple of every dtype's size (and of a cache line)
 _DTYPES = {
     str(t).removeprefix("torch."): t
@@ -344,7 +346,7 @@ class Sender:
     ):
         self.spec, self.manifest = spec, manifest
         self._key, self._bind_host, self._device = key, bind_host, spec.device
-        self._after_send = after_send
+        self.after_send = after_send
         self._buffers = [_flat(manifest.nbytes, spec.device), _flat(manifest.nbytes, spec.device)]
         self._views = [manifest.views(b) for b in self._buffers]
         self._cond = threading.Condition()
@@ -447,11 +449,12 @@ class Sender:
                     self._fail(e)
                     group = None  # its connections close: the other members fail now, not at their timeout
             sent = not self.failed
-            if self._after_send is not None:
+            if self.after_send is not None:
                 try:
-                    self._after_send(version, self._views[index])
-                except Exception as e:
+                    self.after_send(version, self._views[index])
+                except Exception as e:  # (the caller's; logged, and the next version is tried)
                     self.after_send_error = f"version {version}: {type(e).__name__}: {e}"
+                    logger.exception("weight group %s: after sending version %d", self.spec.name, version)
             with self._cond:
                 self._sending = None
                 if sent:
