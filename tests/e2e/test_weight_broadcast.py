@@ -14,7 +14,7 @@ import re
 from realrl.base import faults
 from tests.e2e.test_faults import Trial
 
-STEPS = 12
+STEPS = 30  # the killed server is back after about ten steps; the rest go through its new group
 
 
 def test_two_servers_take_versions_over_the_wire_and_a_server_killed_mid_version_rejoins(
@@ -56,9 +56,11 @@ def test_two_servers_take_versions_over_the_wire_and_a_server_killed_mid_version
     epochs = re.findall(r"weight group realrl-wire-e(\d+): (\d+) servers", manager)
     assert epochs[0] == ("1", "2"), manager[-3000:]
     assert int(epochs[-1][0]) > 1 and epochs[-1][1] == "2", epochs  # both servers again, in a later group
-    assert "did not get version" in manager  # the survivor of the failed group loaded that version from disk
+    assert "weight group realrl-wire-e1 failed" in manager  # that version reached the survivor from disk
     assert faults.fired("weights.bucket_received")
-    servers = trial.log("generation_server-0") + trial.log("generation_server-1")
-    assert "restarting it (restart 1" in servers
-    over_the_wire = re.findall(r"weights updated from weight group realrl-wire-e(\d+)", servers)
-    assert len(over_the_wire) >= STEPS // 2 and len(set(over_the_wire)) >= 2, over_the_wire
+    assert "restarting it (restart 1" in trial.log("generation_server-0") + trial.log("generation_server-1")
+    servers = [trial.log(f"generation_server-{i}.server") for i in range(2)]
+    last = f"weights updated from weight group realrl-wire-e{epochs[-1][0]}:"
+    assert all(last in log for log in servers), servers  # the restarted server too, through the last group
+    over_the_wire = re.findall(r"weights updated from weight group realrl-wire-e(\d+)", "".join(servers))
+    assert len(over_the_wire) >= STEPS, over_the_wire
