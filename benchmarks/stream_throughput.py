@@ -46,7 +46,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from realrl.base import wire  # noqa: E402
-from realrl.system.push_pull_stream import DEFAULT_HWM, AckedPusher, ZMQPuller, ZMQPusher  # noqa: E402
+from realrl.system.acked_delivery import AckedPusher  # noqa: E402
+from realrl.system.push_pull_stream import DEFAULT_HWM, ZMQPuller, ZMQPusher  # noqa: E402
 
 SIZES = [256, 2048, 16384]
 SEAL_KEY = b"benchmark-stream-key-32-bytes..."  # any 32 bytes: the seal's cost does not depend on them
@@ -89,7 +90,7 @@ def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
             delivery = AckedPusher(pusher)
             futures = [delivery.submit(dict(trajectory, index=i), ("0:0:1", i)) for i in range(count)]
             for future in futures:
-                assert future.result(timeout=120) == "taken"
+                assert future.result(timeout=120)["verdict"] == "taken"
             delivery.close()
         else:
             for i in range(count):

@@ -20,6 +20,9 @@ with less than a minute left is not run and says so):
   weights published, the final model, checkpoints;
 - `nccl_lockstep` (two GPUs or more): two FSDP2 ranks over NCCL with uneven
   data take the same steps as one big batch;
+- `vllm_trial` (when vLLM is importable; else it says it skipped): a
+  3-step trial on the vLLM backend (`allocation_mode=vllm.d1p1m1+d1p1m1`),
+  the runtime driving a real vLLM server: launch, weight updates, generation;
 - `generation_throughput`: `benchmarks/generation_throughput.py --quick
   --device cuda` (the torch server vs `model.generate`, on the GPU);
 - `vs_inprocess`: `benchmarks/vs_inprocess.py --device cuda` (12 steps; the
@@ -100,6 +103,13 @@ def run_check(cmd: list[str], timeout_s: float, env: dict) -> tuple[bool, float,
     return ok, time.monotonic() - t0, output[-3000:]
 
 
+def vllm_importable() -> bool:
+    """Whether this Python finds vLLM (not imported: that initialises CUDA)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def pytest(*node_ids: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *node_ids]
 
@@ -147,6 +157,13 @@ def main() -> int:
             [sys.executable, "benchmarks/generation_throughput.py", "--quick", "--device", "cuda"]
             + ["--json", figures["generation_throughput"]],
             None,
+        ),
+        (
+            "vllm_trial",
+            [sys.executable, "training/main_async_ppo.py", "allocation_mode=vllm.d1p1m1+d1p1m1", "train.device=cuda"]
+            + ["total_train_steps=3", "eval.every_n_steps=0", "server.vllm.gpu_memory_utilization=0.3"]
+            + ["server.vllm.extra_args=[--enforce-eager]", f"fileroot={work}/vllm", f"tiny_kit.cache_dir={work}/kit"],
+            None if vllm_importable() else "vLLM is not importable here (pip install 'vllm>=0.32' to check it)",
         ),
         (
             "vs_inprocess",

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from realrl.api.env_api import EnvironmentService
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest, GenerationResult
+from realrl.api.served_sampling import SamplingRefused, ServedSampling
 from realrl.api.trajectory import Trajectory
 from realrl.base.registry import Registry
 
@@ -81,7 +82,9 @@ class AgentSettings:
     success_rate_ub: float = 1.0
     dynamic_sampling: bool = False  # `rollout.dynamic_sampling`, see `keep_group`
     evaluating: bool = False  # greedy, one answer per prompt, nothing filtered
-    gen_backend: str = "torch"  # the generation servers' engine (its refusals are the agent's 400s)
+    # What the generation backend can serve (a filtered call it cannot is refused: `generate`, and the
+    # chat endpoint's 400).
+    served: ServedSampling = dataclasses.field(default_factory=ServedSampling)
     episode_timeout: float = 3600.0  # `rollout.episode_timeout`: one episode of a chat-level agent, at most
     tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -185,6 +188,10 @@ class Agent(abc.ABC):
             raise RuntimeError("Agent.generate() is only available inside an episode (Agent.run_episode)")
         if self.settings.evaluating:  # the evaluation contract: greedy, whatever the agent asked
             gconfig = dataclasses.replace(gconfig or self.settings.gconfig, greedy=True)
+        elif gconfig is not None and (refused := self.settings.served.refusal(gconfig.sampling_params())):
+            # Before anything is sent: the backend would fail the call (SGLang) or train on the wrong
+            # logprobs (vLLM). An OpenAI-style call gets this as HTTP 400.
+            raise SamplingRefused(refused)
         request = GenerationRequest(
             qid=episode.qid,
             prompt_ids=list(prompt_ids),

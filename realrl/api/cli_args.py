@@ -26,8 +26,10 @@ import dataclasses
 import re
 from typing import Any
 
-from realrl.api.generation_api import GenerationHyperparameters, needs_sampling_logprobs
+from realrl.api.generation_api import GenerationHyperparameters
+from realrl.api.served_sampling import served_sampling
 from realrl.api.sglang_api import emulated_release
+from realrl.api.vllm_api import VLLM_MAX_LORA_RANK, vllm_release
 from realrl.base.name_resolve import NameResolveConfig
 
 
@@ -324,6 +326,10 @@ class TorchServerConfig:
     emulate_sglang_dp: int = 1
     """With emulate_sglang: the data-parallel ranks SGLang would report (per-rank lists
     in its answers when > 1)."""
+    emulate_vllm: str = ""
+    """For tests: a vLLM release (e.g. 0.33) whose routes, bodies and refusals the
+    server answers instead of SGLang's; the runtime then drives it as it drives vLLM.
+    Empty = off."""
     engine: str = "auto"
     """KV cache layout: paged (a block pool, a group's answers sharing their prompt's
     blocks, CUDA graphs on GPU) | dense (left-padded buffers) | auto: paged on cuda,
@@ -355,11 +361,28 @@ class SGLangConfig:
 
 
 @dataclasses.dataclass
+class VLLMConfig:
+    """vLLM generation servers (allocation_mode vllm.*; needs CUDA and vLLM >= 0.32)."""
+
+    dtype: str = "bfloat16"
+    """vLLM's --dtype: auto | half | float16 | bfloat16 | float | float32."""
+    gpu_memory_utilization: float = 0.8
+    """vLLM's --gpu-memory-utilization: the GPU memory share for weights and KV cache."""
+    max_model_len: int | None = None
+    """vLLM's --max-model-len; null = the model's."""
+    max_num_seqs: int | None = None
+    """vLLM's --max-num-seqs; null = vLLM's default."""
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    """More vLLM command-line arguments, appended verbatim."""
+
+
+@dataclasses.dataclass
 class ServerConfig:
     """Generation servers and their manager (docs/architecture.md, "Generation servers that come and go")."""
 
     torch: TorchServerConfig = dataclasses.field(default_factory=TorchServerConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
     startup_timeout: float = 300.0
     """Seconds a server may take to answer /health after it starts."""
     weight_update_timeout: float = 120.0
@@ -608,12 +631,12 @@ class ParallelShape:
 
 @dataclasses.dataclass(frozen=True)
 class AllocationMode:
-    gen_backend: str  # torch | sglang
+    gen_backend: str  # torch | sglang | vllm
     gen: ParallelShape  # dp = number of generation servers, tp = tensor parallel per server
     train: ParallelShape  # dp = number of model workers
 
 
-GEN_BACKENDS = ("torch", "sglang")
+GEN_BACKENDS = ("torch", "sglang", "vllm")
 _SHAPE = r"d(\d+)p(\d+)m(\d+)"
 _ALLOC = re.compile(rf"^(?P<backend>[a-z]+)\.{_SHAPE}\+{_SHAPE}$")
 
@@ -848,13 +871,14 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         r.gconfig.validate("rollout.gconfig")
     except ValueError as e:
         raise ConfigError(_key_first(str(e))) from None
+    served = served_sampling(
+        alloc.gen_backend, cfg.server.torch.emulate_sglang, cfg.server.torch.emulate_vllm, cfg.server.sglang.extra_args
+    ).refusal(r.gconfig.sampling_params())
+    _check(served is None, "rollout.gconfig", f"{served}")
     _check(
-        alloc.gen_backend != "sglang"
-        or r.gconfig.top_k > 0
-        or not needs_sampling_logprobs(r.gconfig.sampling_params()),
-        "rollout.gconfig.top_k",
-        "SGLang reports the logprobs of a filtered distribution (the decoupled loss's behaviour policy) only "
-        "with a finite top_k; set one with rollout.gconfig.top_p < 1 (e.g. rollout.gconfig.top_k=100)",
+        alloc.gen_backend != "vllm" or cfg.model.lora.rank <= VLLM_MAX_LORA_RANK,
+        "model.lora.rank",
+        f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK} (--max-lora-rank), got {cfg.model.lora.rank}",
     )
     _check(
         r.max_restarts >= 0,
@@ -908,6 +932,31 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         except ValueError as e:
             raise ConfigError(f"server.torch.emulate_sglang: {e}") from None
     _check(ts.emulate_sglang_dp >= 1, "server.torch.emulate_sglang_dp", f"must be >= 1, got {ts.emulate_sglang_dp}")
+    if ts.emulate_vllm:
+        try:
+            vllm_release(ts.emulate_vllm)
+        except ValueError as e:
+            raise ConfigError(f"server.torch.emulate_vllm: {e}") from None
+        _check(
+            not ts.emulate_sglang, "server.torch.emulate_vllm", "emulates vLLM; it excludes server.torch.emulate_sglang"
+        )
+    vc = cfg.server.vllm
+    _check(vc.dtype in SGLANG_DTYPES, "server.vllm.dtype", f"must be {'|'.join(SGLANG_DTYPES)}, got {vc.dtype!r}")
+    _check(
+        0 < vc.gpu_memory_utilization <= 1,
+        "server.vllm.gpu_memory_utilization",
+        f"must be in (0, 1], got {vc.gpu_memory_utilization}",
+    )
+    _check(
+        vc.max_model_len is None or vc.max_model_len >= 1,
+        "server.vllm.max_model_len",
+        f"must be >= 1 (or null = the model's), got {vc.max_model_len}",
+    )
+    _check(
+        vc.max_num_seqs is None or vc.max_num_seqs >= 1,
+        "server.vllm.max_num_seqs",
+        f"must be >= 1 (or null = vLLM's default), got {vc.max_num_seqs}",
+    )
     _check(sg.dtype in SGLANG_DTYPES, "server.sglang.dtype", f"must be {'|'.join(SGLANG_DTYPES)}, got {sg.dtype!r}")
     _check(
         0 < sg.mem_fraction_static <= 1,

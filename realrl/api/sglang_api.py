@@ -40,6 +40,51 @@ def emulated_release(text: str) -> Version:
     return version
 
 
+# --------------------------------------------------------------------------- sampling masks
+
+# `--sampling-mask-max-tokens`'s default (v0.5.23 `arg_groups/fields/exec_.py:182-188`).
+SAMPLING_MASK_MAX_TOKENS = 4096
+# SGLang's top_k for "off" once normalised (-1, or absent; v0.5.16 and v0.5.23
+# `sampling/sampling_params.py`: `TOP_K_ALL = 1 << 30`; a greedy request gets top_k = 1).
+TOP_K_ALL = 1 << 30
+
+
+def sglang_top_k(top_k: int | None, greedy: bool) -> int:
+    """The top_k SGLang's scheduler sees: 1 for greedy, TOP_K_ALL for off
+    (-1, None; the torch server also takes 0)."""
+    if greedy:
+        return 1
+    return TOP_K_ALL if top_k is None or top_k <= 0 else top_k
+
+
+def sampling_mask_refusal(
+    release: Version, top_k: int | None, greedy: bool, max_tokens: int = SAMPLING_MASK_MAX_TOKENS
+) -> str | None:
+    """SGLang's message refusing a `return_sampling_mask` request (answered
+    HTTP 400 `{"error": {"message": ...}}`, no token generated), else None.
+
+    - 0.5.16 (v0.5.16 `managers/scheduler.py:2225-2234`): refuses top_k off.
+    - 0.5.23 (v0.5.23 `managers/scheduler.py:3172-3181`): accepts only top_k
+      == 1 or 1 < top_k <= `--sampling-mask-max-tokens`.
+    Releases before 0.5.16 have no sampling masks (None: the flag is ignored)."""
+    if release < Version("0.5.16"):
+        return None
+    k = sglang_top_k(top_k, greedy)
+    if release < Version("0.5.23"):
+        if k != TOP_K_ALL:
+            return None
+        return (
+            "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return huge "
+            "masks in the tail, blowing up metadata, so we need a safety cap."
+        )
+    if k == 1 or 1 < k <= max_tokens:
+        return None
+    return (
+        f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= {max_tokens}; "
+        f"got top_k={k}. Lower top_k or increase --sampling-mask-max-tokens."
+    )
+
+
 # --------------------------------------------------------------------------- /generate
 
 

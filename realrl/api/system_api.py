@@ -93,6 +93,7 @@ from realrl.api.cli_args import (  # noqa: E402
     PPOConfig,
     SGLangConfig,
     TorchServerConfig,
+    VLLMConfig,
 )
 
 
@@ -108,7 +109,7 @@ class WeightTransportConfig:
 
 @dataclasses.dataclass
 class GenerationServerConfig:
-    backend: str = "torch"  # torch | sglang
+    backend: str = "torch"  # torch | sglang | vllm
     model_path: str = ""  # initial weights (version `weight_version`)
     weight_version: int = 0
     seed: int = 1
@@ -116,6 +117,7 @@ class GenerationServerConfig:
     startup_timeout: float = 300.0
     torch: TorchServerConfig = dataclasses.field(default_factory=TorchServerConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
     # A (re)started server loads the trainer's current version from <weights_dir>/<v>/ before it registers.
     weights_dir: str = ""
     # A server process that dies is restarted, at most max_restarts times within
@@ -127,6 +129,17 @@ class GenerationServerConfig:
     # A judge model's server: started frozen (weight changes refused), registered
     # under names.judge_server, never given the trainer's weights.
     judge: bool = False
+
+    @property
+    def server_api(self) -> str:
+        """The HTTP API the server speaks: "vllm" (vLLM, or the torch server
+        emulating it) or "sglang" (SGLang, the torch server)."""
+        return server_api(self.backend, self.torch.emulate_vllm)
+
+
+def server_api(backend: str, emulate_vllm: str = "") -> str:
+    """The HTTP API of a run's generation servers (`realrl.impl.generation.make_client`)."""
+    return "vllm" if backend == "vllm" or (backend == "torch" and emulate_vllm) else "sglang"
 
 
 @dataclasses.dataclass
@@ -147,6 +160,7 @@ class GserverManagerConfig:
     health_check_timeout: float = 5.0
     health_check_failures: int = 3
     lora: bool = False  # versions after 0 are LoRA adapters (loaded with /load_lora_adapter)
+    server_api: str = "sglang"  # sglang | vllm: the servers' HTTP API (`server_api`)
     n_rollout_workers: int = 1  # /reset_rollout_worker refuses any other index
     weights: WeightTransportConfig = dataclasses.field(default_factory=WeightTransportConfig)
 
@@ -173,6 +187,7 @@ class RolloutWorkerConfig:
     routing: str = "client"  # client | manager (realrl/system/client_routing.py)
     sample_log_every: int = 20  # write every N-th finished trajectory's text to the log dir
     lora: bool = False  # each request names the LoRA adapter of the version it is scheduled on
+    server_api: str = "sglang"  # sglang | vllm: the servers' HTTP API (`server_api`)
 
 
 @dataclasses.dataclass

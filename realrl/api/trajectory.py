@@ -92,6 +92,9 @@ class Trajectory:
     # the trainers acknowledge and drop second copies by. Set by the rollout worker; "" = none.
     rollout_id: str = ""
     index: int = 0
+    # How many trajectories its rollout returned: a rollout is done once the trainers hold all of
+    # them (docs/design.md §12), which a partly delivered one, at a checkpoint, is not.
+    rollout_size: int = 1
 
     @property
     def key(self) -> tuple[str, int]:
@@ -261,6 +264,11 @@ class Trajectory:
             raise TrajectoryError(f"trajectory {self.qid}: rollout_id must be a str and index an int")
         if self.index < 0:
             raise TrajectoryError(f"trajectory {self.qid}: index {self.index} < 0")
+        size = self.rollout_size
+        if isinstance(size, bool) or not isinstance(size, int) or not self.index < size:
+            raise TrajectoryError(
+                f"trajectory {self.qid}: rollout_size must be an int above its index {self.index}, got {size!r}"
+            )
         return self
 
     def check_token_ids(self, vocab_size: int | None) -> Trajectory:
@@ -366,6 +374,7 @@ class Trajectory:
             "sampling": np.asarray([s.as_row() for s in self.sampling], dtype=np.float64).reshape(-1),
             "rollout_id": self.rollout_id,
             "index": int(self.index),
+            "rollout_size": int(self.rollout_size),
         }
 
     @staticmethod
@@ -424,6 +433,7 @@ class Trajectory:
                 sampling=sampling,
                 rollout_id=msg.get("rollout_id", ""),
                 index=msg.get("index", 0),
+                rollout_size=msg.get("rollout_size", 1),
             )
         except KeyError as e:
             raise TrajectoryError(f"trajectory message lacks field {e}") from None

@@ -21,6 +21,7 @@ from realrl.api.system_api import (
     ModelWorkerConfig,
     RolloutWorkerConfig,
     WeightTransportConfig,
+    server_api,
 )
 from realrl.base.logging import getLogger
 from realrl.experiment.checks import check_environment
@@ -167,6 +168,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         startup_timeout=cfg.server.startup_timeout,
         torch=cfg.server.torch,
         sglang=cfg.server.sglang,
+        vllm=cfg.server.vllm,
         weights_dir=paths.weights_dir,
         max_restarts=cfg.server.max_restarts,
         restart_window=cfg.server.restart_window,
@@ -184,6 +186,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         health_check_timeout=cfg.server.health_check_timeout,
         health_check_failures=cfg.server.health_check_failures,
         lora=cfg.model.lora.rank > 0,
+        server_api=server_api(alloc.gen_backend, cfg.server.torch.emulate_vllm),
         n_rollout_workers=rollout.n_workers,
         weights=weights,
     )
@@ -217,6 +220,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         no_server_timeout=rollout.no_server_timeout,
         routing=rollout.routing,
         lora=cfg.model.lora.rank > 0,
+        server_api=server_api(alloc.gen_backend, cfg.server.torch.emulate_vllm),
     )
 
     # One CPU thread pool per process: on a small machine, oversubscription
@@ -224,7 +228,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     def threads(n: int) -> dict[str, str]:
         return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "TOKENIZERS_PARALLELISM": "false"}
 
-    gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
+    gen_on_gpu = alloc.gen_backend in ("sglang", "vllm") or cfg.server.torch.device == "cuda"
     groups = [
         WorkerGroup("master_worker", 1, master, env=threads(1), cpus_per_worker=0),
         WorkerGroup(
@@ -263,7 +267,8 @@ def judge_groups(cfg: AsyncPPOConfig, gen_server: GenerationServerConfig, env: d
         model_path=os.path.abspath(cfg.judge.model.path),
         judge=True,
         weights_dir="",
-        torch=dataclasses.replace(cfg.server.torch, device="cpu"),
+        # (SGLang's API whatever the policy's servers emulate: realrl.impl.judge's client speaks it)
+        torch=dataclasses.replace(cfg.server.torch, device="cpu", emulate_vllm=""),
         lora=dataclasses.replace(cfg.model.lora, rank=0),
     )
     return [
@@ -288,7 +293,7 @@ def trainer_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:
     if cfg.mode != "local":
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    gen_on_cpu = alloc.gen_backend != "sglang" and cfg.server.torch.device == "cpu"
+    gen_on_cpu = alloc.gen_backend == "torch" and cfg.server.torch.device == "cpu"
     gen_threads = cfg.server.torch.num_threads * alloc.gen.dp if gen_on_cpu else 0
     return max(1, (cores - gen_threads) // alloc.train.dp)
 
@@ -301,7 +306,7 @@ def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], 
     each) and the trainers the next ones, one per data-parallel rank. When the
     machine has fewer GPUs than that, both sides share them round-robin (fine for
     small models; a warning says so). Each worker then sees only its own GPUs."""
-    gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
+    gen_on_gpu = alloc.gen_backend in ("sglang", "vllm") or cfg.server.torch.device == "cuda"
     train_on_gpu = cfg.train.device == "cuda"
     if not gen_on_gpu and not train_on_gpu:
         return [], []

@@ -272,11 +272,11 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         from realrl.launcher.ray import connect
 
         connect(cfg.ray.address)  # the launcher keeps this connection
-    if alloc.gen_backend == "sglang" and cfg.mode == "local":  # on a cluster, its nodes must have it
+    if alloc.gen_backend in ("sglang", "vllm") and cfg.mode == "local":  # on a cluster, its nodes must have it
         from realrl.impl.generation.backends import BackendUnavailableError, get_backend
 
         try:
-            get_backend("sglang").check_available()
+            get_backend(alloc.gen_backend).check_available()
         except BackendUnavailableError as e:
             raise ConfigError(f"allocation_mode: {_one_line(e)}") from None
 
@@ -288,9 +288,11 @@ def check_environment(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int | None:
         check_datasets(cfg)
         return None
     limit = positions
+    where = "the model's max_position_embeddings"
     if alloc.gen_backend == "sglang" and cfg.server.sglang.context_length:
-        limit = cfg.server.sglang.context_length
-    where = "server.sglang.context_length" if limit != positions else "the model's max_position_embeddings"
+        limit, where = cfg.server.sglang.context_length, "server.sglang.context_length"
+    if alloc.gen_backend == "vllm" and cfg.server.vllm.max_model_len:
+        limit, where = cfg.server.vllm.max_model_len, "server.vllm.max_model_len"
     new_tokens = cfg.rollout.gconfig.max_new_tokens
     if new_tokens >= limit:  # a prompt has at least one token
         raise ConfigError(

@@ -26,6 +26,7 @@ from realrl.api.cli_args import (
     EnvConfig,
     parse_allocation_mode,
 )
+from realrl.api.served_sampling import served_sampling
 from realrl.base.plugins import absolute_spec, is_object_spec
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -191,7 +192,12 @@ def agent_settings(cfg: AsyncPPOConfig, tokenizer_path: str) -> AgentSettings:
         success_rate_lb=cfg.rollout.success_rate_lb,
         success_rate_ub=cfg.rollout.success_rate_ub,
         dynamic_sampling=cfg.rollout.dynamic_sampling,
-        gen_backend=parse_allocation_mode(cfg.allocation_mode).gen_backend,
+        served=served_sampling(
+            parse_allocation_mode(cfg.allocation_mode).gen_backend,
+            cfg.server.torch.emulate_sglang,
+            cfg.server.torch.emulate_vllm,
+            cfg.server.sglang.extra_args,
+        ),
         episode_timeout=cfg.rollout.episode_timeout,
     )
 

@@ -53,6 +53,17 @@ def target_modules(model: nn.Module, requested: list[str]) -> list[str]:
     return sorted(requested)
 
 
+def model_target_modules(model_path: str, requested: list[str]) -> list[str]:
+    """`target_modules` of the model in `model_path`, read from its config
+    alone (built on the meta device: no weights are read or allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return target_modules(model, requested)
+
+
 @contextlib.contextmanager
 def _quiet():
     # peft 0.21 asks transformers 5 for a deprecated attribute: one FutureWarning per wrap.

@@ -328,7 +328,7 @@ def submit_trial(cfg: AsyncPPOConfig, log_dir: str, summary_path: str) -> tuple[
 
     s = cfg.slurm
     alloc = parse_allocation_mode(cfg.allocation_mode)
-    gen_on_gpu = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
+    gen_on_gpu = alloc.gen_backend in ("sglang", "vllm") or cfg.server.torch.device == "cuda"
     groups = [
         WorkerGroup("model_worker", alloc.train.dp, gpus_per_worker=int(cfg.train.device == "cuda")),
         WorkerGroup("generation_server", alloc.gen.dp, gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0),

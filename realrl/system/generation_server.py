@@ -45,8 +45,9 @@ import time
 from realrl.api.system_api import GenerationServerConfig
 from realrl.base import name_resolve, names, network
 from realrl.base.process import log_tail, stop_process_tree, with_parent_death_signal
+from realrl.impl.generation import make_client
 from realrl.impl.generation.backends import get_backend
-from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
+from realrl.impl.generation.client import GenerationServerError, GenerationServerUnavailable
 from realrl.system.worker_base import IDLE, PollResult, Worker
 
 _LOG_TAIL_LINES = 60
@@ -116,6 +117,7 @@ class GenerationServer(Worker):
         if not asyncio.run(self._wait_healthy(url)):
             return  # the trial ended while we waited; the main loop exits at once
         self.logger.info("server pid %d healthy at %s after %.1fs", self.process.pid, url, time.monotonic() - t0)
+        asyncio.run(self._prepare(url))
         if not self.cfg.judge:  # a judge keeps its own weights
             asyncio.run(self._load_current_weights(url))
         self.url = url
@@ -134,6 +136,12 @@ class GenerationServer(Worker):
             self.logger.warning("could not read the trainer's weight version: %s: %s", type(e).__name__, e)
             return None
 
+    async def _prepare(self, url: str) -> None:
+        """The server's starting weight version, before it registers (vLLM
+        has no flag for it: `/update_weight_version`; the others start on it)."""
+        async with make_client(self.cfg.server_api, timeout_s=self.cfg.startup_timeout) as client:
+            await client.prepare(url, self.cfg.weight_version)
+
     async def _load_current_weights(self, url: str) -> None:
         """A server started mid-run (restarted, or added) loads the version
         the trainer published last, `<weights_dir>/<v>/`, before it registers.
@@ -141,7 +149,9 @@ class GenerationServer(Worker):
         request there, so a failure here only costs time."""
         if not self.cfg.weights_dir:
             return
-        async with GenerationClient(timeout_s=self.cfg.startup_timeout, connect_timeout_s=5.0) as client:
+        async with make_client(
+            self.cfg.server_api, timeout_s=self.cfg.startup_timeout, connect_timeout_s=5.0
+        ) as client:
             for attempt in range(1, 4):
                 version = await asyncio.to_thread(self._trainer_version)
                 if version is None or version <= self.cfg.weight_version:
@@ -165,7 +175,7 @@ class GenerationServer(Worker):
         """True once /health answers; False if the worker is asked to exit
         first; raises if the child dies or `startup_timeout` passes."""
         deadline = time.monotonic() + self.cfg.startup_timeout
-        async with GenerationClient(timeout_s=10.0, connect_timeout_s=2.0) as client:
+        async with make_client(self.cfg.server_api, timeout_s=10.0, connect_timeout_s=2.0) as client:
             while True:
                 self._check_child("during startup")
                 if await client.health(url, timeout_s=2.0):
@@ -257,7 +267,7 @@ class GenerationServer(Worker):
 
     def _read_server_info(self, url: str) -> None:
         async def read() -> dict:
-            async with GenerationClient(timeout_s=1.0, connect_timeout_s=1.0) as client:
+            async with make_client(self.cfg.server_api, timeout_s=1.0, connect_timeout_s=1.0) as client:
                 loads = (await client.loads(url)).loads
                 return {
                     "version": await client.weight_version(url),

@@ -31,8 +31,10 @@ weights by `update_weights_from_disk`, a LoRA run's adapter by
 1 + weight_update_retries attempts per server, each within
 weight_update_timeout). A server that refuses every attempt stops the trial
 with a message naming it; one that does not answer an attempt (dead, or
-wedged: its load never completes) leaves routing at once, as a dead one, and
-rejoins once healthy, loading the current version first. Intermediate versions are skipped. Once all servers hold
+wedged: its load never completes), or whose weights a failed load left half
+written (vLLM: `ServerWeightsBroken`; it cannot be restarted from here),
+leaves routing at once, as a dead one, and rejoins once healthy, loading the
+current version first. Intermediate versions are skipped. Once all servers hold
 v, the directories `<weights_dir>/<u>` for u < v are deleted (nothing else in
 weights_dir is touched).
 
@@ -103,6 +105,7 @@ from realrl.api.system_api import GserverManagerConfig
 from realrl.base import faults, name_resolve, names, network, trial_secret
 from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
+from realrl.impl.generation import make_client
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.system.router import NoServerUp, RequestRouter, Reservations
 from realrl.system.server_registry import Server, ServerRegistry
@@ -217,7 +220,7 @@ class GserverManager(AsyncWorker):
     async def _setup_async(self) -> None:
         if self.server_urls is None:
             return
-        self._client = GenerationClient(timeout_s=max(60.0, self.cfg.weight_update_timeout))
+        self._client = make_client(self.cfg.server_api, timeout_s=max(60.0, self.cfg.weight_update_timeout))
         await asyncio.gather(*(self._client.wait_healthy(u, SERVER_HEALTH_TIMEOUT_S) for u in self.server_urls))
         versions = await asyncio.gather(*(self._server_version(u) for u in self.server_urls))
         self.router = RequestRouter(self.server_urls, versions)
@@ -461,9 +464,10 @@ class GserverManager(AsyncWorker):
             except (GenerationServerError, GenerationServerUnavailable) as e:
                 last_error = e
                 if isinstance(e, GenerationServerUnavailable):
-                    # Dead, or wedged (its load did not complete within weight_update_timeout,
-                    # though its /health may answer): out of routing as a dead one, so admission
-                    # goes on with the others; it rejoins, loading the current version, once healthy.
+                    # Dead, wedged (its load did not complete within weight_update_timeout, though
+                    # its /health may answer) or half-written weights (ServerWeightsBroken): out of
+                    # routing as a dead one, so admission goes on with the others; it rejoins, loading
+                    # the current version, once healthy.
                     self._mark_down(url, f"weight version {version} was not loaded: {e}")
                 if not self.router.is_up(url):  # it rejoins with the current weights, if it comes back
                     self.logger.warning(

@@ -3,11 +3,12 @@
 A rollout worker's rollout id is `<worker>:<epoch>:<row>`, `row` the prompt's
 position in the dataset file; the id names one prompt of one epoch, so a
 rollout generated again (after a crash) carries the same id. A rollout is
-*done* once the trainers hold, trained or dropped one of its trajectories,
-or the agent rejected it; a resumed trial, and a restarted rollout worker,
-generate again exactly the issued rollouts that are not done. A puller's
-`KeyLedger` (the keys it took, a bitmap per trajectory index) is in the
-checkpoint too: a copy of one after a resume is a `duplicate`.
+*done* once the trainers took all of its trajectories (each carries its
+rollout's size; trained, buffered or dropped since), or the manager saw its
+finish, or the agent rejected it; a resumed trial, and a restarted rollout
+worker, generate again exactly the issued rollouts that are not done. A
+puller's `KeyLedger` (the keys it took, a bitmap per trajectory index) is in
+the checkpoint too: a copy of one after a resume is `restored`.
 
 `Ledger` keeps one bitmap over dataset rows per epoch, so 200k prompts cost
 25 kB per epoch on disk (`save`: numpy's npz, bits packed), whatever the
@@ -200,8 +201,8 @@ RESUMED_LEDGER_FILE = "ledger-resumed.npz"  # under checkpoint_dir: the ledger t
 
 
 def resume_info(checkpoint: str, state: dict, restored: int, checkpoint_dir: str) -> tuple[Ledger, dict]:
-    """What a resumed trial starts from: the checkpoint's ledger (its buffered
-    rollouts count as done: they are restored), and the part of
+    """What a resumed trial starts from: the checkpoint's ledger (the rollouts
+    complete at its pullers, or rejected), and the part of
     `training_start` that tells the rollout workers where to go on. The
     ledger is copied to `<checkpoint_dir>/ledger-resumed.npz`, where the
     pruning of old checkpoints cannot take it from a rollout worker that

@@ -134,8 +134,9 @@ class MasterWorker(AsyncWorker):
         self.dropped_invalid = 0
         self._invalid_seen = 0  # the pullers' own invalid count (since they started)
         self.filtered_at_checkpoint = 0  # episodes the agent had rejected by the checkpoint we resume from
-        # The data ledger (docs/design.md §12): the rollouts trained, dropped as stale or rejected by
-        # the agent, as per-epoch bitmaps; and at a resume, where each rollout worker's cursor stood.
+        # The data ledger (docs/design.md §12): the rollouts done (all of their trajectories taken by
+        # the pullers, or rejected by the agent), as per-epoch bitmaps; and at a resume, where each
+        # rollout worker's cursor stood.
         self.ledger = Ledger()
         self.regenerated_before = 0  # prompts generated again after earlier resumes (from the checkpoint)
         self.resume: dict = {}
@@ -274,7 +275,6 @@ class MasterWorker(AsyncWorker):
                 "gen_lens",
                 "generate_in_flight",
                 "qids",
-                "rollout_ids",
             )
         }
         batch["rank_tokens"] = [p["n_tokens"] for p in parts]
@@ -315,7 +315,6 @@ class MasterWorker(AsyncWorker):
         self.version += 1
         self.step += 1
         self.consumed += len(batch["staleness"])
-        self.ledger.mark_ids(batch["rollout_ids"])
         self.max_staleness_trained = max([self.max_staleness_trained] + batch["staleness"])
         self._publish_counters()
 
@@ -546,18 +545,20 @@ class MasterWorker(AsyncWorker):
     async def _checkpoint(self) -> None:
         """A recovery checkpoint (realrl/system/checkpoints.py), in this order:
         the trainers write models, buffered trajectories and the keys their
-        pullers took, then the rollout cursors are read, then the manager's
-        rejected rollouts. A cursor read after the buffers were saved covers
-        every prompt they hold; whatever was issued before it and is not in
-        the ledger (trained, buffered, rejected, dropped: `ledger.npz`) is
-        generated again by a resumed trial (exactly once, docs/design.md §12)."""
+        pullers took, and name the rollouts complete there (all of their
+        trajectories taken), then the rollout cursors are read, then the
+        manager's rejected rollouts. A cursor read after the buffers were
+        saved covers every prompt they hold; whatever was issued before it
+        and is not in the ledger (complete or rejected: `ledger.npz`; a
+        partly delivered rollout is not) is generated again by a resumed
+        trial (exactly once, docs/design.md §12)."""
         n = self.cfg.n_model_workers
         temp = checkpoints.new_temp_dir(self.cfg.checkpoint_dir, self.step)
         parts = await self.stream.call_async(
             list(range(n)), "checkpoint", [{"step": self.step, "dir": temp}] * n, timeout=self.cfg.rpc_timeout
         )
         for p in parts:
-            self.ledger.update(Ledger.from_wire(p["dropped"]))
+            self.ledger.update(Ledger.from_wire(p["complete"]))
         cursors = await asyncio.to_thread(self._read_rollout_cursors)
         filtered = self.filtered_at_checkpoint
         try:  # the agent-filtered count keeps the whole-trial accounting after a resume
@@ -568,10 +569,8 @@ class MasterWorker(AsyncWorker):
                 self.ledger.update(Ledger.from_wire(rq.rejected))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             self.logger.warning("checkpoint without the manager's rejected episodes: %s", e)
-        done = self.ledger.copy()
-        buffered = [q for p in parts for q in p["buffered_rollout_ids"]]
-        done.mark_ids(buffered)
-        await asyncio.to_thread(done.save, os.path.join(temp, LEDGER_FILE))
+        buffered = sum(p["buffered"] for p in parts)
+        await asyncio.to_thread(self.ledger.save, os.path.join(temp, LEDGER_FILE))
         state = {
             "step": self.step,
             "version": self.version,
@@ -581,7 +580,7 @@ class MasterWorker(AsyncWorker):
             "filtered": filtered,
             "max_staleness_trained": self.max_staleness_trained,
             "eval_history": self.eval_history,
-            "buffered": len(buffered),
+            "buffered": buffered,
             "ledger": LEDGER_FILE,
             "rollout_cursors": cursors,
             "regenerated": self.regenerated_before + sum(c.get("regenerated", 0) for c in cursors.values()),
@@ -595,8 +594,8 @@ class MasterWorker(AsyncWorker):
             "checkpoint at step %d: %s (%d trajectories buffered, %d rollouts done in the ledger)",
             self.step,
             path,
-            len(buffered),
-            done.count(),
+            buffered,
+            self.ledger.count(),
         )
 
     def _read_rollout_cursors(self) -> dict[str, dict]:

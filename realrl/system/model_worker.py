@@ -598,7 +598,6 @@ class ModelWorker(Worker):
             "version_start": [t.min_version_start for t in mine],
             "rewards": [r for t in mine for r in t.reward],
             "qids": [t.qid for t in mine],  # the stats' record of what trained
-            "rollout_ids": [t.rollout_id for t in mine],  # the master's data ledger
             "scores": [float(x) for t in mine for x in t.scores],
             # the most generate() calls one episode had in flight at once
             "generate_in_flight": [float(t.metadata.get("max_generate_in_flight", 1)) for t in mine],
@@ -781,27 +780,23 @@ class ModelWorker(Worker):
         master's temporary directory, which it renames once every part and the
         manifest are there): rank 0 the models, optimizers, schedules and
         version; every rank its buffered trajectories (so none is lost) and
-        the keys its puller took (so a copy of one after a resume is a
-        `duplicate`). The reply names the rollouts buffered and those with a
-        stale drop (a ledger), for the data ledger."""
+        the keys its puller took (so a copy of one after a resume is
+        `restored`, not trained again). The reply is the rollouts complete at
+        its puller (all of their trajectories taken: a ledger), for the data
+        ledger."""
         directory = data["dir"]
         state = {"actor": trainer_state(self.actor, self.cfg.fsdp)}  # every rank: a collective under FSDP
         if self.critic is not None:
             state["critic"] = trainer_state(self.critic, self.cfg.fsdp)
-        buffered = self.dataset.snapshot()
+        buffered, seen, complete = self.dataset.checkpoint()
         with open(os.path.join(directory, f"buffer-rank{self.dp_rank}.wire"), "wb") as f:
-            f.write(
-                wire.dumps({"trajectories": [t.to_wire() for t in buffered], "seen": self.dataset.seen().to_wire()})
-            )
+            f.write(wire.dumps({"trajectories": [t.to_wire() for t in buffered], "seen": seen.to_wire()}))
         if self.dp_rank == 0:
             torch.save(state, os.path.join(directory, "model_worker.pt"))
             with open(os.path.join(directory, "meta.json"), "w") as f:
                 json.dump({"version": self.version, "step": int(data["step"]), "dp_size": self.dp_size}, f)
         self._checkpointed = True
-        return {
-            "buffered_rollout_ids": [t.rollout_id for t in buffered],
-            "dropped": self.dataset.dropped_rollouts().to_wire(),
-        }
+        return {"complete": complete.to_wire(), "buffered": len(buffered)}
 
     def _handle_load(self, data: dict) -> dict:
         """Restores a checkpoint the master has verified: models, version, and

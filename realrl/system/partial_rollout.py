@@ -13,26 +13,21 @@ length) go on together in the next round, sticky to the server. When a round fai
 answers on different weight versions, each unfinished answer goes on in its own loop, with what it has, all answers
 concurrently:
 
-1. ask the routing for a server (`realrl/system/client_routing.py`: picked in
-   this process from the manager's routing table, or asked of the manager);
-   after the first chunk the request is sticky: it names the server and the
-   weight version that produced the previous chunk, so it stays on the server
-   holding its KV cache unless that server's weights changed;
-2. `/generate` with `input_ids = prompt + output so far`,
-   `max_new_tokens = min(new_tokens_per_chunk, remaining budget)` and
-   `min_new_tokens` reduced by what is already generated, `return_logprob`
-   (a LoRA run: `lora_path`, the adapter name of the scheduled version);
-3. append the new tokens with their logprobs, their sampling logprobs (under
-   the filtered distribution they were drawn from; the logprobs themselves
-   when nothing filters) and with the `weight_version` the server reported
-   for that response (the weights that produced them);
-4. release the request, then stop when the answer is finished: `stop`, or its
-   last token is EOS (`eos_token_ids`) or a stop token, at or past
-   `min_new_tokens`, whatever finish_reason says (SGLang checks the length
-   limit first, so a chunk ending on EOS reports `length`); or when the total
-   `max_new_tokens` is reached (`no_eos`: ended by the length budget); resubmit
-   when the response was interrupted (`abort`, e.g. by a weight update; it may
-   hold 0 tokens) or when a chunk ended by length below the total budget.
+1. ask the routing for a server (`realrl/system/client_routing.py`: picked here from the manager's routing table, or
+   asked of the manager); after the first chunk the request is sticky: it names the server and the weight version
+   that produced the previous chunk, so it stays on the server holding its KV cache unless its weights changed;
+2. `/generate` with `input_ids = prompt + output so far`, `max_new_tokens = min(new_tokens_per_chunk, remaining
+   budget)` and `min_new_tokens` reduced by what is already generated, `return_logprob` (a LoRA run: `lora_path`, the
+   adapter name of the scheduled version);
+3. append the new tokens with their logprobs, sampling logprobs (under the filtered distribution they were drawn from;
+   else the logprobs) and the `weight_version` the server reported (per token on vLLM; a LoRA run: at most the
+   scheduled version, `_token_version`). An interrupted response whose sampling filters but without sampling logprobs
+   (SGLang's answer for a request aborted in its queue) adds nothing: its tokens are generated again (`dropped_tokens`);
+4. release the request, then stop when the answer is finished: `stop`, or its last token is EOS (`eos_token_ids`) or a
+   stop token, at or past `min_new_tokens`, whatever finish_reason says (SGLang checks the length limit first, so a
+   chunk ending on EOS reports `length`); or when the total `max_new_tokens` is reached (`no_eos`: ended by the
+   length budget); resubmit when the response was interrupted (`abort`, e.g. by a weight update; it may hold 0
+   tokens) or when a chunk ended by length below the total budget.
 
 Tokens are never lost or duplicated across resubmissions: a response's tokens are appended exactly once, and the
 next request continues after them. `version_start` is the version of the first generated token (or the version the
@@ -157,6 +152,7 @@ class PartialRolloutStats:
     no_server_waits: int = 0  # schedules answered "no server is up" (waited for, not counted)
     stale_adapters: int = 0  # LoRA requests whose server had unloaded the adapter they named (rescheduled)
     generated_tokens: int = 0
+    dropped_tokens: int = 0  # tokens of aborted responses without their sampling logprobs, generated again
 
     def pop(self) -> dict[str, int]:
         out = dataclasses.asdict(self)
@@ -311,7 +307,7 @@ class PartialRolloutManager:
                 return out  # type: ignore[return-value]
             versions, new_tokens, still = set(), 0, []
             for i, response in zip(live, outcome):
-                version = _parse_version(response.weight_version, scheduled_version)
+                version = self._token_version(response, scheduled_version)
                 new_tokens += self._append(answers[i], response, version, request.qid, url, request.gconfig)
                 if self._take(answers[i], response, request, url):
                     out[i] = answers[i]
@@ -384,6 +380,13 @@ class PartialRolloutManager:
                 requests.append(send(url, [part[j] for j in b]))
         await asyncio.gather(*requests)
         return results
+
+    def _token_version(self, response: GenerateResult, scheduled: int) -> int:
+        """The version a response's tokens are labelled with: the server's. A LoRA request runs on the adapter of
+        its scheduled version, but a server that switched adapters meanwhile reports the new version for tokens the
+        old adapter sampled (SGLang): the lower of the two, so staleness is never understated (docs/design.md §8)."""
+        version = _parse_version(response.weight_version, scheduled)
+        return min(version, scheduled) if self.lora else version
 
     def _adapter(self, version: int) -> str | None:
         """`lora_path` of a request scheduled on `version` (docs/design.md §8)."""
@@ -546,7 +549,7 @@ class PartialRolloutManager:
             avoid.clear()
             last_error = last_server_error = ""
 
-            version = _parse_version(response.weight_version, scheduled_version)
+            version = self._token_version(response, scheduled_version)
             n_new = self._append(answer, response, version, request.qid, url, gconfig)
             # Sticky next time: this server, as long as it still holds these weights.
             previous_url, previous_version = url, version
@@ -590,7 +593,11 @@ class PartialRolloutManager:
         if sampling_logprobs is None:
             # Only a request whose sampling filters asks for them (the client): without filters
             # the tokens were drawn from the distribution the plain logprobs are of.
-            if n and needs_sampling_logprobs(gconfig.sampling_params()):
+            filtered = n > 0 and needs_sampling_logprobs(gconfig.sampling_params())
+            if filtered and response.aborted:  # SGLang's abort in its waiting queue (design §6): generate again
+                self.stats.dropped_tokens += n
+                return 0
+            if filtered:
                 raise PartialRolloutError(
                     f"server {url} reported no sampling logprobs (output_token_sampling_logprobs) for qid {qid!r}, "
                     "though its sampling filters (SGLang >= 0.5.16 reports them with return_sampling_mask)"
@@ -603,7 +610,10 @@ class PartialRolloutManager:
         answer.output_ids.extend(response.output_ids)
         answer.logprobs.extend(response.output_logprobs)
         answer.sampling_logprobs.extend(sampling_logprobs)
-        answer.versions.extend([version] * n)
+        if response.output_versions is not None:  # per token (vLLM's weight_versions spans), at most `version`
+            answer.versions.extend(min(_parse_version(v, version), version) for v in response.output_versions)
+        else:
+            answer.versions.extend([version] * n)
         answer.server_s += response.meta_info.e2e_latency or 0.0
         self.stats.generated_tokens += n
         return n

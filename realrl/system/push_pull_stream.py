@@ -9,19 +9,11 @@
 - `ZMQPusher` connects a DEALER socket; `push(obj, timeout)` blocks when the
   high-water marks (sender's + receiver's, plus the kernel's socket buffers)
   are full, which is how a slow trainer slows the rollout workers down;
-  `wait_ack(timeout)` returns the puller's next acknowledgement;
-  `push_acknowledged` sends one message and waits for its own
-  acknowledgement, sending it again when none came after `ACK_RESEND_S`
-  (doubling: an acknowledgement sent to a routing id the puller no longer
-  knows, after a reconnect, is lost; the puller answers a second copy
-  `duplicate`), and failing with `PushNotAcknowledged` after `ACK_GIVE_UP_S`.
-  A puller given `reject_ack` answers a frame it rejects with
-  `reject_ack(reason)`: the pusher then learns its message was refused.
-- `AckedPusher` delivers over a `ZMQPusher` with many messages in flight:
-  `submit(message, key)` returns a future of the puller's verdict for `key`;
-  one thread of its own sends and matches acknowledgements to keys, never
-  waiting for one before sending the next (benchmarks/stream_throughput.py
-  measures it; the rollout worker still sends one trajectory per round trip).
+  `wait_ack(timeout)` returns the puller's next acknowledgement.
+- A puller with `report_rejects` lets its owner answer a frame it rejects
+  (`RejectedFrame`) in order with the others; `AckedPusher`
+  (realrl/system/acked_delivery.py) delivers over a `ZMQPusher` with many
+  messages in flight and acknowledgements matched to keys.
 - Messages travel in `realrl.base.wire` format (msgpack + raw array frames,
   never pickle). A message that does not decode or validate (garbage from a
   stray peer, a bad array frame, an oversized message) is dropped, counted in
@@ -48,14 +40,11 @@
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import hmac
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
 from typing import Any
 
 import zmq
@@ -70,12 +59,6 @@ logger = getLogger("push_pull_stream")
 DEFAULT_HWM = 1000  # messages queued per socket before push blocks
 DEFAULT_MAX_PULL = 1000  # messages one pull() returns at most
 CLOSE_LINGER_S = 2.0  # a pusher's close() waits at most this long to flush queued messages
-ACK_RESEND_S = 30.0  # push_acknowledged sends a message again when unacknowledged this long (then 2x, 4x, ...)
-ACK_GIVE_UP_S = 900.0  # ... and fails once unacknowledged this long (the puller read nothing of it)
-
-
-class PushNotAcknowledged(RuntimeError):
-    """No acknowledgement of a pushed message came within `ACK_GIVE_UP_S`."""
 
 
 class RateLimitedLog:
@@ -217,9 +200,6 @@ class ZMQPusher:
         self._socket.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))  # zmq's default waits forever
         self._socket.connect(f"tcp://{self.address}")
         self.n_pushed = 0
-        self.n_resent = 0  # copies sent again for want of an acknowledgement
-        self.n_unknown_acks = 0  # acknowledgements of no message in flight (e.g. of a copy sent again)
-        self._unknown_ack_log = RateLimitedLog()
 
     def push(self, obj: Any, timeout: float | None = None) -> None:
         """Sends `obj` (see `realrl.base.wire` for what may be sent). Blocks
@@ -251,64 +231,6 @@ class ZMQPusher:
             self.n_acks_refused += 1
             logger.warning("pusher to %s ignored an acknowledgement without a valid seal", self.address)
 
-    def push_acknowledged(
-        self,
-        obj: Any,
-        is_ours: Callable[[Any], bool],
-        exiting: Callable[[], bool] = lambda: False,
-        poll_s: float = 1.0,
-        resend_s: float = ACK_RESEND_S,
-        give_up_s: float = ACK_GIVE_UP_S,
-    ) -> Any:
-        """Pushes `obj` and returns its acknowledgement: the first one for
-        which `is_ours(ack)` holds (others are counted in `n_unknown_acks`).
-        Unacknowledged `resend_s` after a send, `obj` is sent again (then
-        after twice as long, ...); unacknowledged `give_up_s` after its first
-        send, PushNotAcknowledged. Blocked by back-pressure before it is first
-        sent, it waits as long as it takes. Checks `exiting()` every `poll_s`
-        (RuntimeError when true)."""
-        message = wire.dumps(obj)
-        first_sent = next_send = None  # when it was first sent; when to send it (again)
-        interval = resend_s
-        blocked_since = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if next_send is None or now >= next_send:
-                try:
-                    self._send(message, poll_s)
-                    if first_sent is None:
-                        first_sent = now
-                    else:
-                        self.n_resent += 1
-                        logger.warning(
-                            "no acknowledgement from the puller at %s for %.0f s: sending the message again",
-                            self.address,
-                            now - first_sent,
-                        )
-                    next_send, interval = now + interval, interval * 2
-                except TimeoutError:  # back-pressure: the queues are full
-                    if first_sent is None and (now - blocked_since) % 30 < poll_s:
-                        logger.info(
-                            "push blocked for %.0fs: the trainer is not pulling (back-pressure)", now - blocked_since
-                        )
-            if first_sent is not None and now - first_sent >= give_up_s:
-                raise PushNotAcknowledged(
-                    f"the puller at {self.address} acknowledged nothing of a message sent {now - first_sent:.0f} s "
-                    f"ago ({self.n_resent} copies sent again): it reads nothing, or its acknowledgements are lost"
-                )
-            try:
-                ack = self.wait_ack(timeout=poll_s)
-            except TimeoutError:
-                if exiting():
-                    raise RuntimeError(f"exiting while a push to {self.address} was unacknowledged") from None
-                continue
-            if is_ours(ack):
-                return ack
-            self.n_unknown_acks += 1
-            self._unknown_ack_log.warning(
-                "ignoring an acknowledgement of no message in flight (%d so far): %.200s", self.n_unknown_acks, ack
-            )
-
     def _send(self, message: Any, timeout: float) -> None:
         """One message, within `timeout` seconds (TimeoutError: the queues are full)."""
         parts = self._parts(message)
@@ -338,177 +260,17 @@ class ZMQPusher:
             self._context.term()
 
 
-class AckedPusher:
-    """Delivery with acknowledgements over one `ZMQPusher`, a window of
-    messages in flight. An acknowledgement `{"rollout_id", "index",
-    "verdict"}` (or a list of them: a puller may answer a whole pull in one
-    message) resolves the future of the message submitted under that key
-    `(rollout_id, index)`.
+class RejectedFrame:
+    """In `ZMQPuller.pull_with_senders`'s result (with `report_rejects`): a
+    frame that did not decode, in its place among the messages."""
 
-    One thread of its own is the only one that touches the socket: it sends
-    whatever is queued and reads acknowledgements as they come. One message
-    per round trip (push, wait for its acknowledgement, push the next) capped
-    the stream at two process wake-ups per message, which on a busy machine
-    cost more than encoding, sending and decoding it. Under back-pressure (the
-    high-water marks are full) the queue waits, and the thread still reads
-    acknowledgements. `should_stop` is asked every `poll_s` seconds while
-    something waits; once it says so, or `close()` was called, every future
-    not yet resolved fails with RuntimeError (what was sent may still be taken
-    by the puller: exactly-once does not rest on the future, §12)."""
+    __slots__ = ("reason",)
 
-    def __init__(
-        self,
-        pusher: ZMQPusher,
-        poll_s: float = 1.0,
-        should_stop: Callable[[], bool] | None = None,
-        log: logging.Logger | None = None,
-    ) -> None:
-        self.pusher = pusher
-        self.poll_s = poll_s
-        self._should_stop = should_stop or (lambda: False)
-        self._logger = log or logger
-        self._lock = threading.Lock()  # submit() against the thread's exit
-        self._queue: collections.deque[tuple[Any, Hashable, concurrent.futures.Future]] = collections.deque()
-        self._waiting: dict[Hashable, collections.deque[concurrent.futures.Future]] = {}  # sent, not acknowledged
-        self._n_waiting = 0
-        self._closed: str | None = None  # why no more futures are resolved
-        self._wake_r, self._wake_w = os.pipe()  # submit() wakes the thread out of its poll
-        os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._run, name="push", daemon=True)
-        self._thread.start()
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
-    @property
-    def in_flight(self) -> int:
-        """Messages queued or sent and not yet acknowledged."""
-        return len(self._queue) + self._n_waiting
-
-    def submit(self, message: Any, key: Hashable) -> concurrent.futures.Future:
-        """Queues `message`; the future resolves to the verdict of the
-        acknowledgement for `key` (a str), or fails (closed, exiting, a message
-        that does not encode)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed is not None:
-                future.set_exception(RuntimeError(self._closed))
-                return future
-            idle = not self._queue  # else the thread is sending and takes this one too
-            self._queue.append((message, key, future))
-        if idle:
-            try:
-                os.write(self._wake_w, b"w")
-            except BlockingIOError:  # the pipe is full of wake-ups the thread has not read yet: it will
-                pass
-        return future
-
-    def close(self, reason: str = "the pusher was closed") -> None:
-        """Fails what is still unresolved with `reason` and stops the thread
-        (the ZMQPusher stays open: its owner closes it)."""
-        with self._lock:
-            if self._closed is None:
-                self._closed = reason
-        try:
-            os.write(self._wake_w, b"c")
-        except (BlockingIOError, OSError):
-            pass
-        self._thread.join()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def _run(self) -> None:
-        socket = self.pusher._socket
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        blocked_since: float | None = None
-        try:
-            while True:
-                with self._lock:
-                    if self._closed is None and self._should_stop():
-                        self._closed = "worker exiting while trajectories were waiting for the trainer"
-                    if self._closed is not None:
-                        break
-                blocked = self._send_queued()
-                if blocked and blocked_since is None:
-                    blocked_since = time.monotonic()
-                    poller.modify(socket, zmq.POLLIN | zmq.POLLOUT)
-                elif not blocked and blocked_since is not None:
-                    blocked_since = None
-                    poller.modify(socket, zmq.POLLIN)
-                events = dict(poller.poll(int(self.poll_s * 1000)))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 65536)
-                if events.get(socket, 0) & zmq.POLLIN:
-                    self._read_acks()
-                if blocked_since is not None and not events:
-                    waited = time.monotonic() - blocked_since
-                    if waited % 30 < self.poll_s:
-                        self._logger.info("push blocked for %.0fs: the trainer is not pulling (back-pressure)", waited)
-        finally:
-            self._fail_all(self._closed or "the push thread stopped")
-
-    def _send_queued(self) -> bool:
-        """Sends what is queued; True if the high-water marks stopped it."""
-        queue = self._queue
-        while queue:
-            message, key, future = queue[0]
-            # Running from here on: a cancel (the episode's) no longer races the result.
-            if not future.running() and not future.set_running_or_notify_cancel():
-                queue.popleft()
-                continue
-            try:
-                self.pusher.push(message, timeout=0)
-            except TimeoutError:
-                return True
-            except Exception as e:  # a message that does not encode fails its own future only
-                queue.popleft()
-                future.set_exception(e)
-                continue
-            queue.popleft()
-            self._waiting.setdefault(key, collections.deque()).append(future)
-            self._n_waiting += 1
-        return False
-
-    def _read_acks(self) -> None:
-        socket = self.pusher._socket
-        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                acks = self.pusher.wait_ack(0)
-            except TimeoutError:
-                return
-            except wire.WireFormatError as e:
-                self._logger.warning("ignoring a malformed acknowledgement: %s", e)
-                continue
-            if isinstance(acks, dict):  # one acknowledgement per message, as PullerStreamDataset answers today
-                acks = [acks]
-            elif not isinstance(acks, list):
-                self._logger.warning("ignoring an acknowledgement that is neither a dict nor a list: %.200r", acks)
-                continue
-            for ack in acks:
-                futures = (
-                    self._waiting.get((ack.get("rollout_id"), ack.get("index"))) if isinstance(ack, dict) else None
-                )
-                if not futures:
-                    self._logger.warning("ignoring an acknowledgement for another trajectory: %.200r", ack)
-                    continue
-                future = futures.popleft()
-                if not futures:
-                    del self._waiting[(ack["rollout_id"], ack["index"])]
-                self._n_waiting -= 1
-                future.set_result(str(ack.get("verdict")))
-
-    def _fail_all(self, reason: str) -> None:
-        futures = [f for _, _, f in self._queue] + [f for d in self._waiting.values() for f in d]
-        self._queue.clear()
-        self._waiting.clear()
-        self._n_waiting = 0
-        for future in futures:
-            try:
-                future.set_exception(RuntimeError(reason))
-            except concurrent.futures.InvalidStateError:  # cancelled before it was sent
-                pass
+    def __repr__(self) -> str:
+        return f"RejectedFrame({self.reason!r})"
 
 
 class ZMQPuller:
@@ -523,10 +285,11 @@ class ZMQPuller:
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         max_pull: int = DEFAULT_MAX_PULL,
         seal_key: bytes | None = None,
-        reject_ack: Callable[[str], Any] | None = None,
+        report_rejects: bool = False,
     ) -> None:
-        """`reject_ack`: the answer to a sender whose frame is rejected, from
-        the reason (None: no answer)."""
+        """`report_rejects`: `pull_with_senders` returns a frame it rejects
+        as `(sender, RejectedFrame(reason))` in its place among the messages,
+        so that its sender can be answered in order (`pull` never does)."""
         if host in ("0.0.0.0", "*", ""):
             raise ValueError(f"refusing to bind {host!r}: bind a concrete address (127.0.0.1 in local mode)")
         self._context = zmq.Context()
@@ -550,7 +313,7 @@ class ZMQPuller:
         self.max_pull = max_pull
         self.n_received = 0
         self.n_rejected = 0
-        self.reject_ack = reject_ack
+        self.report_rejects = report_rejects
         self._seal, self._ack_seal = _seals(seal_key)
         self.n_seal_refused = 0  # no seal, or one that does not match: not from this trial
         self._reject_log = RateLimitedLog()
@@ -560,7 +323,7 @@ class ZMQPuller:
         """Waits up to `timeout` seconds for a message, then also takes every
         message already queued (up to `max_count`, default `max_pull`).
         Returns the decoded messages, [] if none arrived in time."""
-        return [msg for _, msg in self.pull_with_senders(timeout, max_count)]
+        return [msg for _, msg in self.pull_with_senders(timeout, max_count) if not isinstance(msg, RejectedFrame)]
 
     def pull_with_senders(self, timeout: float = 1.0, max_count: int | None = None) -> list[tuple[bytes, Any]]:
         """`pull`, each message with its sender's routing id (for `acknowledge`)."""
@@ -574,6 +337,7 @@ class ZMQPuller:
             socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo_ms = timeout_ms
         out: list[tuple[bytes, Any]] = []
+        rejected_before = self.n_rejected
         try:
             sender = socket.recv(copy=True)  # ROUTER: the peer's routing id, then its frames
         except zmq.Again:
@@ -582,7 +346,7 @@ class ZMQPuller:
         while True:
             frame = socket.recv(copy=False) if socket.getsockopt(zmq.RCVMORE) else None
             if frame is None:
-                self._reject(sender, "an empty message")
+                self._reject(sender, "an empty message", out)
             elif self._seal is not None:
                 tag = socket.recv(copy=False) if frame.more else None
                 if tag is not None and tag.more:  # more than a frame and its seal: drain the rest
@@ -596,25 +360,29 @@ class ZMQPuller:
                     try:
                         out.append((sender, wire.loads(frame, self.max_message_bytes)))
                     except wire.WireFormatError as e:
-                        self._reject(sender, str(e))
+                        self._reject(sender, str(e), out)
             elif frame.more:  # streams send one frame per message: a multipart one is not ours
                 while socket.recv(copy=False).more:  # the rest of a multipart message is already here
                     pass
-                self._reject(sender, "a multipart message (realrl streams send single frames)")
+                self._reject(sender, "a multipart message (realrl streams send single frames)", out)
             else:
                 try:
                     out.append((sender, wire.loads(frame, self.max_message_bytes)))
                 except wire.WireFormatError as e:
-                    self._reject(sender, str(e))
+                    self._reject(sender, str(e), out)
             if len(out) >= limit or not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break
             try:
                 sender = socket.recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
-        self.n_received += len(out)
+        self.n_received += len(out) - (self.n_rejected - rejected_before if self.report_rejects else 0)
         self._reject_log.maybe_flush()
         return out
+
+    def has_queued(self) -> bool:
+        """Is a message waiting to be read (from any sender)?"""
+        return bool(self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def acknowledge(self, sender: bytes, obj: Any) -> None:
         """Sends `obj` back to `sender` (dropped if that peer is gone or not reading)."""
@@ -634,13 +402,13 @@ class ZMQPuller:
             self.n_seal_refused,
         )
 
-    def _reject(self, sender: bytes, reason: str) -> None:
+    def _reject(self, sender: bytes, reason: str, out: list) -> None:
         self.n_rejected += 1
         self._reject_log.warning(
             "puller %s rejected a malformed message (%d rejected so far): %s", self.address, self.n_rejected, reason
         )
-        if self.reject_ack is not None:  # its sender is not left waiting for an answer
-            self.acknowledge(sender, self.reject_ack(reason))
+        if self.report_rejects:  # its sender is answered in its turn, not left waiting
+            out.append((sender, RejectedFrame(reason)))
 
     def close(self) -> None:
         self._reject_log.flush()

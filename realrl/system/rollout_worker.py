@@ -23,8 +23,9 @@ Each rollout worker owns a shard of the prompt data set
    whole life on its node's address and registers as `chat_endpoint/<index>`;
 3. every returned trajectory, stamped with the rollout's id and its index
    (docs/design.md §12), is pushed (`traj.to_wire()`) to this worker's
-   trainer puller and acknowledged by it, from a dedicated thread so that
-   back-pressure (a full high-water mark) never blocks the event loop; then
+   trainer puller and acknowledged by it, through an `AckedPusher` (a thread
+   of its own, so that back-pressure never blocks the event loop, and many
+   trajectories in flight at once, not a round trip each); then
    `/finish_rollout` with the number of trajectories the trainer holds (0:
    the agent rejected the prompt, which uses no staleness budget), one call
    for the episodes that end together.
@@ -47,14 +48,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import os
 import re
 import time
-from typing import Any
 
 import numpy as np
 
@@ -66,9 +65,10 @@ from realrl.api.trajectory import Trajectory
 from realrl.base import faults, name_resolve, names, network, trial_secret
 from realrl.base.http_body import from_json, to_json
 from realrl.base.tick_batch import TickBatcher
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation import make_client
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.openai_compat.endpoint import shared_endpoint
+from realrl.system.acked_delivery import AckedPusher
 from realrl.system.client_routing import ClientRouting, ManagerRouting
 from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
@@ -79,7 +79,7 @@ from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 
 STATS_INTERVAL_S = 10.0
 CURSOR_AHEAD = 32  # prompts the published data cursor runs ahead of the real one
-PUSH_POLL_S = 1.0  # a blocked push re-checks for exit this often
+PUSH_POLL_S = 1.0  # a blocked delivery re-checks for exit this often
 # An allocation the manager refuses waits there up to this long for admission
 # to open (a new weight version, a finished rollout): the next rollout starts
 # as soon as it may, with no polling. Short, so the loop still reaps episodes.
@@ -124,7 +124,7 @@ class RolloutWorker(AsyncWorker):
             config.n_pullers,
             timeout=SETUP_TIMEOUT_S,
         )
-        self._push_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
+        self._delivery = AckedPusher(self.pusher, poll_s=PUSH_POLL_S, should_stop=lambda: self.exiting, log=self.logger)
 
         self._sample_file = None
         if self.info.log_dir and config.sample_log_every > 0:
@@ -354,7 +354,7 @@ class RolloutWorker(AsyncWorker):
         self.manager = GserverManagerClient(
             self.manager_url, timeout_s=MANAGER_CALL_TIMEOUT_S, retries=cfg.request_retries
         )
-        self.client = GenerationClient(timeout_s=cfg.request_timeout)
+        self.client = make_client(cfg.server_api, timeout_s=cfg.request_timeout)
         # The answers' stop ids: every eos id of generation_config.json, config.json and the tokenizer.
         self.stop_ids = eos_token_ids_in_dir(cfg.tokenizer_path, self.tokenizer)
         self.logger.info(
@@ -447,7 +447,7 @@ class RolloutWorker(AsyncWorker):
             "episodes": len(self._episodes),
             "started": c["episodes_started"],
             "pushed": c["trajectories_pushed"],
-            "push_queue": self._push_thread._work_queue.qsize(),
+            "push_queue": self._delivery.in_flight,
             "epoch": self.epoch,
         }
 
@@ -473,18 +473,29 @@ class RolloutWorker(AsyncWorker):
         finally:
             await env.close()
 
-        # Each trajectory is pushed and acknowledged by the trainer's puller
-        # before the next; the rollout is reported finished only once all are
-        # (docs/design.md §12). A copy the puller already had (this rollout
-        # was delivered by a predecessor that died before its finish) is in the
-        # trainer's hands as well: it counts.
-        n_tokens = held = 0
+        # The rollout is reported finished only once the trainer's puller
+        # acknowledged all of its trajectories (docs/design.md §12). A copy the
+        # puller already had (this rollout was delivered by a predecessor that
+        # died before its finish) is in the trainer's hands as well: it counts;
+        # one restored from the checkpoint the trial resumed from is too, but
+        # the resumed trial counted it already: it does not. Each trajectory
+        # says how many its rollout has: only a rollout whose trajectories the
+        # trainers all took is done at a checkpoint. Other episodes'
+        # trajectories travel meanwhile (AckedPusher's window); one
+        # unacknowledged past its bound fails the episode, and the worker
+        # (PushNotAcknowledged).
+        rid = record.metadata["rollout_id"]
+        futures = []
         for index, traj in enumerate(trajectories):
-            traj.rollout_id, traj.index = record.metadata["rollout_id"], index
-            verdict = await asyncio.get_running_loop().run_in_executor(
-                self._push_thread, self._push_blocking, traj.to_wire(), traj.key
-            )
+            traj.rollout_id, traj.index, traj.rollout_size = rid, index, len(trajectories)
+            futures.append(asyncio.wrap_future(self._delivery.submit(traj.to_wire(), traj.key)))
+        acks = await asyncio.gather(*futures)
+        n_tokens = held = 0
+        for index, (traj, ack) in enumerate(zip(trajectories, acks)):
+            verdict = str(ack.get("verdict"))
             self.counters[f"trajectories_{verdict}"] += 1
+            if verdict == "restored":
+                continue
             if verdict not in ("taken", "duplicate"):
                 self.logger.error("the trainer refused trajectory %s of %s: %s", index, traj.qid, verdict)
                 continue
@@ -500,14 +511,15 @@ class RolloutWorker(AsyncWorker):
         if redo:
             # What a predecessor delivered is in the trainers' hands even when this run (the
             # agent now rejects, or returns fewer) did not push it: it counts (docs/design.md §12).
-            delivered = await asyncio.get_running_loop().run_in_executor(
-                self._push_thread, self._held_by_puller, record.metadata["rollout_id"]
-            )
+            # Asked after this run's acknowledgements: the puller answers in the order it received.
+            # (The puller answers once it read what else waits: a predecessor's frames first.)
+            ack = await asyncio.wrap_future(self._delivery.submit({HELD_QUERY: rid}, (rid, None), in_order=False))
+            delivered = int(ack.get("held", 0))
             if delivered > held:
                 self.counters["trajectories_delivered_before"] += delivered - held
                 held = delivered
         await asyncio.to_thread(faults.point, "rollout_worker.acknowledged")  # delivered, not finished
-        await self._finishes.submit(None, (record.metadata["rollout_id"], held, n_tokens))
+        await self._finishes.submit(None, (rid, held, n_tokens))
         self.counters["episodes_accepted" if held else "episodes_rejected"] += 1
         if redo:
             await asyncio.to_thread(faults.point, "rollout_worker.redo_finished")
@@ -515,32 +527,6 @@ class RolloutWorker(AsyncWorker):
     async def _send_finishes(self, _key, finished: list[tuple[str, int, int]]) -> list[None]:
         await self.manager.finish_rollouts(finished)
         return [None] * len(finished)
-
-    def _push_blocking(self, message: dict[str, Any], key: tuple[str, int]) -> str:
-        """Runs on the push thread (the only thread that touches the socket):
-        pushes one trajectory and returns the puller's verdict. Sent again
-        while unacknowledged; unacknowledged past its bound, the worker fails
-        (`ZMQPusher.push_acknowledged`, PushNotAcknowledged)."""
-
-        def is_ours(ack: Any) -> bool:
-            if not isinstance(ack, dict):
-                return False
-            got = (ack.get("rollout_id"), ack.get("index"))
-            # A frame the puller could not decode is answered without a key; one
-            # trajectory is in flight at a time, and earlier ones decoded: it is this one.
-            return got == key or (got == (None, None) and ack.get("verdict") == "rejected")
-
-        ack = self.pusher.push_acknowledged(message, is_ours, exiting=lambda: self.exiting, poll_s=PUSH_POLL_S)
-        return str(ack.get("verdict"))
-
-    def _held_by_puller(self, rollout_id: str) -> int:
-        """Runs on the push thread: how many of `rollout_id`'s trajectories the puller took."""
-
-        def is_ours(ack: Any) -> bool:
-            return isinstance(ack, dict) and ack.get("rollout_id") == rollout_id and ack.get("verdict") == "held"
-
-        ack = self.pusher.push_acknowledged({HELD_QUERY: rollout_id}, is_ours, lambda: self.exiting, PUSH_POLL_S)
-        return int(ack.get("held", 0))
 
     # ---- logs ---------------------------------------------------------------------
     def _write_sample(self, record: PromptRecord, traj: Trajectory) -> None:
@@ -586,8 +572,8 @@ class RolloutWorker(AsyncWorker):
             c["episodes_accepted"],
             c["episodes_rejected"],
             c["trajectories_pushed"],
-            self.pusher.n_resent,
-            self.pusher.n_unknown_acks,
+            self._delivery.n_resent,
+            self._delivery.n_unknown_acks,
             generation["generated_tokens"] / max(elapsed, 1e-9),
             {k: round(v, 3) for k, v in agent_stats.items()},
             generation,
@@ -614,10 +600,10 @@ class RolloutWorker(AsyncWorker):
                 await client.close()
 
     def _exit_hook(self) -> None:
-        push_thread = getattr(self, "_push_thread", None)
-        if push_thread is not None:
-            self.request_exit("shutting down")  # a blocked push sees `exiting` within PUSH_POLL_S
-            push_thread.shutdown(wait=True)
+        delivery = getattr(self, "_delivery", None)
+        if delivery is not None:
+            self.request_exit("shutting down")
+            delivery.close("worker exiting while trajectories were waiting for the trainer")
         if getattr(self, "pusher", None) is not None:
             # Flush queued trajectories when the trial completed (they are
             # accounted for); an aborted trial has nobody left to take them.

@@ -23,14 +23,22 @@ index)`. One without a rollout id of the form `<worker>:<epoch>:<row>` belongs
 to no admitted rollout: it is dropped and counted `foreign`. A second copy of
 a key this puller already took (a rollout generated again after its worker
 died between delivery and finish) is dropped and counted
-`duplicates_dropped`. Every decoded message is acknowledged to its sender
+`duplicates_dropped`: its verdict is `duplicate`, or `restored` when the key
+came from the checkpoint this trial resumed from (the resumed trial counted
+it already: the rollout's finish must not). A rollout is *complete* once
+this puller took all of its trajectories (each says how many its rollout
+has: `rollout_size`); a checkpoint holds the complete ones as done, never a
+partly delivered one. Every decoded message is acknowledged to its sender
 with its verdict (`taken`, `duplicate`, `invalid`, `foreign`), and a frame
-that does not decode with `rejected` and no key: a rollout
+that does not decode with `rejected` and no key, in the order received (one
+acknowledgement message per sender per pull, the list of its verdicts): a rollout
 worker reports a rollout finished only once all of its trajectories were
 acknowledged `taken` or `duplicate`, i.e. are in the trainer's hands. A
 rollout generated again asks `{"held_of": rollout_id}` and is answered
-`{"rollout_id", "index": null, "verdict": "held", "held": n}`: what its
-predecessor delivered counts even if the new run delivers less.
+`{"rollout_id", "index": null, "verdict": "held", "held": n}` (the keys taken
+since the resume, not those restored; answered once nothing else waits at the
+socket, so a dead predecessor's frames still queued there are taken first):
+what its predecessor delivered counts even if the new run delivers less.
 
 Accounting (docs/design.md §5): every message that reaches the puller, and
 every trajectory restored from a checkpoint, is either rejected (wire format),
@@ -39,9 +47,10 @@ dropped as stale, or still buffered: `received_total + restored ==
 n_wire_rejected + n_invalid + n_foreign + n_duplicates + n_taken +
 n_dropped_stale + buffered`. A message without the trial's seal (§14) never
 reaches this account: it is refused by the puller and counted
-`n_seal_refused` alone. `snapshot()` / `seen()` / `restore()` carry the
-buffer and the keys taken (`KeyLedger`: bitmaps, so memory stays flat over a
-trial) across a recovery checkpoint.
+`n_seal_refused` alone. `checkpoint()` / `restore()` carry the buffer and
+the keys taken (`KeyLedger`: bitmaps, so memory stays flat over a trial)
+across a recovery checkpoint, with the complete rollouts (a `Ledger`) for
+the data ledger, all three read at one moment.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from collections.abc import Callable
 from realrl.api.trajectory import Trajectory, TrajectoryError
 from realrl.base.logging import getLogger
 from realrl.system.ledger import KeyLedger, Ledger
-from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog
+from realrl.system.push_pull_stream import NameResolvingZmqPuller, RateLimitedLog, RejectedFrame
 
 logger = getLogger("stream_dataset")
 
@@ -105,8 +114,9 @@ class PullerStreamDataset:
         self.n_foreign = 0  # no rollout id of ours: never buffered, never in the ledger
         self.n_duplicates = 0  # a second copy of a key already taken
         self._seen = KeyLedger()  # every key taken (buffered, trained or dropped since): bits, not a set of ids
+        self._restored = KeyLedger()  # those of them that came from the checkpoint resumed from
+        self.complete = Ledger()  # rollouts all of whose trajectories were taken: done (docs/design.md §12)
         self.n_restored = 0  # put back from a checkpoint (recovery)
-        self.dropped = Ledger()  # rollouts with a stale drop: a resumed trial must not generate them again
         self.address = ""
         # zmq sockets are not thread-safe: the puller lives entirely in the thread.
         self._thread = threading.Thread(
@@ -125,7 +135,7 @@ class PullerStreamDataset:
                 puller_index,
                 host=host,
                 hwm=self.max_buffered,
-                reject_ack=lambda reason: _ack((None, None), "rejected"),  # the sender waits for an answer
+                report_rejects=True,  # answered `rejected`, in order: the sender takes it as its oldest unanswered
             )
         except BaseException as e:
             self._error = e
@@ -133,6 +143,7 @@ class PullerStreamDataset:
             return
         self.address = puller.address
         self._ready.set()
+        held_queries: list[tuple[bytes, str]] = []  # (sender, rollout id) of `held_of` questions not yet answered
         try:
             while not self._stop.is_set():
                 self._invalid_log.maybe_flush()
@@ -142,8 +153,22 @@ class PullerStreamDataset:
                 messages = puller.pull_with_senders(timeout=0.05)
                 self.n_wire_rejected = puller.n_rejected
                 self.n_seal_refused = puller.n_seal_refused
+                # One acknowledgement message per sender per pull, its verdicts in the order received.
+                acks: dict[bytes, list[dict]] = {}
                 for sender, msg in messages:
-                    puller.acknowledge(sender, self._add(msg))
+                    if _held_query(msg):
+                        held_queries.append((sender, msg[HELD_QUERY]))
+                        continue
+                    ack = _ack((None, None), "rejected") if isinstance(msg, RejectedFrame) else self._add(msg)
+                    acks.setdefault(sender, []).append(ack)
+                for sender, verdicts in acks.items():
+                    puller.acknowledge(sender, verdicts)
+                # A `held_of` is answered once nothing else waits at the socket: the frames of a
+                # dead predecessor (another connection, read in turn with this one) are taken first.
+                if held_queries and not puller.has_queued():
+                    for sender, rollout_id in held_queries:
+                        puller.acknowledge(sender, [self._held_of(rollout_id)])
+                    held_queries.clear()
         except BaseException as e:  # surfaced on the next take()
             self._error = e
             logger.error("stream dataset thread failed: %s", e)
@@ -153,10 +178,7 @@ class PullerStreamDataset:
 
     def _add(self, msg) -> dict:
         """Buffers one decoded message if it is a new trajectory of an admitted
-        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}. A
-        `HELD_QUERY` is answered instead (`_held_of`)."""
-        if isinstance(msg, dict) and set(msg) == {HELD_QUERY} and isinstance(msg[HELD_QUERY], str):
-            return self._held_of(msg[HELD_QUERY])
+        rollout; its acknowledgement: {"rollout_id", "index", "verdict"}."""
         try:
             newest = self._newest_version() if self._newest_version is not None else None
             traj = Trajectory.from_wire(msg).check_trainable(self.vocab_size, self.max_positions, newest)
@@ -175,27 +197,31 @@ class PullerStreamDataset:
                 verdict = "foreign"
             elif traj.key in self._seen:
                 self.n_duplicates += 1
-                verdict = "duplicate"
+                verdict = "restored" if traj.key in self._restored else "duplicate"
             else:
                 self._seen.add(traj.key)
+                if all((traj.rollout_id, i) in self._seen for i in range(traj.rollout_size)):
+                    self.complete.mark_ids([traj.rollout_id])
                 heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
                 verdict = "taken"
-        if verdict != "taken":
+        if verdict not in ("taken", "restored"):
             self._invalid_log.warning("dropped a %s trajectory %s %s", verdict, traj.qid, traj.key)
         return _ack(traj.key, verdict)
 
     def _held_of(self, rollout_id: str) -> dict:
         """How many trajectories of `rollout_id` this puller took (trained,
-        buffered or dropped since): a rollout generated again after its
-        worker died asks, so that what its predecessor delivered counts even
-        when the new run delivers less (docs/design.md §12). A rollout's
-        trajectories are pushed in index order, so its taken indices run from
-        0, with a gap only where one was refused."""
+        buffered or dropped since) since the resume: a rollout generated
+        again after its worker died asks, so that what its predecessor
+        delivered counts even when the new run delivers less (docs/design.md
+        §12); what the checkpoint holds the resumed trial counted already. A
+        rollout's trajectories are pushed in index order, so its taken
+        indices run from 0, with a gap only where one was refused."""
         with self._lock:
             held = index = misses = 0
             while misses < HELD_GAP_SCAN:
                 if (rollout_id, index) in self._seen:
-                    held, misses = held + 1, 0
+                    held += (rollout_id, index) not in self._restored
+                    misses = 0
                 else:
                     misses += 1
                 index += 1
@@ -217,7 +243,7 @@ class PullerStreamDataset:
         dropped = 0
         with self._lock:  # the heap is ordered by version_start: the stale ones are on top
             while self._heap and self._heap[0][0] < min_version:
-                self.dropped.mark_ids([heapq.heappop(self._heap)[3].rollout_id])
+                heapq.heappop(self._heap)
                 dropped += 1
             self.n_dropped_stale += dropped
             oldest = heapq.nsmallest(limit, self._heap)
@@ -237,31 +263,28 @@ class PullerStreamDataset:
             self.n_taken += len(keys)
         return [found[k] for k in keys]
 
-    def snapshot(self) -> list[Trajectory]:
-        """Every buffered trajectory, oldest first (for a checkpoint)."""
+    def checkpoint(self) -> tuple[list[Trajectory], KeyLedger, Ledger]:
+        """This puller's part of a recovery checkpoint, read at one moment:
+        every buffered trajectory (oldest first), a copy of the keys taken so
+        far, and a copy of the complete rollouts (done, for the data ledger).
+        (Read apart, a trajectory taken in between would be in the keys and
+        not in the buffer: its copy after the resume a duplicate, never trained.)"""
         self._check()
         with self._lock:
-            return [item[3] for item in sorted(self._heap)]
-
-    def dropped_rollouts(self) -> Ledger:
-        """A copy of the rollouts with a trajectory dropped as stale (for a checkpoint)."""
-        with self._lock:
-            return self.dropped.copy()
-
-    def seen(self) -> KeyLedger:
-        """A copy of the keys taken so far (for a checkpoint)."""
-        with self._lock:
-            return KeyLedger().update(self._seen)
+            buffered = [item[3] for item in sorted(self._heap)]
+            return buffered, KeyLedger().update(self._seen), self.complete.copy()
 
     def restore(self, trajectories: list[Trajectory], seen: KeyLedger | None = None) -> None:
-        """Buffers trajectories saved by `snapshot` and knows the keys `seen`
-        (resuming a trial): a rollout generated again gets `duplicate` for
+        """Buffers trajectories saved by `checkpoint` and knows the keys `seen`
+        (resuming a trial): a rollout generated again gets `restored` for
         what was taken before the checkpoint."""
+        restored = KeyLedger() if seen is None else KeyLedger().update(seen)
+        for traj in trajectories:
+            restored.add(traj.key)
         with self._lock:
-            if seen is not None:
-                self._seen.update(seen)
+            self._seen.update(restored)
+            self._restored.update(restored)
             for traj in trajectories:
-                self._seen.add(traj.key)
                 heapq.heappush(self._heap, (traj.min_version_start, traj.birth_time, next(self._seq), traj))
             self.n_restored += len(trajectories)
 
@@ -283,6 +306,10 @@ class PullerStreamDataset:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _held_query(msg) -> bool:
+    return isinstance(msg, dict) and set(msg) == {HELD_QUERY} and isinstance(msg[HELD_QUERY], str)
 
 
 def _ack(key: tuple, verdict: str) -> dict:

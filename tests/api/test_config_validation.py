@@ -108,15 +108,86 @@ def test_broadcast_weights_where_they_cannot_go_is_a_config_error(tmp_path, over
     validate(config(tmp_path, "weights.transport=broadcast", "weights.bucket_mb=8"))
 
 
-def test_sglang_sampling_with_top_p_needs_a_top_k(tmp_path):
-    """SGLang reports sampling logprobs (`return_sampling_mask`) only with a
-    finite top_k: a nucleus without one is refused before anything starts."""
+def test_sglang_sampling_logprobs_need_a_top_k_it_can_bound(tmp_path):
+    """SGLang reports sampling logprobs (`return_sampling_mask`) only for a
+    top_k it can bound, and refuses the others with HTTP 400: 0.5.16 any
+    finite top_k, 0.5.23 top_k <= --sampling-mask-max-tokens (4096). The
+    release checked is the installed one (none here: the newest read, 0.5.23)
+    or the emulated one; a refused gconfig is one line before anything starts."""
     sglang = "allocation_mode=sglang.d1p1m1+d1p1m1"
-    with pytest.raises(ConfigError, match="^rollout.gconfig.top_k: SGLang reports the logprobs of a filtered"):
-        validate(config(tmp_path, sglang, "rollout.gconfig.top_p=0.9"))
-    validate(config(tmp_path, sglang, "rollout.gconfig.top_p=0.9", "rollout.gconfig.top_k=100"))
-    validate(config(tmp_path, sglang, "rollout.gconfig.top_p=1.0"))
+    emulated = {v: f"server.torch.emulate_sglang={v}" for v in ("0.5.16", "0.5.23")}
+    for backend in (sglang, emulated["0.5.16"], emulated["0.5.23"]):
+        with pytest.raises(ConfigError, match=r"^rollout.gconfig: SGLang 0\.5\.(16|23) refuses") as e:
+            validate(config(tmp_path, backend, "rollout.gconfig.top_p=0.9"))
+        assert "\n" not in str(e.value) and "top_k" in str(e.value)
+        validate(config(tmp_path, backend, "rollout.gconfig.top_p=0.9", "rollout.gconfig.top_k=100"))
+        validate(config(tmp_path, backend, "rollout.gconfig.top_p=1.0"))
+        validate(config(tmp_path, backend, "rollout.gconfig.top_p=0.9", "rollout.gconfig.greedy=true"))
+    big_k = ("rollout.gconfig.top_p=0.9", "rollout.gconfig.top_k=5000")
+    validate(config(tmp_path, emulated["0.5.16"], *big_k))
+    for backend in (sglang, emulated["0.5.23"]):
+        with pytest.raises(ConfigError, match=r"1 < top_k <= 4096; got top_k=5000"):
+            validate(config(tmp_path, backend, *big_k))
+    validate(config(tmp_path, sglang, *big_k, "server.sglang.extra_args=[--sampling-mask-max-tokens,8192]"))
     validate(config(tmp_path, "rollout.gconfig.top_p=0.9"))  # the torch server always reports them
+
+
+def test_what_vllm_cannot_serve_is_a_config_error(tmp_path):
+    """vLLM reports one logprob per token: filtered sampling cannot be
+    trained on there (one line naming the keys); LoRA ranks above 512 do not
+    fit --max-lora-rank; the emulated release must be one realrl runs with."""
+    for backend in ("allocation_mode=vllm.d1p1m1+d1p1m1", "server.torch.emulate_vllm=0.33"):
+        for filtered in ("rollout.gconfig.top_p=0.9", "rollout.gconfig.top_k=50"):
+            with pytest.raises(ConfigError, match=r"^rollout.gconfig: vLLM reports one logprob per token") as e:
+                validate(config(tmp_path, backend, filtered))
+            assert "\n" not in str(e.value) and filtered.split(".")[-1].split("=")[0] in str(e.value)
+        validate(config(tmp_path, backend, "rollout.gconfig.top_p=0.9", "rollout.gconfig.greedy=true"))
+    with pytest.raises(ConfigError, match=r"^model.lora.rank: vLLM serves LoRA ranks up to 512"):
+        validate(config(tmp_path, "allocation_mode=vllm.d1p1m1+d1p1m1", "model.lora.rank=600"))
+    with pytest.raises(ConfigError, match=r"^server.torch.emulate_vllm: 0.31 is older than 0.32"):
+        validate(config(tmp_path, "server.torch.emulate_vllm=0.31"))
+
+
+def test_agent_calls_the_backend_cannot_serve_are_refused(tmp_path):
+    """An agent's own sampling (a per-call gconfig, an OpenAI-style call's
+    top_p) is checked as the run's is, per release: a `SamplingRefused`
+    (HTTP 400 at the endpoint) before anything is sent."""
+    import asyncio
+
+    from realrl.api.agent_api import _EPISODE, Agent, _Episode
+    from realrl.api.generation_api import GenerationHyperparameters
+    from realrl.api.served_sampling import SamplingRefused
+    from realrl.experiment.config import agent_settings
+
+    class Probe(Agent):
+        async def collect_trajectory(self, prompt, env):
+            return []
+
+    class Sent:
+        requests: list = []
+
+        async def generate(self, request):
+            self.requests.append(request)
+            raise RuntimeError("sent")
+
+    async def call(cfg, **gconfig):
+        agent = Probe(agent_settings(cfg, "/m"))
+        _EPISODE.set(_Episode("q", Sent()))
+        await agent.generate([1, 2], gconfig=GenerationHyperparameters(**gconfig))
+
+    new = config(tmp_path, "server.torch.emulate_sglang=0.5.23")
+    for gconfig in ({"top_p": 0.9}, {"top_p": 0.9, "top_k": 5000}):
+        with pytest.raises(SamplingRefused, match="SGLang 0.5.23 refuses") as e:
+            asyncio.run(call(new, **gconfig))
+        assert e.value.status == 400
+    with pytest.raises(RuntimeError, match="sent"):  # served: it reaches the generator
+        asyncio.run(call(new, top_p=0.9, top_k=100))
+    with pytest.raises(RuntimeError, match="sent"):
+        asyncio.run(call(config(tmp_path, "server.torch.emulate_sglang=0.5.16"), top_p=0.9, top_k=5000))
+    with pytest.raises(RuntimeError, match="sent"):
+        asyncio.run(call(config(tmp_path), top_p=0.9))  # the torch server
+    with pytest.raises(SamplingRefused, match="vLLM reports one logprob per token"):
+        asyncio.run(call(config(tmp_path, "server.torch.emulate_vllm=0.33"), top_p=0.9, top_k=100))
 
 
 @pytest.mark.parametrize("value", ["1", "0.5", "1.0"])
@@ -281,6 +352,23 @@ def test_prompts_that_leave_no_room_for_new_tokens_are_skipped(tmp_path):
     groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, "dataset.max_prompt_len=20")).groups}
     assert groups["rollout_worker"].config.max_prompt_len == 20
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_worker_speaks_the_api_of_the_policys_servers_and_the_judge_its_own(tmp_path):
+    """Emulating vLLM, the policy's servers, their manager and the rollout
+    workers speak vLLM's API; a judge's servers stay on SGLang's, which the
+    judge's client speaks (and stay frozen)."""
+    from realrl.experiment.build import judge_groups
+
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}", "server.torch.emulate_vllm=0.33"]
+    groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base)).groups}
+    apis = {name: groups[name].config.server_api for name in ("generation_server", "gserver_manager", "rollout_worker")}
+    assert apis == dict.fromkeys(apis, "vllm")
+    (judge,) = judge_groups(
+        config(tmp_path, *base, f"judge.model.path={model}"), groups["generation_server"].config, {}
+    )
+    assert judge.config.judge and judge.config.server_api == "sglang"
 
 
 def test_sglang_missing_is_an_allocation_mode_error(tmp_path):

@@ -39,6 +39,8 @@ def test_wire_round_trip_is_exact():
         assert a.dtype == b.dtype and np.array_equal(a, b)
     assert back.reward == t.reward and back.no_eos == t.no_eos and back.n_tokens == t.n_tokens
     assert back.min_version_start == 1 and back.group_size == 3
+    t.rollout_id, t.index, t.rollout_size = "0:1:2", 1, 3
+    assert Trajectory.from_wire(t.to_wire()).rollout_size == 3  # how many its rollout returned (§12)
 
 
 def with_sampling(t: Trajectory) -> Trajectory:
@@ -89,6 +91,9 @@ def test_malformed_sampling_fields_are_rejected(mutate, message):
         (lambda w: w.pop("qid"), "qid"),
         (lambda w: w.update(prompt_len=np.array([5, 5, 50], dtype=np.int32)), "prompt_len"),
         (lambda w: w.update(version_start=np.array([3, 1, 1], dtype=np.int32)), "version_start"),
+        (lambda w: w.update(index=2, rollout_size=2), "rollout_size must be an int above its index 2"),
+        (lambda w: w.update(rollout_size=0), "rollout_size"),
+        (lambda w: w.update(rollout_size=True), "rollout_size"),
     ],
 )
 def test_malformed_wire_messages_are_rejected(mutate, message):

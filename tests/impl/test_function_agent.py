@@ -71,6 +71,21 @@ async def calls_then_scores(client, row):
     return float(row["solve"])
 
 
+async def nucleus_then_top_k(client, row):
+    """A call with top_p < 1 and no top_k, then one with a top_k too; returns what the first got."""
+    import openai
+
+    ask = dict(model="policy", messages=row["messages"], max_tokens=2, top_p=0.5)
+    try:
+        await client.chat.completions.create(**ask)
+        refused = ""
+    except openai.BadRequestError as e:
+        refused = f"{e.status_code} {e.message}"
+    await client.chat.completions.create(**ask, extra_body={"top_k": 20})
+    nucleus_then_top_k.refused = refused
+    return 1.0
+
+
 def not_async(client, row):
     return 1.0
 
@@ -242,6 +257,28 @@ def test_a_failing_episode_leaves_its_group_and_a_generation_failure_fails_the_e
     assert agent.pop_stats()["fn_errors"] == 2
     with pytest.raises(PartialRolloutError, match="servers gone"):
         asyncio.run(agent.run_episode(prompt(), make_env("math"), Generator(fail=True)))
+
+
+def test_a_call_with_sampling_the_backend_cannot_serve_is_a_400_to_the_agent(agent_file, chat_model_dir):
+    """SGLang 0.5.23 refuses the sampling logprobs of top_p < 1 without a
+    top_k: the agent's call gets HTTP 400 and SGLang's reason, nothing is
+    sent, and the episode goes on (its next call, with a top_k, is served)."""
+    from realrl.api.served_sampling import ServedSampling
+
+    settings = AgentSettings(
+        tokenizer_path=chat_model_dir,
+        group_size=1,
+        gconfig={"max_new_tokens": 4},
+        served=ServedSampling("sglang", "0.5.23"),
+    )
+    agent = make_agent("function", settings, fn=f"{agent_file}:nucleus_then_top_k")
+    end = agent.tokenizer.eos_token_id
+    generator = ScriptedGenerator([[end]], frozenset({end}))
+    (traj,) = asyncio.run(agent.run_episode(prompt(), make_env("math"), generator))
+    refused = agent.fn.refused
+    assert refused.startswith("400 ") and "SGLang 0.5.23 refuses" in refused and "1 < top_k <= 4096" in refused
+    (served,) = generator.requests  # only the call with a top_k reached the generator
+    assert (served.gconfig.top_p, served.gconfig.top_k) == (0.5, 20) and traj.scores == [1.0]
 
 
 def test_evaluation_runs_the_agent_function_greedily_in_process(agent_file, chat_model_dir):

@@ -194,8 +194,8 @@ def test_an_old_sglang_is_a_one_line_config_error_before_anything_starts(tmp_pat
 
 
 def test_registry_lists_choices_and_takes_plugins():
-    with pytest.raises(KeyError, match=r"unknown generation backend 'vllm'; registered: \[.*'sglang', 'torch'"):
-        get_backend("vllm")
+    with pytest.raises(KeyError, match=r"unknown generation backend 'trt'; registered: \[.*'sglang', 'torch', 'vllm'"):
+        get_backend("trt")
 
     class EchoBackend(GenerationBackend):
         name = "echo-test"
@@ -228,3 +228,96 @@ def test_sglang_worker_fails_before_starting_any_process(tmp_path, capfd):
     assert "BackendUnavailableError: the sglang generation backend needs SGLang" in err
     assert not [f for f in os.listdir(launcher.log_dir) if f.endswith(".server.log")]  # no server was started
     assert "starting sglang server" not in open(launcher.log_path("generation_server", 0)).read()
+
+
+def test_sglang_lora_names_its_target_modules(tiny_llama_dir):
+    """`--lora-target-modules all` would also give the embeddings and the LM
+    head adapter buffers in SGLang (v0.5.23 `lora/lora_manager.py:807-815`):
+    all-linear is named module by module, as the trainer resolves it."""
+    from realrl.api.cli_args import LoraConfig
+
+    def targets(modules: list[str]) -> list[str]:
+        config = GenerationServerConfig(
+            backend="sglang", model_path=tiny_llama_dir, lora=LoraConfig(rank=8, target_modules=modules)
+        )
+        argv = SGLangBackend().command(config, "127.0.0.1", 30000)
+        assert flags(argv[3 : argv.index("--lora-target-modules")])["--max-lora-rank"] == "8"
+        return argv[argv.index("--lora-target-modules") + 1 :]
+
+    linear = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert targets(["all-linear"]) == linear and "lm_head" not in linear
+    assert targets(["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
+
+
+def test_vllm_command_env_and_availability(monkeypatch):
+    """vLLM's launch line (realrl.impl.generation.backends.VLLMBackend): the
+    dev routes, the token-in route, the logprobs realrl trains with, a seed,
+    tensor parallelism on the server's own GPUs; LoRA with a rank vLLM takes."""
+    from realrl.api.cli_args import LoraConfig, VLLMConfig
+    from realrl.impl.generation.backends import VLLMBackend
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = GenerationServerConfig(
+        backend="vllm",
+        model_path="/models/qwen",
+        seed=7,
+        tp_size=2,
+        vllm=VLLMConfig(max_model_len=4096, extra_args=["--enforce-eager"]),
+    )
+    argv = VLLMBackend().command(config, "10.0.0.5", 31000, base_gpu_id=2)
+    assert argv[:7] == [
+        "env",
+        "CUDA_VISIBLE_DEVICES=2,3",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        "/models/qwen",
+    ]
+    assert argv[-1] == "--enforce-eager"
+    assert flags(argv[7:]) == {
+        "--host": "10.0.0.5",
+        "--port": "31000",
+        "--enable-scale-out": True,
+        "--logprobs-mode": "processed_logprobs",
+        "--seed": "7",
+        "--tensor-parallel-size": "2",
+        "--dtype": "bfloat16",
+        "--gpu-memory-utilization": "0.8",
+        "--max-model-len": "4096",
+        "--enforce-eager": True,
+    }
+    assert VLLMBackend().env(config) == {"VLLM_SERVER_DEV_MODE": "1"}
+    config.lora = LoraConfig(rank=12)
+    f = flags(VLLMBackend().command(config, "127.0.0.1", 31000)[7:])
+    assert (f["--enable-lora"], f["--max-loras"], f["--max-lora-rank"]) == (True, "2", "16")  # 12 -> 16
+    assert VLLMBackend().env(config)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")  # the launcher's devices for this worker
+    assert VLLMBackend().command(config, "127.0.0.1", 31000)[1] == "CUDA_VISIBLE_DEVICES=5,6"
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'vllm>=0.32'.*torch backend"):
+        VLLMBackend().check_available()
+    # The torch server emulating vLLM: launched as vLLM is.
+    emulated = GenerationServerConfig(model_path="/m", torch=TorchServerConfig(emulate_vllm="0.33"))
+    assert flags(TorchBackend().command(emulated, "127.0.0.1", 1)[3:])["--emulate-vllm"] == "0.33"
+    assert TorchBackend().env(emulated) == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def test_vllm_gets_the_trials_key_in_a_private_config_file(tmp_path):
+    """vLLM's `--api-key` is the trial's HTTP key (docs/design.md §14), in a
+    0600 `--config` YAML beside the secret, never on its command line."""
+    import json
+    import stat
+
+    from realrl.base import trial_secret
+    from realrl.impl.generation.backends import VLLMBackend
+
+    secret = trial_secret.ensure_secret(str(tmp_path / "run"))
+    config = GenerationServerConfig(backend="vllm", model_path="/models/qwen")
+    args = VLLMBackend().secure_args(config, secret, "gen-0")
+    key = trial_secret.load_keys(secret).http_api_key
+    assert args[0] == "--config" and len(args) == 2 and args[1].endswith(".yaml") and key not in " ".join(args)
+    assert os.path.dirname(args[1]) == os.path.dirname(secret)
+    assert stat.S_IMODE(os.stat(args[1]).st_mode) == 0o600
+    with open(args[1]) as f:
+        assert json.load(f) == {"api-key": key}  # JSON is YAML: vLLM reads it as `--api-key <key>`

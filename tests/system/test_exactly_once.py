@@ -19,14 +19,16 @@ import pytest
 from realrl.api.trajectory import Trajectory
 from realrl.base import faults, name_resolve
 from realrl.base.name_resolve import NameResolveConfig
-from realrl.system.push_pull_stream import NameResolvingZmqPusher
+from realrl.system.acked_delivery import AckedPusher
+from realrl.system.push_pull_stream import NameResolvingZmqPusher, ZMQPusher
 from realrl.system.stream_dataset import PullerStreamDataset
 from tests.conftest import make_nr_config
+from tests.system.trial_thread import wait_until
 
 _BIRTH = itertools.count()
 
 
-def trajectory(rollout_id: str, index: int = 0, qid: str = "q@0") -> Trajectory:
+def trajectory(rollout_id: str, index: int = 0, qid: str = "q@0", size: int | None = None) -> Trajectory:
     return Trajectory(
         qid=qid,
         task="math",
@@ -41,6 +43,7 @@ def trajectory(rollout_id: str, index: int = 0, qid: str = "q@0") -> Trajectory:
         no_eos=[False],
         rollout_id=rollout_id,
         index=index,
+        rollout_size=index + 1 if size is None else size,
     )
 
 
@@ -60,7 +63,13 @@ def stream(tmp_path, etcd_server):
 
 def push_acked(pusher, message) -> dict:
     pusher.push(message, timeout=10)
-    return pusher.wait_ack(timeout=10)
+    return one_ack(pusher.wait_ack(timeout=10))
+
+
+def one_ack(acks: list) -> dict:
+    """The acknowledgement of a pull that took one message (a list of one verdict)."""
+    assert isinstance(acks, list) and len(acks) == 1, acks
+    return acks[0]
 
 
 def test_a_message_counts_as_delivered_only_once_the_puller_acknowledged_it(stream):
@@ -76,7 +85,7 @@ def test_a_message_counts_as_delivered_only_once_the_puller_acknowledged_it(stre
     items, _ = dataset.inventory(0, 10)
     dataset.take([k for k, *_ in items])
     dataset.max_buffered = 10
-    assert pusher.wait_ack(timeout=10) == {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"}
+    assert one_ack(pusher.wait_ack(timeout=10)) == {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"}
     assert dataset.stats()["buffered"] == 1
 
 
@@ -113,9 +122,11 @@ def test_trajectory_keys_and_their_verdicts(stream):
         + s["dropped_stale"]
         + s["buffered"]
     )
-    # A checkpoint's buffer restored into a new puller: its keys are known there too.
+    # A checkpoint's buffer restored into a new puller: its keys are known there too, as restored
+    # (the resumed trial counted them: a rollout's finish must not count their copies again).
     dataset.restore([trajectory("0:2:3")])
-    assert push_acked(pusher, trajectory("0:2:3").to_wire())["verdict"] == "duplicate"
+    assert push_acked(pusher, trajectory("0:2:3").to_wire())["verdict"] == "restored"
+    assert push_acked(pusher, trajectory("0:1:7").to_wire())["verdict"] == "duplicate"  # taken since
 
 
 def test_a_rollout_generated_again_learns_what_its_predecessor_delivered(stream):
@@ -138,6 +149,82 @@ def test_a_rollout_generated_again_learns_what_its_predecessor_delivered(stream)
     }
     assert push_acked(pusher, {"held_of": "0:3:6"})["held"] == 0
     assert dataset.stats() == before  # a question, not a trajectory
+
+
+def test_a_partly_delivered_rollout_is_not_done_at_a_checkpoint_and_its_restored_copies_are_not_counted_again(stream):
+    """Issue 45 defect 6. An agent returned two trajectories for rollout
+    0:4:2: the puller took the first, back-pressure holds the second, and a
+    checkpoint is taken at that moment. It must not hold the rollout as done
+    (it did: a buffered or trained trajectory marked its rollout, so a resumed
+    trial never generated it again and the second trajectory was lost); a
+    one-trajectory rollout taken before it is done. Resumed into a new puller,
+    the rollout is generated again: the copy of its first trajectory is
+    answered `restored` (the checkpoint's counts hold it: its finish, and
+    `held_of`, must not count it again), its second is taken, and the rollout
+    is complete: what the trainers hold is the checkpoint's plus the finish's."""
+    dataset, pusher = stream
+    dataset.max_buffered = 2
+    assert push_acked(pusher, trajectory("0:4:1").to_wire())["verdict"] == "taken"
+    assert push_acked(pusher, trajectory("0:4:2", 0, size=2).to_wire())["verdict"] == "taken"
+    pusher.push(trajectory("0:4:2", 1, size=2).to_wire(), timeout=10)  # held back: the puller stopped reading
+    buffered, seen, complete = dataset.checkpoint()  # the checkpoint, at that moment
+    assert [t.key for t in buffered] == [("0:4:1", 0), ("0:4:2", 0)] and dataset.stats()["received"] == 2
+    assert complete.is_done("0:4:1") and not complete.is_done("0:4:2")
+
+    resumed = PullerStreamDataset("once", f"resumed-{uuid.uuid4().hex[:8]}", 0, vocab_size=10)
+    host, port = resumed.address.rsplit(":", 1)
+    delivery = AckedPusher(ZMQPusher(host, int(port)), poll_s=0.05)
+    try:
+        resumed.restore(buffered, seen)
+        again = [delivery.submit(t.to_wire(), t.key) for t in (trajectory("0:4:2", i, size=2) for i in (0, 1))]
+        assert [f.result(timeout=10)["verdict"] for f in again] == ["restored", "taken"]
+        assert delivery.submit({"held_of": "0:4:2"}, ("0:4:2", None)).result(timeout=10)["held"] == 1
+        finish_counts = 1  # the rollout worker's finish: `taken` and `duplicate` verdicts, not `restored`
+        assert resumed.stats()["buffered"] == len(buffered) + finish_counts
+        assert resumed.stats()["duplicates_dropped"] == 1
+        assert resumed.checkpoint()[2].is_done("0:4:2")
+    finally:
+        delivery.close()
+        delivery.pusher.close(linger=0)
+        resumed.close()
+
+
+def _loopback_queues_empty(port: int) -> bool:
+    """Has every byte sent over the TCP connections to `port` left the
+    kernel's queues (/proc/net/tcp: each end's send and receive queue 0)? Then
+    the puller's zmq I/O thread holds it: each message is in its connection's
+    pipe, waiting for the puller to read it."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    mine = [r for r in rows if int(r[1].split(":")[1], 16) == port or int(r[2].split(":")[1], 16) == port]
+    return bool(mine) and all(int(q, 16) == 0 for r in mine for q in r[4].split(":"))
+
+
+def test_a_held_of_question_counts_a_predecessors_frame_still_queued_at_the_puller(stream):
+    """Defect 7's narrow race. A rollout worker delivered trajectory 0 of
+    rollout 0:5:99 after twenty others and died; its frames still wait at the
+    puller (back-pressure: it reads nothing) when its successor, generating
+    the rollout again, asks `held_of`. The puller reads its connections in
+    turn, so the question is read before the predecessor's last frame; it is
+    answered only once nothing else waits, and counts that frame (before: 0,
+    and the rollout's finish counted one trajectory too few)."""
+    dataset, predecessor = stream
+    dataset.max_buffered = 0  # back-pressure: the puller reads nothing
+    for row in range(20):
+        predecessor.push(trajectory(f"0:5:{row}").to_wire(), timeout=10)
+    predecessor.push(trajectory("0:5:99").to_wire(), timeout=10)
+    predecessor.close(linger=10)  # dead: what it sent is on its way to the puller, or there
+    host, port = dataset.address.rsplit(":", 1)
+    successor = AckedPusher(ZMQPusher(host, int(port)), poll_s=0.05)
+    try:
+        held = successor.submit({"held_of": "0:5:99"}, ("0:5:99", None), in_order=False)
+        wait_until(lambda: _loopback_queues_empty(int(port)), 30, "both connections' frames at the puller")
+        dataset.max_buffered = 100  # it reads again: both connections in turn
+        assert held.result(timeout=10)["held"] == 1
+        assert dataset.stats()["buffered"] == 21
+    finally:
+        successor.close()
+        successor.pusher.close(linger=0)
 
 
 _FAULT_CHILD = """

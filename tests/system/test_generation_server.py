@@ -18,8 +18,8 @@ from realrl.api.cli_args import TorchServerConfig
 from realrl.api.system_api import GenerationServerConfig, WorkerInfo, WorkerSpec, to_plain
 from realrl.base import name_resolve, names
 from realrl.base.name_resolve import NameResolveConfig
+from realrl.impl.generation import make_client
 from realrl.impl.generation.backends import SGLANG_MIN_VERSION
-from realrl.impl.generation.client import GenerationClient
 from realrl.launcher.local import WorkerGroup
 from tests.system.trial_thread import TrialThread, wait_until
 
@@ -68,10 +68,14 @@ def worker_children(worker_pid: int) -> list[psutil.Process]:
 # emulating SGLang as realrl launches it (the lowest release realrl runs with,
 # two data-parallel ranks; realrl.impl.generation.torch_server.sglang_compat).
 SERVER_MODES = {"torch": {}, "sglang": {"emulate_sglang": SGLANG_MIN_VERSION, "emulate_sglang_dp": 2}}
+# ... and emulating vLLM (its own API: realrl.impl.generation.torch_server.vllm_compat), for the
+# tests that cover what differs on it: restarts, weight updates, partial rollouts.
+ENGINE_MODES = {**SERVER_MODES, "vllm": {"emulate_vllm": "0.33"}}
+SERVER_API = {"torch": "sglang", "sglang": "sglang", "vllm": "vllm"}  # the HTTP API each mode speaks
 
 
 def server_config(model_dir: str, mode: str = "torch", **kw) -> GenerationServerConfig:
-    torch_cfg = TorchServerConfig(num_threads=1, **SERVER_MODES[mode])
+    torch_cfg = TorchServerConfig(num_threads=1, **ENGINE_MODES[mode])
     return GenerationServerConfig(model_path=model_dir, startup_timeout=120, torch=torch_cfg, **kw)
 
 
@@ -80,8 +84,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
 
 
-async def _generate(url: str, n: int = 8):
-    async with GenerationClient(timeout_s=60) as client:
+async def _generate(url: str, n: int = 8, api: str = "sglang"):
+    async with make_client(api, timeout_s=60) as client:
         info = await client.model_info(url)
         result = await client.generate(url, [5, 6, 7, 8], {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
     return info, result
@@ -143,13 +147,20 @@ def test_killed_server_fails_the_worker_and_the_trial_without_restarts(tmp_path,
         trial.close()
 
 
-def test_killed_server_restarts_on_the_current_weights_until_max_restarts(tmp_path, etcd_server, tiny_model_dir, capfd):
+@pytest.mark.parametrize("mode", ["torch", "vllm"])
+def test_killed_server_restarts_on_the_current_weights_until_max_restarts(
+    tmp_path, etcd_server, tiny_model_dir, capfd, mode
+):
     """The worker restarts a dead server, which loads the trainer's current
-    version before it registers again (same index, new URL); one death more
-    than max_restarts within restart_window fails the worker and the trial."""
+    version before it registers again (same index, new URL: what a server
+    added mid-run does too); one death more than max_restarts within
+    restart_window fails the worker and the trial. On vLLM (emulated) the
+    worker sets the starting version (`/update_weight_version`) and loads
+    through pause -> reload_weights -> resume (the restart limit does not
+    depend on the backend: checked on torch only)."""
     weights_dir = tmp_path / "weights"
     save_tiny_model(str(weights_dir / "3"), seed=2)  # what the trainer published as version 3
-    config = server_config(tiny_model_dir, max_restarts=1, weights_dir=str(weights_dir))
+    config = server_config(tiny_model_dir, mode, max_restarts=1, weights_dir=str(weights_dir))
     trial = TrialThread(tmp_path, etcd_server.addr, [WorkerGroup("generation_server", 1, config)], EXP)
     key = names.gen_server(EXP, trial.trial, 0)
     try:
@@ -161,13 +172,15 @@ def test_killed_server_restarts_on_the_current_weights_until_max_restarts(tmp_pa
         first.send_signal(signal.SIGKILL)
 
         second_url = wait_until(lambda: (u := trial.get(key)) not in (None, first_url) and u, 180, "re-registration")
-        info, result = asyncio.run(_generate(second_url))
+        info, result = asyncio.run(_generate(second_url, api=SERVER_API[mode]))
         assert info.weight_version == "3" and result.weight_version == "3"  # the current weights, not model_path's
         assert not alive(first.pid)
         (second,) = worker_children(worker_pid)
         log = open(trial.launcher.log_path("generation_server", 0)).read()
         assert "restarting it (restart 1, at most 1 within 600s)" in log
         assert "loaded the current weight version 3" in log
+        if mode != "torch":
+            return
 
         second.send_signal(signal.SIGKILL)
         assert trial.join() == 1

@@ -24,11 +24,12 @@ from aiohttp import web
 
 from realrl.api.system_api import GserverManagerConfig
 from realrl.base import names, network, trial_secret
-from realrl.impl.generation.client import GenerationClient
+from realrl.impl.generation import GenerationClient, make_client
 from realrl.launcher.local import WorkerGroup
 from realrl.system.gserver_manager import delete_old_weight_dirs
 from tests.system.test_generation_server import (
     EXP,
+    SERVER_API,
     SERVER_MODES,
     build_tiny_model,
     server_config,
@@ -618,7 +619,12 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
     (weights_dir / "notes.txt").write_text("not a version")
     (weights_dir / ".tmp-2-abcd").mkdir()  # a publish in progress
     manager_cfg = GserverManagerConfig(
-        n_servers=2, train_batch_size=B, max_head_offpolicyness=1, weights_dir=str(weights_dir), poll_interval=0.05
+        n_servers=2,
+        train_batch_size=B,
+        max_head_offpolicyness=1,
+        weights_dir=str(weights_dir),
+        poll_interval=0.05,
+        server_api=SERVER_API[mode],
     )
     groups = [
         WorkerGroup("generation_server", 2, server_config(model_dir, mode)),
@@ -658,7 +664,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
                 break
             await asyncio.sleep(0.05)
         assert (await m.get("/get_model_version"))["version"] == 1
-        async with GenerationClient(timeout_s=60) as client:
+        async with make_client(SERVER_API[mode], timeout_s=60) as client:
             assert [await client.weight_version(u) for u in (a, b)] == ["1", "1"]
             result = await client.generate(a, [5, 6, 7], {"max_new_tokens": 2, "ignore_eos": True})
             assert result.weight_version == "1"
@@ -700,7 +706,7 @@ def test_routing_and_weight_updates_across_two_servers(tmp_path, etcd_server, ti
         assert rejoined is not None and rejoined["version"] == 1, servers
         assert seen_versions == {1}
         assert next(s for s in servers if s["url"] == a)["state"] in ("down", "retired")
-        async with GenerationClient(timeout_s=60) as client:
+        async with make_client(SERVER_API[mode], timeout_s=60) as client:
             assert await client.weight_version(rejoined["url"]) == "1"
         await m.finish("s", accepted=False)  # its schedules on a end with it: absorbed
         stats = await m.get("/rollout_stats")
@@ -855,3 +861,61 @@ def test_a_server_whose_weight_load_never_completes_leaves_routing_and_admission
             trial.close()
         good.stop()
         wedged.stop()
+
+
+def test_a_vllm_server_whose_reload_fails_leaves_routing_until_a_reload_succeeds(tmp_path, etcd_server, tiny_model):
+    """vLLM reloads weights layer by layer: a reload that fails leaves them
+    half written, and the manager cannot restart the server (vLLM has no
+    route for it, and its /health stays 200). Emulated (0.33): the update to
+    version 1 from a checkpoint that fails to load takes the server out of
+    routing, saying why, instead of retrying it in routing and then stopping
+    the trial; once the checkpoint is whole, the server rejoins at version 1,
+    and version 2 loads while it stays in routing."""
+    from realrl.impl.generation.vllm_client import VLLMClient
+    from realrl.system.model_worker import publish_weights
+
+    model_dir = publish_weights(tiny_model, str(tmp_path / "model"), 0)
+    checkpoint = os.path.join(publish_weights(tiny_model, str(tmp_path / "weights"), 1), "model.safetensors")
+    whole = open(checkpoint, "rb").read()
+    with open(checkpoint, "wb") as f:
+        f.write(whole[:64])  # a load of it fails part way
+    server = TorchServer(tmp_path, model_dir, "--emulate-vllm", "0.33")
+    trial = None
+
+    async def server_state(m: Manager, predicate) -> dict:
+        for _ in range(1200):
+            (info,) = (await m.get("/servers"))["servers"]
+            if predicate(info):
+                return info
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the server never got there: {info}")
+
+    async def scenario(m: Manager):
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
+        down = await server_state(m, lambda s: s["state"] == "down")
+        assert "reload_weights from" in down["reason"] and "half written" in down["reason"], down
+        with open(checkpoint, "wb") as f:
+            f.write(whole)
+        up = await server_state(m, lambda s: s["state"] == "up")
+        assert up["version"] == 1 and (await m.get("/servers"))["events"]["rejoined"] == 1
+        # The next version loads in routing (pause -> reload_weights -> reset -> version -> resume).
+        publish_weights(build_tiny_model(seed=2)[1], str(tmp_path / "weights"), 2)
+        trial.set(names.model_version(EXP, trial.trial, "actor"), "2")
+        await server_state(m, lambda s: s["version"] == 2)
+        async with VLLMClient(timeout_s=60) as client:  # resumed: it serves version 2
+            result = await client.generate(server.url, [5, 6, 7], {"max_new_tokens": 2, "ignore_eos": True})
+        assert result.output_versions == ["2", "2"]
+        assert (await m.get("/servers"))["events"].get("down") == 1
+
+    try:
+        trial, url = start_manager_trial(
+            tmp_path, etcd_server.addr, server.url, server_api="vllm", health_check_interval=0.2
+        )
+        run_with_manager(url, scenario)
+        assert trial.complete() == 0
+        log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+        assert re.search(r"generation server 0 at \S+ is down \(weight version 1 was not loaded: .*half written", log)
+    finally:
+        if trial is not None:
+            trial.close()
+        server.kill()

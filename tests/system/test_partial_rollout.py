@@ -31,7 +31,7 @@ from realrl.base import names, trial_secret
 from realrl.base.http_body import to_json
 from realrl.impl import agents as _agents  # noqa: F401  (registers the built-in agents)
 from realrl.impl import environments as _environments  # noqa: F401
-from realrl.impl.generation.client import GenerationClient, GenerationServerUnavailable
+from realrl.impl.generation import GenerationClient, GenerationServerUnavailable, make_client
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.math_data import load_math_jsonl
 from realrl.impl.verifiers.math_verifier import MathVerifier
@@ -40,7 +40,7 @@ from realrl.system.client_routing import ManagerRouting
 from realrl.system.manager_client import GserverManagerClient
 from realrl.system.partial_rollout import PartialRolloutError, PartialRolloutManager
 from tests.impl.conftest import save_perturbed
-from tests.system.test_generation_server import SERVER_MODES
+from tests.system.test_generation_server import ENGINE_MODES, SERVER_MODES
 from tests.system.trial_thread import TrialThread
 
 EXP = "rollouttest"
@@ -59,7 +59,7 @@ def free_port() -> int:
 
 
 def server_group(model_dir: str, length_before_eos: bool = False, mode: str = "torch") -> WorkerGroup:
-    torch_cfg = TorchServerConfig(num_threads=1, length_before_eos=length_before_eos, **SERVER_MODES[mode])
+    torch_cfg = TorchServerConfig(num_threads=1, length_before_eos=length_before_eos, **ENGINE_MODES[mode])
     config = GenerationServerConfig(model_path=model_dir, startup_timeout=180, torch=torch_cfg)
     return WorkerGroup("generation_server", 1, config, env={"OMP_NUM_THREADS": "1"})
 
@@ -212,11 +212,12 @@ class ObservedManagerClient(GserverManagerClient):
             self.admitted.clear()
 
 
-async def with_prm(manager_url: str, fn, server_watch_interval: float = 2.0, **prm_kwargs):
+async def with_prm(manager_url: str, fn, server_watch_interval: float = 2.0, api: str = "sglang", **prm_kwargs):
     """`fn(prm, manager)` with a partial-rollout manager routed by the
-    manager (`ManagerRouting`, so that `manager.scheduled` logs each schedule)."""
+    manager (`ManagerRouting`, so that `manager.scheduled` logs each schedule),
+    its servers speaking `api`."""
     manager = ObservedManagerClient(manager_url, retries=1, retry_backoff_s=0.01)
-    async with GenerationClient(timeout_s=120) as client:
+    async with make_client(api, timeout_s=120) as client:
         prm = PartialRolloutManager(ManagerRouting(manager, server_watch_interval), client, **prm_kwargs)
         try:
             return await fn(prm, manager)
@@ -510,6 +511,123 @@ def test_a_call_is_abandoned_when_its_server_leaves_routing_and_other_cancels_st
     asyncio.run(go())
 
 
+def test_lora_tokens_are_labelled_at_most_with_their_scheduled_version():
+    """A LoRA request names its scheduled version's adapter; a server that
+    switched meanwhile reports the new version for the old adapter's tokens
+    (SGLang labels tokens with the version current when the request ends):
+    the lower of the two, so staleness is not understated. Full weights: the
+    version the server reports (it holds those weights)."""
+    from realrl.impl.generation.client import GenerateResult
+
+    def result(reported: str) -> GenerateResult:
+        return GenerateResult([5], [-1.0], "length", reported, 1, 1)
+
+    lora, full = PartialRolloutManager(None, None, lora=True), PartialRolloutManager(None, None)
+    assert lora._token_version(result("2"), scheduled=1) == 1
+    assert lora._token_version(result("1"), scheduled=1) == 1
+    assert full._token_version(result("2"), scheduled=1) == 2
+    assert lora._token_version(result("default"), scheduled=3) == 3  # no version set: the scheduled one
+
+
+def banned_logprobs(model, prompt: list[int], output: list[int], banned: list[int]) -> torch.Tensor:
+    """`forward_logprobs` with the `banned` ids' logits at -inf (an EOS ban before min_new_tokens)."""
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logits[:, banned] = float("-inf")
+    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def generated_tokens(url: str) -> int:
+    """Tokens a torch server generated since it started (its /metrics, which every emulation keeps)."""
+    request = urllib.request.Request(f"{url}/metrics", headers=trial_secret.http_headers())  # a gated route
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("realrl_torch_server_generated_tokens "):
+                return int(float(line.split()[1]))
+    return 0
+
+
+def test_on_vllm_a_weight_update_interrupts_and_resumes_without_losing_tokens(
+    tiny_kit, reference_model, etcd_server, tmp_path
+):
+    """The same, on vLLM (emulated: 0.33) through its own client: the manager's
+    update path there (pause?mode=abort, reload_weights, reset_prefix_cache,
+    update_weight_version, resume) interrupts the answers; each comes back with
+    its partial tokens, is resumed on the same server, and every token carries
+    the version of its `weight_versions` span and that version's logprob."""
+    from realrl.impl.generation.vllm_client import VLLMClient
+
+    new_dir = str(tmp_path / "weights_v1")
+    save_perturbed(tiny_kit["model_dir"], new_dir, seed=7, scale=0.05)
+    updated_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    max_new, group_size = 300, 2
+    gconfig = GenerationHyperparameters(max_new_tokens=max_new, min_new_tokens=max_new, temperature=1.0)
+    eos = sorted(eos_token_ids_in_dir(tiny_kit["model_dir"]))
+    prompt = prompt_records(tiny_kit, 1)[0].prompt_ids
+    groups = [
+        server_group(tiny_kit["model_dir"], mode="vllm"),
+        manager_group(n_servers=1, train_batch_size=4, server_api="vllm"),
+    ]
+    t = TrialThread(tmp_path / "trial", etcd_server.addr, groups, EXP)
+    try:
+        t.start()
+        t.start_training()
+        manager_url = t.wait_key(names.gen_server_manager(EXP, t.trial))
+        url = t.get(names.gen_server(EXP, t.trial, 0))
+
+        async def go(prm, manager):
+            task = asyncio.create_task(prm.generate(GenerationRequest("vllm-0", prompt, group_size, gconfig)))
+            async with VLLMClient(timeout_s=60) as control:
+                start = generated_tokens(url)
+                while generated_tokens(url) < start + 10 * group_size:
+                    assert not task.done(), "generation finished before the update"
+                    await asyncio.sleep(0.005)
+                await control.load_version(url, new_dir, 1, lora=False)
+                return await task, prm.stats.pop(), manager.scheduled
+
+        result, stats, scheduled = asyncio.run(with_prm(manager_url, go, api="vllm"))
+    finally:
+        t.close()
+    assert stats["interruptions"] == group_size
+    for i in range(group_size):
+        out, versions = result.output_ids[i], result.output_versions[i]
+        assert len(out) == len(versions) == len(result.output_logprobs[i]) == max_new
+        switch = versions.index(1)
+        assert 0 < switch and versions == [0] * switch + [1] * (max_new - switch)
+        # vLLM's processed_logprobs come after its logits processors: min_tokens' EOS ban included
+        # (vllm/v1/sample/sampler.py: apply_logits_processors, then sample).
+        logprobs = torch.tensor(result.output_logprobs[i])
+        old, new = (banned_logprobs(m, prompt, out, eos) for m in (reference_model, updated_model))
+        torch.testing.assert_close(logprobs[:switch], old[:switch], atol=1e-3, rtol=0)
+        torch.testing.assert_close(logprobs[switch:], new[switch:], atol=1e-3, rtol=0)
+    resumed = [s for s in scheduled if s["previous_server_url"] is not None]
+    assert sum(s["n"] for s in resumed) == group_size and all(s["url"] == url for s in resumed)
+
+
+class StaleRouting:
+    """A routing that answers `stale` first (its table from before the server moved on), then `current`:
+    the exact moment a LoRA request is scheduled on an adapter its server unloads."""
+
+    def __init__(self, url: str, stale: int, current: int):
+        self.url, self.versions, self.current = url, [stale], current
+
+    def schedule_now(self, *args, **kwargs):
+        return None
+
+    async def schedule_request(self, qid, n=1, *args, parts=None, **kwargs):
+        version = self.versions.pop(0) if self.versions else self.current
+        parts_ = [ScheduledServer(self.url, version)] * len(parts) if parts else None
+        return ScheduleReply(version=version, url=self.url, ticket=1, parts=parts_)
+
+    async def release_request(self, *args, **kwargs):
+        pass
+
+    def left_routing(self, url):
+        return asyncio.get_running_loop().create_future()
+
+
 def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again(tmp_path):
     """The manager schedules an answer on version 5 of a server that has
     moved on to 7 meanwhile (5 -> 6 -> 7: actor-v5 unloaded): the server
@@ -522,26 +640,6 @@ def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again
     for v in (5, 6, 7):
         save_adapter(str(tmp_path / str(v)))
 
-    class StaleRouting:
-        """Answers version 5 first (its table from before the server moved on), then 7."""
-
-        def __init__(self, url):
-            self.url, self.versions = url, [5]
-
-        def schedule_now(self, *args, **kwargs):
-            return None
-
-        async def schedule_request(self, qid, n=1, *args, parts=None, **kwargs):
-            version = self.versions.pop(0) if self.versions else 7
-            parts_ = [ScheduledServer(self.url, version)] * len(parts) if parts else None
-            return ScheduleReply(version=version, url=self.url, ticket=1, parts=parts_)
-
-        async def release_request(self, *args, **kwargs):
-            pass
-
-        def left_routing(self, url):
-            return asyncio.get_running_loop().create_future()
-
     async def go():
         host = SimServerHost(SimServerConfig(token_latency_s=0.001, output_tokens=4, vocab_size=64))
         await host.start(1)
@@ -551,7 +649,7 @@ def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again
                 for v in (5, 6, 7):
                     await client.load_version(url, str(tmp_path / str(v)), v, lora=True)
                 assert "actor-v5" not in host.engines[0].adapters.adapters
-                prm = PartialRolloutManager(StaleRouting(url), client, retry_backoff_s=0.01, lora=True)
+                prm = PartialRolloutManager(StaleRouting(url, 5, 7), client, retry_backoff_s=0.01, lora=True)
                 gconfig = GenerationHyperparameters(max_new_tokens=8)
                 result = await prm.generate(GenerationRequest("stale-0", [3, 4, 5], 1, gconfig))
                 return result, prm.stats.pop(), dict(host.engines[0].rejections)

@@ -15,11 +15,10 @@ import pytest
 import zmq
 
 from realrl.base import name_resolve, wire
+from realrl.system.acked_delivery import AckedPusher, PushNotAcknowledged
 from realrl.system.push_pull_stream import (
-    AckedPusher,
     NameResolvingZmqPuller,
     NameResolvingZmqPusher,
-    PushNotAcknowledged,
     RateLimitedLog,
     StreamSeal,
     ZMQPuller,
@@ -183,13 +182,13 @@ def test_acked_pusher_keeps_a_window_in_flight_and_matches_one_batched_ack_to_ea
         sender = got[0][0]
         acks = [{"rollout_id": "0:0:1", "index": i, "verdict": f"v{i}"} for i in (3, 0, 4, 1, 2)]
         puller.acknowledge(sender, [*acks[:2], {"rollout_id": "9:9:9", "index": 0, "verdict": "taken"}, *acks[2:]])
-        assert {i: f.result(timeout=10) for i, f in futures.items()} == {i: f"v{i}" for i in range(5)}
+        assert {i: f.result(timeout=10)["verdict"] for i, f in futures.items()} == {i: f"v{i}" for i in range(5)}
         assert delivery.in_flight == 0
-        assert "another trajectory" in realrl_caplog.text
+        assert "no message in flight" in realrl_caplog.text and delivery.n_unknown_acks == 1
         one = delivery.submit({"rollout_id": "0:0:2", "index": 0}, ("0:0:2", 0))  # a single dict answers one
         sender, _ = _pull_with_senders_until(puller, 1)[0]
         puller.acknowledge(sender, {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"})
-        assert one.result(timeout=10) == "taken"
+        assert one.result(timeout=10)["verdict"] == "taken"
     finally:
         delivery.close()
         pusher.close(linger=0)
@@ -341,14 +340,15 @@ def test_pusher_close_does_not_hang_without_a_puller():
 # ---- acknowledged pushes ---------------------------------------------------------------
 
 
-class SilentPuller:
-    """A fake puller (a real ROUTER socket, in a thread) that answers the
-    copies of a message as `answers` says: None leaves a copy unanswered
-    (as when its acknowledgement went to a routing id lost in a reconnect),
-    a dict is sent back. Keeps every copy it received."""
+class FakePuller:
+    """A fake puller (a real ROUTER socket, in a thread): after each message
+    it receives, `respond(received)` (every message so far, decoded) says
+    what to send back to its sender now: None nothing (as when an
+    acknowledgement went to a routing id lost in a reconnect), else one
+    acknowledgement message (a dict, or a list as PullerStreamDataset sends)."""
 
-    def __init__(self, answers: list):
-        self.answers = list(answers)
+    def __init__(self, respond):
+        self.respond = respond
         self.received: list = []
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -364,10 +364,9 @@ class SilentPuller:
                 continue
             sender, frame = self._socket.recv_multipart()
             self.received.append(wire.loads(frame))
-            answer = self.answers.pop(0) if self.answers else None
-            for ack in answer if isinstance(answer, list) else [answer]:
-                if ack is not None:
-                    self._socket.send_multipart([sender, wire.dumps(ack)])
+            answer = self.respond(list(self.received))
+            if answer is not None:
+                self._socket.send_multipart([sender, wire.dumps(answer)])
 
     def close(self):
         self._stop.set()
@@ -376,61 +375,119 @@ class SilentPuller:
         self._context.term()
 
 
-def ack(key, verdict):
-    return {"rollout_id": key[0], "index": key[1], "verdict": verdict}
+def ack(key, verdict, **more):
+    return {"rollout_id": key[0], "index": key[1], "verdict": verdict, **more}
 
 
-def test_an_unacknowledged_push_is_sent_again_and_the_second_copys_acknowledgement_ends_it():
-    """The first copy's acknowledgement never comes; an acknowledgement of
-    another trajectory comes instead (counted, ignored). The push sends its
-    message again after `resend_s`, and the puller's `duplicate` for the
-    second copy is its answer (before the fix it waited forever)."""
-    key = ("0:0:7", 0)
-    puller = SilentPuller([ack(("0:0:3", 0), "duplicate"), ack(key, "duplicate")])
+def acked_delivery(respond, **kwargs):
+    puller = FakePuller(respond)
     pusher = ZMQPusher("127.0.0.1", puller.port)
+    return puller, pusher, AckedPusher(pusher, poll_s=0.05, **kwargs)
+
+
+def close_all(puller, pusher, delivery):
+    delivery.close()
+    pusher.close(linger=0)
+    puller.close()
+
+
+def test_each_message_in_flight_is_sent_again_on_its_own_timer_and_a_copys_answer_ends_it():
+    """Two trajectories in flight; the first one's acknowledgement never
+    comes (lost in a reconnect), the second's does, then one of nothing in
+    flight (counted, ignored). Only the first is sent again once its own
+    timer ran out, and the puller's `duplicate` for that copy resolves it."""
+    a, b = ("0:0:7", 0), ("0:0:7", 1)
+
+    def respond(received):
+        keys = [(m["rollout_id"], m["index"]) for m in received]
+        if len(keys) == 2:  # b, after a (unanswered)
+            return [ack(b, "taken"), ack(("0:0:3", 0), "duplicate")]
+        if len(keys) == 3:  # a sent again
+            return [ack(keys[2], "duplicate")]
+        return None
+
+    puller, pusher, delivery = acked_delivery(respond, resend_s=0.3, give_up_s=60)
     try:
-        got = pusher.push_acknowledged(
-            {"rollout_id": key[0], "index": key[1]},
-            lambda a: (a["rollout_id"], a["index"]) == key,
-            poll_s=0.05,
-            resend_s=0.2,
-            give_up_s=60,
-        )
+        first = delivery.submit({"rollout_id": a[0], "index": a[1]}, a)
+        second = delivery.submit({"rollout_id": b[0], "index": b[1]}, b)
+        assert second.result(timeout=10) == ack(b, "taken")
+        assert first.result(timeout=10) == ack(a, "duplicate")
+        assert [(m["rollout_id"], m["index"]) for m in puller.received] == [a, b, a]
+        assert delivery.n_resent == 1 and delivery.n_unknown_acks == 1 and delivery.in_flight == 0
     finally:
-        pusher.close(linger=0)
-        puller.close()
-    assert got == ack(key, "duplicate")
-    assert len(puller.received) == 2 and pusher.n_resent == 1 and pusher.n_unknown_acks == 1
+        close_all(puller, pusher, delivery)
 
 
-def test_a_push_never_acknowledged_fails_loudly_after_its_bound():
-    puller = SilentPuller([])
-    pusher = ZMQPusher("127.0.0.1", puller.port)
+def test_a_window_never_acknowledged_fails_loudly_after_its_bound():
+    """Nothing is ever answered: each message is sent again on its timer,
+    then every future in flight fails with PushNotAcknowledged naming the
+    puller, and a later submit fails at once (the worker fails loudly)."""
+    puller, pusher, delivery = acked_delivery(lambda received: None, resend_s=0.1, give_up_s=0.6)
     try:
-        with pytest.raises(PushNotAcknowledged, match=f"127.0.0.1:{puller.port} acknowledged nothing"):
-            pusher.push_acknowledged({"x": 1}, lambda a: True, poll_s=0.05, resend_s=0.1, give_up_s=0.5)
+        futures = [delivery.submit({"index": i}, ("0:0:1", i)) for i in range(3)]
+        for future in futures:
+            with pytest.raises(PushNotAcknowledged, match=f"127.0.0.1:{puller.port} acknowledged nothing"):
+                future.result(timeout=10)
+        with pytest.raises(PushNotAcknowledged):
+            delivery.submit({"index": 3}, ("0:0:1", 3)).result(timeout=1)
+        assert len(puller.received) >= 6 and delivery.n_resent >= 3  # each sent again meanwhile
     finally:
-        pusher.close(linger=0)
-        puller.close()
-    assert len(puller.received) >= 2  # sent again meanwhile
+        close_all(puller, pusher, delivery)
 
 
-def test_a_frame_the_puller_rejects_is_answered_when_it_has_a_reject_ack():
-    """A frame that does not decode gets `reject_ack(reason)` back, so its
-    sender learns at once instead of waiting for an answer that never comes."""
-    puller = ZMQPuller(reject_ack=lambda reason: {"verdict": "rejected", "reason": reason[:20]})
+def test_a_keyless_rejection_is_the_oldest_unanswered_messages_and_futures_carry_the_whole_acknowledgement():
+    """Three messages in flight, answered in one list once all three came:
+    the first's verdict, a `rejected` without a key (the puller could not
+    decode the second), the third's. The rejection resolves the second, the
+    oldest unanswered when it is read (not the newest); a `held` answer,
+    with its count, resolves the question's future whole."""
+    keys = [("0:0:1", 0), ("0:0:1", 1), ("0:0:1", 2)]
+
+    def respond(received):
+        if len(received) == 3:
+            return [ack(keys[0], "taken"), ack((None, None), "rejected"), ack(keys[2], "taken")]
+        if len(received) == 4:
+            return [ack(("0:0:1", None), "held", held=2)]
+        return None
+
+    puller, pusher, delivery = acked_delivery(respond)
+    try:
+        futures = [delivery.submit({"i": i}, key) for i, key in enumerate(keys)]
+        assert [f.result(timeout=10)["verdict"] for f in futures] == ["taken", "rejected", "taken"]
+        assert futures[1].result() == ack((None, None), "rejected")
+        held = delivery.submit({"held_of": "0:0:1"}, ("0:0:1", None))
+        assert held.result(timeout=10) == ack(("0:0:1", None), "held", held=2)
+        assert delivery.n_unknown_acks == 0 and delivery.in_flight == 0
+    finally:
+        close_all(puller, pusher, delivery)
+
+
+def test_a_puller_reporting_rejects_returns_them_in_their_place_among_the_messages():
+    """With `report_rejects`, a frame that does not decode comes back from
+    pull_with_senders where it arrived (so its sender's answers keep its
+    order); it is counted in n_rejected, not n_received; pull() leaves it out."""
+    puller = ZMQPuller(report_rejects=True)
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"tcp://{puller.address}")
     try:
+        for part in (wire.dumps({"i": 0}), b"garbage", wire.dumps({"i": 2})):
+            raw.send(part)
+        got = _pull_with_senders_until(puller, 3)
+        assert [m if isinstance(m, dict) else type(m).__name__ for _, m in got] == [
+            {"i": 0},
+            "RejectedFrame",
+            {"i": 2},
+        ]
+        assert puller.n_rejected == 1 and puller.n_received == 2
         raw.send(b"garbage")
-        for _ in range(600):
-            if puller.n_rejected:
-                break
-            puller.pull(timeout=0.05)
-        assert raw.poll(10_000)
-        assert wire.loads(raw.recv())["verdict"] == "rejected"
+        raw.send(wire.dumps({"i": 4}))
+        plain = []
+        give_up = time.monotonic() + 30
+        while not plain and time.monotonic() < give_up:
+            plain += puller.pull(timeout=0.05)
+        assert plain == [{"i": 4}] and puller.n_rejected == 2
     finally:
         raw.close()
         context.term()

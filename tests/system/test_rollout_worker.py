@@ -75,7 +75,7 @@ def pull_acked(puller, timeout: float) -> list[Trajectory]:
     got = []
     for sender, message in puller.pull_with_senders(timeout=timeout):
         traj = Trajectory.from_wire(message)
-        puller.acknowledge(sender, {"rollout_id": traj.rollout_id, "index": traj.index, "verdict": "taken"})
+        puller.acknowledge(sender, [{"rollout_id": traj.rollout_id, "index": traj.index, "verdict": "taken"}])
         got.append(traj)
     return got
 

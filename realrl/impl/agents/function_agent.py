@@ -164,7 +164,7 @@ class FunctionAgent(Agent):
             gconfig=self.settings.gconfig,
             tool_parser=TOOL_PARSERS.get(tool_parser),
             max_context_tokens=max_context_tokens or model_positions(path),
-            gen_backend=self.settings.gen_backend,
+            served=self.settings.served,
         )
         self.stats = AgentStats()
         self.counters: collections.Counter = collections.Counter()

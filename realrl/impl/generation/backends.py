@@ -65,7 +65,6 @@ Paths below are under `sglang/srt/`, line numbers of the version named.
   `http_server.py:1622-1632`); its default mode `abort` repeats an abort of
   every request, waiting ones included, until none is left (v0.5.16
   `tokenizer_manager.py:1729-1743`).
-- The length limit is checked before EOS (`length_before_eos`, §6).
 - Logprobs (v0.5.16 `layers/sampler.py:95-230`): `output_token_logprobs` is
   `log(softmax(logits / T))` of the token, before top-k/top-p/min-p, unless
   `SGLANG_RETURN_ORIGINAL_LOGPROB` is set (then before the temperature; we
@@ -76,11 +75,33 @@ Paths below are under `sglang/srt/`, line numbers of the version named.
   `output_token_sampling_logprobs`: log(p_T(token) / the mass the filters
   keep), the logprob under the distribution the token was drawn from
   (`sampler.py:281-393`), 0.0 for a greedy token (`:310-327`). A request with
-  it and no finite `top_k` is aborted (`managers/scheduler.py:2225-2234`:
-  the support mask it returns too would be unbounded), as is one under
-  speculative decoding. The client asks for it only when the sampling filters
-  (`needs_sampling_logprobs`); realrl refuses a filtering `gconfig` without a
-  `top_k` on this backend before anything starts.
+  it and no finite `top_k` is refused (`managers/scheduler.py:2225-2234`:
+  the support mask it returns too would be unbounded; `set_finish_with_abort`
+  gives the abort status 400, `managers/schedule_batch.py:1645-1657`, which
+  the tokenizer manager raises, `tokenizer_manager.py:1451-1457`, and the
+  HTTP server answers 400 `{"error": {"message"}}`, `http_server.py:872-878,
+  2006-2009`), as is one under speculative decoding. 0.5.23 also refuses a
+  top_k above `--sampling-mask-max-tokens` (4096; v0.5.23
+  `managers/scheduler.py:3160-3181`, `:3513-3518`,
+  `tokenizer_manager.py:1891-1921`, `http_server.py:983-990, 2246-2250`).
+  The client asks for it only when the sampling filters
+  (`needs_sampling_logprobs`); realrl refuses what the installed release
+  would refuse before anything is sent (`realrl.api.served_sampling`).
+- A request aborted while in the waiting queue (never started, or retracted
+  back there: `/pause_generation {"mode": "retract"}`, or the scheduler
+  short of KV cache) is answered by the tokenizer manager from what it was
+  streamed: tokens and logprobs, no `output_token_sampling_logprobs`
+  (v0.5.23 `managers/scheduler.py:5685-5703` `abort_request`,
+  `tokenizer_manager.py:3577-3640` `_handle_abort_req`). The partial rollout
+  drops those tokens and generates them again.
+- The finish order: up to 0.5.16 the length limit before EOS (v0.5.16
+  `managers/schedule_batch.py:1476-1506`), from 0.5.23 EOS first (v0.5.23
+  `managers/schedule_batch.py:2007-2041`); the partial rollout ends an answer
+  on its last token's EOS either way.
+- LoRA: `--lora-target-modules all` also allocates adapter buffers for the
+  embeddings and the LM head (v0.5.23 `lora/lora_manager.py:807-815`);
+  realrl names the modules. A request names its adapter (`lora_path`), but
+  its `weight_version` is the server's when it ends.
 
 The torch server reproduces these behaviours for tests
 (`server.torch.emulate_sglang`, `realrl.impl.generation.torch_server.sglang_compat`).
@@ -110,6 +131,7 @@ from packaging.version import InvalidVersion, Version
 
 from realrl.api.cli_args import ALL_LINEAR
 from realrl.api.system_api import GenerationServerConfig
+from realrl.api.vllm_api import OLDEST_VLLM, vllm_max_lora_rank
 from realrl.base import trial_secret
 from realrl.base.registry import Registry
 
@@ -195,6 +217,8 @@ class TorchBackend(GenerationBackend):
             cmd.append("--length-before-eos")
         if config.judge:
             cmd.append("--frozen")
+        if torch_cfg.emulate_vllm:
+            cmd += ["--emulate-vllm", torch_cfg.emulate_vllm]
         if torch_cfg.emulate_sglang:
             cmd += [
                 "--emulate-sglang",
@@ -210,7 +234,9 @@ class TorchBackend(GenerationBackend):
         return args + ["--weights-dir", config.weights_dir] if config.weights_dir else args
 
     def env(self, config: GenerationServerConfig) -> dict[str, str]:
-        # Emulating SGLang: launched as SGLang is.
+        # Emulating an engine: launched as it is.
+        if config.torch.emulate_vllm:
+            return VLLMBackend().env(config)
         return SGLangBackend().env(config) if config.torch.emulate_sglang else {}
 
 
@@ -219,8 +245,8 @@ class SGLangBackend(GenerationBackend):
 
     The runtime sends token ids and reads output ids, so the server skips its
     tokenizer (`--skip-tokenizer-init`). A LoRA run adds `--enable-lora
-    --max-lora-rank R --lora-target-modules ...` (`all` for all-linear), so
-    adapters can be loaded by name later. Flag names follow SGLang's ServerArgs
+    --max-lora-rank R --lora-target-modules ...` (named one by one, also for
+    all-linear: `lora_target_modules`), so adapters can be loaded by name later. Flag names follow SGLang's ServerArgs
     (`tp_size` -> `--tp-size`, ...); `sglang.extra_args` are appended verbatim.
     """
 
@@ -298,9 +324,127 @@ class SGLangBackend(GenerationBackend):
         if sg.disable_radix_cache:
             cmd.append("--disable-radix-cache")
         if config.lora.rank > 0:  # versions after 0 are adapters, loaded by name (docs/design.md §8)
-            targets = ["all"] if list(config.lora.target_modules) == [ALL_LINEAR] else list(config.lora.target_modules)
+            targets = lora_target_modules(config)
             cmd += ["--enable-lora", "--max-lora-rank", str(config.lora.rank), "--lora-target-modules", *targets]
         cmd += [str(a) for a in sg.extra_args]
+        return cmd
+
+
+def lora_target_modules(config: GenerationServerConfig) -> list[str]:
+    """The module names a LoRA server adapts, named one by one: SGLang's
+    `all` also allocates adapter buffers for the embeddings and the LM head
+    (v0.5.23 `lora/lora_manager.py:807-815`: `EMBEDDING_NAMES` added), which
+    realrl's adapters never train. all-linear is resolved as the trainer
+    resolves it (`realrl.impl.lora.target_modules`), from the model's config."""
+    if list(config.lora.target_modules) != [ALL_LINEAR]:
+        return list(config.lora.target_modules)
+    from realrl.impl.lora import model_target_modules  # torch: only for a LoRA run
+
+    return model_target_modules(config.model_path, [ALL_LINEAR])
+
+
+class VLLMBackend(GenerationBackend):
+    """`vllm serve <model>` (vLLM >= 0.32, CUDA only), driven through
+    `realrl.impl.generation.vllm_client` (routes: `realrl.api.vllm_api`).
+
+    - `VLLM_SERVER_DEV_MODE=1` for the dev routes realrl loads weights with
+      (`/pause`, `/collective_rpc`, `/reset_prefix_cache`,
+      `/update_weight_version`: v0.33 `entrypoints/launchers/api_server/
+      routers.py:46-53`); `--enable-scale-out` for the token-in route
+      `/inference/v1/generate` (`entrypoints/scale_out/factories.py:87-110`);
+      `--logprobs-mode processed_logprobs`: the sampled token's logprob after
+      temperature (and the filters, which realrl refuses on vLLM:
+      `realrl.api.served_sampling`), which the trainer reproduces.
+    - `--seed`, `--tensor-parallel-size`; a server's GPUs are picked with
+      CUDA_VISIBLE_DEVICES (vLLM has no base GPU flag).
+    - LoRA: `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true` (for
+      `/v1/load_lora_adapter`, `entrypoints/serve/lora/api_router.py`),
+      `--enable-lora --max-loras 2` (the serving version and the previous
+      one) `--max-lora-rank R`, R the smallest rank vLLM takes that holds
+      the adapters (v0.33 `config/lora.py:27`).
+    - The server starts at vLLM's own weight version; the generation server
+      sets realrl's with `/update_weight_version` before it registers.
+
+    Security: the trial's HTTP key is vLLM's `--api-key`, given in a 0600
+    `--config` YAML as SGLang's is (`secure_args`). It guards only `/v1`,
+    `/v2`, `/inference` and `/cohere` (v0.33
+    `entrypoints/serve/middleware/authenticate.py:11`): the dev routes,
+    weight loading among them, answer anyone who reaches the port. The
+    server binds the trial's private address (the worker's `host`, 127.0.0.1
+    in local mode) and must never be exposed beyond it.
+    """
+
+    name = "vllm"
+
+    def check_available(self) -> None:
+        if not _module_available("vllm"):
+            raise BackendUnavailableError(
+                "the vllm generation backend needs vLLM, which is not installed here: "
+                f"`pip install 'vllm>={OLDEST_VLLM}'` on a CUDA machine; on CPU use the torch backend "
+                "(allocation_mode=torch.d<N>p1m1+d<M>p1m1)"
+            )
+        try:
+            installed = importlib.metadata.version("vllm")
+            too_old = Version(installed) < Version(OLDEST_VLLM)
+        except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+            installed, too_old = "unknown", True
+        if too_old:
+            raise BackendUnavailableError(
+                f"vLLM {installed} is installed here; realrl needs vLLM >= {OLDEST_VLLM} (per-token weight "
+                f"versions of /inference/v1/generate, /pause modes): `pip install 'vllm>={OLDEST_VLLM}'`"
+            )
+
+    def secure_args(self, config: GenerationServerConfig, secret_path: str, server_name: str) -> list[str]:
+        # `--api-key` in a 0600 `--config` YAML beside the secret (vLLM reads `key: value` pairs as flags,
+        # v0.33 `utils/argparse_utils.py` `load_config_file`), never on the command line.
+        path = os.path.join(os.path.dirname(secret_path), f"{server_name}.vllm.yaml")
+        key = trial_secret.load_keys(secret_path).http_api_key
+        trial_secret.write_private(path, json.dumps({"api-key": key}).encode())  # JSON is YAML
+        return ["--config", path]
+
+    def env(self, config: GenerationServerConfig) -> dict[str, str]:
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if config.lora.rank > 0:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+        return env
+
+    def command(self, config: GenerationServerConfig, host: str, port: int, base_gpu_id: int = 0) -> list[str]:
+        vc = config.vllm
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        devices = visible or [str(i) for i in range(base_gpu_id + config.tp_size)]
+        chosen = devices[base_gpu_id : base_gpu_id + config.tp_size] if not visible else devices[: config.tp_size]
+        cmd = [
+            "env",
+            f"CUDA_VISIBLE_DEVICES={','.join(chosen)}",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            config.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--enable-scale-out",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--seed",
+            str(config.seed),
+            "--tensor-parallel-size",
+            str(config.tp_size),
+            "--dtype",
+            vc.dtype,
+            "--gpu-memory-utilization",
+            str(vc.gpu_memory_utilization),
+        ]
+        if vc.max_model_len is not None:
+            cmd += ["--max-model-len", str(vc.max_model_len)]
+        if vc.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(vc.max_num_seqs)]
+        if config.lora.rank > 0:
+            rank = vllm_max_lora_rank(config.lora.rank)
+            cmd += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(rank)]
+        cmd += [str(a) for a in vc.extra_args]
         return cmd
 
 
@@ -319,3 +463,4 @@ def get_backend(name: str) -> GenerationBackend:
 
 register_backend(TorchBackend.name, TorchBackend)
 register_backend(SGLangBackend.name, SGLangBackend)
+register_backend(VLLMBackend.name, VLLMBackend)

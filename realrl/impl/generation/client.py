@@ -90,6 +90,14 @@ class GenerationServerUnavailable(ConnectionError):
         self.reason = reason
 
 
+class ServerWeightsBroken(GenerationServerUnavailable):
+    """The server answers but must not serve: a weight load failed part way
+    and left its weights half written (vLLM reloads layer by layer). Only a
+    load that succeeds makes it serve again; the manager takes it out of
+    routing as it does an unavailable server, and brings it back by loading
+    the current version (docs/design.md §6)."""
+
+
 @dataclass
 class GenerateResult:
     """One completion. `output_logprobs[i]` is the unfiltered logprob of
@@ -107,6 +115,8 @@ class GenerateResult:
     matched_stop: int | None = None
     meta_info: MetaInfo = field(default_factory=MetaInfo, repr=False)
     output_sampling_logprobs: list[float] | None = None
+    # Per token, the version of the weights that sampled it (vLLM's `weight_versions`); None: all `weight_version`.
+    output_versions: list[str] | None = None
 
     @property
     def aborted(self) -> bool:
@@ -203,7 +213,11 @@ def _read(cls: type[T], body: Any, url: str, route: str) -> T:
 
 
 class GenerationClient:
-    """Async client with a shared connection pool; see the module docstring."""
+    """Async client with a shared connection pool; see the module docstring.
+    Speaks SGLang's API (SGLang, the torch server); `VLLMClient`
+    (`realrl.impl.generation.vllm_client`) the same calls over vLLM's."""
+
+    api = "sglang"
 
     def __init__(self, timeout_s: float = 3600.0, max_connections: int = 0, connect_timeout_s: float = 10.0):
         # max_connections=0: no pool limit (long generations hold connections for minutes).
@@ -269,8 +283,7 @@ class GenerationClient:
             except ValueError:
                 body = text
         if status >= 400 and status not in ok_statuses:
-            message = body.get("error") or body.get("message") if isinstance(body, dict) else body
-            raise GenerationServerError(status, str(message or text), url)
+            raise GenerationServerError(status, _error_message(body) or text, url)
         return body
 
     # ---- generation
@@ -474,6 +487,10 @@ class GenerationClient:
         request = AwaitWeightVersionRequest(weight_version=version, timeout_s=timeout_s)
         return await self._group_call(url, "/await_weight_version", request, timeout_s + 10.0)
 
+    async def prepare(self, url: str, version: int) -> None:
+        """Readies a started server for routing at weight `version` (SGLang
+        and the torch server start on it: `--weight-version`)."""
+
     async def pause_generation(self, url: str, mode: str = "abort") -> Any:
         """`abort`: every running and waiting request ends with `abort`;
         `in_place`: they wait for `continue_generation`."""
@@ -552,6 +569,18 @@ class GenerationClient:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"generation server {url} not healthy after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)
+
+
+def _error_message(body: Any) -> str:
+    """The message of an error answer: `{"error": "..."}` (the torch server),
+    `{"error": {"message": "..."}}` (SGLang's `/generate`), `{"message": ...}`
+    or `{"detail": ...}` (FastAPI's HTTPException), else the body itself."""
+    if not isinstance(body, dict):
+        return str(body or "")
+    error = body.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error or body.get("message") or body.get("detail") or "")
 
 
 def _loads(text: str) -> Any:

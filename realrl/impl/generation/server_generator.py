@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 
 from realrl.api.generation_api import GenerationRequest, GenerationResult
-from realrl.impl.generation.client import GenerationClient, new_rid
+from realrl.impl.generation import make_client
+from realrl.impl.generation.client import new_rid
 
 
 class ServerGenerator:
-    def __init__(self, url: str, timeout_s: float = 120.0):
+    def __init__(self, url: str, timeout_s: float = 120.0, api: str = "sglang"):
+        """`api`: what the server at `url` speaks, "sglang" (SGLang, the torch server) or "vllm"."""
         self.url = url.rstrip("/")
-        self.client = GenerationClient(timeout_s=timeout_s)
+        self.client = make_client(api, timeout_s=timeout_s)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         params = request.gconfig.sampling_params()

@@ -37,7 +37,6 @@ from realrl.api.generation_api import (
     GenerationHyperparameters,
     GenerationResult,
     SamplingParamError,
-    needs_sampling_logprobs,
 )
 from realrl.api.openai_api import (
     ChatCompletion,
@@ -56,6 +55,7 @@ from realrl.api.openai_api import (
     ToolCall,
     Usage,
 )
+from realrl.api.served_sampling import SamplingRefused, ServedSampling
 from realrl.base.http_body import BodyError, to_json
 from realrl.impl.openai_compat.messages import template_message
 from realrl.impl.openai_compat.rendering import ChatRenderer
@@ -82,7 +82,8 @@ class ChatConfig:
     gconfig: GenerationHyperparameters  # the run's sampling parameters (defaults for a call)
     tool_parser: ToolParser
     max_context_tokens: int | None = None  # prompt + new tokens at most (None: no limit known)
-    gen_backend: str = "torch"  # the engine that generates (`_check_sampling`: what it refuses is a 400)
+    # What the generation backend serves (`_check_sampling`: what it refuses is a 400), per release.
+    served: ServedSampling = dataclasses.field(default_factory=ServedSampling)
 
 
 def check_request(request: ChatCompletionRequest, config: ChatConfig) -> None:
@@ -166,7 +167,7 @@ class ChatSession:
         self.calls += 1
         try:
             result = await self.generate(plan.prompt_ids, request.n, gconfig)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, BodyError):  # a call refused (400, e.g. SamplingRefused): not a failure
             raise
         except Exception as e:
             self.failure = e
@@ -233,7 +234,7 @@ class ChatSession:
             top_k=run.top_k if request.top_k is None else request.top_k,
             stop_token_ids=stop_ids,
         )
-        _check_sampling(gconfig, self.config.gen_backend)
+        _check_sampling(gconfig, self.config.served)
         return gconfig
 
     def _answer(self, result: GenerationResult, stops: list[str], parse_tools: bool) -> _Answer:
@@ -270,20 +271,18 @@ class ChatSession:
         return ChoiceLogprobs(content=tokens)
 
 
-def _check_sampling(gconfig: GenerationHyperparameters, gen_backend: str) -> None:
+def _check_sampling(gconfig: GenerationHyperparameters, served: ServedSampling) -> None:
     """BodyError (400) for a call's sampling the servers would refuse: its
     refusal would reach the agent as a failed generation (a 500) and fail
-    the rollout worker, for what is the agent's choice of values."""
+    the rollout worker, for what is the agent's choice of values. What the
+    backend cannot serve is `ServedSampling`'s rule (the one `Agent.generate`
+    and the config check apply): a `SamplingRefused`."""
     try:
         gconfig.validate("")
     except SamplingParamError as e:
         raise BodyError(f"field {str(e).lstrip('.')}", reason="unsupported") from None
-    if gen_backend == "sglang" and gconfig.top_k <= 0 and needs_sampling_logprobs(gconfig.sampling_params()):
-        # (SGLang aborts a request for filtered logprobs without a finite top_k: backends.py)
-        raise BodyError(
-            "field 'top_k': on SGLang, sampling filtered by top_p < 1 or min_p needs a finite top_k; give one",
-            reason="unsupported",
-        )
+    if (refused := served.refusal(gconfig.sampling_params())) is not None:
+        raise SamplingRefused(refused)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
+from realrl.api.served_sampling import ServedSampling
 from realrl.impl.openai_compat.chat import ChatConfig, ChatSession
 from realrl.impl.openai_compat.endpoint import ChatEndpoint, shared_endpoint
 from realrl.impl.openai_compat.rendering import ChatRenderer
@@ -38,7 +39,11 @@ class Episode:
     """An endpoint with one open episode whose policy samples `outputs`."""
 
     def __init__(
-        self, outputs: list[list[int]], fail: bool = False, row: dict | None = None, gen_backend: str = "torch"
+        self,
+        outputs: list[list[int]],
+        fail: bool = False,
+        row: dict | None = None,
+        served: ServedSampling | None = None,
     ):
         self.policy = ScriptedGenerator(outputs, frozenset({EOS}))
         self.fail = fail
@@ -47,7 +52,7 @@ class Episode:
             renderer=ChatRenderer(TOK, {EOS}),
             gconfig=GenerationHyperparameters(max_new_tokens=128),
             tool_parser=TOOL_PARSERS.get("hermes"),
-            gen_backend=gen_backend,
+            served=served or ServedSampling(),
         )
         self.session = ChatSession(config, self._generate, "q7@0", row or {"messages": []})
         self.endpoint = ChatEndpoint()
@@ -167,15 +172,17 @@ def test_a_request_the_endpoint_cannot_honour_is_a_400_the_client_does_not_retry
         assert error.type == "invalid_request_error"
 
 
-@pytest.mark.parametrize("gen_backend", ["torch", "sglang"])
-def test_sampling_values_the_servers_would_refuse_are_the_agents_400_and_a_tiny_temperature_is_greedy(gen_backend):
+@pytest.mark.parametrize("release", [None, "0.5.16", "0.5.23"])
+def test_sampling_values_the_servers_would_refuse_are_the_agents_400_and_a_tiny_temperature_is_greedy(release):
     """What a server would refuse never reaches it (its refusal would fail the
     rollout worker): a temperature over the servers' bound is a 400, and on
-    SGLang so is top_p < 1 without a finite top_k; a temperature in (0, 1e-5),
-    which the torch server refuses, is sampled greedily."""
+    SGLang (either release: `ServedSampling`'s rule) so is top_p < 1 without a
+    finite top_k; a temperature in (0, 1e-5), which the torch server refuses,
+    is sampled greedily. `release` None: the torch server."""
+    served = ServedSampling("sglang", release) if release else ServedSampling()
 
     async def main():
-        async with Episode([ids("a"), ids("b"), ids("c")], gen_backend=gen_backend) as ep:
+        async with Episode([ids("a"), ids("b"), ids("c")], served=served) as ep:
             client = ep.client()
             user = [{"role": "user", "content": "hi"}]
             tiny = await client.chat.completions.create(model="m", messages=user, temperature=1e-7)
@@ -194,8 +201,9 @@ def test_sampling_values_the_servers_would_refuse_are_the_agents_400_and_a_tiny_
     assert tiny.choices[0].message.content == "a"
     assert ep.policy.requests[0].gconfig.greedy and ep.policy.requests[0].gconfig.sampling().temperature == 0
     assert hot.status_code == 400 and "temperature" in hot.message
-    if gen_backend == "sglang":
-        assert filtered is not None and filtered.status_code == 400 and "'top_k'" in filtered.message
+    if release:
+        assert filtered is not None and filtered.status_code == 400, filtered
+        assert f"SGLang {release} refuses" in filtered.message and "top_k" in filtered.message
         assert len(ep.policy.requests) == 2
     else:
         assert filtered is None and len(ep.policy.requests) == 3

@@ -14,7 +14,16 @@ import torch
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from tests.impl.conftest import load_reference, save_perturbed
-from tests.impl.test_torch_server import PROMPTS, _with_client, forward_logprobs, get_json, post_raw, run, wait_until
+from tests.impl.test_torch_server import (
+    PROMPTS,
+    _with_client,
+    forward_logprobs,
+    get_json,
+    post_raw,
+    run,
+    stop_at_token_k,
+    wait_until,
+)
 
 LONG = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}  # never finishes during a test
 
@@ -163,12 +172,25 @@ def loads(url: str) -> list[tuple[int, int]]:
     return asyncio.run(client_loads(url))
 
 
-def test_sampling_logprobs_as_sglang_reports_them(start_server, tiny_llama_dir):
-    """From 0.5.16 SGLang reports sampling logprobs for a request with
+def generated(url: str) -> int:
+    """Tokens the server has generated since it started (its /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("realrl_torch_server_generated_tokens "):
+                return int(float(line.split()[1]))
+    return 0
+
+
+def test_sampling_logprobs_and_finish_order_as_each_release_reports_them(start_server, tiny_llama_dir, reference_model):
+    """A request whose last allowed token is EOS reports `length` up to
+    0.5.16 (the length limit checked first) and `stop` from 0.5.23; the
+    partial rollout ends an answer on its last token either way. From
+    0.5.16 SGLang reports sampling logprobs for a request with
     `return_sampling_mask` (the client asks exactly when the sampling
-    filters) and aborts one without a finite top_k; before, never. A filtered
-    answer without them fails the partial rollout instead of training on the
-    unfiltered logprobs."""
+    filters) and refuses, with HTTP 400 and its message, one whose top_k it
+    cannot bound: 0.5.16 top_k off, 0.5.23 also top_k > 4096; before 0.5.16,
+    never reports them. A filtered answer without them fails the partial
+    rollout instead of training on the unfiltered logprobs."""
     from realrl.api.generation_api import GenerationHyperparameters
     from realrl.system.partial_rollout import PartialRolloutError, PartialRolloutManager, _Answer
 
@@ -176,25 +198,86 @@ def test_sampling_logprobs_as_sglang_reports_them(start_server, tiny_llama_dir):
     plain = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
     no_top_k = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.8, "ignore_eos": True}
     greedy = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 0.8, "ignore_eos": True}
-    new, old = (start_server(tiny_llama_dir, "--emulate-sglang", v) for v in ("0.5.16", "0.5.15"))
+    big_top_k = dict(nucleus, top_k=5000)
+    servers = {v: start_server(tiny_llama_dir, "--emulate-sglang", v) for v in ("0.5.16", "0.5.23", "0.5.15")}
 
     async def go(url, client):
-        return await asyncio.gather(*(client.generate(url, PROMPTS[1], p) for p in (nucleus, plain, no_top_k, greedy)))
+        calls = (nucleus, plain, no_top_k, greedy, big_top_k)
+        return await asyncio.gather(*(client.generate(url, PROMPTS[1], p) for p in calls), return_exceptions=True)
 
-    filtered, unfiltered, refused, argmax = run(_with_client(lambda c: go(new.url, c)))
-    assert len(filtered.output_sampling_logprobs) == 8
-    assert all(s > lp for s, lp in zip(filtered.output_sampling_logprobs, filtered.output_logprobs))
-    assert unfiltered.output_sampling_logprobs is None and len(unfiltered.output_logprobs) == 8  # not asked for
-    assert refused.aborted and refused.output_ids == []
-    assert "finite top_k" in refused.meta_info.finish_reason.message
-    assert argmax.output_sampling_logprobs is None  # greedy filters nothing: not asked for
-    before = run(_with_client(lambda c: go(old.url, c)))
-    assert [r.output_sampling_logprobs for r in before] == [None] * 4 and not before[2].aborted
+    answers = {v: run(_with_client(lambda c, s=s: go(s.url, c))) for v, s in servers.items()}
+    last_is_eos = stop_at_token_k(reference_model, PROMPTS[1], 5)
+    order = {
+        v: run(_with_client(lambda c, s=s: c.generate(s.url, PROMPTS[1], last_is_eos))) for v, s in servers.items()
+    }
+    assert [len(r.output_ids) for r in order.values()] == [5] * 3
+    assert {v: r.finish_reason for v, r in order.items()} == {"0.5.16": "length", "0.5.23": "stop", "0.5.15": "length"}
+    for release in ("0.5.16", "0.5.23"):
+        filtered, unfiltered, refused, argmax, big = answers[release]
+        assert len(filtered.output_sampling_logprobs) == 8
+        assert all(s > lp for s, lp in zip(filtered.output_sampling_logprobs, filtered.output_logprobs))
+        assert unfiltered.output_sampling_logprobs is None and len(unfiltered.output_logprobs) == 8  # not asked for
+        assert isinstance(refused, GenerationServerError) and refused.status == 400
+        assert argmax.output_sampling_logprobs is None  # greedy filters nothing: not asked for
+    assert answers["0.5.16"][2].message.startswith("return_sampling_mask requires finite top_k; top_p-only")
+    assert len(answers["0.5.16"][4].output_sampling_logprobs) == 8  # 0.5.16 takes any finite top_k
+    for refused, k in ((answers["0.5.23"][2], 1 << 30), (answers["0.5.23"][4], 5000)):
+        assert refused.message == (
+            "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; "
+            f"got top_k={k}. Lower top_k or increase --sampling-mask-max-tokens."
+        )
+    before = answers["0.5.15"]
+    assert [r.output_sampling_logprobs for r in before] == [None] * 5 and not before[2].aborted
 
     manager = PartialRolloutManager(routing=None, client=None)
     answer = _Answer()
     with pytest.raises(PartialRolloutError, match="no sampling logprobs"):
-        manager._append(answer, before[0], 0, "q", old.url, GenerationHyperparameters(top_p=0.8, top_k=20))
+        manager._append(
+            answer, before[0], 0, "q", servers["0.5.15"].url, GenerationHyperparameters(top_p=0.8, top_k=20)
+        )
     assert answer.output_ids == []  # nothing appended
-    manager._append(answer, before[1], 0, "q", old.url, GenerationHyperparameters())  # unfiltered: the logprobs
+    manager._append(answer, before[1], 0, "q", servers["0.5.15"].url, GenerationHyperparameters())  # the logprobs
     assert answer.sampling_logprobs == answer.logprobs == before[1].output_logprobs
+
+
+def test_a_request_aborted_while_retracted_comes_back_without_sampling_logprobs(start_server, tiny_llama_dir):
+    """SGLang 0.5.23: a `retract` pause puts running requests back in the
+    queue; one aborted there answers with the tokens it had streamed (every
+    50 for a non-streamed request) and their logprobs, but no sampling
+    logprobs. The partial rollout drops those tokens and generates them
+    again, so every trained token has its behaviour logprob; a weight update
+    meanwhile aborts them and succeeds (the queue holds them, not a batch)."""
+    from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
+    from realrl.system.partial_rollout import PartialRolloutManager, _Answer
+
+    server = start_server(tiny_llama_dir, "--emulate-sglang", "0.5.23")
+    url = server.url
+    filtered = {"max_new_tokens": 4000, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "ignore_eos": True}
+
+    async def go_with_rids(client):
+        rids = ["a" * 32, "b" * 32]
+        held = [asyncio.create_task(client.generate(url, PROMPTS[i], filtered, rid=r)) for i, r in enumerate(rids)]
+        await asyncio.to_thread(wait_until, lambda: generated(url) >= 2 * 60, 120, "60 tokens each")
+        await client.pause_generation(url, mode="retract")
+        await client.abort_request(url, rid=rids[0])
+        aborted = await held[0]
+        update = await client.update_weights_from_disk(url, tiny_llama_dir, 1)  # aborts the other one first
+        other = await held[1]
+        await client.continue_generation(url)
+        after = await client.generate(url, PROMPTS[2], dict(filtered, max_new_tokens=4))
+        return aborted, update, other, after
+
+    aborted, update, other, after = run(_with_client(go_with_rids))
+    for r in (aborted, other):
+        n = len(r.output_ids)
+        assert r.aborted and n >= 50 and n % 50 == 0 and len(r.output_logprobs) == n
+        assert r.output_sampling_logprobs is None and r.prompt_tokens == 0
+    assert update.success
+    assert len(after.output_sampling_logprobs) == 4  # resumed requests report them again
+
+    manager = PartialRolloutManager(routing=None, client=None)
+    answer = _Answer()
+    gconfig = GenerationHyperparameters(top_p=0.9, top_k=20, max_new_tokens=4000)
+    assert manager._append(answer, aborted, 0, "q", url, gconfig) == 0
+    assert answer.output_ids == [] and manager.stats.dropped_tokens == len(aborted.output_ids)
+    assert not manager._take(answer, aborted, GenerationRequest("q", [1], 1, gconfig), url)  # resubmitted

@@ -4,8 +4,8 @@
         [--host 127.0.0.1] [--device cpu|cuda] [--dtype float32|bfloat16|float16] \
         [--max-running-requests 64] [--max-prefill-tokens 8192] [--seed 1] \
         [--weight-version 0] [--num-threads K] [--length-before-eos] [--log-level LEVEL] \
-        [--emulate-sglang VERSION [--emulate-sglang-dp N]] [--weight-load-gate FILE] [--frozen] \
-        [--engine auto|paged|dense] [--kv-cache-tokens N] [--kv-block-size 16] [--no-cuda-graphs] \
+        [--emulate-sglang VERSION [--emulate-sglang-dp N] | --emulate-vllm VERSION] [--weight-load-gate FILE] \
+        [--frozen] [--engine auto|paged|dense] [--kv-cache-tokens N] [--kv-block-size 16] [--no-cuda-graphs] \
         [--secret-file FILE] [--weights-dir DIR]
 """
 
@@ -24,6 +24,7 @@ from realrl.impl.generation.torch_server.http import TorchGenerationServer, serv
 from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model, resolve_dtype
 from realrl.impl.generation.torch_server.paged_engine import DEFAULT_BLOCK_SIZE, create_engine
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
+from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat
 from realrl.impl.generation.torch_server.weights_group import GroupMembership
 
 logger = getLogger("realrl.impl.generation.torch_server")
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> None:
         "reads SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION as SGLang does",
     )
     parser.add_argument("--emulate-sglang-dp", type=int, default=1, help="data-parallel ranks SGLang would report")
+    parser.add_argument(
+        "--emulate-vllm",
+        default="",
+        metavar="VERSION",
+        help="answer vLLM's routes and bodies as this vLLM release does, instead of SGLang's (tests; see vllm_compat)",
+    )
     parser.add_argument(
         "--weight-load-gate", default=None, metavar="FILE", help="test hook: weight updates wait until FILE exists"
     )
@@ -94,6 +101,14 @@ def main(argv: list[str] | None = None) -> None:
         compat = SGLangCompat.from_env(args.emulate_sglang, args.emulate_sglang_dp) if args.emulate_sglang else None
     except ValueError as e:
         parser.error(f"--emulate-sglang: {e}")
+    try:
+        vllm = VLLMCompat.of(args.emulate_vllm) if args.emulate_vllm else None
+    except ValueError as e:
+        parser.error(f"--emulate-vllm: {e}")
+    if vllm is not None and compat is not None:
+        parser.error("--emulate-vllm and --emulate-sglang exclude each other")
+    if vllm is not None and args.frozen:  # (a judge's server speaks SGLang's routes, whose loads it refuses)
+        parser.error("--emulate-vllm and --frozen exclude each other")
 
     configure(f"torch_server:{args.port}", args.log_level)
     keys = trial_secret.install(args.secret_file)  # a bad secret file stops it before the model loads
@@ -137,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         args.dtype,
         args.weight_load_gate,
         args.frozen,
+        vllm=vllm,
         api_key=keys.http_api_key if keys is not None else None,
         weights_dir=args.weights_dir,
         # Versions over the wire: its group's store sealed with the trial's key (docs/design.md §8).

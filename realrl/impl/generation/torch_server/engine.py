@@ -16,8 +16,8 @@ request submitted after that is refused at once. Generation stops at the model's
 generation_config) unless `ignore_eos`, and at `stop_token_ids`; the stop token is part of `output_ids`. A request
 whose last allowed token is a stop token reports `stop` (SGLang would report `length`); `length_before_eos`
 (`--length-before-eos`) reproduces SGLang's order (the length limit is checked first, so it reports `length`), for
-testing clients against it. `compat` (`--emulate-sglang`, `sglang_compat`) copies SGLang's aborts: by rid prefix,
-waiting requests included, and weight updates into a batch paused in place.
+testing clients against it. `compat` (`--emulate-sglang`, `sglang_compat`) copies SGLang's order of finish checks
+(per release), its aborts: by rid prefix, waiting requests included, and weight updates into a batch paused in place.
 
 **Pauses.** `pause` in mode `abort` ends the running requests (and with `compat` the waiting ones) and admits none
 until `continue`; mode `in_place` keeps them where they are, decoding nothing until `continue`.
@@ -122,7 +122,7 @@ class GenerationEngine:
         compat: SGLangCompat | None = None,
     ):
         self.model = model
-        self.length_before_eos = length_before_eos or compat is not None
+        self.length_before_eos = length_before_eos or (compat is not None and compat.length_before_eos)
         self.compat = compat
         self.config = model.config
         self.device = device

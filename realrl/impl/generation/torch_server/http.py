@@ -35,9 +35,11 @@ counted in `realrl_torch_server_unauthorized_requests` otherwise), and with
 `rejections` as `weight_path`.
 
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
-release's do (`sglang_compat`). `weight_load_gate` (`--weight-load-gate
-FILE`, a test hook) holds every weight update, once its weights are read,
-until FILE exists: a load as long as a test needs.
+release's do (`sglang_compat`); with `vllm` (`--emulate-vllm VERSION`) the
+server answers vLLM's routes instead (`vllm_compat`; the same key gate and
+weight-path rule). `weight_load_gate` (`--weight-load-gate FILE`, a test
+hook) holds every weight update, once its weights are read, until FILE
+exists: a load as long as a test needs.
 
 The bodies are the dataclasses of `realrl.api.sglang_api`. Every body goes
 through `realrl.base.http_body` (size, UTF-8, JSON nesting depth, object type,
@@ -86,6 +88,7 @@ from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.protocol import parse_generate_body
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
+from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat, VLLMRoutes
 from realrl.impl.generation.torch_server.weights_group import GroupMembership
 from realrl.impl.weights.broadcast import GroupSpec
 
@@ -116,6 +119,7 @@ class TorchGenerationServer:
         dtype: str,
         weight_load_gate: str | None = None,
         frozen: bool = False,
+        vllm: VLLMCompat | None = None,
         api_key: str | None = None,
         weights_dir: str = "",
         weights_group: GroupMembership | None = None,
@@ -128,7 +132,11 @@ class TorchGenerationServer:
         self.weight_load_gate = weight_load_gate
         # A judge's server: its weights never change (docs/design.md §11).
         self.frozen = frozen
+        self.vllm = vllm  # `--emulate-vllm`: vLLM's routes instead (vllm_compat)
         self._update_lock: asyncio.Lock | None = None
+        self._in_flight: set[str] = set()  # rids of the /generate requests being answered
+        # SGLang emulation: rids a `retract` pause put back in the queue, until /continue_generation.
+        self._retracted: set[str] = set()
         # The trial's key on every route but /health, and weights only from the trial's own
         # directory (or the initial model): docs/design.md §14. None / "": no gate, any path.
         self.gate = BearerGate(api_key)
@@ -138,6 +146,10 @@ class TorchGenerationServer:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.gate.middleware])
+        if self.vllm is not None:  # vLLM's routes, behind the same gate (only /health is open)
+            VLLMRoutes(self, self.vllm).add_to(app)
+            app.router.add_get("/metrics", self.metrics)
+            return app
         r = app.router
         compat, frozen = self.compat, self.frozen
         r.add_post("/generate", self.generate)
@@ -176,6 +188,19 @@ class TorchGenerationServer:
         self.engine.command(name, args or {}, threadsafe_setter(loop, fut))
         return fut
 
+    async def _run(self, req: Any) -> Any:
+        """Submits one engine request (`protocol.Request`) and returns its answer; a cancelled caller
+        (the client went away) aborts it."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        req.reply = threadsafe_setter(loop, fut)
+        self.engine.submit(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.engine.command("abort", {"rid": req.rid}, lambda result: None)
+            raise
+
     async def _read_json(self, request: web.Request) -> dict:
         return await read_json(request, max_bytes=MAX_BODY_BYTES, max_depth=MAX_BODY_DEPTH)
 
@@ -205,16 +230,21 @@ class TorchGenerationServer:
             return self._reject(e)
         loop = asyncio.get_running_loop()
         futures = []
+        if self.compat is not None:  # SGLang refuses the whole request before anything runs
+            for req in reqs:
+                refusal = (
+                    self.compat.sampling_mask_refusal(req.requested_top_k, req.is_greedy)
+                    if req.return_sampling_mask
+                    else None
+                )
+                if refusal is not None:
+                    self.engine.count_rejection("sampling_mask")
+                    return web.json_response({"error": {"message": refusal}}, status=400)
         for req in reqs:
             fut = loop.create_future()
             req.reply = threadsafe_setter(loop, fut)
             futures.append(fut)
-            refusal = None
-            if self.compat is not None and req.return_sampling_mask:
-                refusal = self.compat.sampling_mask_refusal(req.top_k, req.is_greedy)
-            if refusal is not None:  # SGLang aborts it before it starts
-                req.reply(req.response(FinishReason("abort", message=refusal), self.engine.weight_version))
-                continue
+            self._in_flight.add(req.rid)
             self.engine.submit(req)
         try:
             results = await asyncio.gather(*futures)
@@ -222,6 +252,8 @@ class TorchGenerationServer:
             for req in reqs:
                 self.engine.command("abort", {"rid": req.rid}, lambda result: None)
             raise
+        finally:
+            self._in_flight.difference_update(req.rid for req in reqs)
         for req, result in zip(reqs, results):
             if isinstance(result, BodyError):  # refused by the engine (a rid already running)
                 return _json_error(result.status, str(result))
@@ -229,6 +261,11 @@ class TorchGenerationServer:
                 return _json_error(500, str(result))
             if self.compat is not None and not self.compat.reports_sampling_logprobs(req.return_sampling_mask):
                 result.meta_info.output_token_sampling_logprobs = None
+        if self.compat is not None:  # aborted while retracted: SGLang's waiting-queue abort
+            results = [
+                self.compat.queued_abort_output(r) if _aborted(r) and req.rid in self._retracted else r
+                for req, r in zip(reqs, results)
+            ]
         return _json(results if batched else results[0])
 
     async def refuse_frozen(self, request: web.Request) -> web.Response:
@@ -243,6 +280,9 @@ class TorchGenerationServer:
             self._check_weight_path(update.model_path)
         except BodyError as e:
             return self._reject(e)
+        if self._retracted and update.abort_all_requests:
+            # SGLang aborts them in its waiting queue; the batch is empty and the cache flush succeeds.
+            await self._call("abort", {"abort_all": True})
         async with self._lock():
             try:
                 tensors = await asyncio.to_thread(self.engine.read_weights, update.model_path)
@@ -372,11 +412,15 @@ class TorchGenerationServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
             pause = await self._control_body(request, PauseGenerationRequest)
-            if pause.mode == "retract":
+            if pause.mode == "retract" and self.compat is None:
                 raise BodyError("mode retract is not supported (abort or in_place)", reason="unsupported")
         except BodyError as e:
             return self._reject(e)
-        result = await self._call("pause", {"mode": pause.mode})
+        if pause.mode == "retract":  # SGLang: back to the queue; here held in place, marked (sglang_compat)
+            self._retracted |= self._in_flight
+            result = await self._call("pause", {"mode": "in_place"})
+        else:
+            result = await self._call("pause", {"mode": pause.mode})
         return self._sglang_status("paused") if self.compat is not None else _json(result)
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -384,6 +428,7 @@ class TorchGenerationServer:
             await self._control_body(request, ContinueGenerationRequest)
         except BodyError as e:
             return self._reject(e)
+        self._retracted.clear()
         result = await self._call("continue")
         return self._sglang_status("continued") if self.compat is not None else _json(result)
 
@@ -471,6 +516,11 @@ class TorchGenerationServer:
             f"realrl_torch_server_num_waiting_requests {info.num_waiting_requests}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _aborted(response: Any) -> bool:
+    reason = getattr(getattr(response, "meta_info", None), "finish_reason", None)
+    return isinstance(reason, FinishReason) and reason.type == "abort"
 
 
 def threadsafe_setter(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Any], None]:

@@ -86,6 +86,7 @@ class Request:
     stop_ids: frozenset[int]
     return_logprob: bool
     return_sampling_mask: bool = False  # asked for SGLang's sampling logprobs (used when emulating it)
+    requested_top_k: int | None = None  # top_k as sent (`top_k` is -1 when it keeps the whole vocabulary)
     lora_name: str | None = None  # the LoRA adapter named by `lora_path` (checked by the engine)
     reply: Callable[[Any], None] = field(repr=False, default=lambda result: None)
     output_ids: list[int] = field(default_factory=list)
@@ -180,6 +181,7 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
                 stop_ids=frozenset(stop_ids),
                 return_logprob=bool(want_logprob),
                 return_sampling_mask=bool(want_mask),
+                requested_top_k=(params or SamplingParams()).top_k,
                 lora_name=lora_name or None,
                 **p,
             )

@@ -25,11 +25,19 @@ in this mode to meet what SGLang does differently, as its source says it does
   SGLang's prefix cache: 0.5.23 swaps the weights and answers `success:
   false` (the weight version unchanged); earlier releases die (an assert in
   the scheduler).
-- The length limit is checked before EOS (`length_before_eos`).
+- The length limit is checked before EOS before 0.5.23, after it from
+  0.5.23 (`length_before_eos`).
 - Sampling logprobs (`output_token_sampling_logprobs`) only from 0.5.16 and
-  only for a request with `return_sampling_mask`; such a request without a
-  finite `top_k` (and not greedy) ends at once with `abort` and SGLang's
-  message, no token generated.
+  only for a request with `return_sampling_mask`; such a request with a
+  top_k SGLang cannot bound is refused with HTTP 400 and SGLang's message
+  (`{"error": {"message"}}`), no token generated: 0.5.16 refuses top_k off,
+  0.5.23 also top_k > 4096 (`realrl.api.sglang_api.sampling_mask_refusal`).
+- `/pause_generation {"mode": "retract"}` puts the running requests back in
+  the queue (here: they stay paused in place, marked retracted until
+  `/continue_generation`); a retracted request that is aborted answers as
+  SGLang's waiting-queue abort does (`queued_abort_output`): the tokens
+  streamed so far, their logprobs, no sampling logprobs. A weight update
+  with `abort_all_requests` aborts them first, so its cache flush succeeds.
 
 Data parallelism is emulated in the answers only: one engine serves, its
 counts go to rank 0 and the other ranks report nothing running.
@@ -43,12 +51,19 @@ from collections.abc import Mapping
 
 from packaging.version import Version
 
-from realrl.api.sglang_api import emulated_release
+from realrl.api.sglang_api import (
+    SAMPLING_MASK_MAX_TOKENS,
+    GenerateResponse,
+    emulated_release,
+    sampling_mask_refusal,
+)
 
 # SGLang's own defaults and names.
 HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 DEFAULT_HEALTH_TIMEOUT_S = 20
+FORCE_STREAM_INTERVAL_ENV = "SGLANG_FORCE_STREAM_INTERVAL"
+DEFAULT_FORCE_STREAM_INTERVAL = 50  # v0.5.23 environ.py:688
 
 
 def _env_bool(value: str | None, default: bool) -> bool:
@@ -65,6 +80,7 @@ class SGLangCompat:
     dp: int = 1
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
     health_generation: bool = True  # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+    force_stream_interval: int = DEFAULT_FORCE_STREAM_INTERVAL  # SGLANG_FORCE_STREAM_INTERVAL
 
     @classmethod
     def from_env(cls, version: str, dp: int = 1, environ: Mapping[str, str] = os.environ) -> SGLangCompat:
@@ -76,6 +92,7 @@ class SGLangCompat:
             dp=dp,
             health_timeout_s=int(environ.get(HEALTH_TIMEOUT_ENV, DEFAULT_HEALTH_TIMEOUT_S)),
             health_generation=_env_bool(environ.get(HEALTH_GENERATION_ENV), True),
+            force_stream_interval=max(1, int(environ.get(FORCE_STREAM_INTERVAL_ENV, DEFAULT_FORCE_STREAM_INTERVAL))),
         )
 
     def since(self, release: str) -> bool:
@@ -101,17 +118,47 @@ class SGLangCompat:
         return self.since("0.5.6")  # PauseGenerationReqInput, ContinueGenerationReqInput
 
     @property
+    def length_before_eos(self) -> bool:
+        """The length limit checked before EOS and stop tokens (a last allowed
+        token that is EOS reports `length`): v0.5.16
+        `managers/schedule_batch.py:1476-1506` `update_finish_state`; from
+        0.5.23 EOS first (v0.5.23 `managers/schedule_batch.py:2007-2041`)."""
+        return not self.since("0.5.23")
+
+    @property
     def refused_flush_swaps_weights(self) -> bool:
         """True: a refused cache flush answers `success: false` with the new
         weights in place (0.5.23); False: the server dies."""
         return self.since("0.5.23")
 
-    def sampling_mask_refusal(self, top_k: int, greedy: bool) -> str | None:
-        """SGLang's abort message for a `return_sampling_mask` request it
-        refuses (greedy requests get top_k = 1 there), else None."""
-        if self.since("0.5.16") and top_k <= 0 and not greedy:
-            return "return_sampling_mask requires finite top_k"
-        return None
+    def sampling_mask_refusal(self, top_k: int | None, greedy: bool) -> str | None:
+        """SGLang's message refusing a `return_sampling_mask` request (HTTP
+        400, `realrl.api.sglang_api.sampling_mask_refusal`), else None."""
+        return sampling_mask_refusal(self.version, top_k, greedy, SAMPLING_MASK_MAX_TOKENS)
+
+    def queued_abort_output(self, response: GenerateResponse) -> GenerateResponse:
+        """The answer of a request aborted while in SGLang's waiting queue
+        (retracted by a pause, or by the scheduler when the KV cache runs
+        out), as the tokenizer manager builds it from what it was streamed
+        (v0.5.23 `managers/tokenizer_manager.py:3577-3640`
+        `_handle_abort_req`): a non-streamed request was streamed every
+        SGLANG_FORCE_STREAM_INTERVAL tokens (v0.5.23
+        `managers/scheduler_components/output_streamer.py:474-477`), so the
+        tokens and logprobs up to the last multiple of it; no
+        `output_token_sampling_logprobs`, `prompt_tokens` or
+        `cached_tokens`."""
+        meta = response.meta_info
+        kept = len(response.output_ids or []) // self.force_stream_interval * self.force_stream_interval
+        logprobs = None if meta.output_token_logprobs is None else meta.output_token_logprobs[:kept]
+        meta = dataclasses.replace(
+            meta,
+            output_token_logprobs=logprobs,
+            output_token_sampling_logprobs=None,
+            prompt_tokens=None,
+            cached_tokens=None,
+            completion_tokens=kept,
+        )
+        return GenerateResponse(output_ids=list(response.output_ids or [])[:kept], meta_info=meta)
 
     def reports_sampling_logprobs(self, asked: bool) -> bool:
         return asked and self.since("0.5.16")
