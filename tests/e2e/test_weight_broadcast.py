@@ -56,7 +56,9 @@ def test_two_servers_take_versions_over_the_wire_and_a_server_killed_mid_version
     epochs = re.findall(r"weight group realrl-wire-e(\d+): (\d+) servers", manager)
     assert epochs[0] == ("1", "2"), manager[-3000:]
     assert int(epochs[-1][0]) > 1 and epochs[-1][1] == "2", epochs  # both servers again, in a later group
-    assert "weight group realrl-wire-e1 failed" in manager  # that version reached the survivor from disk
+    # The group failed at the kill (the sender saw it, or the manager's wait for a member did first);
+    # that version reached the survivor from disk.
+    assert re.search(r"weight group realrl-wire-e1( failed|: \S+ did not get version)", manager), manager[-3000:]
     assert faults.fired("weights.bucket_received")
     assert "restarting it (restart 1" in trial.log("generation_server-0") + trial.log("generation_server-1")
     servers = [trial.log(f"generation_server-{i}.server") for i in range(2)]
