@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from realrl.base import trial_secret
-from realrl.impl.generation.client import ServerWeightsBroken
+from realrl.impl.generation.client import GenerationServerError, ServerWeightsBroken
 from realrl.impl.generation.vllm_client import VLLMClient
 from tests.impl.conftest import load_reference, save_perturbed
 from tests.impl.test_torch_server import PROMPTS, forward_logprobs, run, stop_at_token_k, wait_until
@@ -43,6 +43,16 @@ def get(url: str, path: str):
     return json.loads(text) if text else None
 
 
+def generated_tokens(url: str) -> int:
+    """Tokens the server has generated since it started (its /metrics)."""
+    request = urllib.request.Request(f"{url}/metrics", headers=trial_secret.http_headers())
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    return int(
+        float(next(line.split()[1] for line in lines if line.startswith("realrl_torch_server_generated_tokens ")))
+    )
+
+
 def server_load(url: str) -> int:
     return get(url, "/load")["server_load"]
 
@@ -56,7 +66,9 @@ def test_generation_bodies_versions_and_exact_aborts(start_server, tiny_llama_di
     """One prompt per request; the sampled token's logprob (processed: the
     unfiltered one without filters); one weight-version span per version;
     `stop_reason` names a stop token, not EOS; an abort ends the exact id
-    only (`generate-tokens-<id>`); a 404 for a model that is not served."""
+    only (`generate-tokens-<id>`); a 404 for a model that is not served; a
+    group (`generate_batch`, one request per prompt) whose one request fails
+    ends the others."""
     server = start_server(tiny_llama_dir, "--emulate-vllm", "0.33")
     url = server.url
     sample = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
@@ -72,9 +84,20 @@ def test_generation_bodies_versions_and_exact_aborts(start_server, tiny_llama_di
         aborted = await held["a/1"]
         assert not held["a/10"].done()  # exact ids, no prefixes
         await client.abort_request(url, abort_all=True)
-        return one, batch, stopped, aborted, await held["a/10"]
+        other = await held["a/10"]
+        # A group whose one request fails: the others end with it, on the server too. (The same id
+        # twice: whichever comes second is refused because the first is running, the exact moment.)
+        start = generated_tokens(url)
+        with pytest.raises(GenerationServerError, match="is already running"):
+            await client.generate_batch(url, [PROMPTS[0], PROMPTS[1]], LONG, rids=["dup", "dup"])
+        await asyncio.to_thread(wait_until, lambda: server_load(url) == 0, 120, "the group's other request ended")
+        assert generated_tokens(url) - start < LONG["max_new_tokens"]  # ended, not run to its end
+        with pytest.raises(GenerationServerError, match="'gone' is not loaded") as refused:
+            await client.generate(url, PROMPTS[0], sample, lora_path="gone")
+        return one, batch, stopped, aborted, other, refused.value
 
-    one, batch, stopped, aborted, other = run(with_vllm(go))
+    one, batch, stopped, aborted, other, refused = run(with_vllm(go))
+    assert refused.status == 400  # vLLM's 404 for the model, as the partial rollout's stale-adapter refusal
     assert len(one.output_ids) == 6 and one.finish_reason == "length" and one.output_versions == ["0"] * 6
     torch.testing.assert_close(
         torch.tensor(one.output_logprobs),
