@@ -290,7 +290,8 @@ def test_vllm_command_env_and_availability(monkeypatch):
     assert VLLMBackend().env(config) == {"VLLM_SERVER_DEV_MODE": "1"}
     config.lora = LoraConfig(rank=12)
     f = flags(VLLMBackend().command(config, "127.0.0.1", 31000)[7:])
-    assert (f["--enable-lora"], f["--max-loras"], f["--max-lora-rank"]) == (True, "2", "16")  # 12 -> 16
+    assert (f["--enable-lora"], f["--max-loras"], f["--max-cpu-loras"]) == (True, "2", "3")
+    assert f["--max-lora-rank"] == "16"  # 12 -> 16
     assert VLLMBackend().env(config)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")  # the launcher's devices for this worker
     assert VLLMBackend().command(config, "127.0.0.1", 31000)[1] == "CUDA_VISIBLE_DEVICES=5,6"

@@ -360,8 +360,10 @@ class VLLMBackend(GenerationBackend):
     - LoRA: `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true` (for
       `/v1/load_lora_adapter`, `entrypoints/serve/lora/api_router.py`),
       `--enable-lora --max-loras 2` (the serving version and the previous
-      one) `--max-lora-rank R`, R the smallest rank vLLM takes that holds
-      the adapters (v0.33 `config/lora.py:27`).
+      one) `--max-cpu-loras 3` (every adapter the client keeps registered
+      during a switch, v-2 to v, stays cached: the default is max_loras,
+      v0.33 `config/lora.py:121-122`) `--max-lora-rank R`, R the smallest
+      rank vLLM takes that holds the adapters (v0.33 `config/lora.py:27`).
     - The server starts at vLLM's own weight version; the generation server
       sets realrl's with `/update_weight_version` before it registers.
 
@@ -443,7 +445,7 @@ class VLLMBackend(GenerationBackend):
             cmd += ["--max-num-seqs", str(vc.max_num_seqs)]
         if config.lora.rank > 0:
             rank = vllm_max_lora_rank(config.lora.rank)
-            cmd += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(rank)]
+            cmd += ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", str(rank)]
         cmd += [str(a) for a in vc.extra_args]
         return cmd
 
