@@ -3,6 +3,16 @@
     python benchmarks/weight_publish.py [--quick] [--json PATH] [--servers N] [--repeats R]
                                         [--dtype float32|bfloat16] [--inflight K] [--models tiny,100m]
                                         [--lora-rank R]
+    python benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2,4 [--bucket-mb M] ...
+
+`--transport` compares the two ways a version reaches the servers
+(docs/design.md §8) instead: for each server count n and each transport, the
+trainer's stall (disk: `publish_weights`; broadcast: the snapshot), the time
+from step end to every server serving the version, until its directory is on
+disk, the bytes moved, and the generation pause of `--inflight` requests per
+server, against floors measured in the same run (one memory copy of the
+weights; safetensors written once + read n times). "ratio": broadcast / disk
+time to all servers at 2 servers (or the only count).
 
 Through the real components, for two models: the tiny kit's model (0.8M
 parameters; found or built first, by default under /tmp/kit when that exists)
@@ -411,6 +421,207 @@ def run_model(
             time.sleep(0.5)
 
 
+# ---- transports: disk vs broadcast (--transport) ---------------------------------------------
+
+
+def copy_floor(tensors: dict, repeats: int) -> float:
+    """One memory copy of the weights: every tensor into one preallocated flat
+    buffer (the least a snapshot can cost), median of `repeats`."""
+    from realrl.impl.weights.broadcast import Manifest
+
+    manifest = Manifest.of(tensors)
+    views = manifest.views(torch.empty(manifest.nbytes, dtype=torch.uint8))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for name, t in tensors.items():
+            views[name].copy_(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def disk_floor(tensors: dict, readers: int, scratch: str, repeats: int) -> float:
+    """The weights written once and read `readers` times (safetensors, one
+    process, sequential): the least the disk path can cost, median of `repeats`."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(scratch, "floor.safetensors")
+    plain = {k: v.contiguous() for k, v in tensors.items()}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        save_file(plain, path)
+        for _ in range(readers):
+            load_file(path)
+        times.append(time.perf_counter() - t0)
+        os.unlink(path)
+    return statistics.median(times)
+
+
+async def transport_version(kind: str, client, urls, model, weights_dir: str, version: int, sender) -> dict:
+    """One version, step end -> every server in `urls` serves it: the trainer's
+    stall, the time to all servers, and (broadcast) the time until its disk copy exists."""
+    from realrl.impl.weights.broadcast import published_tensors
+
+    t0 = time.perf_counter()
+    if kind == "disk":
+        path = await asyncio.to_thread(publish_weights, model, weights_dir, version)
+        t1 = time.perf_counter()
+        await asyncio.gather(*(client.update_weights_from_disk(u, path, version) for u in urls))
+        t2 = t3 = time.perf_counter()
+        moved = dir_bytes(path) * (1 + len(urls))
+    else:
+        sender.publish(version, published_tensors(model))
+        t1 = time.perf_counter()
+        answers = await asyncio.gather(*(client.await_weight_version(u, version, 300) for u in urls))
+        if not all(a.success for a in answers):
+            raise RuntimeError(f"broadcast of version {version} failed: {[a.message for a in answers]}")
+        t2 = time.perf_counter()
+        await asyncio.to_thread(sender.wait_idle, 300)  # its HF directory is written
+        t3 = time.perf_counter()
+        moved = sender.manifest.nbytes * len(urls) + dir_bytes(os.path.join(weights_dir, str(version)))
+    served = await asyncio.gather(*(client.weight_version(u) for u in urls))
+    if any(v != str(version) for v in served):
+        raise RuntimeError(f"servers report versions {served} after {kind} version {version}")
+    for name in os.listdir(weights_dir):  # the manager deletes older versions once all servers hold v
+        if name.isdigit() and int(name) < version:
+            shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
+    return {"stall_s": t1 - t0, "to_all_s": t2 - t0, "on_disk_s": t3 - t0, "bytes_moved": moved}
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+async def measure_transports(model, urls, counts, kinds, work, repeats, inflight, max_new, bucket_bytes) -> dict:
+    """For each server count n (the first n servers) and each transport: the
+    versions' stall, time to all servers, generation pause, bytes moved."""
+    from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
+
+    tensors = published_tensors(model)
+    scratch = os.path.join(work, "scratch-transports")
+    os.makedirs(scratch, exist_ok=True)
+    out: dict = {"copy_floor_s": copy_floor(tensors, max(3, repeats)), "rows": []}
+    store = StoreServer("127.0.0.1")
+    version = 1000
+    try:
+        async with GenerationClient(timeout_s=600) as client:
+            for u in urls:
+                await client.wait_healthy(u, timeout_s=300)
+            for n in counts:
+                members = urls[:n]
+                floor = disk_floor(tensors, n, scratch, max(3, repeats))
+                for kind in kinds:
+                    weights_dir = os.path.join(work, f"weights-{kind}-{n}")
+                    os.makedirs(weights_dir, exist_ok=True)
+                    sender = None
+                    if kind == "broadcast":
+                        spec = GroupSpec(f"bench-{n}", "127.0.0.1", store.port, 1 + n, "gloo", bucket_bytes, 300)
+                        for rank, u in enumerate(members, start=1):
+                            await client.join_weights_group(u, spec, rank)
+
+                        def to_disk(v, views, d=weights_dir):
+                            publish_weights(model, d, v, state_dict={k: t.clone() for k, t in views.items()})
+
+                        sender = Sender(spec, b"", Manifest.of(tensors), "127.0.0.1", after_send=to_disk)
+                    load = InflightLoad(client, members, inflight, model.config.vocab_size, max_new)
+                    rows = []
+                    for r in range(repeats + 1):  # the first: warm-up (first-call allocations), not counted
+                        version += 1
+                        nudge(model, version)
+                        if inflight:
+                            load.start()
+                            await asyncio.sleep(1.0)  # every request is decoding
+                        n_before = len(load.pauses)
+                        row = await transport_version(kind, client, members, model, weights_dir, version, sender)
+                        if inflight:
+                            deadline = time.monotonic() + 60
+                            while len(load.pauses) == n_before and time.monotonic() < deadline:
+                                await asyncio.sleep(0.01)
+                            await asyncio.sleep(0.5)  # the other aborted requests resume
+                            row["pauses_s"] = [p["pause_s"] for p in load.pauses[n_before:]]
+                            await load.stop()
+                        if r:
+                            rows.append(row)
+                    if sender is not None:
+                        sender.close()
+                        for u in members:
+                            await client.leave_weights_group(u)
+                    pauses = [p for row in rows for p in row.get("pauses_s", [])]
+                    med = lambda key: statistics.median(row[key] for row in rows)  # noqa: E731
+                    out["rows"].append(
+                        {
+                            "transport": kind,
+                            "servers": n,
+                            "stall_s": med("stall_s"),
+                            "to_all_s": med("to_all_s"),
+                            "on_disk_s": med("on_disk_s"),
+                            "bytes_moved": med("bytes_moved"),
+                            "pause_s_median": statistics.median(pauses) if pauses else None,
+                            "disk_floor_s": floor,
+                            "runs": rows,
+                        }
+                    )
+                    shutil.rmtree(weights_dir, ignore_errors=True)
+    finally:
+        store.close()
+    by = {(row["transport"], row["servers"]): row for row in out["rows"]}
+    ratios = {
+        n: by[("broadcast", n)]["to_all_s"] / by[("disk", n)]["to_all_s"]
+        for n in counts
+        if ("broadcast", n) in by and ("disk", n) in by
+    }
+    out["to_all_ratio_by_servers"] = ratios
+    if ratios:
+        out["ratio"] = ratios.get(2, next(iter(ratios.values())))
+    return out
+
+
+def run_transports(name: str, model, dtype: str, counts, kinds, repeats, inflight, max_new, bucket_mb) -> dict:
+    work = tempfile.mkdtemp(prefix=f"weight-transport-{name}-")
+    running: list = []
+    try:
+        model_dir = os.path.join(work, "model")
+        model.save_pretrained(model_dir)
+        running = start_servers(model_dir, max(counts), dtype, work)
+        result = asyncio.run(
+            measure_transports(
+                model, [u for _, u in running], counts, kinds, work, repeats, inflight, max_new, bucket_mb << 20
+            )
+        )
+        for proc, url in running:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        result.update(params=sum(p.numel() for p in model.parameters()), dtype=dtype, repeats=repeats)
+        return result
+    finally:
+        stop_servers(running)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def print_transport_table(results: dict, repeats: int) -> None:
+    print(f"\nweight transports: step end -> every server serves the version; median of {repeats}")
+    print(
+        f"{'model':<7}{'transport':<11}{'servers':>8}{'stall s':>9}{'copy floor':>11}{'to all s':>9}"
+        f"{'disk floor':>11}{'on disk s':>10}{'MB moved':>9}{'pause s':>9}"
+    )
+    for name, r in results.items():
+        for row in r["rows"]:
+            pause = f"{row['pause_s_median']:.3f}" if row["pause_s_median"] is not None else "-"
+            print(
+                f"{name:<7}{row['transport']:<11}{row['servers']:>8}{row['stall_s']:>9.3f}{r['copy_floor_s']:>11.3f}"
+                f"{row['to_all_s']:>9.3f}{row['disk_floor_s']:>11.3f}{row['on_disk_s']:>10.3f}"
+                f"{row['bytes_moved'] / 1e6:>9.0f}{pause:>9}"
+            )
+        ratios = ", ".join(f"{n} servers {x:.2f}" for n, x in r["to_all_ratio_by_servers"].items())
+        print(f"{name}: time to all servers, broadcast / disk: {ratios}")
+    print(
+        "stall = the trainer's time in publish (disk: the whole directory; broadcast: the snapshot); copy floor = one "
+        "memory copy of the weights; disk floor = safetensors written once + read once per server; on disk = until "
+        "the version's directory exists (broadcast: written after the broadcast); pause = abort -> first token"
+    )
+
+
 # ---- LoRA: the trainer's memory, and merge vs LoRA forward on the server --------------------------
 
 
@@ -587,7 +798,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 repeats (< 2 minutes on 2 cores)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--models", default="tiny,100m", help="comma-separated: tiny, 100m")
-    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--servers", default="1", help="servers; with --transport a list (e.g. 1,2,4)")
+    parser.add_argument(
+        "--transport", default="", help="disk,broadcast: compare the transports (docs/design.md §8) instead"
+    )
+    parser.add_argument("--bucket-mb", type=int, default=64, help="--transport broadcast: MiB per bucket")
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 2)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--inflight", type=int, default=4, help="requests generating per server (0: none)")
@@ -603,6 +818,23 @@ def main() -> None:
     torch.set_num_threads(1)  # the trainer's default (train.num_threads=1)
     dtype = _DTYPES[args.dtype]
     results = {}
+    if args.transport:
+        kinds = [k.strip() for k in args.transport.split(",") if k.strip()]
+        counts = [int(n) for n in args.servers.split(",")]
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            model = tiny_model(dtype, args.fileroot, overrides) if name == "tiny" else llama_100m(dtype)
+            max_new = 200 if name == "tiny" else 1024
+            results[name] = run_transports(
+                name, model, args.dtype, counts, kinds, repeats, args.inflight, max_new, args.bucket_mb
+            )
+        print_transport_table(results, repeats)
+        if args.json:
+            main_ratio = results["100m"]["ratio"] if "100m" in results else next(iter(results.values()))["ratio"]
+            with open(args.json, "w") as f:
+                json.dump({"ratio": main_ratio, **results}, f, indent=1)
+            print(f"wrote {args.json}")
+        return
+    args.servers = int(args.servers)
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         if name == "tiny":
             model = tiny_model(dtype, args.fileroot, overrides)

@@ -404,6 +404,20 @@ class ServerConfig:
 
 
 @dataclasses.dataclass
+class WeightsConfig:
+    """How each new weight version reaches the generation servers (docs/design.md §8)."""
+
+    transport: str = "disk"
+    """disk (an HF directory each server loads) | broadcast (buckets over a process group of the trainer
+    and the servers; each version is still written to disk, in the background, for servers that join
+    late or fall out of the group). broadcast needs torch servers and a full model (no LoRA)."""
+    backend: str = "auto"
+    """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
+    bucket_mb: int = 64
+    """broadcast: MiB per broadcast bucket."""
+
+
+@dataclasses.dataclass
 class JudgeModelConfig:
     """The judge's model."""
 
@@ -588,6 +602,7 @@ class AsyncPPOConfig:
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
     judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -989,6 +1004,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 0 (0 = a dead server fails the trial), got {s.max_restarts}",
     )
     _check(s.restart_window > 0, "server.restart_window", f"must be > 0 seconds, got {s.restart_window}")
+    validate_weights(cfg, alloc)
     ev = cfg.eval
     _check(ev.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0")
     _check(ev.batch_size >= 1, "eval.batch_size", f"must be >= 1, got {ev.batch_size}")
@@ -1007,6 +1023,26 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 1 (a plain line every N steps when the output is not a terminal), got {cfg.console.every_n_steps}",
     )
     return alloc
+
+
+def validate_weights(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
+    w = cfg.weights
+    _check(w.transport in ("disk", "broadcast"), "weights.transport", f"must be disk|broadcast, got {w.transport!r}")
+    _check(w.backend in ("auto", "gloo", "nccl"), "weights.backend", f"must be auto|gloo|nccl, got {w.backend!r}")
+    _check(w.bucket_mb >= 1, "weights.bucket_mb", f"must be >= 1 MiB, got {w.bucket_mb}")
+    _check(
+        w.backend != "nccl" or (cfg.train.device == "cuda" and cfg.server.torch.device == "cuda"),
+        "weights.backend",
+        "nccl needs train.device=cuda and server.torch.device=cuda",
+    )
+    if w.transport != "broadcast":
+        return
+    _check(
+        alloc.gen_backend == "torch",
+        "weights.transport",
+        f"broadcast needs torch generation servers (allocation_mode {cfg.allocation_mode!r}); use disk",
+    )
+    _check(cfg.model.lora.rank == 0, "weights.transport", "broadcast moves full weights; LoRA adapters go on disk")
 
 
 ALL_LINEAR = "all-linear"

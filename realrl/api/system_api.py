@@ -98,6 +98,16 @@ from realrl.api.cli_args import (  # noqa: E402
 
 
 @dataclasses.dataclass
+class WeightTransportConfig:
+    """How versions move (docs/design.md §8), as the launcher resolved `weights.*`."""
+
+    transport: str = "disk"  # disk | broadcast
+    backend: str = "gloo"  # broadcast: gloo | nccl (auto resolved)
+    bucket_bytes: int = 64 << 20
+    timeout_s: float = 120.0  # one collective; a peer slower than this fails the group
+
+
+@dataclasses.dataclass
 class GenerationServerConfig:
     backend: str = "torch"  # torch | sglang | vllm
     model_path: str = ""  # initial weights (version `weight_version`)
@@ -152,6 +162,7 @@ class GserverManagerConfig:
     lora: bool = False  # versions after 0 are LoRA adapters (loaded with /load_lora_adapter)
     server_api: str = "sglang"  # sglang | vllm: the servers' HTTP API (`server_api`)
     n_rollout_workers: int = 1  # /reset_rollout_worker refuses any other index
+    weights: WeightTransportConfig = dataclasses.field(default_factory=WeightTransportConfig)
 
 
 @dataclasses.dataclass
@@ -199,6 +210,7 @@ class ModelWorkerConfig:
     max_new_tokens: int = 16  # the generation budget (Dr. GRPO's constant length, DAPO's overlong buffer)
     ref_model_path: str = ""  # a frozen reference policy when ppo.kl_ctl > 0
     weights_dir: str = ""  # publish version v of the actor to <weights_dir>/<v>/
+    weights: WeightTransportConfig = dataclasses.field(default_factory=WeightTransportConfig)
     checkpoint_dir: str = ""  # recovery checkpoints
     max_buffered_trajectories: int = 100000
     # evaluation: the rollout's agent and environment on the test split, greedy,

@@ -149,6 +149,17 @@ def model_version(experiment_name: str, trial_name: str, role: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/model_version/{role}"
 
 
+def weights_group(experiment_name: str, trial_name: str, role: str) -> str:
+    """Value: the current weight broadcast epoch of `role` (JSON: the group's spec, set by the manager)."""
+    return f"{trial_root(experiment_name, trial_name)}/weights_group/{role}"
+
+
+def weights_sent(experiment_name: str, trial_name: str, role: str) -> str:
+    """Value: JSON {"group", "version", "ok"}: the newest version of `role` the trainer's sender
+    finished with, and whether every member of `group` received it (set before `model_version`)."""
+    return f"{trial_root(experiment_name, trial_name)}/weights_sent/{role}"
+
+
 def training_samples(experiment_name: str, trial_name: str) -> str:
     """Value: trajectories the trainer has consumed so far."""
     return f"{trial_root(experiment_name, trial_name)}/training_samples"

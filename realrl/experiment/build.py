@@ -20,6 +20,7 @@ from realrl.api.system_api import (
     MasterWorkerConfig,
     ModelWorkerConfig,
     RolloutWorkerConfig,
+    WeightTransportConfig,
     server_api,
 )
 from realrl.base.logging import getLogger
@@ -129,6 +130,14 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         wandb=cfg.stats.wandb,
     )
     train_threads = trainer_threads(cfg, alloc)
+    w = cfg.weights
+    on_cuda = cfg.train.device == "cuda" and cfg.server.torch.device == "cuda"
+    weights = WeightTransportConfig(
+        transport=w.transport,
+        backend=w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo"),
+        bucket_bytes=w.bucket_mb << 20,
+        timeout_s=cfg.server.weight_update_timeout,
+    )
     model_worker = ModelWorkerConfig(
         model_path=model_path,
         tokenizer_path=model_path,
@@ -147,6 +156,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         temperature=temperature,
         max_new_tokens=rollout.gconfig.max_new_tokens,
         weights_dir=paths.weights_dir,
+        weights=weights,
         checkpoint_dir=paths.checkpoint_dir,
         **evaluation_fields(cfg, model_path, test_path),
     )
@@ -178,6 +188,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         lora=cfg.model.lora.rank > 0,
         server_api=server_api(alloc.gen_backend, cfg.server.torch.emulate_vllm),
         n_rollout_workers=rollout.n_workers,
+        weights=weights,
     )
     per_worker_concurrency = -(-rollout.max_concurrent_rollouts // rollout.n_workers)
     max_prompt_len = cfg.dataset.max_prompt_len

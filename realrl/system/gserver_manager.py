@@ -72,7 +72,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -111,6 +111,9 @@ from realrl.system.router import NoServerUp, RequestRouter, Reservations
 from realrl.system.server_registry import Server, ServerRegistry
 from realrl.system.staleness import StalenessController
 from realrl.system.worker_base import IDLE, AsyncWorker, PollResult
+
+if TYPE_CHECKING:
+    from realrl.system.weight_broadcast import WeightEpochs
 
 STATS_LOG_INTERVAL_S = 5.0  # stats line (when something changed) and refusal summary
 STATS_LOG_IDLE_INTERVAL_S = 60.0  # stats line even when nothing changed
@@ -171,7 +174,8 @@ class GserverManager(AsyncWorker):
         # cleanup (which waits for running handlers) does not wait out their wait_s.
         self._closing = False
         self._last_refusal = ""
-        self._update_task: asyncio.Task | None = None
+        self._update_task: asyncio.Task | None = None  # a weight update, or a new broadcast epoch
+        self._epochs: WeightEpochs | None = None  # weights.transport=broadcast (docs/design.md §8)
         self._runner: web.AppRunner | None = None
         self._client: GenerationClient | None = None
         self._last_read = 0.0
@@ -225,6 +229,17 @@ class GserverManager(AsyncWorker):
             "%d generation servers healthy, weight versions %s: %s", len(self.server_urls), versions, self.server_urls
         )
         self.registry = ServerRegistry(self.router, self.server_urls, self.cfg.health_check_failures)
+        if self.cfg.weights.transport == "broadcast":
+            from realrl.system.weight_broadcast import WeightEpochs  # (torch: only in a broadcast run)
+
+            self._epochs = WeightEpochs(
+                self.cfg.weights,
+                self._client,
+                self.experiment_name,
+                self.trial_name,
+                network.bind_address(self.info.mode, self.info.bind_address),
+                network.advertise_address(self.info.mode, self.info.bind_address),
+            )
         self._health_task = asyncio.create_task(self._health_loop())
 
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._gate.middleware])
@@ -277,6 +292,8 @@ class GserverManager(AsyncWorker):
             await self._runner.cleanup()
         if self._client is not None:
             await self._client.close()
+        if self._epochs is not None:
+            self._epochs.close()
         if self.router is not None:
             self._log_stats(force=True)
 
@@ -319,6 +336,10 @@ class GserverManager(AsyncWorker):
                 )
             if self._update_task is None and self.controller.trainer_version > self.router.version:
                 self._update_task = asyncio.create_task(self._update_weights(self.controller.trainer_version))
+            elif self._update_task is None and self._epochs is not None:
+                up = list(self.router.up_urls)
+                if self._epochs.needs_rebuild(up) and not self._trial_ending():  # a version boundary
+                    self._update_task = asyncio.create_task(self._epochs.rebuild(up))
         await self._poll_servers(now)
         self._sync_admission_version()
         c = self.controller
@@ -377,8 +398,16 @@ class GserverManager(AsyncWorker):
         if not stale:  # e.g. no server up: a server that joins loads the current version itself
             return
         t0 = time.monotonic()
-        self.logger.info("updating %d servers to weight version %d from %s", len(stale), version, path)
-        results = await asyncio.gather(*(self._update_server(u, path, version) for u in stale), return_exceptions=True)
+        via_group = self._epochs is not None and await asyncio.to_thread(self._epochs.went_through_group, version)
+        self.logger.info(
+            "updating %d servers to weight version %d %s",
+            len(stale),
+            version,
+            "(broadcast)" if via_group else f"from {path}",
+        )
+        results = await asyncio.gather(
+            *(self._update_server(u, path, version, via_group) for u in stale), return_exceptions=True
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise WeightUpdateError(
@@ -416,13 +445,17 @@ class GserverManager(AsyncWorker):
                     version,
                 )
 
-    async def _update_server(self, url: str, path: str, version: int) -> int | None:
+    async def _update_server(self, url: str, path: str, version: int, via_group: bool = False) -> int | None:
         """Loads `version` on `url`; returns how many requests it aborted,
         None if the server left routing meanwhile.
         A failed load is retried: loading the same directory again is
         idempotent, and fixes SGLang 0.5.23's "weights updated, but the cache
         was not flushed" (`success: false` with the new weights serving and
         the old version reported; `realrl.impl.generation.backends`)."""
+        if via_group and self._epochs.is_member(url):  # it received the version through its group
+            if await self._epochs.await_version(url, version, self.cfg.weight_update_timeout):
+                self.router.set_loaded_version(url, version)
+                return 0
         attempts = 1 + max(0, self.cfg.weight_update_retries)
         last_error: Exception | None = None
         for attempt in range(1, attempts + 1):

@@ -449,6 +449,19 @@ class ModelWorker(Worker):
             self.server.register(name, getattr(self, f"_handle_{name}"), long_running=True)
         if self.dp_rank == 0:
             self._set_version(0)
+        self._broadcast = None  # weights.transport=broadcast: rank 0's sender (docs/design.md §8)
+        if self.dp_rank == 0 and config.weights.transport == "broadcast":
+            from realrl.system.weight_broadcast import BroadcastPublisher
+
+            self._broadcast = BroadcastPublisher(
+                config.weights,
+                self.actor.model,
+                self.save_dtype,
+                self._write_version,
+                self.experiment_name,
+                self.trial_name,
+                self.bind_host,
+            )
         self.logger.info(
             "actor with %.2fM parameters (%.3fM trainable%s) on %s; dp %d/%d",
             sum(p.numel() for p in actor.parameters()) / 1e6,
@@ -503,6 +516,10 @@ class ModelWorker(Worker):
 
     def _set_version(self, version: int) -> None:
         self.version = version
+        self._announce_version(version)
+
+    def _announce_version(self, version: int) -> None:
+        """`model_version/actor` = version: its directory is on disk (any thread)."""
         name_resolve.add(
             names.model_version(self.experiment_name, self.trial_name, ACTOR),
             str(version),
@@ -525,6 +542,8 @@ class ModelWorker(Worker):
         }
 
     def _exit_hook(self) -> None:
+        if getattr(self, "_broadcast", None) is not None:
+            self._broadcast.close()  # versions still queued reach the disk
         for closer in ("server", "dataset"):
             obj = getattr(self, closer, None)
             if obj is not None:
@@ -655,9 +674,15 @@ class ModelWorker(Worker):
             nudge_local_weights(self.actor.model)  # a test: this rank's weights drift from the others'
         return stats
 
-    def _publish(self, version: int, state_dict: dict | None) -> None:
+    def _publish(self, version: int, state_dict: dict | None, disk_only: bool = False) -> None:
         """Rank 0 writes weight version `version` (in the run's dtype) and
-        announces it; the other ranks only take the number."""
+        announces it; the other ranks only take the number. With a broadcast
+        epoch, rank 0 snapshots it for the group and the sender's thread
+        writes and announces it (`disk_only`: a resume's version, §8)."""
+        if self.dp_rank == 0 and not disk_only and self._broadcast is not None:
+            if self._broadcast.publish(version, state_dict, self._announce_version):
+                self.version = version
+                return
         if self.dp_rank == 0:
             publish_weights(
                 self.actor.model,
@@ -670,6 +695,17 @@ class ModelWorker(Worker):
             self._set_version(version)
         else:
             self.version = version
+
+    def _write_version(self, version: int, state_dict: dict) -> None:
+        """Version `version`'s directory from a snapshot (the broadcast sender's thread)."""
+        publish_weights(
+            self.actor.model,
+            self.cfg.weights_dir,
+            version,
+            state_dict=state_dict,
+            tokenizer_source=self._source,
+            dtype=self.save_dtype,
+        )
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict | None:
         """The full (unsharded, CPU) state dict under FSDP, of a LoRA model
@@ -788,5 +824,5 @@ class ModelWorker(Worker):
         self.dataset.restore(restored, seen)
         state_dict = self._full_state_dict(self.actor.model)
         self._expect_shards(state_dict)
-        self._publish(version, state_dict)
+        self._publish(version, state_dict, disk_only=True)  # then a new epoch (docs/design.md §8)
         return {"version": version, "restored": len(restored)}

@@ -83,12 +83,29 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("model.lora.target_modules=[]", "model.lora.target_modules"),
         ("model.lora.target_modules=[all-linear,q_proj]", "model.lora.target_modules"),
         ("model.lora.target_modules=['q proj']", "model.lora.target_modules"),
+        ("weights.transport=wire", "weights.transport"),
+        ("weights.backend=mpi", "weights.backend"),
+        ("weights.bucket_mb=0", "weights.bucket_mb"),
+        ("weights.backend=nccl", "weights.backend"),  # (on cpu)
     ],
 )
 def test_validate_names_the_key_first(tmp_path, override, key):
     with pytest.raises(ConfigError, match=f"^{key}: ") as e:
         validate(config(tmp_path, override))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["allocation_mode=sglang.d1p1m1+d1p1m1"], "broadcast needs torch generation servers"),
+        (["model.lora.rank=4"], "broadcast moves full weights; LoRA adapters go on disk"),
+    ],
+)
+def test_broadcast_weights_where_they_cannot_go_is_a_config_error(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=f"^weights.transport: {message}"):
+        validate(config(tmp_path, "weights.transport=broadcast", *overrides))
+    validate(config(tmp_path, "weights.transport=broadcast", "weights.bucket_mb=8"))
 
 
 def test_sglang_sampling_logprobs_need_a_top_k_it_can_bound(tmp_path):

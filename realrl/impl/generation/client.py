@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
@@ -55,9 +55,18 @@ from realrl.api.sglang_api import (
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
 )
+from realrl.api.weights_api import (
+    AwaitWeightVersionRequest,
+    JoinWeightsGroupRequest,
+    LeaveWeightsGroupRequest,
+    WeightsGroupResponse,
+)
 from realrl.base import trial_secret
 from realrl.base.http_body import BodyError, from_json, to_json
 from realrl.base.logging import getLogger
+
+if TYPE_CHECKING:  # (the client itself needs no torch)
+    from realrl.impl.weights.broadcast import GroupSpec
 
 logger = getLogger(__name__)
 
@@ -439,6 +448,44 @@ class GenerationClient:
             if old < max(older):
                 await self.unload_lora_adapter(url, lora_adapter_name(old), timeout_s)
         return switched.num_paused_requests
+
+    # ---- weight groups (docs/design.md §8, "Broadcast"; torch servers)
+
+    async def _group_call(self, url: str, route: str, body: Any, timeout_s: float | None) -> WeightsGroupResponse:
+        answer = await self._request("POST", url, route, to_json(body), timeout_s, ok_statuses=(400,))
+        try:
+            return from_json(WeightsGroupResponse, answer)
+        except BodyError:
+            return WeightsGroupResponse(success=False, message=str(answer))
+
+    async def join_weights_group(self, url: str, spec: GroupSpec, rank: int, timeout_s: float | None = None) -> None:
+        """Puts the server into group `spec` at `rank` (it starts joining; the
+        group forms once every rank joined); GenerationServerError if refused."""
+        request = JoinWeightsGroupRequest(
+            group_name=spec.name,
+            store_host=spec.store_host,
+            store_port=spec.store_port,
+            world_size=spec.world_size,
+            rank=rank,
+            backend=spec.backend,
+            bucket_bytes=spec.bucket_bytes,
+            timeout_s=spec.timeout_s,
+        )
+        answer = await self._group_call(url, "/join_weights_group", request, timeout_s)
+        if not answer.success:
+            raise GenerationServerError(400, f"joining weight group {spec.name} failed: {answer.message}", url)
+
+    async def leave_weights_group(
+        self, url: str, group_name: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        await self._group_call(url, "/leave_weights_group", LeaveWeightsGroupRequest(group_name), timeout_s)
+
+    async def await_weight_version(self, url: str, version: int, timeout_s: float) -> WeightsGroupResponse:
+        """The server's answer once it holds `version` (or newer) through its
+        group, or `success: false` (its membership failed or ended, or
+        `timeout_s` passed): then the caller loads the version from disk."""
+        request = AwaitWeightVersionRequest(weight_version=version, timeout_s=timeout_s)
+        return await self._group_call(url, "/await_weight_version", request, timeout_s + 10.0)
 
     async def prepare(self, url: str, version: int) -> None:
         """Readies a started server for routing at weight `version` (SGLang

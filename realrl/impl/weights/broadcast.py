@@ -52,7 +52,9 @@ import torch
 import torch.distributed as dist
 
 from realrl.base import faults
+from realrl.base.logging import getLogger
 
+logger = getLogger("weights.broadcast")
 ALIGN = 64  # bytes; a multiple of every dtype's size (and of a cache line)
 _DTYPES = {
     str(t).removeprefix("torch."): t
@@ -270,7 +272,13 @@ class GroupSpec:
     world_size: int  # 1 (the sender, rank 0) + every member's ranks
     backend: str = "gloo"  # gloo (CPU tensors) | nccl (CUDA tensors)
     bucket_bytes: int = 64 << 20
-    timeout_s: float = 60.0  # forming the group, and each collective
+    timeout_s: float = 60.0  # each collective: a peer slower than this fails the group
+    join_timeout_s: float = 3600.0  # forming the group: members wait here for the sender's first version
+
+    @property
+    def device(self) -> str:
+        """Where the flat buffers live: NCCL moves CUDA tensors, gloo CPU ones."""
+        return "cuda" if self.backend == "nccl" else "cpu"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -280,11 +288,13 @@ class GroupSpec:
         return GroupSpec(**{f.name: d[f.name] for f in dataclasses.fields(GroupSpec) if f.name in d})
 
 
-def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str) -> tuple[dist.ProcessGroup, SealedStore]:
+def open_group(
+    spec: GroupSpec, rank: int, key: bytes, bind_host: str, join_timeout_s: float | None = None
+) -> tuple[dist.ProcessGroup, SealedStore]:
     """This process's place (`rank`) in the group: its own process group over
     a sealed prefix of the epoch's store; blocks until every rank joined (at
-    most `timeout_s`). gloo listens on `bind_host` only."""
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    most `join_timeout_s`, by default the spec's). gloo listens on `bind_host` only."""
+    timeout = datetime.timedelta(seconds=spec.join_timeout_s if join_timeout_s is None else join_timeout_s)
     try:
         client = dist.TCPStore(spec.store_host, spec.store_port, None, False, timeout)
         store = SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
@@ -321,20 +331,32 @@ def _flat(nbytes: int, device: str) -> torch.Tensor:
 
 class Sender:
     """Rank 0 of one group: `publish` snapshots a version and returns; a
-    helper thread forms the group and broadcasts the newest snapshot."""
+    helper thread forms the group and broadcasts the newest snapshot, then
+    calls `after_send(version, tensors)` with it (views of its buffer, valid
+    until it returns: the disk copy of the version is written there). Once
+    the group failed, versions still go to `after_send`, not to the wire."""
 
-    def __init__(self, spec: GroupSpec, key: bytes, manifest: Manifest, bind_host: str, device: str = "cpu"):
+    def __init__(
+        self,
+        spec: GroupSpec,
+        key: bytes,
+        manifest: Manifest,
+        bind_host: str,
+        after_send: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+    ):
         self.spec, self.manifest = spec, manifest
-        self._key, self._bind_host, self._device = key, bind_host, device
-        self._buffers = [_flat(manifest.nbytes, device), _flat(manifest.nbytes, device)]
+        self._key, self._bind_host, self._device = key, bind_host, spec.device
+        self.after_send = after_send
+        self._buffers = [_flat(manifest.nbytes, spec.device), _flat(manifest.nbytes, spec.device)]
         self._views = [manifest.views(b) for b in self._buffers]
         self._cond = threading.Condition()
         self._pending: tuple[int, int] | None = None  # (buffer, version) snapshotted, not yet on the wire
-        self._sending: int | None = None  # the buffer on the wire
+        self._sending: int | None = None  # the buffer on the wire (or being written to disk)
         self._closing = False
         self.sent_version: int | None = None  # the newest version every member received
         self.skipped: list[int] = []  # versions replaced by a newer one before they went out
-        self.error: str | None = None
+        self.error: str | None = None  # why the group failed
+        self.after_send_error: str | None = None  # the last `after_send` failure
         self.seconds: dict[int, float] = {}  # version -> seconds on the wire
         self._thread = threading.Thread(target=self._run, name=f"weights-send-{spec.name}", daemon=True)
         self._thread.start()
@@ -344,12 +366,9 @@ class Sender:
         return self.error is not None
 
     @torch.no_grad()
-    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> bool:
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copies `tensors` (every name of the manifest) into the free buffer
-        and queues it for the wire; False when the group has failed (the
-        caller publishes on disk instead)."""
-        if self.failed:
-            return False
+        and queues it: the trainer's one copy; it never waits for the wire."""
         with self._cond:
             index = 1 if self._sending == 0 else 0
             if self._pending is not None and self._pending[0] == index:
@@ -357,13 +376,12 @@ class Sender:
                 self._pending = None  # the helper must not start on a buffer being overwritten
         views = self._views[index]
         for e in self.manifest.entries:
-            views[e.name].copy_(tensors[e.name])  # the trainer's one copy (a cast when published in another dtype)
+            views[e.name].copy_(tensors[e.name])  # (a cast when published in another dtype)
         if self._device != "cpu":
             torch.cuda.current_stream().synchronize()
         with self._cond:
             self._pending = (index, version)
             self._cond.notify_all()
-        return True
 
     def wait_sent(self, version: int, timeout_s: float) -> bool:
         """Whether `version` (or a newer one) is on every member within `timeout_s` (tests, benchmarks)."""
@@ -376,42 +394,78 @@ class Sender:
                 self._cond.wait(left)
         return not self.failed
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether everything published went out (or to `after_send`) within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._sending is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def close(self, timeout_s: float = 10.0) -> None:
-        """Tells the members the group is over (after what is pending went out) and stops."""
+        """Tells the members the group is over once what is pending went out
+        (waits at most `timeout_s` for that; 0: not at all)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        if timeout_s > 0:
+            self._thread.join(timeout_s)
+
+    def _fail(self, e: Exception) -> None:
+        with self._cond:
+            self.error = f"{type(e).__name__}: {e}"
+            self._cond.notify_all()
 
     def _run(self) -> None:
+        group = store = None
         try:
-            group, store = open_group(self.spec, 0, self._key, self._bind_host)
+            # The members joined before the epoch was announced: the sender waits for them only
+            # as long as for a collective (a member that died meanwhile must not hold versions back).
+            group, store = open_group(self.spec, 0, self._key, self._bind_host, self.spec.timeout_s)
             store.set("manifest", self.manifest.to_bytes())
-            n = 0
-            while True:
-                with self._cond:
-                    while self._pending is None and not self._closing:
-                        self._cond.wait()
-                    if self._pending is None:
-                        store.set(f"v/{n}", b"close")
-                        return
-                    index, version = self._pending
-                    self._pending, self._sending = None, index
-                t0 = time.monotonic()
-                store.set(f"v/{n}", str(version).encode())
-                flat = self._buffers[index]
-                for start, end in self.manifest.buckets(self.spec.bucket_bytes):
-                    _broadcast(group, flat[start:end], self.spec.timeout_s)
-                n += 1
-                with self._cond:
-                    self._sending = None
+        except Exception as e:
+            self._fail(e)
+        n = 0
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None:
+                    break
+                index, version = self._pending
+                self._pending, self._sending = None, index
+            t0 = time.monotonic()
+            if not self.failed:
+                try:
+                    store.set(f"v/{n}", str(version).encode())
+                    n += 1
+                    flat = self._buffers[index]
+                    for start, end in self.manifest.buckets(self.spec.bucket_bytes):
+                        _broadcast(group, flat[start:end], self.spec.timeout_s)
+                except Exception as e:  # a member died or timed out: the group is over
+                    self._fail(e)
+                    group = None  # its connections close: the other members fail now, not at their timeout
+            sent = not self.failed
+            if self.after_send is not None:
+                try:
+                    self.after_send(version, self._views[index])
+                except Exception as e:  # (the caller's; logged, and the next version is tried)
+                    self.after_send_error = f"version {version}: {type(e).__name__}: {e}"
+                    logger.exception("weight group %s: after sending version %d", self.spec.name, version)
+            with self._cond:
+                self._sending = None
+                if sent:
                     self.sent_version = version
                     self.seconds[version] = time.monotonic() - t0
-                    self._cond.notify_all()
-        except Exception as e:
-            with self._cond:
-                self.error = f"{type(e).__name__}: {e}"
                 self._cond.notify_all()
+        if store is not None and not self.failed:
+            try:
+                store.set(f"v/{n}", b"close")
+            except Exception:  # the store is gone: the members fail, as they would
+                pass
 
 
 # ---- the receiver ------------------------------------------------------------------------
@@ -434,10 +488,9 @@ class Receiver:
         check: Callable[[Manifest], None],
         on_version: Callable[[int, dict[str, torch.Tensor]], None],
         on_failure: Callable[[str], None] | None = None,
-        device: str = "cpu",
     ):
         self.spec, self.rank = spec, rank
-        self._key, self._bind_host, self._device = key, bind_host, device
+        self._key, self._bind_host, self._device = key, bind_host, spec.device
         self._check, self._on_version, self._on_failure = check, on_version, on_failure
         self._stop = threading.Event()
         self.received: list[int] = []  # versions put in place, in order

@@ -95,12 +95,12 @@ def test_members_get_the_newest_version_bit_exact_with_the_disk_path(
     # Three versions before the members have joined: only the newest goes out.
     for version in (1, 2, 3):
         train_a_little(trainer, version)
-        assert sender.publish(version, published_tensors(trainer))
+        sender.publish(version, published_tensors(trainer))
     procs = _members(spec, secret_file, kind, dtype, tmp_path)
     try:
         assert sender.wait_sent(3, 120), sender.error
         train_a_little(trainer, 4)
-        assert sender.publish(4, published_tensors(trainer))
+        sender.publish(4, published_tensors(trainer))
         assert sender.wait_sent(4, 120), sender.error
         sender.close()
         results = _finish(procs)
@@ -129,7 +129,14 @@ def test_a_member_killed_mid_version_fails_the_group_not_the_trainer(store, secr
     manifest = Manifest.of(published_tensors(trainer))
     spec = GroupSpec("realrl-t-e2", HOST, store.port, 3, bucket_bytes=4096, timeout_s=60)
     assert len(manifest.buckets(spec.bucket_bytes)) > 2
-    sender = Sender(spec, trial_secret.load_keys(secret_file).weights_group_key, manifest, HOST)
+    on_disk = []  # after_send: every version, sent or not (the model worker writes it to disk there)
+    sender = Sender(
+        spec,
+        trial_secret.load_keys(secret_file).weights_group_key,
+        manifest,
+        HOST,
+        after_send=lambda version, tensors: on_disk.append(version),
+    )
     # Member 2 dies after the first bucket of the second version it receives.
     faults = {
         "REALRL_FAULTS": (
@@ -140,13 +147,14 @@ def test_a_member_killed_mid_version_fails_the_group_not_the_trainer(store, secr
     os.makedirs(faults["REALRL_FAULTS_DIR"])
     procs = _members(spec, secret_file, "untied", "float32", tmp_path, env={2: faults})
     try:
-        assert sender.publish(1, published_tensors(trainer))
+        sender.publish(1, published_tensors(trainer))
         assert sender.wait_sent(1, 120), sender.error
         train_a_little(trainer, 2)
-        assert sender.publish(2, published_tensors(trainer))
+        sender.publish(2, published_tensors(trainer))
         assert not sender.wait_sent(2, 120)  # failed, well within the bound
         assert sender.failed and sender.sent_version == 1
-        assert not sender.publish(3, published_tensors(trainer))  # the trainer goes on (on disk)
+        sender.publish(3, published_tensors(trainer))  # the trainer goes on: versions go to disk only
+        assert sender.wait_idle(60) and on_disk == [1, 2, 3] and sender.sent_version == 1
         assert procs[1][0].wait(60) == -9
         rc, result = procs[0][0].wait(120), json.load(open(procs[0][1] + ".json"))
     finally:
@@ -168,7 +176,7 @@ def test_a_process_without_the_secret_cannot_join_or_read_the_group(store, secre
         spec, 1, other_key, HOST, check=lambda m: None, on_version=lambda v, t: None, on_failure=failures.append
     )
     sender = Sender(spec, key, manifest, HOST)
-    assert sender.publish(1, published_tensors(trainer))
+    sender.publish(1, published_tensors(trainer))
     assert not sender.wait_sent(1, 60)
     outsider.join(60)
     assert "not sealed by this trial" in sender.error
@@ -203,7 +211,7 @@ def test_a_tensor_list_that_does_not_fit_fails_the_member_only(store, secret_fil
     )
     sender = Sender(spec, key, manifest, HOST)
     assert done.wait(60) and "missing tensors" in member.error
-    assert sender.publish(1, published_tensors(trainer))
+    sender.publish(1, published_tensors(trainer))
     assert not sender.wait_sent(1, 60) and sender.failed  # the member left: the group ends
 
 

@@ -25,6 +25,7 @@ from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, 
 from realrl.impl.generation.torch_server.paged_engine import DEFAULT_BLOCK_SIZE, create_engine
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat
+from realrl.impl.generation.torch_server.weights_group import GroupMembership
 
 logger = getLogger("realrl.impl.generation.torch_server")
 
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         vllm=vllm,
         api_key=keys.http_api_key if keys is not None else None,
         weights_dir=args.weights_dir,
+        # Versions over the wire: its group's store sealed with the trial's key (docs/design.md §8).
+        weights_group=None
+        if args.frozen
+        else GroupMembership(engine, keys.weights_group_key if keys is not None else b"", args.host),
     )
     asyncio.run(serve(server, args.host, args.port))
 

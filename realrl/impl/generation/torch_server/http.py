@@ -19,9 +19,13 @@
   `{"new_version", "abort_all_requests"}` -> `{"success", "message",
   "new_version", "num_paused_requests"}` (here it also switches to the
   adapter loaded last); `/generate` takes `lora_path`, a loaded adapter's name.
+- Versions over the wire (docs/design.md §8, "Broadcast"; `weights_group.py`):
+  `POST /join_weights_group` (`realrl.api.weights_api`), `POST
+  /await_weight_version`, `POST /leave_weights_group` -> `{"success",
+  "message", "weight_version"}`.
 - `--frozen` (a judge model's server, realrl/impl/judge.py): every weight
   change (`/update_weights_from_disk`, `/update_weight_version`, the LoRA
-  routes) is answered 400 and counted in `rejections` as `frozen`.
+  routes, `/join_weights_group`) is answered 400 and counted in `rejections` as `frozen`.
 
 With `--secret-file` (the trial's secret, docs/design.md §14), every route
 but `/health` needs `Authorization: Bearer <the trial's HTTP key>` (401 and
@@ -72,6 +76,12 @@ from realrl.api.sglang_api import (
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
 )
+from realrl.api.weights_api import (
+    AwaitWeightVersionRequest,
+    JoinWeightsGroupRequest,
+    LeaveWeightsGroupRequest,
+    WeightsGroupResponse,
+)
 from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.base.logging import getLogger
@@ -79,6 +89,8 @@ from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.protocol import parse_generate_body
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat, VLLMRoutes
+from realrl.impl.generation.torch_server.weights_group import GroupMembership
+from realrl.impl.weights.broadcast import GroupSpec
 
 logger = getLogger(__name__)
 
@@ -110,6 +122,7 @@ class TorchGenerationServer:
         vllm: VLLMCompat | None = None,
         api_key: str | None = None,
         weights_dir: str = "",
+        weights_group: GroupMembership | None = None,
     ):
         self.engine = engine
         self.compat: SGLangCompat | None = engine.compat
@@ -128,6 +141,8 @@ class TorchGenerationServer:
         # directory (or the initial model): docs/design.md §14. None / "": no gate, any path.
         self.gate = BearerGate(api_key)
         self.weights_dir = weights_dir
+        # Versions over the wire (docs/design.md §8, "Broadcast"); None: disk only.
+        self.weights_group = weights_group
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.gate.middleware])
@@ -143,9 +158,12 @@ class TorchGenerationServer:
             "/load_lora_adapter": self.load_lora_adapter,
             "/unload_lora_adapter": self.unload_lora_adapter,
             "/update_weight_version": self.update_weight_version,
+            "/join_weights_group": self.join_weights_group,
         }
         for route, handler in weight_routes.items():
             r.add_post(route, self.refuse_frozen if frozen else handler)
+        r.add_post("/leave_weights_group", self.leave_weights_group)
+        r.add_post("/await_weight_version", self.await_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
@@ -284,6 +302,51 @@ class TorchGenerationServer:
                 },
             )
         return self._update_answer(result)
+
+    # ---- weight groups (docs/design.md §8, "Broadcast")
+
+    def _group_answer(self, success: bool, message: str = "") -> web.Response:
+        answer = WeightsGroupResponse(success, message, self.engine.weight_version)
+        return _json(answer, status=200 if success else 400)
+
+    async def join_weights_group(self, request: web.Request) -> web.Response:
+        try:
+            join = from_json(JoinWeightsGroupRequest, await self._read_json(request))
+            if self.weights_group is None:
+                raise BodyError("this server receives weights from disk only", reason="unsupported")
+            if join.backend not in ("gloo", "nccl") or join.rank >= join.world_size:
+                raise BodyError(f"backend {join.backend!r} or rank {join.rank} of {join.world_size}", reason="invalid")
+        except BodyError as e:
+            return self._reject(e)
+        spec = GroupSpec(
+            join.group_name,
+            join.store_host,
+            join.store_port,
+            join.world_size,
+            join.backend,
+            join.bucket_bytes,
+            join.timeout_s,
+        )
+        await asyncio.to_thread(self.weights_group.join, spec, join.rank)
+        return self._group_answer(True, f"joining {join.group_name} as rank {join.rank}")
+
+    async def leave_weights_group(self, request: web.Request) -> web.Response:
+        try:
+            leave = from_json(LeaveWeightsGroupRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        left = self.weights_group is not None and await asyncio.to_thread(self.weights_group.leave, leave.group_name)
+        return self._group_answer(True, "left" if left else "not a member")
+
+    async def await_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            wait = from_json(AwaitWeightVersionRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        if self.weights_group is None:
+            return self._group_answer(False, "this server receives weights from disk only")
+        ok, why = await self.weights_group.await_version(wait.weight_version, wait.timeout_s)
+        return self._group_answer(ok, why)
 
     def _update_answer(self, result: UpdateWeightsFromDiskResponse) -> web.Response:
         """HTTP 200 on success, else 400 (both backends); with `compat`,

@@ -1,0 +1,232 @@
+"""`weights.transport=broadcast` in the runtime (docs/design.md §8, "Broadcast"):
+the trainer's side (`BroadcastPublisher`, model worker rank 0) and the
+manager's (`WeightEpochs`). The transport itself: realrl/impl/weights/broadcast.py.
+
+The manager owns the epochs. At a version boundary (no update in flight),
+when the servers up differ from the current epoch's members or the epoch
+failed, it builds a new one: the up servers, each at its rank, are told to
+join (`/join_weights_group`), then the group's spec goes to the name service
+(`names.weights_group`). The trainer reads that key at each step end; on a
+new epoch it ends its old sender and starts one for the new group (its
+first version completes the rendezvous). Every version still becomes an HF
+directory: the sender's thread writes it from the snapshot once the
+broadcast is over (or failed) and only then sets `model_version/actor`, so
+the key keeps its meaning (the directory exists) and a server outside the
+group (joining late, restarted, or dropped from a failed epoch) loads it
+from disk as before. For a member the manager only waits until it holds
+the version (`/await_weight_version`); one that does not within
+`weight_update_timeout` (its group failed) loads it from disk instead, and
+the next boundary builds an epoch again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+from collections.abc import Callable
+
+import torch
+
+from realrl.api.system_api import WeightTransportConfig
+from realrl.base import name_resolve, names, trial_secret
+from realrl.base.logging import getLogger
+from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
+from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
+
+logger = getLogger("weight_broadcast")
+ROLE = "actor"
+
+
+def _group_key() -> bytes:
+    keys = trial_secret.current()
+    return keys.weights_group_key if keys is not None else b""  # security off: unsealed (§14, "Off")
+
+
+class BroadcastPublisher:
+    """Rank 0's publishing under `weights.transport=broadcast`. `publish`
+    returns False when no epoch exists yet (the caller writes the version to
+    disk itself, as on the disk path)."""
+
+    def __init__(
+        self,
+        cfg: WeightTransportConfig,
+        model: torch.nn.Module,
+        dtype: torch.dtype | None,
+        write_to_disk: Callable[[int, dict[str, torch.Tensor]], None],
+        experiment_name: str,
+        trial_name: str,
+        bind_host: str,
+    ):
+        self.cfg, self.model, self.dtype = cfg, model, dtype
+        self._write_to_disk = write_to_disk
+        self._key_name = names.weights_group(experiment_name, trial_name, ROLE)
+        self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
+        self._bind_host = bind_host
+        self.sender: Sender | None = None
+        self._announced = -1
+        self._announce_lock = threading.Lock()
+        self._announce: Callable[[int], None] | None = None
+
+    def _current_spec(self) -> GroupSpec | None:
+        try:
+            return GroupSpec.from_json(json.loads(name_resolve.get(self._key_name)))
+        except name_resolve.NameEntryNotFoundError:
+            return None
+
+    def publish(self, version: int, state_dict: dict | None, announce: Callable[[int], None]) -> bool:
+        """Snapshots `version` for the current epoch's group (one memory copy);
+        its disk copy and `announce(version)` follow on the sender's thread."""
+        spec = self._current_spec()
+        if spec is None:
+            return False
+        self._announce = announce
+        tensors = published_tensors(self.model, state_dict)
+        if self.sender is None or self.sender.spec.name != spec.name:
+            if self.sender is not None:
+                self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
+            logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
+            sender = Sender(spec, _group_key(), Manifest.of(tensors, self.dtype), self._bind_host)
+            sender.after_send = functools.partial(self._after_send, sender)
+            self.sender = sender
+        self.sender.publish(version, tensors)
+        return True
+
+    def _after_send(self, sender: Sender, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        ok = not sender.failed
+        if not ok:
+            logger.warning(
+                "weight group %s failed (%s): version %d goes by disk", sender.spec.name, sender.error, version
+            )
+        # Which versions went through which group: the manager waits for members only on those.
+        sent = {"group": sender.spec.name, "version": version, "ok": ok}
+        name_resolve.add(self._sent_name, json.dumps(sent), replace=True)
+        # save_pretrained refuses tensors that share one buffer: a copy each (on this thread, not the trainer's).
+        self._write_to_disk(version, {name: t.clone() for name, t in tensors.items()})
+        with self._announce_lock:  # two senders (an old epoch's, finishing) never move the key back
+            if version > self._announced:
+                self._announced = version
+                self._announce(version)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Waits for what is queued to reach the disk, then ends the group."""
+        if self.sender is not None:
+            self.sender.wait_idle(timeout_s)
+            self.sender.close(timeout_s=5.0)
+
+
+class WeightEpochs:
+    """The manager's side: the store every epoch's group meets at, the
+    current epoch and its members (url -> rank)."""
+
+    def __init__(
+        self,
+        cfg: WeightTransportConfig,
+        client: GenerationClient,
+        experiment_name: str,
+        trial_name: str,
+        bind_host: str,
+        advertise_host: str,
+    ):
+        self.cfg, self._client = cfg, client
+        self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
+        self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
+        self._store = StoreServer(bind_host)
+        self._advertise_host = advertise_host
+        self.epoch = 0
+        self.spec: GroupSpec | None = None
+        self.members: dict[str, int] = {}
+        self.failed = False  # a member did not get a version through the group: rebuild at the next boundary
+
+    def needs_rebuild(self, up_urls: list[str]) -> bool:
+        return bool(up_urls) and (self.failed or set(up_urls) != set(self.members))
+
+    async def rebuild(self, up_urls: list[str]) -> None:
+        """A new epoch of the servers `up_urls` (a version boundary: no update in flight)."""
+        old = self.spec
+        self.epoch += 1
+        spec = GroupSpec(
+            f"realrl-{self._trial}-e{self.epoch}",
+            self._advertise_host,
+            self._store.port,
+            1 + len(up_urls),
+            self.cfg.backend,
+            self.cfg.bucket_bytes,
+            self.cfg.timeout_s,
+        )
+        members = {url: rank for rank, url in enumerate(up_urls, start=1)}
+        results = await asyncio.gather(
+            *(self._client.join_weights_group(url, spec, rank, timeout_s=30) for url, rank in members.items()),
+            return_exceptions=True,
+        )
+        refused = [f"{url}: {r}" for url, r in zip(members, results) if isinstance(r, BaseException)]
+        self.spec, self.members, self.failed = spec, members, bool(refused)
+        if refused:  # a group short of a member never forms: its members load from disk; rebuilt next boundary
+            logger.warning("weight group %s: %d servers could not join: %s", spec.name, len(refused), refused)
+            for url in members:
+                await self._leave(url, spec.name)
+            self.members = {}
+            return
+        await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
+        logger.info(
+            "weight group %s: %d servers (%s)%s",
+            spec.name,
+            len(members),
+            ", ".join(members),
+            f"; {old.name} ends" if old is not None else "",
+        )
+
+    async def _leave(self, url: str, name: str) -> None:
+        try:
+            await self._client.leave_weights_group(url, name, timeout_s=10)
+        except (GenerationServerError, GenerationServerUnavailable):
+            pass
+
+    def is_member(self, url: str) -> bool:
+        return not self.failed and url in self.members
+
+    def went_through_group(self, version: int) -> bool:
+        """Whether the trainer sent `version` (or a newer one) through the
+        current epoch's group to every member (`names.weights_sent`): only
+        then are members asked for it; a failed send fails the epoch. A
+        version the trainer published before it saw this epoch came by disk."""
+        try:
+            sent = json.loads(name_resolve.get(self._sent_name))
+        except name_resolve.NameEntryNotFoundError:
+            return False
+        if self.spec is None or sent.get("group") != self.spec.name or int(sent.get("version", -1)) < version:
+            return False
+        if not sent.get("ok"):
+            if not self.failed:
+                logger.warning(
+                    "weight group %s failed at version %s: loading from disk", self.spec.name, sent["version"]
+                )
+            self.failed = True
+        return not self.failed
+
+    async def await_version(self, url: str, version: int, timeout_s: float) -> bool:
+        """Whether member `url` holds `version` through the group; False marks the epoch failed."""
+        try:
+            answer = await self._client.await_weight_version(url, version, timeout_s)
+        except (GenerationServerError, GenerationServerUnavailable) as e:
+            answer = None
+            why = str(e)
+        else:
+            why = answer.message
+        if answer is not None and answer.success:
+            return True
+        if not self.failed:
+            logger.warning(
+                "weight group %s: %s did not get version %d through it (%s); loading from disk, "
+                "a new group at the next version",
+                self.spec.name if self.spec else "?",
+                url,
+                version,
+                why,
+            )
+        self.failed = True
+        return False
+
+    def close(self) -> None:
+        self._store.close()
