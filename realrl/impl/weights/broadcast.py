@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
-import hmac
 import json
 import os
 import socket
@@ -50,6 +48,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from realrl.base import faults
 from realrl.base.logging import getLogger
@@ -177,37 +177,33 @@ def published_tensors(model: torch.nn.Module, state_dict: dict | None = None) ->
 
 
 class SealedStore(dist.Store):
-    """A store whose values are sealed under `key`: encrypted (an HMAC-SHA256
-    keystream under a fresh nonce) and authenticated (HMAC-SHA256 over the
-    group's name, the key's name, the nonce and the ciphertext). A value read
-    without a valid seal raises, so the rendezvous of a group fails rather
-    than connecting to an address an outsider wrote."""
+    """A store whose values are sealed under `key`: AES-256-GCM under a fresh
+    96-bit nonce, with the group's name and the value's name as associated
+    data (so a value can be neither read, forged, nor replayed under another
+    name or into another group). A value read without a valid seal raises, so
+    the rendezvous of a group fails rather than connecting to an address an
+    outsider wrote."""
+
+    NONCE_BYTES = 12
 
     def __init__(self, inner: dist.Store, key: bytes, scope: str):
         super().__init__()
-        self._inner, self._key, self._scope = inner, key, scope.encode()
+        self._inner, self._aead, self._scope = inner, AESGCM(key), scope.encode()
 
-    def _keystream(self, nonce: bytes, n: int) -> bytes:
-        blocks = (
-            hmac.new(self._key, b"ks" + nonce + i.to_bytes(8, "big"), hashlib.sha256).digest()
-            for i in range(-(-n // 32))
-        )
-        return b"".join(blocks)[:n]
-
-    def _tag(self, name: str, nonce: bytes, body: bytes) -> bytes:
-        msg = b"\0".join((self._scope, name.encode(), nonce, body))
-        return hmac.new(self._key, b"tag" + msg, hashlib.sha256).digest()
+    def _bound_to(self, name: str) -> bytes:
+        return self._scope + b"\0" + name.encode()
 
     def seal(self, name: str, value: bytes) -> bytes:
-        nonce = os.urandom(16)
-        body = bytes(a ^ b for a, b in zip(value, self._keystream(nonce, len(value))))
-        return nonce + body + self._tag(name, nonce, body)
+        nonce = os.urandom(self.NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, value, self._bound_to(name))
 
     def unseal(self, name: str, sealed: bytes) -> bytes:
-        nonce, body, tag = sealed[:16], sealed[16:-32], sealed[-32:]
-        if len(sealed) < 48 or not hmac.compare_digest(tag, self._tag(name, nonce, body)):
-            raise GroupError(f"weight group {self._scope.decode()}: store value {name!r} is not sealed by this trial")
-        return bytes(a ^ b for a, b in zip(body, self._keystream(nonce, len(body))))
+        try:
+            return self._aead.decrypt(sealed[: self.NONCE_BYTES], sealed[self.NONCE_BYTES :], self._bound_to(name))
+        except (InvalidTag, ValueError):
+            raise GroupError(
+                f"weight group {self._scope.decode()}: store value {name!r} is not sealed by this trial"
+            ) from None
 
     def set(self, key, value):
         self._inner.set(key, self.seal(key, value if isinstance(value, bytes) else str(value).encode()))
