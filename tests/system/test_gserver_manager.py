@@ -892,8 +892,14 @@ def test_a_vllm_server_whose_reload_fails_leaves_routing_until_a_reload_succeeds
 
     async def scenario(m: Manager):
         trial.set(names.model_version(EXP, trial.trial, "actor"), "1")
-        down = await server_state(m, lambda s: s["state"] == "down")
-        assert "reload_weights from" in down["reason"] and "half written" in down["reason"], down
+        # Out of routing, with its reason (the manager's log, below): counted as an event, since by
+        # the next poll the state may read `joining` again (it answers health checks; the load retries).
+        for _ in range(1200):
+            if (await m.get("/servers"))["events"].get("down", 0) >= 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"the server never left routing: {await m.get('/servers')}")
         with open(checkpoint, "wb") as f:
             f.write(whole)
         up = await server_state(m, lambda s: s["state"] == "up")
@@ -905,7 +911,7 @@ def test_a_vllm_server_whose_reload_fails_leaves_routing_until_a_reload_succeeds
         async with VLLMClient(timeout_s=60) as client:  # resumed: it serves version 2
             result = await client.generate(server.url, [5, 6, 7], {"max_new_tokens": 2, "ignore_eos": True})
         assert result.output_versions == ["2", "2"]
-        assert (await m.get("/servers"))["events"].get("down") == 1
+        assert (await m.get("/servers"))["events"].get("down", 0) >= 1
 
     try:
         trial, url = start_manager_trial(
@@ -914,7 +920,11 @@ def test_a_vllm_server_whose_reload_fails_leaves_routing_until_a_reload_succeeds
         run_with_manager(url, scenario)
         assert trial.complete() == 0
         log = open(trial.launcher.log_path("gserver_manager", 0)).read()
-        assert re.search(r"generation server 0 at \S+ is down \(weight version 1 was not loaded: .*half written", log)
+        assert re.search(
+            r"generation server 0 at \S+ is down \(weight version 1 was not loaded: "
+            r".*reload_weights from.*half written",
+            log,
+        )
     finally:
         if trial is not None:
             trial.close()
