@@ -684,14 +684,7 @@ class ModelWorker(Worker):
                 self.version = version
                 return
         if self.dp_rank == 0:
-            publish_weights(
-                self.actor.model,
-                self.cfg.weights_dir,
-                version,
-                state_dict=state_dict,
-                tokenizer_source=self._source,
-                dtype=self.save_dtype,
-            )
+            self._write_version(version, state_dict)
             self._set_version(version)
         else:
             self.version = version
