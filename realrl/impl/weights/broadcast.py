@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hmac
 import json
 import os
 import socket
@@ -188,7 +189,9 @@ class SealedStore(dist.Store):
 
     def __init__(self, inner: dist.Store, key: bytes, scope: str):
         super().__init__()
-        self._inner, self._aead, self._scope = inner, AESGCM(key), scope.encode()
+        # a 256-bit AES key from any key, as the stream seal derives its own
+        self._aead = AESGCM(hmac.digest(key, b"realrl/weights-group-store", "sha256"))
+        self._inner, self._scope = inner, scope.encode()
 
     def _bound_to(self, name: str) -> bytes:
         return self._scope + b"\0" + name.encode()
