@@ -11,7 +11,9 @@ Actions: `kill` (SIGKILL this process), `exit` (os._exit(1)), `hold:<s>`
 (sleep s seconds), `fail:<s>` (the point returns True, "fail now", on every
 hit during the s seconds after its first; what failing means is the
 caller's: the manager answers 503, say), `fail_once` (True on its first hit
-only: a retry then succeeds). `<action>;after=<other>` arms a
+only: a retry then succeeds), `gate` (blocks until the test opens it with
+`open_gate`: a trial held at an exact step for as long as the test's events
+take, however fast the machine). `<action>;after=<other>` arms a
 point only once point `<other>` has fired, so a test orders its faults.
 Each point fires once per trial,
 whatever restarts happen: its first hit creates `<dir>/<name>` atomically
@@ -68,6 +70,22 @@ def fired(name: str) -> bool:
     return bool(directory) and os.path.exists(os.path.join(directory, name))
 
 
+def is_armed(name: str) -> bool:
+    """Is point `name` armed? (A caller on an event loop hops to a thread only then.)"""
+    return name in armed() and bool(os.environ.get(FAULTS_DIR_ENV))
+
+
+GATE_OPEN = ".open"  # `<dir>/<name>.open`: the test opened gate `<name>`
+GATE_POLL_S = 0.05
+_GATED = -1.0  # `_fire`'s "hold until the gate opens"
+
+
+def open_gate(directory: str, name: str) -> None:
+    """Lets gate point `name` (armed with `gate`, markers in `directory`) go on."""
+    with open(os.path.join(directory, name + GATE_OPEN), "w"):
+        pass
+
+
 def point(name: str) -> bool:
     """Fault point `name`: acts if armed and not yet fired in this trial.
     Returns True only for a `fail:<s>` point within its s seconds."""
@@ -77,13 +95,18 @@ def point(name: str) -> bool:
         return False
     with _firing:  # (a kill happens inside: the process dies holding it)
         failing, hold_s = _fire(name, action, directory)
-    if hold_s:
+    if hold_s == _GATED:
+        opened = os.path.join(directory, name + GATE_OPEN)
+        while not os.path.exists(opened):
+            time.sleep(GATE_POLL_S)
+        logger.warning("fault point %s: gate opened", name)
+    elif hold_s:
         time.sleep(hold_s)
     return failing
 
 
 def _fire(name: str, action: str, directory: str) -> tuple[bool, float]:
-    """`point`'s decision under `_firing`: (fail now, seconds to hold)."""
+    """`point`'s decision under `_firing`: (fail now, seconds to hold or _GATED)."""
     action, _, condition = action.partition(";")
     if condition:
         key, _, other = condition.partition("=")
@@ -112,6 +135,8 @@ def _fire(name: str, action: str, directory: str) -> tuple[bool, float]:
         os._exit(1)
     elif kind == "hold":
         return False, float(arg)
+    elif kind == "gate":
+        return False, _GATED
     else:
         raise ValueError(f"{FAULTS_ENV}: unknown action {action!r} for {name}")
     return False, 0.0

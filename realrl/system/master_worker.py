@@ -48,7 +48,7 @@ import aiohttp
 from realrl.api.agent_api import FULL_CREDIT
 from realrl.api.manager_api import RejectedRolloutsReply, RolloutStats, SuccessReply
 from realrl.api.system_api import MasterWorkerConfig
-from realrl.base import name_resolve, names, trial_secret
+from realrl.base import faults, name_resolve, names, trial_secret
 from realrl.base.console import STEP_LOGGER
 from realrl.base.datapack import partition_balanced
 from realrl.base.http_body import from_json, to_json
@@ -210,6 +210,9 @@ class MasterWorker(AsyncWorker):
         if self.step >= self.cfg.total_train_steps:
             await self._finish()
             return PollResult()
+        gate = f"master_worker.step_{self.step + 1}"
+        if faults.is_armed(gate):  # a test holds the trial before this step (its `gate`)
+            await asyncio.to_thread(faults.point, gate)
         await self._train_step()
         return PollResult(batch_count=1)
 

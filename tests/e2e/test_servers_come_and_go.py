@@ -10,7 +10,10 @@
 - a server added mid-run with `python -m realrl add-server` serves requests
   within one weight version, and ends with the trial.
 
-The measured times (kill -> back in routing) are printed (`pytest -s`)."""
+Each trial is held at a step by a `gate` fault point (realrl/base/faults.py)
+until the test's events are done, so it is short and still running for them
+however fast the steps are. The measured times (kill -> back in routing) are
+printed (`pytest -s`)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 
 import psutil
 
+from realrl.base import faults
 from tests.e2e.test_faults import REPO, Trial
 
 EXP = "async-ppo-tiny"
@@ -35,6 +39,16 @@ def gone(pid: int) -> bool:
         return True
 
 
+def gate_step(monkeypatch, tmp_path, step: int) -> tuple[str, str]:
+    """Arms a gate before training step `step` (the launcher passes the environment to
+    every worker); returns (markers directory, gate name) for `faults.open_gate`."""
+    marks, gate = tmp_path / "faults", f"master_worker.step_{step}"
+    marks.mkdir()
+    monkeypatch.setenv(faults.FAULTS_ENV, f"{gate}=gate")
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(marks))
+    return str(marks), gate
+
+
 def check_trained_and_accounted(summary: dict, steps: int, eta: int) -> None:
     assert summary["steps"] == steps and summary["final_version"] == steps
     assert summary["max_staleness_trained"] <= eta
@@ -42,13 +56,16 @@ def check_trained_and_accounted(summary: dict, steps: int, eta: int) -> None:
     assert t["produced"] == t["consumed"] + t["dropped"] + t["buffered"], t
 
 
-def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path, kit_cache):
-    steps, eta = 300, 2  # long enough for the three kills and rejoins below, however fast the steps are
+def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path, kit_cache, monkeypatch):
+    # 40 steps learn (the default run's floor, benchmarks/learning_floors.json), judged on the whole
+    # held-out split; the trial holds before its last step until the three kills and rejoins are done.
+    steps, eta = 40, 2
+    marks, gate = gate_step(monkeypatch, tmp_path, steps)
     trial = Trial(
         tmp_path,
         kit_cache,
         "chaos",
-        "eval.max_prompts=32",
+        "eval.max_prompts=0",
         "allocation_mode=torch.d2p1m1+d1p1m1",
         f"total_train_steps={steps}",
         f"rollout.max_head_offpolicyness={eta}",
@@ -97,6 +114,7 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
         rollout.kill()
         trial.wait_for_log("rollout_worker-0", r"took over from a failed rollout worker 0", mark)
         timings["rollout worker: kill -> taken over"] = time.monotonic() - t0
+        faults.open_gate(marks, gate)
         code = trial.wait(timeout=900)
     finally:
         trial.kill()
@@ -123,8 +141,10 @@ def test_killed_server_and_server_worker_rejoin_and_training_completes(tmp_path,
         assert "exited with code 0" in trial.log(tag), tag
 
 
-def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cache):
-    steps, eta = 300, 2  # still running well after the new server joined, however fast the steps are
+def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cache, monkeypatch):
+    # Held before step 20 until the new server is in routing: 10 steps after it for its requests.
+    steps, eta = 30, 2
+    marks, gate = gate_step(monkeypatch, tmp_path, 20)
     trial = Trial(
         tmp_path,
         kit_cache,
@@ -149,6 +169,7 @@ def test_server_added_mid_run_serves_within_one_weight_version(tmp_path, kit_cac
         assert added.returncode == 0, added.stdout + added.stderr
         print(f"\nadd-server: in routing {time.monotonic() - t0:.1f}s after the command started")
         assert re.search(r"generation_server 1 at \S+ is in routing at weight version \d+", added.stdout), added.stdout
+        faults.open_gate(marks, gate)
         code = trial.wait(timeout=900)
         # The added worker ends with the trial, by itself.
         deadline = time.monotonic() + 60

@@ -264,6 +264,27 @@ def test_fault_points_fire_once_per_trial_across_processes(tmp_path, monkeypatch
         faults.point("x")
 
 
+def test_a_gate_holds_its_process_until_the_test_opens_it(tmp_path):
+    """`gate`: the first process to reach the point waits there (its marker says
+    it arrived) until `open_gate`; a later hit passes (the point fired)."""
+    env = {**os.environ, faults.FAULTS_ENV: "g=gate", faults.FAULTS_DIR_ENV: str(tmp_path)}
+    held = subprocess.Popen([sys.executable, "-c", _FAULT_CHILD, "g"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "g").exists():
+            assert held.poll() is None and time.monotonic() < deadline  # a hang guard
+            time.sleep(0.02)
+        assert held.poll() is None  # arrived, and waits
+        assert subprocess.run([sys.executable, "-c", _FAULT_CHILD, "g"], env=env, timeout=60).returncode == 0
+        assert held.poll() is None
+        faults.open_gate(str(tmp_path), "g")
+        out, _ = held.communicate(timeout=60)
+        assert held.returncode == 0 and out.strip() == "False"
+    finally:
+        held.kill()
+        held.wait()
+
+
 _KILL_RACE_CHILD = """
 import logging, threading
 from realrl.base import faults
