@@ -15,7 +15,7 @@ import sys
 import time
 
 from realrl.cli import main as realrl_main
-from tests.e2e.test_faults import REPO, WORKERS, Trial
+from tests.e2e.test_faults import REPO, WORKERS, Trial, check_stopped_by_a_killed_worker
 
 HANG_PLUGIN = os.path.join(REPO, "tests", "e2e", "hang_plugin.py")
 
@@ -54,6 +54,8 @@ def table(text: str) -> dict[str, list[str]]:
 
 
 def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache):
+    """Also test_faults' killed worker for the rollout worker: its death stops the trial, the
+    rest exit by themselves. (A rollout worker is started again by default: test_recovery.py.)"""
     trial = Trial(tmp_path, kit_cache, "status", "rollout.max_restarts=0")  # its death must end the trial here
     tags = [f"{w}/0" for w in WORKERS]
     try:
@@ -94,9 +96,10 @@ def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache
             print("status right after the kill:\n" + text)
         else:  # the launcher already stopped everything: the view after the end (below) says it
             assert "has ended" in text, text
-        assert trial.wait() == 1
+        code = trial.wait()
     finally:
         trial.kill()
+    check_stopped_by_a_killed_worker(trial, workers, "rollout_worker-0", code)
 
     # Ended: says so, exit code 1, with how each worker ended.
     shown = status(tmp_path, "status")
@@ -111,7 +114,9 @@ def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache
 
 
 def test_a_worker_that_blocks_forever_trips_the_watchdog(tmp_path, kit_cache):
-    timeout = 20
+    # Above the longest stage before the hang (the 16-prompt initial evaluation: ~0.1 s), not more:
+    # the test waits out the whole timeout.
+    timeout = 10
     trial = Trial(
         tmp_path,
         kit_cache,
