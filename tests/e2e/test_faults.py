@@ -125,17 +125,9 @@ class Trial:
         psutil.wait_procs(descendants, timeout=10)
 
 
-@pytest.mark.parametrize("victim", ["model_worker-0", "gserver_manager-0", "rollout_worker-0"])
-def test_a_killed_worker_stops_the_trial_and_the_rest_exit_by_themselves(tmp_path, kit_cache, victim):
-    # (a rollout worker is started again by default: tests/e2e/test_recovery.py; here it may not be)
-    trial = Trial(tmp_path, kit_cache, "kill", "rollout.max_restarts=0")
-    try:
-        trial.wait_for_step(2)
-        workers = trial.workers()
-        workers[victim].kill()
-        code = trial.wait()
-    finally:
-        trial.kill()
+def check_stopped_by_a_killed_worker(trial: Trial, workers: dict, victim: str, code: int) -> None:
+    """The trial whose worker `victim` was SIGKILLed stopped with exit code 1, said so on a
+    line of its own with the worker's log tail, and every other worker exited by itself."""
     out = trial.console()
     kind = victim.rsplit("-", 1)[0]
     assert code == 1, out[-3000:]
@@ -146,6 +138,21 @@ def test_a_killed_worker_stops_the_trial_and_the_rest_exit_by_themselves(tmp_pat
     # The master notices the abort while it waits on an RPC to a dead worker.
     others = [t for t in workers if t != victim]
     assert trial.exited_by_themselves(others) == others, out[-3000:]
+
+
+# (rollout_worker-0: tests/e2e/test_status_watchdog.py's status trial kills it and checks the same,
+# with `realrl status` before and after; one trial fewer.)
+@pytest.mark.parametrize("victim", ["model_worker-0", "gserver_manager-0"])
+def test_a_killed_worker_stops_the_trial_and_the_rest_exit_by_themselves(tmp_path, kit_cache, victim):
+    trial = Trial(tmp_path, kit_cache, "kill", "rollout.max_restarts=0")
+    try:
+        trial.wait_for_step(2)
+        workers = trial.workers()
+        workers[victim].kill()
+        code = trial.wait()
+    finally:
+        trial.kill()
+    check_stopped_by_a_killed_worker(trial, workers, victim, code)
 
 
 def test_second_launch_of_a_running_trial_exits_2_and_sigterm_stops_the_first(tmp_path, kit_cache):
