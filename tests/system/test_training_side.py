@@ -284,9 +284,11 @@ def run_trial(
     return summary, weights_dir, train_stats, launcher.log_dir
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_two_model_workers_train_in_lockstep(tmp_path, tiny_model_dir, algorithm):
-    run_trial(tmp_path, tiny_model_dir, algorithm)
+def test_two_model_workers_train_in_lockstep_with_a_critic(tmp_path, tiny_model_dir):
+    """ppo (a critic) with stale and schema-breaking trajectories among the pushed ones. (grpo on
+    two plain ranks: test_a_step_takes_its_batch_from_all_ranks_together; the stale and invalid
+    drops do not depend on the algorithm.)"""
+    run_trial(tmp_path, tiny_model_dir, "ppo")
 
 
 def test_bf16_fsdp_ranks_train_a_float32_master_and_publish_bf16(tmp_path, tiny_model_dir):
@@ -318,15 +320,13 @@ def test_a_step_takes_its_batch_from_all_ranks_together(tmp_path, tiny_model_dir
     assert all(s["batch/rank_tokens_max_over_mean"] <= 1.5 for s in train_stats)  # balanced by tokens
 
 
-def test_out_of_vocabulary_token_ids_are_dropped_as_invalid(tmp_path, tiny_model_dir):
-    """Every 4th trajectory is well-formed but holds a token id outside the
-    vocabulary (== vocab size, or -1): fed to the model it would raise
-    IndexError in the embedding and kill the trainer. The pullers reject
-    them as invalid, the master counts them as dropped_invalid (neither
-    stale nor schema-breaking ones in this trial, so all of dropped_invalid
-    is theirs) and the run completes."""
-    vocab = tiny_model_dir[1]
-    summary, _, _, log_dir = run_trial(tmp_path, tiny_model_dir, "grpo", stale_every=0, invalid_every=0, oov_every=4)
+def check_out_of_vocabulary_ids_dropped(summary: dict, log_dir: str, vocab: int) -> None:
+    """A trial whose every 4th pushed trajectory is well-formed but holds a token id
+    outside the vocabulary (== vocab size, or -1): fed to the model it would raise
+    IndexError in the embedding and kill the trainer. The pullers reject them as
+    invalid, the master counts them as dropped_invalid (neither stale nor
+    schema-breaking ones in the trial, so all of dropped_invalid is theirs) and
+    the run completes."""
     t = summary["trajectories"]
     # However the 12 trained ones split over the two pushers, the pushers had pushed at least 2 bad
     # ones before them (a pusher's pushes reach its puller in order).
@@ -352,14 +352,19 @@ def test_an_fsdp_rank_whose_weights_drift_is_reported(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
-def test_lora_ranks_without_fsdp_start_and_stay_identical(tmp_path, tiny_model_dir):
+def test_lora_ranks_without_fsdp_stay_identical_and_out_of_vocabulary_ids_are_dropped(tmp_path, tiny_model_dir):
     """Two data-parallel ranks (no FSDP) training LoRA adapters: each rank
     initialises its own adapters, so they must be drawn from the same seed
     on every rank or the ranks train different models for ever (run_trial
     asserts `dp_weights_identical`, full checksums compared across ranks)."""
     lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
-    summary, _, _, _ = run_trial(tmp_path, tiny_model_dir, "grpo", lora=lora, stale_every=0)
+    # The same trial's pushers send out-of-vocabulary token ids (one trial for both: each trial
+    # costs the start of three processes).
+    summary, _, _, log_dir = run_trial(
+        tmp_path, tiny_model_dir, "grpo", lora=lora, stale_every=0, invalid_every=0, oov_every=4
+    )
     assert summary["dp_weights_identical"] is True
+    check_out_of_vocabulary_ids_dropped(summary, log_dir, tiny_model_dir[1])
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
