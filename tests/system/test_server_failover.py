@@ -15,12 +15,10 @@ import threading
 import time
 import urllib.request
 
-import pytest
 from aiohttp import web
 
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.base import names, trial_secret
-from tests.system.test_generation_server import SERVER_MODES
 from tests.system.test_partial_rollout import (  # noqa: F401  (tiny_kit: a fixture)
     EXP,
     HealthOnlyServer,
@@ -120,15 +118,18 @@ def manager_servers(url: str) -> dict:
         return {s["url"]: s for s in json.loads(resp.read())["servers"]}
 
 
-@pytest.mark.parametrize("mode", SERVER_MODES)
-def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, etcd_server, tiny_kit, mode):
+# The failover tests run the live server as the torch server only: what they prove is the
+# manager's and the client's (the same code whatever the live server is); the live server
+# emulating SGLang serves, is routed to and takes weights in test_gserver_manager's
+# test_routing_and_weight_updates_across_two_servers[sglang] and test_partial_rollout's [sglang] tests.
+def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, etcd_server, tiny_kit):
     """No retry at all is allowed, and one of two groups is first routed to a
     server that is gone: each of its answers is resubmitted to the live one,
     because the manager, probing the server the client names, reports it out
     of routing."""
     fake = HealthOnlyServer()
     # No periodic health check during the test: only the clients' reports take the server out.
-    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, mode, health_check_interval=3600)
+    t = two_server_trial(tmp_path, etcd_server, tiny_kit, fake.url, "torch", health_check_interval=3600)
     try:
         fake.stop()
         stats, scheduled = two_groups(t, "dead")
@@ -142,8 +143,7 @@ def test_a_dead_server_cannot_use_up_the_retries_while_another_is_up(tmp_path, e
         t.close()
 
 
-@pytest.mark.parametrize("mode", SERVER_MODES)
-def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etcd_server, tiny_kit, mode):
+def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etcd_server, tiny_kit):
     """A server that hangs (its connections stay open) fails its health
     checks: the manager takes it out of routing and the requests waiting on it
     are resubmitted at once, long before request_timeout."""
@@ -153,7 +153,7 @@ def test_requests_on_a_server_that_stops_answering_move_to_another(tmp_path, etc
         etcd_server,
         tiny_kit,
         fake.url,
-        mode,
+        "torch",
         health_check_interval=0.5,
         health_check_timeout=0.5,
         health_check_failures=2,
