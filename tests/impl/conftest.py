@@ -135,13 +135,15 @@ class ServerProcess:
 
 @pytest.fixture
 def start_server(tmp_path):
-    """Factory: start_server(model_dir, *extra_args) -> ServerProcess (healthy)."""
+    """Factory: start_server(model_dir, *extra_args) -> ServerProcess (healthy; with
+    wait=False started only: several servers start side by side, then `wait_healthy` each)."""
     servers: list[ServerProcess] = []
 
-    def start(model_dir: str, *extra_args: str) -> ServerProcess:
+    def start(model_dir: str, *extra_args: str, wait: bool = True) -> ServerProcess:
         server = ServerProcess(model_dir, str(tmp_path / f"server{len(servers)}.log"), extra_args)
         servers.append(server)
-        server.wait_healthy()
+        if wait:
+            server.wait_healthy()
         return server
 
     yield start

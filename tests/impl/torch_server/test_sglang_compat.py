@@ -199,7 +199,11 @@ def test_sampling_logprobs_and_finish_order_as_each_release_reports_them(start_s
     no_top_k = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.8, "ignore_eos": True}
     greedy = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 0.8, "ignore_eos": True}
     big_top_k = dict(nucleus, top_k=5000)
-    servers = {v: start_server(tiny_llama_dir, "--emulate-sglang", v) for v in ("0.5.16", "0.5.23", "0.5.15")}
+    servers = {
+        v: start_server(tiny_llama_dir, "--emulate-sglang", v, wait=False) for v in ("0.5.16", "0.5.23", "0.5.15")
+    }
+    for server in servers.values():  # (started side by side: each start is mostly one core's imports)
+        server.wait_healthy()
 
     async def go(url, client):
         calls = (nucleus, plain, no_top_k, greedy, big_top_k)
