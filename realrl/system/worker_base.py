@@ -35,7 +35,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -529,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run the imported module's main, not this __main__ copy, so worker classes
     # and the entry point share one `realrl.system.worker_base`.
+    from realrl.base.process import exit_process
     from realrl.system.worker_base import main as _main
 
-    sys.exit(_main())
+    exit_process(_main())  # (its status recorded, its keys deleted: no module teardown to wait for)

@@ -120,6 +120,14 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"torch server not healthy after {timeout_s}s:\n{self.log()}")
 
+    def terminate(self) -> None:
+        """SIGTERM only (`kill` then waits): several servers stop side by side."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -147,6 +155,8 @@ def start_server(tmp_path):
         return server
 
     yield start
+    for server in servers:
+        server.terminate()
     for server in servers:
         server.kill()
 

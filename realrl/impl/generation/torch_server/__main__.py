@@ -19,6 +19,7 @@ import transformers
 
 from realrl.base import trial_secret
 from realrl.base.logging import configure, getLogger
+from realrl.base.process import exit_process
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
 from realrl.impl.generation.torch_server.model import DTYPES, eos_token_ids_of, load_model, resolve_dtype
@@ -165,3 +166,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Stopped: every request answered, the engine's loop ended. The worker and the trial wait for
+    # this process to go, not for the interpreter to tear torch down.
+    exit_process(0)
