@@ -1,7 +1,6 @@
 """`python -m realrl <command>`: see realrl/cli/__init__.py."""
 
-import sys
-
+from realrl.base.process import exit_process
 from realrl.cli import main
 
-sys.exit(main())
+exit_process(main())  # as sys.exit, without waiting for the interpreter to tear torch down

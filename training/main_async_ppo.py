@@ -8,7 +8,9 @@ file to start your own entry: it needs only the installed `realrl` package.
 
 import sys
 
+from realrl.base.process import exit_process
 from realrl.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], prog="python training/main_async_ppo.py"))
+    # (exit_process: as sys.exit, without waiting for the interpreter to tear torch down)
+    exit_process(main(sys.argv[1:], prog="python training/main_async_ppo.py"))
