@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from realrl.api.cli_args import LoraConfig, PPOConfig
+from realrl.base.process import exit_process
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel
@@ -274,3 +275,4 @@ def main(spec_path: str, rank: int, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    exit_process(0)  # the test waits for both ranks: not through the interpreter's teardown of torch
