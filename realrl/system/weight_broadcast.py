@@ -128,8 +128,10 @@ class WeightEpochs:
         trial_name: str,
         bind_host: str,
         advertise_host: str,
+        join_timeout_s: float,
     ):
         self.cfg, self._client = cfg, client
+        self.join_timeout_s = join_timeout_s
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._store = StoreServer(bind_host)
@@ -154,6 +156,7 @@ class WeightEpochs:
             self.cfg.backend,
             self.cfg.bucket_bytes,
             self.cfg.timeout_s,
+            self.join_timeout_s,
         )
         members = {url: rank for rank, url in enumerate(up_urls, start=1)}
         results = await asyncio.gather(

@@ -470,6 +470,7 @@ class GenerationClient:
             backend=spec.backend,
             bucket_bytes=spec.bucket_bytes,
             timeout_s=spec.timeout_s,
+            join_timeout_s=spec.join_timeout_s,
         )
         answer = await self._group_call(url, "/join_weights_group", request, timeout_s)
         if not answer.success:

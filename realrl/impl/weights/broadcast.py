@@ -271,8 +271,10 @@ class GroupSpec:
     world_size: int  # 1 (the sender, rank 0) + every member's ranks
     backend: str = "gloo"  # gloo (CPU tensors) | nccl (CUDA tensors)
     bucket_bytes: int = 64 << 20
-    timeout_s: float = 60.0  # each collective: a peer slower than this fails the group
-    join_timeout_s: float = 3600.0  # forming the group: members wait here for the sender's first version
+    timeout_s: float = 60.0  # each collective, and the rendezvous: a peer slower than this fails the group
+    # A member waits this long for the sender to announce itself (its first version of the
+    # epoch); then its membership fails (it loads from disk). The manager sets it (§8).
+    join_timeout_s: float = 600.0
 
     @property
     def device(self) -> str:
@@ -287,16 +289,27 @@ class GroupSpec:
         return GroupSpec(**{f.name: d[f.name] for f in dataclasses.fields(GroupSpec) if f.name in d})
 
 
-def open_group(
-    spec: GroupSpec, rank: int, key: bytes, bind_host: str, join_timeout_s: float | None = None
-) -> tuple[dist.ProcessGroup, SealedStore]:
-    """This process's place (`rank`) in the group: its own process group over
-    a sealed prefix of the epoch's store; blocks until every rank joined (at
-    most `join_timeout_s`, by default the spec's). gloo listens on `bind_host` only."""
-    timeout = datetime.timedelta(seconds=spec.join_timeout_s if join_timeout_s is None else join_timeout_s)
+def connect_store(spec: GroupSpec, key: bytes) -> SealedStore:
+    """The group's sealed prefix of the epoch's store (GroupError if unreachable)."""
     try:
-        client = dist.TCPStore(spec.store_host, spec.store_port, None, False, timeout)
-        store = SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
+        client = dist.TCPStore(
+            spec.store_host, spec.store_port, None, False, datetime.timedelta(seconds=spec.timeout_s)
+        )
+    except Exception as e:
+        raise GroupError(f"weight group {spec.name}: its store is unreachable: {e}") from e
+    return SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
+
+
+def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: SealedStore | None = None):
+    """This process's place (`rank`) in the group: its own process group over
+    a sealed prefix of the epoch's store (`store`, when already connected);
+    blocks until every rank joined, at most the spec's `timeout_s` (a member
+    enters only once the sender announced itself: `Receiver`). gloo listens
+    on `bind_host` only."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        if store is None:
+            store = connect_store(spec, key)
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -308,7 +321,7 @@ def open_group(
             group = dist.ProcessGroupGloo(store, rank, spec.world_size, options)
     except GroupError:
         raise
-    except Exception as e:  # the store unreachable, a rank that never came, a forged address
+    except Exception as e:  # a rank that never came, a forged address
         raise GroupError(f"weight group {spec.name}: rank {rank} cannot join: {e}") from e
     return group, store
 
@@ -421,9 +434,12 @@ class Sender:
     def _run(self) -> None:
         group = store = None
         try:
-            # The members joined before the epoch was announced: the sender waits for them only
-            # as long as for a collective (a member that died meanwhile must not hold versions back).
-            group, store = open_group(self.spec, 0, self._key, self._bind_host, self.spec.timeout_s)
+            # The members wait for this key before they enter the rendezvous, so the rendezvous
+            # takes at most a collective's timeout for everyone (a member that died meanwhile
+            # must not hold versions back, and one whose sender never comes gives up: `Receiver`).
+            store = connect_store(self.spec, self._key)
+            store.set("sender", b"here")
+            group, store = open_group(self.spec, 0, self._key, self._bind_host, store)
             store.set("manifest", self.manifest.to_bytes())
         except Exception as e:
             self._fail(e)
@@ -444,6 +460,7 @@ class Sender:
                     flat = self._buffers[index]
                     for start, end in self.manifest.buckets(self.spec.bucket_bytes):
                         _broadcast(group, flat[start:end], self.spec.timeout_s)
+                        faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                 except Exception as e:  # a member died or timed out: the group is over
                     self._fail(e)
                     group = None  # its connections close: the other members fail now, not at their timeout
@@ -507,19 +524,28 @@ class Receiver:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
-    def _wait_key(self, store: SealedStore, key: str) -> bytes | None:
+    def _wait_key(self, store: SealedStore, key: str, timeout_s: float | None = None) -> bytes | None:
         """The value of `key` once the sender set it; None when told to stop.
         A store `check` per poll, not a blocking `wait`: a wait that times out
-        logs a warning in c10d each time."""
+        logs a warning in c10d each time (and cannot be told to stop); the
+        store's owner gone fails the check. GroupError after `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._stop.is_set():
             if store.check([key]):
                 return store.get(key)
+            if deadline is not None and time.monotonic() > deadline:
+                raise GroupError(f"weight group {self.spec.name}: no sender within {timeout_s:g} s")
             self._stop.wait(_POLL_S)
         return None
 
     def _run(self) -> None:
         try:
-            group, store = open_group(self.spec, self.rank, self._key, self._bind_host)
+            # Until the sender comes the wait is a poll that `stop` ends and the spec's
+            # `join_timeout_s` bounds (a rendezvous in c10d could be neither).
+            store = connect_store(self.spec, self._key)
+            if self._wait_key(store, "sender", self.spec.join_timeout_s) is None:
+                return
+            group, store = open_group(self.spec, self.rank, self._key, self._bind_host, store)
             data = self._wait_key(store, "manifest")
             if data is None:
                 return

@@ -326,6 +326,7 @@ class TorchGenerationServer:
             join.backend,
             join.bucket_bytes,
             join.timeout_s,
+            join.join_timeout_s,
         )
         await asyncio.to_thread(self.weights_group.join, spec, join.rank)
         return self._group_answer(True, f"joining {join.group_name} as rank {join.rank}")
