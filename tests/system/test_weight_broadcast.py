@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 
 import torch
 
 from realrl.api.system_api import WeightTransportConfig
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.impl.generation.torch_server.weights import read_weights_dir
 from realrl.impl.weights.broadcast import GroupSpec, Receiver, StoreServer, published_tensors
 from realrl.system.model_worker import publish_weights
@@ -60,3 +61,89 @@ def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announc
     on_disk = read_weights_dir(os.path.join(weights_dir, "3"))
     for name, t in published_tensors(model).items():
         assert torch.equal(on_disk[name], t), name
+
+
+def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp_path, etcd_server):
+    """`weights.transport=broadcast` with SGLang servers (two real torch servers
+    emulating SGLang 0.5.23, real manager and server workers; this process is
+    the trainer): the manager builds an epoch of both, joins them through
+    SGLang's `/init_weights_update_group` once the sender is there, and takes
+    each through every version with SGLang's routes; their version switches
+    once the whole version is in place and they then answer as the trainer's
+    weights do, the same as each other."""
+    import asyncio
+
+    import aiohttp
+
+    from realrl.api.system_api import GserverManagerConfig
+    from realrl.impl.generation import make_client
+    from realrl.launcher.local import WorkerGroup
+    from tests.impl.weights.test_torch_server_group import forward_logprobs
+    from tests.system.test_generation_server import EXP, build_tiny_model, server_config
+    from tests.system.trial_thread import TrialThread, wait_until
+
+    _, model = build_tiny_model(seed=1)
+    model_dir = publish_weights(model, str(tmp_path / "model"), 0)
+    weights_dir = str(tmp_path / "weights")
+    wire = WeightTransportConfig(
+        transport="broadcast", bucket_bytes=16384, timeout_s=60, protocol="sglang"
+    )  # several calls per version
+    manager_cfg = GserverManagerConfig(
+        n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
+    )
+    servers = server_config(model_dir, "sglang")
+    servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
+    groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
+    trial.start_training()
+    publisher = BroadcastPublisher(
+        wire,
+        model,
+        None,
+        lambda v, state: publish_weights(model, weights_dir, v, state_dict=state),
+        EXP,
+        trial.trial,
+        HOST,
+    )
+    announce = lambda v: trial.set(names.model_version(EXP, trial.trial, "actor"), str(v))  # noqa: E731
+    probe = [5, 6, 7, 8, 9]
+
+    async def manager_version(session, url) -> int:
+        async with session.get(url + "/get_model_version") as resp:
+            return (await resp.json())["version"]
+
+    async def scenario(manager_url: str):
+        urls = [trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+            for version in (1, 2, 3):
+                train_a_little(model, version)
+                if not publisher.publish(version, None, announce):  # no epoch yet: the disk path
+                    publish_weights(model, weights_dir, version)
+                    announce(version)
+                for _ in range(1200):
+                    if await manager_version(session, manager_url) == version:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await manager_version(session, manager_url) == version
+        async with make_client("sglang", timeout_s=60) as client:
+            held = [await client.weight_version(u) for u in urls]
+            outs = [await client.generate(u, probe, {"max_new_tokens": 8, "temperature": 0.0}) for u in urls]
+        return held, outs
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+        held, outs = asyncio.run(scenario(manager_url))
+        publisher.close()
+        assert trial.complete() == 0
+    finally:
+        publisher.close(timeout_s=1)
+        trial.close()
+    assert held == ["3", "3"]
+    assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
+    expected = forward_logprobs(model, probe, outs[0].output_ids)
+    torch.testing.assert_close(torch.tensor(outs[0].output_logprobs), expected, atol=1e-4, rtol=0)
+    log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+    assert re.search(r"weight group realrl-\S+-e1: 2 servers .*SGLang's routes", log), log[-3000:]
+    assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
+    assert "all servers hold weight version 3" in log

@@ -58,12 +58,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from realrl.api.sglang_api import (
     AbortRequest,
+    BeginWeightUpdateRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     FinishReason,
+    InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterRequest,
     Loads,
     LoRAUpdateResponse,
@@ -73,8 +78,10 @@ from realrl.api.sglang_api import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
+    WeightsUpdateResponse,
 )
 from realrl.api.weights_api import (
     AwaitWeightVersionRequest,
@@ -88,6 +95,7 @@ from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.protocol import parse_generate_body
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
+from realrl.impl.generation.torch_server.sglang_distributed import SESSION_REQUIRED, DistributedWeightUpdates
 from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat, VLLMRoutes
 from realrl.impl.generation.torch_server.weights_group import GroupMembership
 from realrl.impl.weights.broadcast import GroupSpec
@@ -162,6 +170,17 @@ class TorchGenerationServer:
         }
         for route, handler in weight_routes.items():
             r.add_post(route, self.refuse_frozen if frozen else handler)
+        if compat is not None:  # SGLang's distributed weight update (sglang_distributed)
+            self.distributed = DistributedWeightUpdates(session_required=compat.since("0.5.23"), device=self.device)
+            for route, handler in {
+                "/init_weights_update_group": self.init_weights_update_group,
+                "/update_weights_from_distributed": self.update_weights_from_distributed,
+            }.items():
+                r.add_post(route, self.refuse_frozen if frozen else handler)
+            r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+            if compat.since("0.5.23"):
+                r.add_post("/begin_weight_update", self.begin_weight_update)
+                r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/leave_weights_group", self.leave_weights_group)
         r.add_post("/await_weight_version", self.await_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
@@ -302,6 +321,104 @@ class TorchGenerationServer:
                 },
             )
         return self._update_answer(result)
+
+    # ---- SGLang's distributed weight update (emulated: sglang_distributed)
+
+    def _sglang_answer(self, success: bool, message: str) -> web.Response:
+        return _json(WeightsUpdateResponse(success, message), status=200 if success else 400)
+
+    def _sglang_dp_refusal(self) -> web.Response | None:
+        """SGLang asserts one data-parallel rank for a distributed update (v0.5.23
+        `managers/tokenizer_control_mixin.py`; an assertion in the handler: 500)."""
+        if self.compat.dp == 1:
+            return None
+        return web.Response(status=500, text="Internal Server Error")
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            init = from_json(InitWeightsUpdateGroupRequest, await self._read_json(request))
+            if init.backend not in ("gloo", "nccl") or init.rank_offset >= init.world_size:
+                raise BodyError(
+                    f"backend {init.backend!r} or rank_offset {init.rank_offset} of {init.world_size}", reason="invalid"
+                )
+        except BodyError as e:
+            return self._reject(e)
+        if (refusal := self._sglang_dp_refusal()) is not None:
+            return refusal
+        return self._sglang_answer(*await asyncio.to_thread(self.distributed.init_group, init))
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            destroy = from_json(DestroyWeightsUpdateGroupRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        return self._sglang_answer(*await asyncio.to_thread(self.distributed.destroy_group, destroy.group_name))
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            from_json(BeginWeightUpdateRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        return self._sglang_answer(*self.distributed.begin())
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            from_json(EndWeightUpdateRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        return self._sglang_answer(*self.distributed.end())
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            update = from_json(UpdateWeightsFromDistributedRequest, await self._read_json(request))
+            parts = update.names, update.dtypes, update.shapes
+            if len({len(p) for p in parts}) != 1:
+                raise BodyError("names, dtypes and shapes differ in length", reason="invalid")
+            for name, dtype, shape in zip(*parts):
+                if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                    raise BodyError(f"{name}: no such dtype {dtype!r}", reason="invalid")
+                if any(d < 0 for d in shape):
+                    raise BodyError(f"{name}: a negative dimension in {shape}", reason="invalid")
+            if update.load_format not in (None, "flattened_bucket"):
+                raise BodyError(f"load_format {update.load_format!r}: flattened_bucket or none", reason="unsupported")
+        except BodyError as e:
+            return self._reject(e)
+        if (refusal := self._sglang_dp_refusal()) is not None:
+            return refusal
+        if self.distributed.session_required and not self.distributed.session_open:
+            return self._sglang_answer(False, SESSION_REQUIRED)
+        if update.abort_all_requests:
+            await self._call("abort", {"abort_all": True})
+        async with self._lock():
+            try:
+                tensors = await asyncio.to_thread(self.distributed.receive, update)
+            except Exception as e:
+                logger.error("Failed to receive weights: %s", e)
+                return self._sglang_answer(False, f"Failed to receive weights: {e}")
+            try:
+                self.engine.check_weights(tensors, complete=False)
+            except Exception as e:  # SGLang's load_weights fails on a tensor the model does not have
+                self.engine.stats["weight_update_failures"] += 1
+                return self._sglang_answer(
+                    False,
+                    f"Failed to update parameter online: {e}. The full weights of the ModelRunner are partially "
+                    "updated. Please discard the whole weights.",
+                )
+            result = await self._call(
+                "update",
+                {
+                    "tensors": tensors,
+                    "weight_version": update.weight_version,
+                    "abort_all_requests": False,
+                    "model_path": f"weight group {update.group_name}",
+                },
+            )
+        if not result.success:
+            return self._sglang_answer(False, result.message)
+        message = "Succeeded to update parameter online."
+        if update.weight_version is not None:
+            message += f" Weight version updated to {update.weight_version}."
+        return self._sglang_answer(True, message)
 
     # ---- weight groups (docs/design.md §8, "Broadcast")
 
