@@ -1040,8 +1040,8 @@ def validate_weights(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
     if w.transport != "broadcast":
         return
     # vLLM 0.32/0.33 have weight-transfer routes (`entrypoints/rl/online/api_router.py`:
-    # /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update);
-    # realrl does not drive them yet.
+    # /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update),
+    # over NCCL or CUDA IPC engines only; realrl does not drive them yet (docs/design.md §8).
     _check(
         alloc.gen_backend != "vllm" and not (alloc.gen_backend == "torch" and cfg.server.torch.emulate_vllm),
         "weights.transport",

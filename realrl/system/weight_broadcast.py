@@ -375,19 +375,22 @@ class SGLangDriver:
 
     async def _version(self, url: str, version: int, buckets: list) -> None:
         client, timeout = self._client, self.spec.timeout_s + 30
+        session = False
         try:
             await client.pause_generation(url, mode="abort")
             try:
                 if await self._has_sessions(url):
                     await client.begin_weight_update(url, timeout_s=timeout)
+                    session = True
                 for i, entries in enumerate(buckets):
                     last = i == len(buckets) - 1
                     await client.update_weights_from_distributed(
                         url, self.spec.name, entries, str(version) if last else None, timeout_s=timeout
                     )
-                if await self._has_sessions(url):
-                    await client.end_weight_update(url, timeout_s=timeout)
             finally:
+                if session:  # also after a failure: a session left open refuses the next epoch's begin
+                    session = False
+                    await client.end_weight_update(url, timeout_s=timeout)
                 await client.continue_generation(url)
         except (GenerationServerError, GenerationServerUnavailable) as e:
             self._lose(url, f"version {version}: {e}")

@@ -63,15 +63,25 @@ def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announc
         assert torch.equal(on_disk[name], t), name
 
 
-def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp_path, etcd_server):
+def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp_path, etcd_server, monkeypatch):
     """`weights.transport=broadcast` with SGLang servers (two real torch servers
     emulating SGLang 0.5.23, real manager and server workers; this process is
     the trainer): the manager builds an epoch of both, joins them through
     SGLang's `/init_weights_update_group` once the sender is there, and takes
     each through every version with SGLang's routes; their version switches
     once the whole version is in place and they then answer as the trainer's
-    weights do, the same as each other."""
+    weights do, the same as each other. A server killed in the middle of a
+    version's buckets (a fault point) fails that epoch: the version reaches
+    both servers from disk (the killed one restarted by its worker), and a
+    new epoch of both carries the next versions."""
     import asyncio
+
+    from realrl.base import faults
+
+    monkeypatch.setenv(faults.FAULTS_ENV, "weights.bucket_received=kill;after=test.kill_server")
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir()
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
 
     import aiohttp
 
@@ -112,10 +122,22 @@ def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp
         async with session.get(url + "/get_model_version") as resp:
             return (await resp.json())["version"]
 
+    async def wait_for_epoch_of_both() -> None:
+        """A later epoch than the first, of both servers."""
+        for _ in range(2400):
+            spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
+            if spec and not json.loads(spec)["name"].endswith("-e1") and json.loads(spec)["world_size"] == 3:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("no epoch of both servers after the first")
+
     async def scenario(manager_url: str):
-        urls = [trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
-            for version in (1, 2, 3):
+            for version in (1, 2, 3, 4, 5):
+                if version == 3:
+                    (fault_dir / "test.kill_server").touch()  # a server dies in version 3's buckets
+                if version == 4:  # the next version once the killed server is back in a new epoch of both
+                    await wait_for_epoch_of_both()
                 train_a_little(model, version)
                 if not publisher.publish(version, None, announce):  # no epoch yet: the disk path
                     publish_weights(model, weights_dir, version)
@@ -125,6 +147,7 @@ def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp
                         break
                     await asyncio.sleep(0.05)
                 assert await manager_version(session, manager_url) == version
+        urls = [trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]  # (one restarted)
         async with make_client("sglang", timeout_s=60) as client:
             held = [await client.weight_version(u) for u in urls]
             outs = [await client.generate(u, probe, {"max_new_tokens": 8, "temperature": 0.0}) for u in urls]
@@ -139,11 +162,16 @@ def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp
     finally:
         publisher.close(timeout_s=1)
         trial.close()
-    assert held == ["3", "3"]
+    assert held == ["5", "5"] and faults.fired("weights.bucket_received")
     assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
     expected = forward_logprobs(model, probe, outs[0].output_ids)
     torch.testing.assert_close(torch.tensor(outs[0].output_logprobs), expected, atol=1e-4, rtol=0)
     log = open(trial.launcher.log_path("gserver_manager", 0)).read()
     assert re.search(r"weight group realrl-\S+-e1: 2 servers .*SGLang's routes", log), log[-3000:]
-    assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
-    assert "all servers hold weight version 3" in log
+    assert "updating 2 servers to weight version 2 (broadcast)" in log, log[-3000:]
+    assert re.search(r"weight group realrl-\S+-e1: \S+ left it", log), log[-3000:]
+    assert re.search(r"updating \d servers to weight version 3 from ", log), log[-3000:]  # by disk
+    later = re.findall(r"weight group realrl-\S+-e(\d+): (\d) servers", log)[-1]
+    assert int(later[0]) > 1 and later[1] == "2", later
+    assert "updating 2 servers to weight version 5 (broadcast)" in log, log[-3000:]
+    assert "all servers hold weight version 5" in log

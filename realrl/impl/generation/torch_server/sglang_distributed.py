@@ -44,6 +44,7 @@ from realrl.api.sglang_api import (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
 )
+from realrl.base import faults
 from realrl.base.logging import getLogger
 
 logger = getLogger("torch_server.sglang_distributed")
@@ -148,6 +149,7 @@ class DistributedWeightUpdates:
                 offset += shape.numel() * dtype.itemsize
             flat = torch.empty(offset, dtype=torch.uint8, device=self.device)
             dist.broadcast(flat, src=0, group=group)
+            faults.point("weights.bucket_received")  # a test's member dying mid-version
             return {
                 name: flat[start : start + shape.numel() * dtype.itemsize].view(dtype).reshape(shape)
                 for (name, dtype, shape), start in zip(specs, offsets)
