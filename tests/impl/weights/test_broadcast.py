@@ -168,7 +168,7 @@ def test_a_member_killed_mid_version_fails_the_group_not_the_trainer(store, secr
 def test_a_process_without_the_secret_cannot_join_or_read_the_group(store, secret_file, tmp_path):
     trainer = tiny_model("untied", seed=1)
     manifest = Manifest.of(published_tensors(trainer))
-    spec = GroupSpec("realrl-t-e3", HOST, store.port, 2, timeout_s=5)
+    spec = GroupSpec("realrl-t-e3", HOST, store.port, 2, timeout_s=2)
     key = trial_secret.load_keys(secret_file).weights_group_key
     other_key = trial_secret.TrialKeys.from_secret(os.urandom(32)).weights_group_key
     failures: list[str] = []
