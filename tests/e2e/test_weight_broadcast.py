@@ -22,11 +22,13 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import psutil
 
 from realrl.base import faults
 from tests.e2e.test_faults import REPO, Trial
+from tests.e2e.test_servers_come_and_go import gone
 
 STEPS = 70  # after the resume: a restarted server (~20 s) and an added one still join groups before the end
 CHECKPOINT_EVERY = 3
@@ -83,10 +85,16 @@ def test_versions_go_over_the_wire_through_a_trainer_crash_a_server_crash_and_an
         added_pid = int(m.group(1)) if (m := re.search(r"\(pid (\d+)\)", added.stdout)) else None
         assert added.returncode == 0, added.stdout + added.stderr
         code = trial.wait(timeout=900)
+        deadline = time.monotonic() + 60  # the added worker ends with the trial, by itself
+        while not gone(added_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gone(added_pid)
     finally:
         trial.kill()
-        if added_pid is not None and psutil.pid_exists(added_pid):
-            psutil.Process(added_pid).kill()
+        if added_pid is not None and not gone(added_pid):
+            added_worker = psutil.Process(added_pid)
+            for p in [*added_worker.children(recursive=True), added_worker]:
+                p.kill()
     out = trial.console()
     assert code == 0, out[-4000:]
     assert faults.fired("weights.bucket_sent") and faults.fired("weights.bucket_received")
@@ -110,7 +118,7 @@ def test_versions_go_over_the_wire_through_a_trainer_crash_a_server_crash_and_an
     # 2. The server killed mid-version: that group failed (the sender saw it, or the manager's wait
     # for a member did first), the version reached the survivor from disk, the server came back.
     assert re.search(r"weight group realrl-wire-e1( failed|: \S+ did not get version)", resumed), resumed[-3000:]
-    assert "restarting it (restart 1" in trial.log("generation_server-0") + trial.log("generation_server-1")
+    assert "restarting it (restart 1" in "".join(trial.log(f"generation_server-{i}") for i in range(3))
 
     # 3. Every server, the restarted and the added one too, got versions through the last group.
     last, members = epochs[-1]
