@@ -131,6 +131,7 @@ class TorchGenerationServer:
         api_key: str | None = None,
         weights_dir: str = "",
         weights_group: GroupMembership | None = None,
+        bind_host: str = "127.0.0.1",
     ):
         self.engine = engine
         self.compat: SGLangCompat | None = engine.compat
@@ -151,6 +152,7 @@ class TorchGenerationServer:
         self.weights_dir = weights_dir
         # Versions over the wire (docs/design.md §8, "Broadcast"); None: disk only.
         self.weights_group = weights_group
+        self.bind_host = bind_host  # where its process groups listen (the HTTP server's host)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.gate.middleware])
@@ -171,7 +173,9 @@ class TorchGenerationServer:
         for route, handler in weight_routes.items():
             r.add_post(route, self.refuse_frozen if frozen else handler)
         if compat is not None:  # SGLang's distributed weight update (sglang_distributed)
-            self.distributed = DistributedWeightUpdates(session_required=compat.since("0.5.23"), device=self.device)
+            self.distributed = DistributedWeightUpdates(
+                session_required=compat.since("0.5.23"), device=self.device, bind_host=self.bind_host
+            )
             for route, handler in {
                 "/init_weights_update_group": self.init_weights_update_group,
                 "/update_weights_from_distributed": self.update_weights_from_distributed,

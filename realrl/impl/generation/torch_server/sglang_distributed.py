@@ -35,6 +35,7 @@ one depends on where it fails (an unknown group in 0.5.16 kills its scheduler).
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 
 import torch
@@ -44,7 +45,7 @@ from realrl.api.sglang_api import (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
 )
-from realrl.base import faults
+from realrl.base import faults, network
 from realrl.base.logging import getLogger
 
 logger = getLogger("torch_server.sglang_distributed")
@@ -75,9 +76,10 @@ class DistributedWeightUpdates:
     """The groups one emulated SGLang server joined, and its weight-update
     session (0.5.23). The handlers run on helper threads."""
 
-    def __init__(self, session_required: bool, device: str = "cpu"):
+    def __init__(self, session_required: bool, device: str = "cpu", bind_host: str = "127.0.0.1"):
         self.session_required = session_required
         self.device = device
+        self.bind_host = bind_host
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.session_open = False
         self._lock = threading.Lock()
@@ -95,6 +97,12 @@ class DistributedWeightUpdates:
             req.group_name,
             req.backend,
         )
+        try:
+            # gloo listens where the server does (SGLang: where its hostname resolves), as realrl's
+            # trainer tells its own gloo groups (model_worker): 127.0.0.1 in local mode and tests.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", network.interface_of(self.bind_host))
+        except ValueError:
+            pass  # (a wildcard host: gloo's own default)
         try:
             group = init_custom_process_group(
                 req.backend, req.master_address, req.master_port, req.world_size, rank, req.group_name
