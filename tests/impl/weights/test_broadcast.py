@@ -232,6 +232,21 @@ def test_a_malformed_tensor_list_is_refused():
             Manifest.from_bytes(json.dumps({**raw, "tensors": tensors}).encode())
     with pytest.raises(GroupError):
         Manifest.from_bytes(b"\xff not json")
+    # Packed (SGLang's FlattenedTensorBucket): back to back, buckets of whole tensors.
+    packed = Manifest.of({"a": torch.zeros(3), "b": torch.zeros(40), "c": torch.zeros(2)}, packed=True)
+    assert [e.offset for e in packed.entries] == [0, 12, 172] and packed.nbytes == 180
+    assert Manifest.from_bytes(packed.to_bytes()) == packed
+    assert [[e.name for e in g] for g in packed.bucket_entries(64)] == [["a"], ["b"], ["c"]]  # b alone: 160 B
+    assert packed.buckets(200) == [(0, 180)] and packed.buckets(64) == [(0, 12), (12, 172), (172, 180)]
+    raw = json.loads(packed.to_bytes())
+    for tensors in (
+        [["a", "float32", [3], 0], ["b", "float32", [40], 16]],  # a gap
+        [["a", "bfloat16", [3], 0], ["b", "float32", [40], 6]],  # misaligned for its dtype
+    ):
+        with pytest.raises(GroupError):
+            Manifest.from_bytes(json.dumps({**raw, "tensors": tensors}).encode())
+    with pytest.raises(GroupError):  # a layout SGLang could not read: no padding to align b
+        Manifest.of({"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2)}, packed=True)
 
 
 def test_a_member_whose_sender_never_comes_gives_up_within_its_bound_or_when_told(store, secret_file):
