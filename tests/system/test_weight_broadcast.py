@@ -122,16 +122,24 @@ def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp
         async with session.get(url + "/get_model_version") as resp:
             return (await resp.json())["version"]
 
+    manager_log = trial.launcher.log_path("gserver_manager", 0)
+    first_urls: list[str] = []  # the servers of the first epoch
+
     async def wait_for_epoch_of_both() -> None:
-        """A later epoch than the first, of both servers."""
+        """The epoch the manager builds of both servers once the killed one is back (at its new url)."""
         for _ in range(2400):
-            spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
-            if spec and not json.loads(spec)["name"].endswith("-e1") and json.loads(spec)["world_size"] == 3:
+            urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+            back = [u for u in urls if u and u not in first_urls]
+            log = open(manager_log).read()
+            if back and (m := re.search(rf"weight group (\S+): 2 servers \([^)]*{re.escape(back[0])}", log)):
+                spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
+                assert json.loads(spec)["name"] == m.group(1), spec  # (the current epoch: the test waits for it)
                 return
             await asyncio.sleep(0.05)
-        raise AssertionError("no epoch of both servers after the first")
+        raise AssertionError("no epoch of both servers after the restart")
 
     async def scenario(manager_url: str):
+        first_urls.extend(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             for version in (1, 2, 3, 4, 5):
                 if version == 3:
