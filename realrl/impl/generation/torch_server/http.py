@@ -35,7 +35,10 @@ counted in `realrl_torch_server_unauthorized_requests` otherwise), and with
 `rejections` as `weight_path`.
 
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
-release's do (`sglang_compat`); with `vllm` (`--emulate-vllm VERSION`) the
+release's do (`sglang_compat`), and SGLang's distributed weight update is
+there too (`/init_weights_update_group`, `/update_weights_from_distributed`,
+0.5.23's `/begin_weight_update` and `/end_weight_update`,
+`/destroy_weights_update_group`: `sglang_distributed`); with `vllm` (`--emulate-vllm VERSION`) the
 server answers vLLM's routes instead (`vllm_compat`; the same key gate and
 weight-path rule). `weight_load_gate` (`--weight-load-gate FILE`, a test
 hook) holds every weight update, once its weights are read, until FILE
