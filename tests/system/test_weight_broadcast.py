@@ -11,6 +11,7 @@ import os
 import re
 import uuid
 
+import pytest
 import torch
 
 from realrl.api.system_api import WeightTransportConfig
@@ -63,17 +64,22 @@ def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announc
         assert torch.equal(on_disk[name], t), name
 
 
-def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp_path, etcd_server, monkeypatch):
-    """`weights.transport=broadcast` with SGLang servers (two real torch servers
-    emulating SGLang 0.5.23, real manager and server workers; this process is
-    the trainer): the manager builds an epoch of both, joins them through
-    SGLang's `/init_weights_update_group` once the sender is there, and takes
-    each through every version with SGLang's routes; their version switches
-    once the whole version is in place and they then answer as the trainer's
-    weights do, the same as each other. A server killed in the middle of a
-    version's buckets (a fault point) fails that epoch: the version reaches
-    both servers from disk (the killed one restarted by its worker), and a
-    new epoch of both carries the next versions."""
+@pytest.mark.parametrize("protocol", ["realrl", "sglang"])
+def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_version_rejoins(
+    tmp_path, etcd_server, monkeypatch, protocol
+):
+    """`weights.transport=broadcast` through the manager (real manager and
+    server workers; this process is the trainer), with two torch servers
+    (`realrl`: their group routes) or two torch servers emulating SGLang
+    0.5.23 (`sglang`: the manager joins them through SGLang's
+    `/init_weights_update_group` once the sender is there and takes each
+    through every version with SGLang's routes). The manager builds an epoch
+    of both; their version switches once the whole version is in place and
+    they then answer as the trainer's weights do, the same as each other. A
+    server killed in the middle of a version's buckets (a fault point) fails
+    that epoch: the version reaches both servers from disk (the killed one
+    restarted by its worker), and a new epoch of both carries the next
+    versions."""
     import asyncio
 
     from realrl.base import faults
@@ -96,13 +102,14 @@ def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp
     model_dir = publish_weights(model, str(tmp_path / "model"), 0)
     weights_dir = str(tmp_path / "weights")
     wire = WeightTransportConfig(
-        transport="broadcast", bucket_bytes=16384, timeout_s=60, protocol="sglang"
-    )  # several calls per version
+        transport="broadcast", bucket_bytes=16384, timeout_s=60, protocol=protocol
+    )  # several buckets per version
     manager_cfg = GserverManagerConfig(
         n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
     )
-    servers = server_config(model_dir, "sglang")
-    servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
+    servers = server_config(model_dir, "sglang" if protocol == "sglang" else "torch")
+    if protocol == "sglang":
+        servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
     groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
     trial.start_training()
@@ -175,9 +182,10 @@ def test_the_manager_takes_sglang_servers_through_epochs_over_sglangs_routes(tmp
     expected = forward_logprobs(model, probe, outs[0].output_ids)
     torch.testing.assert_close(torch.tensor(outs[0].output_logprobs), expected, atol=1e-4, rtol=0)
     log = open(trial.launcher.log_path("gserver_manager", 0)).read()
-    assert re.search(r"weight group realrl-\S+-e1: 2 servers .*SGLang's routes", log), log[-3000:]
+    routes = ", SGLang's routes" if protocol == "sglang" else "$"
+    assert re.search(rf"weight group realrl-\S+-e1: 2 servers \(.*\){routes}", log, re.M), log[-3000:]
     assert "updating 2 servers to weight version 2 (broadcast)" in log, log[-3000:]
-    assert re.search(r"weight group realrl-\S+-e1: \S+ left it", log), log[-3000:]
+    assert re.search(r"weight group realrl-\S+-e1(: \S+ left it| failed|: \S+ did not get version)", log), log[-3000:]
     assert re.search(r"updating \d servers to weight version 3 from ", log), log[-3000:]  # by disk
     later = re.findall(r"weight group realrl-\S+-e(\d+): (\d) servers", log)[-1]
     assert int(later[0]) > 1 and later[1] == "2", later
