@@ -410,7 +410,8 @@ class WeightsConfig:
     transport: str = "disk"
     """disk (an HF directory each server loads) | broadcast (buckets over a process group of the trainer
     and the servers; each version is still written to disk, in the background, for servers that join
-    late or fall out of the group). broadcast needs torch servers and a full model (no LoRA)."""
+    late or fall out of the group). broadcast needs torch or SGLang servers (not vLLM yet) and a full
+    model (no LoRA)."""
     backend: str = "auto"
     """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
     bucket_mb: int = 64
@@ -1031,18 +1032,28 @@ def validate_weights(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
     _check(w.backend in ("auto", "gloo", "nccl"), "weights.backend", f"must be auto|gloo|nccl, got {w.backend!r}")
     _check(w.bucket_mb >= 1, "weights.bucket_mb", f"must be >= 1 MiB, got {w.bucket_mb}")
     _check(
-        w.backend != "nccl" or (cfg.train.device == "cuda" and cfg.server.torch.device == "cuda"),
+        w.backend != "nccl"
+        or (cfg.train.device == "cuda" and (alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda")),
         "weights.backend",
-        "nccl needs train.device=cuda and server.torch.device=cuda",
+        "nccl needs train.device=cuda and the servers on cuda (SGLang, or server.torch.device=cuda)",
     )
     if w.transport != "broadcast":
         return
+    # vLLM 0.32/0.33 have weight-transfer routes (`entrypoints/rl/online/api_router.py`:
+    # /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update),
+    # over NCCL or CUDA IPC engines only; realrl does not drive them yet (docs/design.md §8).
     _check(
-        alloc.gen_backend == "torch",
+        alloc.gen_backend != "vllm" and not (alloc.gen_backend == "torch" and cfg.server.torch.emulate_vllm),
         "weights.transport",
-        f"broadcast needs torch generation servers (allocation_mode {cfg.allocation_mode!r}); use disk",
+        f"broadcast is not wired for vLLM servers yet (allocation_mode {cfg.allocation_mode!r}); use disk",
     )
     _check(cfg.model.lora.rank == 0, "weights.transport", "broadcast moves full weights; LoRA adapters go on disk")
+    _check(
+        not cfg.server.torch.emulate_sglang or cfg.server.torch.emulate_sglang_dp == 1,
+        "server.torch.emulate_sglang_dp",
+        "must be 1 with weights.transport=broadcast (SGLang asserts one data-parallel rank for a distributed "
+        "weight update)",
+    )
 
 
 ALL_LINEAR = "all-linear"

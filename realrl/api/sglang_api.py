@@ -325,6 +325,86 @@ class ControlResponse:
     num_aborted: int | None = None  # requests ended (abort, pause)
 
 
+# --------------------------------------------------------------------------- distributed weight updates
+# SGLang's own names (v0.5.16 and v0.5.23 `managers/io_struct.py`, routes in
+# `entrypoints/http_server.py`): the trainer is rank 0 of a process group that
+# the servers join at `rank_offset`; each `/update_weights_from_distributed`
+# receives one broadcast. realrl sends `load_format: "flattened_bucket"`: the
+# named tensors packed back to back in one uint8 tensor (`FlattenedTensorBucket`).
+SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
+
+
+@dataclasses.dataclass
+class InitWeightsUpdateGroupRequest:
+    """`POST /init_weights_update_group`: join the process group whose store
+    is at master_address:master_port as rank `rank_offset` (+ the TP rank);
+    answered once the group formed (every rank joined)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    master_address: str = dataclasses.field(metadata=rule(nonempty=True))
+    master_port: int = dataclasses.field(metadata=rule(min=1, max=65535))
+    rank_offset: int = dataclasses.field(metadata=rule(min=1))
+    world_size: int = dataclasses.field(metadata=rule(min=2))
+    group_name: str = dataclasses.field(default=SGLANG_GROUP_NAME, metadata=rule(nonempty=True))
+    backend: str = "nccl"  # SGLang's default; realrl sends what the group uses
+
+
+@dataclasses.dataclass
+class UpdateWeightsFromDistributedRequest:
+    """`POST /update_weights_from_distributed`: receive `names` (each of its
+    dtype and shape) by one broadcast from rank 0 of `group_name` and load
+    them; `weight_version` (realrl: only with a version's last bucket) then
+    becomes the server's version. From 0.5.23 only inside a session
+    (`/begin_weight_update` ... `/end_weight_update`)."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    names: list[str] = dataclasses.field(metadata=rule(nonempty=True))
+    dtypes: list[str] = dataclasses.field(metadata=rule(nonempty=True))
+    shapes: list[list[int]] = dataclasses.field(metadata=rule(nonempty=True))
+    group_name: str = SGLANG_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None  # "flattened_bucket": one packed broadcast (realrl always sends it)
+
+
+@dataclasses.dataclass
+class BeginWeightUpdateRequest:
+    """`POST /begin_weight_update` (0.5.23): opens a weight-update session."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    selector: str = "all"  # target | draft | all (SGLang's speculative decoding runners)
+
+
+@dataclasses.dataclass
+class EndWeightUpdateRequest:
+    """`POST /end_weight_update` (0.5.23): closes the session."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+
+@dataclasses.dataclass
+class DestroyWeightsUpdateGroupRequest:
+    """`POST /destroy_weights_update_group`: leave and destroy the group."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    group_name: str = SGLANG_GROUP_NAME
+
+
+@dataclasses.dataclass
+class WeightsUpdateResponse:
+    """SGLang's answer to the five routes above: HTTP 200 on success, else 400."""
+
+    UNKNOWN_FIELDS = "ignore"
+
+    success: bool
+    message: str = ""
+
+
 # --------------------------------------------------------------------------- status
 
 

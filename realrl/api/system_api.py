@@ -105,6 +105,9 @@ class WeightTransportConfig:
     backend: str = "gloo"  # broadcast: gloo | nccl (auto resolved)
     bucket_bytes: int = 64 << 20
     timeout_s: float = 120.0  # one collective; a peer slower than this fails the group
+    # realrl: torch servers' group routes (/join_weights_group); sglang: SGLang's own
+    # (/init_weights_update_group, ...), for SGLang servers and the torch server emulating one.
+    protocol: str = "realrl"
 
 
 @dataclasses.dataclass

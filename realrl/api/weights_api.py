@@ -24,6 +24,9 @@ class JoinWeightsGroupRequest:
     backend: str = "gloo"
     bucket_bytes: int = dataclasses.field(default=64 << 20, metadata=rule(min=64))
     timeout_s: float = dataclasses.field(default=60.0, metadata=rule(min=0.1))
+    # How long the server waits for the group's sender to come (its first version of the
+    # epoch); then its membership fails and the manager loads versions from disk.
+    join_timeout_s: float = dataclasses.field(default=600.0, metadata=rule(min=0.1))
 
 
 @dataclasses.dataclass

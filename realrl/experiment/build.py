@@ -131,12 +131,15 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     )
     train_threads = trainer_threads(cfg, alloc)
     w = cfg.weights
-    on_cuda = cfg.train.device == "cuda" and cfg.server.torch.device == "cuda"
+    sglang_servers = alloc.gen_backend == "sglang" or (alloc.gen_backend == "torch" and cfg.server.torch.emulate_sglang)
+    servers_on_cuda = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
+    on_cuda = cfg.train.device == "cuda" and servers_on_cuda
     weights = WeightTransportConfig(
         transport=w.transport,
         backend=w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo"),
         bucket_bytes=w.bucket_mb << 20,
         timeout_s=cfg.server.weight_update_timeout,
+        protocol="sglang" if sglang_servers else "realrl",
     )
     model_worker = ModelWorkerConfig(
         model_path=model_path,

@@ -239,6 +239,7 @@ class GserverManager(AsyncWorker):
                 self.trial_name,
                 network.bind_address(self.info.mode, self.info.bind_address),
                 network.advertise_address(self.info.mode, self.info.bind_address),
+                self.epoch_join_timeout_s(),
             )
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -382,6 +383,12 @@ class GserverManager(AsyncWorker):
         return values[0], values[1], start
 
     # ---- weight updates ------------------------------------------------------------------
+    def epoch_join_timeout_s(self) -> float:
+        """How long a member of a new broadcast epoch waits for the trainer's
+        first version through it: as long as this manager lets one version
+        take to reach a server, every attempt (docs/design.md §8)."""
+        return self.cfg.weight_update_timeout * (1 + max(0, self.cfg.weight_update_retries))
+
     def _sync_admission_version(self) -> None:
         """Admission for version v opens once the trainer published v and
         every server holds it (docs/design.md §7): rollouts admitted for v are

@@ -16,7 +16,8 @@ group (joining late, restarted, or dropped from a failed epoch) loads it
 from disk as before. For a member the manager only waits until it holds
 the version (`/await_weight_version`); one that does not within
 `weight_update_timeout` (its group failed) loads it from disk instead, and
-the next boundary builds an epoch again.
+the next boundary builds an epoch again. SGLang servers (`protocol: sglang`)
+are driven over SGLang's own routes instead (`SGLangDriver`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,22 @@ import threading
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from packaging.version import InvalidVersion, Version
 
 from realrl.api.system_api import WeightTransportConfig
 from realrl.base import name_resolve, names, trial_secret
 from realrl.base.logging import getLogger
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
-from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
+from realrl.impl.weights.broadcast import (
+    _POLL_S,
+    GroupSpec,
+    Manifest,
+    SealedStore,
+    Sender,
+    StoreServer,
+    published_tensors,
+)
 
 logger = getLogger("weight_broadcast")
 ROLE = "actor"
@@ -87,7 +98,8 @@ class BroadcastPublisher:
             if self.sender is not None:
                 self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
             logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
-            sender = Sender(spec, _group_key(), Manifest.of(tensors, self.dtype), self._bind_host)
+            manifest = Manifest.of(tensors, self.dtype, packed=spec.protocol == "sglang")  # (SGLang's buckets)
+            sender = Sender(spec, _group_key(), manifest, self._bind_host)
             sender.after_send = functools.partial(self._after_send, sender)
             self.sender = sender
         self.sender.publish(version, tensors)
@@ -128,8 +140,10 @@ class WeightEpochs:
         trial_name: str,
         bind_host: str,
         advertise_host: str,
+        join_timeout_s: float,
     ):
         self.cfg, self._client = cfg, client
+        self.join_timeout_s = join_timeout_s
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._store = StoreServer(bind_host)
@@ -138,13 +152,18 @@ class WeightEpochs:
         self.spec: GroupSpec | None = None
         self.members: dict[str, int] = {}
         self.failed = False  # a member did not get a version through the group: rebuild at the next boundary
+        self._driver: SGLangDriver | None = None  # protocol sglang: the current epoch's
 
     def needs_rebuild(self, up_urls: list[str]) -> bool:
-        return bool(up_urls) and (self.failed or set(up_urls) != set(self.members))
+        failed = self.failed or (self._driver is not None and self._driver.failed)
+        return bool(up_urls) and (failed or set(up_urls) != set(self.members))
 
     async def rebuild(self, up_urls: list[str]) -> None:
         """A new epoch of the servers `up_urls` (a version boundary: no update in flight)."""
         old = self.spec
+        if self._driver is not None:
+            self._driver.stop()  # (it destroys its group on the servers once its version is over)
+            self._driver = None
         self.epoch += 1
         spec = GroupSpec(
             f"realrl-{self._trial}-e{self.epoch}",
@@ -154,8 +173,18 @@ class WeightEpochs:
             self.cfg.backend,
             self.cfg.bucket_bytes,
             self.cfg.timeout_s,
+            self.join_timeout_s,
+            self.cfg.protocol,
         )
         members = {url: rank for rank, url in enumerate(up_urls, start=1)}
+        if spec.protocol == "sglang":  # the servers join once the sender is there (SGLangDriver)
+            self.spec, self.members, self.failed = spec, members, False
+            self._driver = SGLangDriver(spec, members, self._client, self._store, _group_key())
+            await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
+            logger.info(
+                "weight group %s: %d servers (%s), SGLang's routes", spec.name, len(members), ", ".join(members)
+            )
+            return
         results = await asyncio.gather(
             *(self._client.join_weights_group(url, spec, rank, timeout_s=30) for url, rank in members.items()),
             return_exceptions=True,
@@ -184,7 +213,7 @@ class WeightEpochs:
             pass
 
     def is_member(self, url: str) -> bool:
-        return not self.failed and url in self.members
+        return not self.failed and url in self.members and (self._driver is None or url not in self._driver.lost)
 
     def went_through_group(self, version: int) -> bool:
         """Whether the trainer sent `version` (or a newer one) through the
@@ -207,14 +236,19 @@ class WeightEpochs:
 
     async def await_version(self, url: str, version: int, timeout_s: float) -> bool:
         """Whether member `url` holds `version` through the group; False marks the epoch failed."""
-        try:
-            answer = await self._client.await_weight_version(url, version, timeout_s)
-        except (GenerationServerError, GenerationServerUnavailable) as e:
+        if self._driver is not None:
+            ok, why = await self._driver.await_version(url, version, timeout_s)
             answer = None
-            why = str(e)
         else:
-            why = answer.message
-        if answer is not None and answer.success:
+            try:
+                answer = await self._client.await_weight_version(url, version, timeout_s)
+            except (GenerationServerError, GenerationServerUnavailable) as e:
+                answer = None
+                why = str(e)
+            else:
+                why = answer.message
+            ok = answer is not None and answer.success
+        if ok:
             return True
         if not self.failed:
             logger.warning(
@@ -229,4 +263,154 @@ class WeightEpochs:
         return False
 
     def close(self) -> None:
+        if self._driver is not None:
+            self._driver.stop()
         self._store.close()
+
+
+class SGLangDriver:
+    """One epoch of SGLang servers (`protocol: sglang`), driven over SGLang's
+    own routes as its source shows them (v0.5.16, v0.5.23): once the sender
+    announced itself in the store, every member `/init_weights_update_group`
+    (answered once the group formed); then for each version the sender
+    announces (`v/<n>`), every member concurrently: `/pause_generation`
+    (abort: requests in flight end and resume as for a disk update; new ones
+    wait), from 0.5.23 `/begin_weight_update`, one
+    `/update_weights_from_distributed` per bucket of the tensor list (packed:
+    `load_format: flattened_bucket`; the version's number with its last
+    bucket only, so the server's version changes when the whole version is
+    in place), `/end_weight_update`, `/continue_generation`. A member whose
+    call fails is lost to the epoch (the manager loads its versions from
+    disk; the next boundary builds a new epoch). `stop` ends it at a version
+    boundary and destroys the group on its members."""
+
+    def __init__(
+        self, spec: GroupSpec, members: dict[str, int], client: GenerationClient, store: StoreServer, key: bytes
+    ):
+        self.spec, self.members, self._client = spec, dict(members), client
+        self._store = SealedStore(dist.PrefixStore(spec.name, store.store), key, spec.name)
+        self.held: dict[str, int] = {}  # url -> the newest version in place through the group
+        self.lost: dict[str, str] = {}  # url -> why it left the epoch
+        self.failed = False
+        self._stopping = False
+        self._sessions: dict[str, bool] = {}
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    async def await_version(self, url: str, version: int, timeout_s: float) -> tuple[bool, str]:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.held.get(url, -1) < version:
+            if url in self.lost:
+                return False, self.lost[url]
+            if self._task.done():
+                return False, f"weight group {self.spec.name} is over"
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False, f"version {version} did not arrive within {timeout_s} s"
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        return True, ""
+
+    def _lose(self, url: str, why: str) -> None:
+        if url not in self.lost:
+            logger.warning("weight group %s: %s left it: %s", self.spec.name, url, why)
+        self.lost[url] = why
+        self.failed = True
+        self._changed.set()
+
+    async def _key(self, key: str, timeout_s: float | None = None) -> bytes | None:
+        """The value of `key` once the sender set it (None: stopped, or `timeout_s` passed)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while not self._stopping and (deadline is None or loop.time() < deadline):
+            if await asyncio.to_thread(self._store.check, [key]):
+                return await asyncio.to_thread(self._store.get, key)
+            await asyncio.sleep(_POLL_S)
+        return None
+
+    async def _run(self) -> None:
+        urls = list(self.members)
+        try:
+            if await self._key("sender", self.spec.join_timeout_s) is None:
+                if not self._stopping:
+                    for url in urls:
+                        self._lose(url, f"no sender within {self.spec.join_timeout_s:g} s")
+                return
+            results = await asyncio.gather(
+                *(
+                    self._client.init_weights_update_group(url, self.spec, rank, timeout_s=self.spec.timeout_s + 30)
+                    for url, rank in self.members.items()
+                ),
+                return_exceptions=True,
+            )
+            for url, r in zip(urls, results):
+                if isinstance(r, BaseException):
+                    self._lose(url, f"could not join: {r}")
+            if self.lost:
+                return  # (the sender's rendezvous fails without them: the version goes by disk)
+            manifest_bytes = await self._key("manifest")
+            if manifest_bytes is None:
+                return
+            buckets = Manifest.from_bytes(manifest_bytes).bucket_entries(self.spec.bucket_bytes)
+            n = 0
+            while not self.lost:
+                announced = await self._key(f"v/{n}")
+                if announced is None or announced == b"close":
+                    return
+                version = int(announced)
+                await asyncio.gather(*(self._version(url, version, buckets) for url in urls))
+                self._changed.set()
+                n += 1
+        except Exception as e:  # the store gone, a malformed tensor list: the epoch is over
+            for url in urls:
+                self._lose(url, f"{type(e).__name__}: {e}")
+        finally:
+            await asyncio.gather(*(self._destroy(url) for url in urls))
+
+    async def _version(self, url: str, version: int, buckets: list) -> None:
+        client, timeout = self._client, self.spec.timeout_s + 30
+        session = False
+        try:
+            await client.pause_generation(url, mode="abort")
+            try:
+                if await self._has_sessions(url):
+                    await client.begin_weight_update(url, timeout_s=timeout)
+                    session = True
+                for i, entries in enumerate(buckets):
+                    last = i == len(buckets) - 1
+                    await client.update_weights_from_distributed(
+                        url, self.spec.name, entries, str(version) if last else None, timeout_s=timeout
+                    )
+            finally:
+                if session:  # also after a failure: a session left open refuses the next epoch's begin
+                    session = False
+                    await client.end_weight_update(url, timeout_s=timeout)
+                await client.continue_generation(url)
+        except (GenerationServerError, GenerationServerUnavailable) as e:
+            self._lose(url, f"version {version}: {e}")
+            return
+        self.held[url] = version
+
+    async def _has_sessions(self, url: str) -> bool:
+        """Whether the server needs a weight-update session: SGLang 0.5.23 on
+        (`/get_server_info`'s `version`; v0.5.23 `managers/scheduler_components/
+        weight_updater.py`), not 0.5.16, which has no such routes."""
+        if url not in self._sessions:
+            release = (await self._client.server_info(url)).get("version", "0")
+            try:
+                self._sessions[url] = Version(str(release)) >= Version("0.5.23")
+            except InvalidVersion:
+                self._sessions[url] = True  # (a development build: the newest behaviour)
+        return self._sessions[url]
+
+    async def _destroy(self, url: str) -> None:
+        try:
+            await self._client.destroy_weights_update_group(url, self.spec.name, timeout_s=10)
+        except (GenerationServerError, GenerationServerUnavailable):
+            pass

@@ -98,7 +98,8 @@ def test_validate_names_the_key_first(tmp_path, override, key):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["allocation_mode=sglang.d1p1m1+d1p1m1"], "broadcast needs torch generation servers"),
+        (["allocation_mode=vllm.d1p1m1+d1p1m1"], "broadcast is not wired for vLLM servers yet"),
+        (["server.torch.emulate_vllm=0.33.0"], "broadcast is not wired for vLLM servers yet"),
         (["model.lora.rank=4"], "broadcast moves full weights; LoRA adapters go on disk"),
     ],
 )
@@ -106,6 +107,7 @@ def test_broadcast_weights_where_they_cannot_go_is_a_config_error(tmp_path, over
     with pytest.raises(ConfigError, match=f"^weights.transport: {message}"):
         validate(config(tmp_path, "weights.transport=broadcast", *overrides))
     validate(config(tmp_path, "weights.transport=broadcast", "weights.bucket_mb=8"))
+    validate(config(tmp_path, "weights.transport=broadcast", "allocation_mode=sglang.d1p1m1+d1p1m1"))
 
 
 def test_sglang_sampling_logprobs_need_a_top_k_it_can_bound(tmp_path):

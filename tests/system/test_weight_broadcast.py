@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 
+import pytest
 import torch
 
 from realrl.api.system_api import WeightTransportConfig
-from realrl.base import name_resolve, names
+from realrl.base import name_resolve, names, trial_secret
 from realrl.impl.generation.torch_server.weights import read_weights_dir
 from realrl.impl.weights.broadcast import GroupSpec, Receiver, StoreServer, published_tensors
 from realrl.system.model_worker import publish_weights
@@ -60,3 +62,132 @@ def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announc
     on_disk = read_weights_dir(os.path.join(weights_dir, "3"))
     for name, t in published_tensors(model).items():
         assert torch.equal(on_disk[name], t), name
+
+
+@pytest.mark.parametrize("protocol", ["realrl", "sglang"])
+def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_version_rejoins(
+    tmp_path, etcd_server, monkeypatch, protocol
+):
+    """`weights.transport=broadcast` through the manager (real manager and
+    server workers; this process is the trainer), with two torch servers
+    (`realrl`: their group routes) or two torch servers emulating SGLang
+    0.5.23 (`sglang`: the manager joins them through SGLang's
+    `/init_weights_update_group` once the sender is there and takes each
+    through every version with SGLang's routes). The manager builds an epoch
+    of both; their version switches once the whole version is in place and
+    they then answer as the trainer's weights do, the same as each other. A
+    server killed in the middle of a version's buckets (a fault point) fails
+    that epoch: the version reaches both servers from disk (the killed one
+    restarted by its worker), and a new epoch of both carries the next
+    versions."""
+    import asyncio
+
+    from realrl.base import faults
+
+    monkeypatch.setenv(faults.FAULTS_ENV, "weights.bucket_received=kill;after=test.kill_server")
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir()
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
+
+    import aiohttp
+
+    from realrl.api.system_api import GserverManagerConfig
+    from realrl.impl.generation import make_client
+    from realrl.launcher.local import WorkerGroup
+    from tests.impl.weights.test_torch_server_group import forward_logprobs
+    from tests.system.test_generation_server import EXP, build_tiny_model, server_config
+    from tests.system.trial_thread import TrialThread, wait_until
+
+    _, model = build_tiny_model(seed=1)
+    model_dir = publish_weights(model, str(tmp_path / "model"), 0)
+    weights_dir = str(tmp_path / "weights")
+    wire = WeightTransportConfig(
+        transport="broadcast", bucket_bytes=16384, timeout_s=60, protocol=protocol
+    )  # several buckets per version
+    manager_cfg = GserverManagerConfig(
+        n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
+    )
+    servers = server_config(model_dir, "sglang" if protocol == "sglang" else "torch")
+    if protocol == "sglang":
+        servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
+    groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
+    trial.start_training()
+    publisher = BroadcastPublisher(
+        wire,
+        model,
+        None,
+        lambda v, state: publish_weights(model, weights_dir, v, state_dict=state),
+        EXP,
+        trial.trial,
+        HOST,
+    )
+    announce = lambda v: trial.set(names.model_version(EXP, trial.trial, "actor"), str(v))  # noqa: E731
+    probe = [5, 6, 7, 8, 9]
+
+    async def manager_version(session, url) -> int:
+        async with session.get(url + "/get_model_version") as resp:
+            return (await resp.json())["version"]
+
+    manager_log = trial.launcher.log_path("gserver_manager", 0)
+    first_urls: list[str] = []  # the servers of the first epoch
+
+    async def wait_for_epoch_of_both() -> None:
+        """The epoch the manager builds of both servers once the killed one is back (at its new url)."""
+        for _ in range(2400):
+            urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+            back = [u for u in urls if u and u not in first_urls]
+            log = open(manager_log).read()
+            if back and (m := re.search(rf"weight group (\S+): 2 servers \([^)]*{re.escape(back[0])}", log)):
+                spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
+                assert json.loads(spec)["name"] == m.group(1), spec  # (the current epoch: the test waits for it)
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("no epoch of both servers after the restart")
+
+    async def scenario(manager_url: str):
+        first_urls.extend(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+            for version in (1, 2, 3, 4, 5):
+                if version == 3:
+                    (fault_dir / "test.kill_server").touch()  # a server dies in version 3's buckets
+                if version == 4:  # the next version once the killed server is back in a new epoch of both
+                    await wait_for_epoch_of_both()
+                train_a_little(model, version)
+                if not publisher.publish(version, None, announce):  # no epoch yet: the disk path
+                    publish_weights(model, weights_dir, version)
+                    announce(version)
+                for _ in range(1200):
+                    if await manager_version(session, manager_url) == version:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await manager_version(session, manager_url) == version
+        urls = [trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]  # (one restarted)
+        async with make_client("sglang", timeout_s=60) as client:
+            held = [await client.weight_version(u) for u in urls]
+            outs = [await client.generate(u, probe, {"max_new_tokens": 8, "temperature": 0.0}) for u in urls]
+        return held, outs
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+        held, outs = asyncio.run(scenario(manager_url))
+        publisher.close()
+        assert trial.complete() == 0
+    finally:
+        publisher.close(timeout_s=1)
+        trial.close()
+    assert held == ["5", "5"] and faults.fired("weights.bucket_received")
+    assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
+    expected = forward_logprobs(model, probe, outs[0].output_ids)
+    torch.testing.assert_close(torch.tensor(outs[0].output_logprobs), expected, atol=1e-4, rtol=0)
+    log = open(trial.launcher.log_path("gserver_manager", 0)).read()
+    routes = ", SGLang's routes" if protocol == "sglang" else "$"
+    assert re.search(rf"weight group realrl-\S+-e1: 2 servers \(.*\){routes}", log, re.M), log[-3000:]
+    assert "updating 2 servers to weight version 2 (broadcast)" in log, log[-3000:]
+    assert re.search(r"weight group realrl-\S+-e1(: \S+ left it| failed|: \S+ did not get version)", log), log[-3000:]
+    assert re.search(r"updating \d servers to weight version 3 from ", log), log[-3000:]  # by disk
+    later = re.findall(r"weight group realrl-\S+-e(\d+): (\d) servers", log)[-1]
+    assert int(later[0]) > 1 and later[1] == "2", later
+    assert "updating 2 servers to weight version 5 (broadcast)" in log, log[-3000:]
+    assert "all servers hold weight version 5" in log

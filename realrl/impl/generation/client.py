@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,10 +38,14 @@ import aiohttp
 from realrl.api.generation_api import needs_sampling_logprobs
 from realrl.api.sglang_api import (
     AbortRequest,
+    BeginWeightUpdateRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterRequest,
     Loads,
     LoRAUpdateResponse,
@@ -52,8 +56,10 @@ from realrl.api.sglang_api import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
+    WeightsUpdateResponse,
 )
 from realrl.api.weights_api import (
     AwaitWeightVersionRequest,
@@ -470,6 +476,7 @@ class GenerationClient:
             backend=spec.backend,
             bucket_bytes=spec.bucket_bytes,
             timeout_s=spec.timeout_s,
+            join_timeout_s=spec.join_timeout_s,
         )
         answer = await self._group_call(url, "/join_weights_group", request, timeout_s)
         if not answer.success:
@@ -486,6 +493,59 @@ class GenerationClient:
         `timeout_s` passed): then the caller loads the version from disk."""
         request = AwaitWeightVersionRequest(weight_version=version, timeout_s=timeout_s)
         return await self._group_call(url, "/await_weight_version", request, timeout_s + 10.0)
+
+    # ---- SGLang's distributed weight update (docs/design.md §8, "Broadcast"; SGLang servers)
+
+    async def _sglang_group_call(self, url: str, route: str, body: Any, timeout_s: float | None) -> None:
+        """One of SGLang's group routes; GenerationServerError unless it succeeded."""
+        answer = await self._request("POST", url, route, to_json(body), timeout_s, ok_statuses=(400,))
+        try:
+            result = from_json(WeightsUpdateResponse, answer)
+        except BodyError:
+            result = WeightsUpdateResponse(success=False, message=str(answer))
+        if not result.success:
+            raise GenerationServerError(400, f"{route}: {result.message}", url)
+
+    async def init_weights_update_group(
+        self, url: str, spec: GroupSpec, rank: int, timeout_s: float | None = None
+    ) -> None:
+        """Joins SGLang server `url` into group `spec` at `rank`: answered once
+        the group formed (the sender is there), or GenerationServerError."""
+        request = InitWeightsUpdateGroupRequest(
+            spec.store_host, spec.store_port, rank, spec.world_size, spec.name, spec.backend
+        )
+        await self._sglang_group_call(url, "/init_weights_update_group", request, timeout_s)
+
+    async def update_weights_from_distributed(
+        self,
+        url: str,
+        group_name: str,
+        entries: Sequence[Any],
+        weight_version: str | None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Receives one bucket (`entries`: `TensorEntry`s, packed) by the
+        group's broadcast; `weight_version` with a version's last bucket."""
+        request = UpdateWeightsFromDistributedRequest(
+            names=[e.name for e in entries],
+            dtypes=[e.dtype for e in entries],
+            shapes=[list(e.shape) for e in entries],
+            group_name=group_name,
+            flush_cache=weight_version is not None,
+            weight_version=weight_version,
+            load_format="flattened_bucket",
+        )
+        await self._sglang_group_call(url, "/update_weights_from_distributed", request, timeout_s)
+
+    async def begin_weight_update(self, url: str, timeout_s: float | None = None) -> None:
+        await self._sglang_group_call(url, "/begin_weight_update", BeginWeightUpdateRequest(), timeout_s)
+
+    async def end_weight_update(self, url: str, timeout_s: float | None = None) -> None:
+        await self._sglang_group_call(url, "/end_weight_update", EndWeightUpdateRequest(), timeout_s)
+
+    async def destroy_weights_update_group(self, url: str, group_name: str, timeout_s: float | None = None) -> None:
+        request = DestroyWeightsUpdateGroupRequest(group_name)
+        await self._sglang_group_call(url, "/destroy_weights_update_group", request, timeout_s)
 
     async def prepare(self, url: str, version: int) -> None:
         """Readies a started server for routing at weight `version` (SGLang

@@ -19,6 +19,11 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   its own flat buffer and hands the whole version (tensors viewing that
   buffer) to `on_version`, which copies them into the model in place; only
   then does the next version's reception start.
+- With `protocol: sglang` the members are SGLang servers (the manager drives
+  them over SGLang's routes: realrl/system/weight_broadcast.py): the tensor
+  list is packed as SGLang's `FlattenedTensorBucket` (`Manifest.packed`) and
+  the process group's own keys are laid out as SGLang's
+  `init_custom_process_group` lays them, unsealed (SGLang reads them plain).
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
@@ -27,6 +32,9 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   the members' addresses nor put its own there, so it cannot join or feed a
   group; a forged value fails the rendezvous.
 
+The sender announces itself in the store (`sender`) before the rendezvous; a
+member waits for that with a poll that `stop` ends and the spec's
+`join_timeout_s` bounds, then both take at most `timeout_s` to rendezvous.
 A version is announced in the store (`v/<n>`: its number) before its buckets
 go out, so a member waits for the announcement with a poll it can give up,
 and every collective it then enters is one the sender has begun: a member
@@ -100,13 +108,19 @@ class TensorEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """What each version of one group holds, and where in the flat buffer."""
+    """What each version of one group holds, and where in the flat buffer.
+    `packed`: the tensors back to back, with no padding, and every bucket
+    whole tensors (SGLang's `FlattenedTensorBucket`, `load_format:
+    "flattened_bucket"`: each bucket is what one of its
+    `/update_weights_from_distributed` calls receives); else each tensor at a
+    multiple of `ALIGN` bytes and buckets cut anywhere."""
 
     entries: tuple[TensorEntry, ...]
     nbytes: int  # the flat buffer's size
+    packed: bool = False
 
     @staticmethod
-    def of(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> Manifest:
+    def of(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None, packed: bool = False) -> Manifest:
         """The layout of `tensors` (floating ones in `dtype`, when given), in their order."""
         entries, offset = [], 0
         for name, t in tensors.items():
@@ -114,13 +128,19 @@ class Manifest:
             entry = TensorEntry(name, str(published).removeprefix("torch."), tuple(t.shape), offset)
             if entry.dtype not in _DTYPES:
                 raise GroupError(f"{name}: dtype {entry.dtype} cannot be published over the wire")
+            if packed and offset % _DTYPES[entry.dtype].itemsize:
+                raise GroupError(f"{name}: at byte {offset} of a packed bucket, not aligned for {entry.dtype}")
             entries.append(entry)
-            offset += -(-entry.nbytes // ALIGN) * ALIGN
-        return Manifest(tuple(entries), offset)
+            offset += entry.nbytes if packed else -(-entry.nbytes // ALIGN) * ALIGN
+        return Manifest(tuple(entries), offset, packed)
 
     def to_bytes(self) -> bytes:
         return json.dumps(
-            {"nbytes": self.nbytes, "tensors": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]}
+            {
+                "nbytes": self.nbytes,
+                "packed": self.packed,
+                "tensors": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
+            }
         ).encode()
 
     @staticmethod
@@ -133,22 +153,46 @@ class Manifest:
                 TensorEntry(str(name), str(dtype), tuple(int(d) for d in shape), int(offset))
                 for name, dtype, shape, offset in raw["tensors"]
             )
-            manifest = Manifest(entries, int(raw["nbytes"]))
+            manifest = Manifest(entries, int(raw["nbytes"]), bool(raw.get("packed", False)))
         except (ValueError, KeyError, TypeError) as e:
             raise GroupError(f"malformed tensor list: {e}") from None
         end = 0
         for e in manifest.entries:
-            if e.dtype not in _DTYPES or any(d < 0 for d in e.shape) or e.offset % ALIGN or e.offset < end:
+            if e.dtype not in _DTYPES or any(d < 0 for d in e.shape) or e.offset < end:
                 raise GroupError(f"malformed tensor list at {e.name!r}")
+            if e.offset % _DTYPES[e.dtype].itemsize if manifest.packed else e.offset % ALIGN:
+                raise GroupError(f"malformed tensor list at {e.name!r}: misaligned")
+            if manifest.packed and e.offset != end:
+                raise GroupError(f"malformed tensor list at {e.name!r}: a gap in a packed layout")
             end = e.offset + e.nbytes
         if end > manifest.nbytes or len({e.name for e in manifest.entries}) != len(manifest.entries):
             raise GroupError("malformed tensor list: out of bounds or a name twice")
         return manifest
 
     def buckets(self, bucket_bytes: int) -> list[tuple[int, int]]:
-        """Byte ranges of the flat buffer, each at most `bucket_bytes`, in order."""
+        """Byte ranges of the flat buffer, each at most `bucket_bytes`, in
+        order (packed: whole tensors, so a tensor larger than that is a bucket
+        of its own)."""
+        if self.packed:
+            return [
+                (group[0].offset, group[-1].offset + group[-1].nbytes) for group in self.bucket_entries(bucket_bytes)
+            ]
         step = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
         return [(start, min(start + step, self.nbytes)) for start in range(0, self.nbytes, step)]
+
+    def bucket_entries(self, bucket_bytes: int) -> list[tuple[TensorEntry, ...]]:
+        """A packed layout's buckets, as the tensors each one holds."""
+        if not self.packed:
+            raise GroupError("only a packed tensor list has buckets of whole tensors")
+        groups: list[list[TensorEntry]] = []
+        size = 0
+        for e in self.entries:
+            if not groups or (size + e.nbytes > bucket_bytes and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(e)
+            size += e.nbytes
+        return [tuple(g) for g in groups]
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each tensor as a view of the flat (uint8) buffer."""
@@ -214,6 +258,10 @@ class SealedStore(dist.Store):
     def get(self, key):
         return self.unseal(key, self._inner.get(key))
 
+    def unsealed(self) -> dist.Store:
+        """The same prefix without the seal (an SGLang group's own keys: SGLang reads them plain)."""
+        return self._inner
+
     def wait(self, keys, timeout=None):
         return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
 
@@ -271,8 +319,15 @@ class GroupSpec:
     world_size: int  # 1 (the sender, rank 0) + every member's ranks
     backend: str = "gloo"  # gloo (CPU tensors) | nccl (CUDA tensors)
     bucket_bytes: int = 64 << 20
-    timeout_s: float = 60.0  # each collective: a peer slower than this fails the group
-    join_timeout_s: float = 3600.0  # forming the group: members wait here for the sender's first version
+    timeout_s: float = 60.0  # each collective, and the rendezvous: a peer slower than this fails the group
+    # A member waits this long for the sender to announce itself (its first version of the
+    # epoch); then its membership fails (it loads from disk). The manager sets it (§8).
+    join_timeout_s: float = 600.0
+    # realrl: members are torch servers (`Receiver`), the group's keys all sealed. sglang: members
+    # are SGLang servers driven over HTTP by the manager (`/init_weights_update_group`, ...): the
+    # process group's keys are laid out as SGLang lays them and cannot be sealed (it reads them
+    # unsealed); the announcements and the tensor list stay sealed (only the manager reads them).
+    protocol: str = "realrl"
 
     @property
     def device(self) -> str:
@@ -287,28 +342,48 @@ class GroupSpec:
         return GroupSpec(**{f.name: d[f.name] for f in dataclasses.fields(GroupSpec) if f.name in d})
 
 
-def open_group(
-    spec: GroupSpec, rank: int, key: bytes, bind_host: str, join_timeout_s: float | None = None
-) -> tuple[dist.ProcessGroup, SealedStore]:
-    """This process's place (`rank`) in the group: its own process group over
-    a sealed prefix of the epoch's store; blocks until every rank joined (at
-    most `join_timeout_s`, by default the spec's). gloo listens on `bind_host` only."""
-    timeout = datetime.timedelta(seconds=spec.join_timeout_s if join_timeout_s is None else join_timeout_s)
+def connect_store(spec: GroupSpec, key: bytes) -> SealedStore:
+    """The group's sealed prefix of the epoch's store (GroupError if unreachable)."""
     try:
-        client = dist.TCPStore(spec.store_host, spec.store_port, None, False, timeout)
-        store = SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
+        client = dist.TCPStore(
+            spec.store_host, spec.store_port, None, False, datetime.timedelta(seconds=spec.timeout_s)
+        )
+    except Exception as e:
+        raise GroupError(f"weight group {spec.name}: its store is unreachable: {e}") from e
+    return SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
+
+
+def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: SealedStore | None = None):
+    """This process's place (`rank`) in the group: its own process group over
+    a sealed prefix of the epoch's store (`store`, when already connected);
+    blocks until every rank joined, at most the spec's `timeout_s` (a member
+    enters only once the sender announced itself: `Receiver`). gloo listens
+    on `bind_host` only."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        if store is None:
+            store = connect_store(spec, key)
+        pg_store: dist.Store = store
+        if spec.protocol == "sglang":
+            # SGLang's `init_custom_process_group` (v0.5.16 and v0.5.23 `utils/common.py`): the
+            # store under the group's name, then torch's `_new_process_group_helper` adds
+            # "<name>/" and "<device>/" before the backend's own keys.
+            pg_store = dist.PrefixStore(
+                "cuda/" if spec.backend == "nccl" else "cpu/",
+                dist.PrefixStore(f"{spec.name}/", store.unsealed()),
+            )
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+            group = dist.ProcessGroupNCCL(pg_store, rank, spec.world_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-            group = dist.ProcessGroupGloo(store, rank, spec.world_size, options)
+            group = dist.ProcessGroupGloo(pg_store, rank, spec.world_size, options)
     except GroupError:
         raise
-    except Exception as e:  # the store unreachable, a rank that never came, a forged address
+    except Exception as e:  # a rank that never came, a forged address
         raise GroupError(f"weight group {spec.name}: rank {rank} cannot join: {e}") from e
     return group, store
 
@@ -421,9 +496,12 @@ class Sender:
     def _run(self) -> None:
         group = store = None
         try:
-            # The members joined before the epoch was announced: the sender waits for them only
-            # as long as for a collective (a member that died meanwhile must not hold versions back).
-            group, store = open_group(self.spec, 0, self._key, self._bind_host, self.spec.timeout_s)
+            # The members wait for this key before they enter the rendezvous, so the rendezvous
+            # takes at most a collective's timeout for everyone (a member that died meanwhile
+            # must not hold versions back, and one whose sender never comes gives up: `Receiver`).
+            store = connect_store(self.spec, self._key)
+            store.set("sender", b"here")
+            group, store = open_group(self.spec, 0, self._key, self._bind_host, store)
             store.set("manifest", self.manifest.to_bytes())
         except Exception as e:
             self._fail(e)
@@ -444,6 +522,7 @@ class Sender:
                     flat = self._buffers[index]
                     for start, end in self.manifest.buckets(self.spec.bucket_bytes):
                         _broadcast(group, flat[start:end], self.spec.timeout_s)
+                        faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                 except Exception as e:  # a member died or timed out: the group is over
                     self._fail(e)
                     group = None  # its connections close: the other members fail now, not at their timeout
@@ -507,19 +586,28 @@ class Receiver:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
-    def _wait_key(self, store: SealedStore, key: str) -> bytes | None:
+    def _wait_key(self, store: SealedStore, key: str, timeout_s: float | None = None) -> bytes | None:
         """The value of `key` once the sender set it; None when told to stop.
         A store `check` per poll, not a blocking `wait`: a wait that times out
-        logs a warning in c10d each time."""
+        logs a warning in c10d each time (and cannot be told to stop); the
+        store's owner gone fails the check. GroupError after `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._stop.is_set():
             if store.check([key]):
                 return store.get(key)
+            if deadline is not None and time.monotonic() > deadline:
+                raise GroupError(f"weight group {self.spec.name}: no sender within {timeout_s:g} s")
             self._stop.wait(_POLL_S)
         return None
 
     def _run(self) -> None:
         try:
-            group, store = open_group(self.spec, self.rank, self._key, self._bind_host)
+            # Until the sender comes the wait is a poll that `stop` ends and the spec's
+            # `join_timeout_s` bounds (a rendezvous in c10d could be neither).
+            store = connect_store(self.spec, self._key)
+            if self._wait_key(store, "sender", self.spec.join_timeout_s) is None:
+                return
+            group, store = open_group(self.spec, self.rank, self._key, self._bind_host, store)
             data = self._wait_key(store, "manifest")
             if data is None:
                 return

@@ -168,7 +168,7 @@ def test_a_member_killed_mid_version_fails_the_group_not_the_trainer(store, secr
 def test_a_process_without_the_secret_cannot_join_or_read_the_group(store, secret_file, tmp_path):
     trainer = tiny_model("untied", seed=1)
     manifest = Manifest.of(published_tensors(trainer))
-    spec = GroupSpec("realrl-t-e3", HOST, store.port, 2, timeout_s=30)
+    spec = GroupSpec("realrl-t-e3", HOST, store.port, 2, timeout_s=2)
     key = trial_secret.load_keys(secret_file).weights_group_key
     other_key = trial_secret.TrialKeys.from_secret(os.urandom(32)).weights_group_key
     failures: list[str] = []
@@ -177,9 +177,11 @@ def test_a_process_without_the_secret_cannot_join_or_read_the_group(store, secre
     )
     sender = Sender(spec, key, manifest, HOST)
     sender.publish(1, published_tensors(trainer))
+    # The outsider cannot read the sender's announcement, so it never enters the rendezvous,
+    # and the sender's rendezvous ends at the group's timeout without it.
     assert not sender.wait_sent(1, 60)
     outsider.join(60)
-    assert "not sealed by this trial" in sender.error
+    assert "cannot join" in sender.error
     assert len(failures) == 1 and "not sealed by this trial" in failures[0] and outsider.received == []
     # What the store holds is sealed: the sender's address is not readable without the key.
     client = dist.TCPStore(HOST, store.port, None, False, datetime.timedelta(seconds=10))
@@ -230,3 +232,37 @@ def test_a_malformed_tensor_list_is_refused():
             Manifest.from_bytes(json.dumps({**raw, "tensors": tensors}).encode())
     with pytest.raises(GroupError):
         Manifest.from_bytes(b"\xff not json")
+    # Packed (SGLang's FlattenedTensorBucket): back to back, buckets of whole tensors.
+    packed = Manifest.of({"a": torch.zeros(3), "b": torch.zeros(40), "c": torch.zeros(2)}, packed=True)
+    assert [e.offset for e in packed.entries] == [0, 12, 172] and packed.nbytes == 180
+    assert Manifest.from_bytes(packed.to_bytes()) == packed
+    assert [[e.name for e in g] for g in packed.bucket_entries(64)] == [["a"], ["b"], ["c"]]  # b alone: 160 B
+    assert packed.buckets(200) == [(0, 180)] and packed.buckets(64) == [(0, 12), (12, 172), (172, 180)]
+    raw = json.loads(packed.to_bytes())
+    for tensors in (
+        [["a", "float32", [3], 0], ["b", "float32", [40], 16]],  # a gap
+        [["a", "bfloat16", [3], 0], ["b", "float32", [40], 6]],  # misaligned for its dtype
+    ):
+        with pytest.raises(GroupError):
+            Manifest.from_bytes(json.dumps({**raw, "tensors": tensors}).encode())
+    with pytest.raises(GroupError):  # a layout SGLang could not read: no padding to align b
+        Manifest.of({"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2)}, packed=True)
+
+
+def test_a_member_whose_sender_never_comes_gives_up_within_its_bound_or_when_told(store, secret_file):
+    """The wait for an epoch's sender is bounded by the spec's join_timeout_s
+    (the manager's, docs/design.md §8) and ends at once on `stop` (a new epoch
+    or a leave): the helper thread is not held."""
+    key = trial_secret.load_keys(secret_file).weights_group_key
+    failures: list[str] = []
+    bounded = GroupSpec("realrl-t-e6", HOST, store.port, 2, timeout_s=5, join_timeout_s=0.5)
+    member = Receiver(
+        bounded, 1, key, HOST, check=lambda m: None, on_version=lambda v, t: None, on_failure=failures.append
+    )
+    member.join(30)
+    assert not member._thread.is_alive() and failures == [member.error]
+    assert "no sender within 0.5 s" in member.error
+    waiting = GroupSpec("realrl-t-e7", HOST, store.port, 2, timeout_s=5, join_timeout_s=600)
+    member = Receiver(waiting, 1, key, HOST, check=lambda m: None, on_version=lambda v, t: None)
+    member.stop(timeout_s=5)
+    assert not member._thread.is_alive() and member.error is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -59,10 +60,14 @@ def test_a_torch_server_takes_versions_over_the_wire_while_it_serves(start_serve
         aborted = await asyncio.gather(*inflight)
         sender.close()
         after_close = await client.await_weight_version(url, 3, 30)
-        return aborted, after_close
+        # An epoch whose sender never comes: the membership ends at the bound the manager sets.
+        orphan = dataclasses.replace(spec, name="realrl-t-e2", join_timeout_s=1.0)
+        await client.join_weights_group(url, orphan, 1)
+        orphaned = await client.await_weight_version(url, 3, 60)
+        return aborted, after_close, orphaned
 
     try:
-        aborted, after_close = asyncio.run(_with_client(go))
+        aborted, after_close, orphaned = asyncio.run(_with_client(go))
     finally:
         sender.close()
         store.close()
@@ -74,6 +79,7 @@ def test_a_torch_server_takes_versions_over_the_wire_while_it_serves(start_serve
         expected = forward_logprobs(versions[version], PROBE, out.output_ids)
         torch.testing.assert_close(torch.tensor(out.output_logprobs), expected, atol=1e-4, rtol=0)
     assert not after_close.success and "closed by its sender" in after_close.message
+    assert not orphaned.success and "no sender within 1 s" in orphaned.message
     # The routes are the trial's: without its key, 401 before anything is read.
     body = json.dumps({"group_name": "x", "store_host": HOST, "store_port": 1, "world_size": 2, "rank": 1}).encode()
     request = urllib.request.Request(f"{server.url}/join_weights_group", data=body, method="POST")

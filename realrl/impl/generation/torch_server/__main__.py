@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         weights_group=None
         if args.frozen
         else GroupMembership(engine, keys.weights_group_key if keys is not None else b"", args.host),
+        bind_host=args.host,
     )
     asyncio.run(serve(server, args.host, args.port))
 

@@ -222,10 +222,11 @@ class GenerationEngine:
         self._targets.check(tensors)
         return tensors
 
-    def check_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def check_weights(self, tensors: dict[str, torch.Tensor], complete: bool = True) -> None:
         """Names and shapes of weights to come against the model (any thread;
-        meta tensors will do): WeightLoadError on a mismatch."""
-        self._targets.check(tensors)
+        meta tensors will do): WeightLoadError on a mismatch. `complete`:
+        all of the model's tensors (else a part: an SGLang bucket)."""
+        self._targets.check(tensors, complete)
 
     def read_adapter(self, path: str) -> LoraAdapter:
         """Read and check a LoRA adapter (any thread; the model is not touched)."""

@@ -35,7 +35,10 @@ counted in `realrl_torch_server_unauthorized_requests` otherwise), and with
 `rejections` as `weight_path`.
 
 With `compat` (`--emulate-sglang VERSION`) the routes behave as that SGLang
-release's do (`sglang_compat`); with `vllm` (`--emulate-vllm VERSION`) the
+release's do (`sglang_compat`), and SGLang's distributed weight update is
+there too (`/init_weights_update_group`, `/update_weights_from_distributed`,
+0.5.23's `/begin_weight_update` and `/end_weight_update`,
+`/destroy_weights_update_group`: `sglang_distributed`); with `vllm` (`--emulate-vllm VERSION`) the
 server answers vLLM's routes instead (`vllm_compat`; the same key gate and
 weight-path rule). `weight_load_gate` (`--weight-load-gate FILE`, a test
 hook) holds every weight update, once its weights are read, until FILE
@@ -58,12 +61,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from realrl.api.sglang_api import (
     AbortRequest,
+    BeginWeightUpdateRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     FinishReason,
+    InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterRequest,
     Loads,
     LoRAUpdateResponse,
@@ -73,8 +81,10 @@ from realrl.api.sglang_api import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResponse,
+    WeightsUpdateResponse,
 )
 from realrl.api.weights_api import (
     AwaitWeightVersionRequest,
@@ -88,6 +98,7 @@ from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.engine import GenerationEngine
 from realrl.impl.generation.torch_server.protocol import parse_generate_body
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
+from realrl.impl.generation.torch_server.sglang_distributed import SESSION_REQUIRED, DistributedWeightUpdates
 from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat, VLLMRoutes
 from realrl.impl.generation.torch_server.weights_group import GroupMembership
 from realrl.impl.weights.broadcast import GroupSpec
@@ -123,6 +134,7 @@ class TorchGenerationServer:
         api_key: str | None = None,
         weights_dir: str = "",
         weights_group: GroupMembership | None = None,
+        bind_host: str = "127.0.0.1",
     ):
         self.engine = engine
         self.compat: SGLangCompat | None = engine.compat
@@ -143,6 +155,7 @@ class TorchGenerationServer:
         self.weights_dir = weights_dir
         # Versions over the wire (docs/design.md §8, "Broadcast"); None: disk only.
         self.weights_group = weights_group
+        self.bind_host = bind_host  # where its process groups listen (the HTTP server's host)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.gate.middleware])
@@ -162,6 +175,19 @@ class TorchGenerationServer:
         }
         for route, handler in weight_routes.items():
             r.add_post(route, self.refuse_frozen if frozen else handler)
+        if compat is not None:  # SGLang's distributed weight update (sglang_distributed)
+            self.distributed = DistributedWeightUpdates(
+                session_required=compat.since("0.5.23"), device=self.device, bind_host=self.bind_host
+            )
+            for route, handler in {
+                "/init_weights_update_group": self.init_weights_update_group,
+                "/update_weights_from_distributed": self.update_weights_from_distributed,
+            }.items():
+                r.add_post(route, self.refuse_frozen if frozen else handler)
+            r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+            if compat.since("0.5.23"):
+                r.add_post("/begin_weight_update", self.begin_weight_update)
+                r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/leave_weights_group", self.leave_weights_group)
         r.add_post("/await_weight_version", self.await_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
@@ -303,6 +329,104 @@ class TorchGenerationServer:
             )
         return self._update_answer(result)
 
+    # ---- SGLang's distributed weight update (emulated: sglang_distributed)
+
+    def _sglang_answer(self, success: bool, message: str) -> web.Response:
+        return _json(WeightsUpdateResponse(success, message), status=200 if success else 400)
+
+    def _sglang_dp_refusal(self) -> web.Response | None:
+        """SGLang asserts one data-parallel rank for a distributed update (v0.5.23
+        `managers/tokenizer_control_mixin.py`; an assertion in the handler: 500)."""
+        if self.compat.dp == 1:
+            return None
+        return web.Response(status=500, text="Internal Server Error")
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            init = from_json(InitWeightsUpdateGroupRequest, await self._read_json(request))
+            if init.backend not in ("gloo", "nccl") or init.rank_offset >= init.world_size:
+                raise BodyError(
+                    f"backend {init.backend!r} or rank_offset {init.rank_offset} of {init.world_size}", reason="invalid"
+                )
+        except BodyError as e:
+            return self._reject(e)
+        if (refusal := self._sglang_dp_refusal()) is not None:
+            return refusal
+        return self._sglang_answer(*await asyncio.to_thread(self.distributed.init_group, init))
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            destroy = from_json(DestroyWeightsUpdateGroupRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        return self._sglang_answer(*await asyncio.to_thread(self.distributed.destroy_group, destroy.group_name))
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            from_json(BeginWeightUpdateRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        return self._sglang_answer(*self.distributed.begin())
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            from_json(EndWeightUpdateRequest, await self._read_json(request))
+        except BodyError as e:
+            return self._reject(e)
+        return self._sglang_answer(*self.distributed.end())
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            update = from_json(UpdateWeightsFromDistributedRequest, await self._read_json(request))
+            parts = update.names, update.dtypes, update.shapes
+            if len({len(p) for p in parts}) != 1:
+                raise BodyError("names, dtypes and shapes differ in length", reason="invalid")
+            for name, dtype, shape in zip(*parts):
+                if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                    raise BodyError(f"{name}: no such dtype {dtype!r}", reason="invalid")
+                if any(d < 0 for d in shape):
+                    raise BodyError(f"{name}: a negative dimension in {shape}", reason="invalid")
+            if update.load_format not in (None, "flattened_bucket"):
+                raise BodyError(f"load_format {update.load_format!r}: flattened_bucket or none", reason="unsupported")
+        except BodyError as e:
+            return self._reject(e)
+        if (refusal := self._sglang_dp_refusal()) is not None:
+            return refusal
+        if self.distributed.session_required and not self.distributed.session_open:
+            return self._sglang_answer(False, SESSION_REQUIRED)
+        if update.abort_all_requests:
+            await self._call("abort", {"abort_all": True})
+        async with self._lock():
+            try:
+                tensors = await asyncio.to_thread(self.distributed.receive, update)
+            except Exception as e:
+                logger.error("Failed to receive weights: %s", e)
+                return self._sglang_answer(False, f"Failed to receive weights: {e}")
+            try:
+                self.engine.check_weights(tensors, complete=False)
+            except Exception as e:  # SGLang's load_weights fails on a tensor the model does not have
+                self.engine.stats["weight_update_failures"] += 1
+                return self._sglang_answer(
+                    False,
+                    f"Failed to update parameter online: {e}. The full weights of the ModelRunner are partially "
+                    "updated. Please discard the whole weights.",
+                )
+            result = await self._call(
+                "update",
+                {
+                    "tensors": tensors,
+                    "weight_version": update.weight_version,
+                    "abort_all_requests": False,
+                    "model_path": f"weight group {update.group_name}",
+                },
+            )
+        if not result.success:
+            return self._sglang_answer(False, result.message)
+        message = "Succeeded to update parameter online."
+        if update.weight_version is not None:
+            message += f" Weight version updated to {update.weight_version}."
+        return self._sglang_answer(True, message)
+
     # ---- weight groups (docs/design.md §8, "Broadcast")
 
     def _group_answer(self, success: bool, message: str = "") -> web.Response:
@@ -326,6 +450,7 @@ class TorchGenerationServer:
             join.backend,
             join.bucket_bytes,
             join.timeout_s,
+            join.join_timeout_s,
         )
         await asyncio.to_thread(self.weights_group.join, spec, join.rank)
         return self._group_answer(True, f"joining {join.group_name} as rank {join.rank}")

@@ -86,7 +86,9 @@ class WeightTargets:
         """Whether the file names tensors the model does not have (another layout)."""
         return any(k not in self.tensors and not k.endswith("rotary_emb.inv_freq") for k in loaded)
 
-    def check(self, loaded: dict[str, torch.Tensor]) -> None:
+    def check(self, loaded: dict[str, torch.Tensor], complete: bool = True) -> None:
+        """Names and shapes against the model; `complete`: every tensor is there
+        (else a part of them: one bucket of a distributed update)."""
         loaded = {k: v for k, v in loaded.items() if not k.endswith("rotary_emb.inv_freq")}
         unexpected = sorted(set(loaded) - set(self.tensors))
         if unexpected:
@@ -97,7 +99,7 @@ class WeightTargets:
                     f"shape of {name}: file {tuple(t.shape)} vs model {tuple(self.tensors[name].shape)}"
                 )
         missing = [group[0] for group in self.groups if not any(name in loaded for name in group)]
-        if missing:
+        if missing and complete:
             raise WeightLoadError(f"missing tensors {missing[:5]}")
 
     @torch.no_grad()
