@@ -6,9 +6,10 @@ messages over tcp on 127.0.0.1 to a puller in this process:
 
 - `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode);
 - `acked`: acknowledged delivery with a window in flight: an AckedPusher
-  submits each trajectory under its own key and waits for every verdict; the
-  puller decodes, and acknowledges each pull with one message per sender
-  listing its verdicts;
+  submits each trajectory under its own key and waits for every verdict
+  (what is queued together goes as one frame, up to 64 trajectories, as the
+  rollout worker's delivery sends a burst); the puller decodes, and
+  acknowledges each pull with one message per sender listing its verdicts;
 - `acked1` (with `--serial-acks`): one round trip per message (push, wait for
   its acknowledgement, push the next), as the rollout worker delivers today
   (docs/design.md §12);

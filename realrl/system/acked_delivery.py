@@ -24,29 +24,35 @@ from realrl.system.push_pull_stream import RateLimitedLog, ZMQPusher, logger
 
 ACK_RESEND_S = 30.0  # a message is sent again when unacknowledged this long (then 2x, 4x, ...)
 ACK_GIVE_UP_S = 900.0  # ... and everything in flight fails once one is unacknowledged this long
+MAX_BATCH = 64  # messages queued together go as one frame, at most this many
 
 
 class PushNotAcknowledged(RuntimeError):
     """No acknowledgement of a pushed message came within `ACK_GIVE_UP_S`."""
 
 
-class _InFlight:
-    """A message sent and not yet acknowledged."""
+class _Member:
+    """A message sent in a frame and not yet acknowledged."""
 
-    __slots__ = ("key", "future", "frame", "in_order", "seq", "first_sent", "next_send", "interval")
+    __slots__ = ("key", "future", "in_order", "frame", "answered")
 
-    def __init__(
-        self,
-        key: Hashable,
-        future: concurrent.futures.Future,
-        frame: Any,
-        in_order: bool,
-        seq: int,
-        now: float,
-        resend_s: float,
-    ):
-        self.key, self.future, self.frame, self.in_order, self.seq = key, future, frame, in_order, seq
-        self.first_sent, self.next_send, self.interval = now, now + resend_s, resend_s
+    def __init__(self, key: Hashable, future: concurrent.futures.Future, in_order: bool):
+        self.key, self.future, self.in_order = key, future, in_order
+        self.frame: _Frame | None = None
+        self.answered = False
+
+
+class _Frame:
+    """One zmq message on the wire: one message, or several queued together (a batch)."""
+
+    __slots__ = ("members", "data", "seq", "first_sent", "next_send", "interval", "unanswered")
+
+    def __init__(self, members: list[_Member], data: bytes):
+        self.members, self.data = members, data
+        self.seq, self.first_sent, self.next_send, self.interval = -1, 0.0, 0.0, 0.0
+        self.unanswered = len(members)
+        for member in members:
+            member.frame = self
 
 
 class AckedPusher:
@@ -55,12 +61,19 @@ class AckedPusher:
     "verdict", ...}` (or a list of them: the puller answers a whole pull in
     one message, in the order it received them) resolves the future of the
     oldest message in flight submitted under that key `(rollout_id, index)`
-    with the whole acknowledgement. A keyless `rejected` one (the puller
-    could not decode a frame, so it has no key) is the oldest unanswered
-    message's: the puller answers a connection's messages in the order they
-    came, so every message sent before it was answered already (unless its
-    answer was lost in a reconnect: then this one is misattributed, and the
-    rejected message is sent again and rejected again later).
+    with the whole acknowledgement.
+
+    Messages queued together go as one frame (a batch: the wire list of
+    them, which the puller reads as that many messages in order; at most
+    `MAX_BATCH`), so a burst of trajectories costs one zmq message, one seal
+    and one decode, not one each. A keyless `rejected` (the puller could not
+    decode a frame, so it has no key) answers every unanswered message of
+    the oldest frame with an unanswered message: the puller answers a
+    connection's frames in the order they came, so every message of every
+    frame sent before it was answered already (unless an answer was lost in
+    a reconnect: then this one is misattributed, and the rejected frame is
+    sent again and rejected again later). A message submitted with
+    `in_order=False` always goes in a frame of its own.
 
     One thread of its own is the only one that touches the socket: it sends
     whatever is queued and reads acknowledgements as they come. One message
@@ -70,11 +83,13 @@ class AckedPusher:
     high-water marks are full) the queue waits, as long as it takes, and the
     thread still reads acknowledgements.
 
-    Each message sent has its own timers: unacknowledged `resend_s` after a
-    send it is sent again (then after twice as long, ...: an acknowledgement
-    sent to a routing id the puller no longer knows, after a reconnect, is
-    lost; the puller answers a second copy `duplicate`), and once one is
-    unacknowledged `give_up_s` after its first send, every future fails with
+    Each frame sent has its own timers: with a message unacknowledged
+    `resend_s` after a send it is sent again whole (then after twice as
+    long, ...: an acknowledgement sent to a routing id the puller no longer
+    knows, after a reconnect, is lost; the puller answers a second copy
+    `duplicate`, and the copies of messages answered meanwhile count as
+    acknowledgements of nothing in flight), and once one is unacknowledged
+    `give_up_s` after its frame's first send, every future fails with
     `PushNotAcknowledged` (the puller reads nothing, or its answers are
     lost: the owner fails loudly). Acknowledgements of nothing in flight are
     counted (`n_unknown_acks`) and ignored. `should_stop` is asked every
@@ -91,21 +106,26 @@ class AckedPusher:
         log: logging.Logger | None = None,
         resend_s: float = ACK_RESEND_S,
         give_up_s: float = ACK_GIVE_UP_S,
+        max_batch: int = MAX_BATCH,
     ) -> None:
         self.pusher = pusher
         self.poll_s = poll_s
         self.resend_s = resend_s
         self.give_up_s = give_up_s
+        self.max_batch = max_batch
         self._should_stop = should_stop or (lambda: False)
         self._logger = log or logger
         self._lock = threading.Lock()  # submit() against the thread's exit
-        # Submitted, not yet sent: [message, key, future, its frame once encoded, in_order].
+        # Submitted, not yet sent: [message, key, future, in_order].
         self._queue: collections.deque[list] = collections.deque()
-        self._waiting: dict[Hashable, collections.deque[_InFlight]] = {}  # sent, unanswered, by key
-        self._unanswered: dict[int, _InFlight] = {}  # the same by sequence number, in the order first sent
-        self._resends: list[tuple[float, int]] = []  # heap of (when to send again, sequence number)
+        self._blocked: _Frame | None = None  # encoded, not yet taken by the socket (back-pressure)
+        self._waiting: dict[Hashable, collections.deque[_Member]] = {}  # sent, unanswered, by key
+        self._unanswered: dict[int, _Frame] = {}  # frames with a message unanswered, by sequence number, in send order
+        self._n_unanswered = 0  # messages sent and unanswered
+        self._resends: list[tuple[float, int]] = []  # heap of (when to send again, frame sequence number)
         self._seq = itertools.count()
-        self.n_resent = 0  # copies sent again for want of an acknowledgement
+        self.n_resent = 0  # frames sent again for want of an acknowledgement
+        self.n_frames = 0  # frames sent (a batch is one)
         self.n_unknown_acks = 0  # acknowledgements of no message in flight (e.g. of a copy sent again)
         self._resend_log = RateLimitedLog(log=self._logger)
         self._unknown_ack_log = RateLimitedLog(log=self._logger)
@@ -119,21 +139,23 @@ class AckedPusher:
     @property
     def in_flight(self) -> int:
         """Messages queued or sent and not yet acknowledged."""
-        return len(self._queue) + len(self._unanswered)
+        blocked = self._blocked
+        return len(self._queue) + (len(blocked.members) if blocked is not None else 0) + self._n_unanswered
 
     def submit(self, message: Any, key: Hashable, in_order: bool = True) -> concurrent.futures.Future:
         """Queues `message`; the future resolves to the acknowledgement for
         `key` (a dict), or fails (closed, exiting, PushNotAcknowledged, a
         message that does not encode). `in_order=False`: the puller may
         answer it after messages sent later (a question it answers once it
-        read what else waits), so a keyless rejection is never its."""
+        read what else waits), so it goes alone and a keyless rejection is
+        never its."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed is not None:
                 future.set_exception(self._failure(self._closed))
                 return future
             idle = not self._queue  # else the thread is sending and takes this one too
-            self._queue.append([message, key, future, None, in_order])
+            self._queue.append([message, key, future, in_order])
         if idle:
             try:
                 os.write(self._wake_w, b"w")
@@ -203,55 +225,95 @@ class AckedPusher:
 
     def _send_queued(self, now: float) -> bool:
         """Sends what is queued; True if the high-water marks stopped it."""
+        while True:
+            frame = self._blocked or self._next_frame()
+            if frame is None:
+                return False
+            try:
+                self.pusher._send(frame.data, 0)
+            except TimeoutError:
+                self._blocked = frame  # encoded once: sent as it is once the socket takes it
+                return True
+            self._blocked = None
+            self.n_frames += 1
+            frame.seq, frame.first_sent = next(self._seq), now
+            frame.interval, frame.next_send = self.resend_s, now + self.resend_s
+            for member in frame.members:
+                self._waiting.setdefault(member.key, collections.deque()).append(member)
+            self._unanswered[frame.seq] = frame
+            self._n_unanswered += len(frame.members)
+            heapq.heappush(self._resends, (frame.next_send, frame.seq))
+
+    def _next_frame(self) -> _Frame | None:
+        """The next frame of what is queued, encoded (None: nothing queued that is still wanted)."""
         queue = self._queue
         while queue:
-            item = queue[0]
-            message, key, future, frame, in_order = item
-            # Running from here on: a cancel (the episode's) no longer races the result.
-            if frame is None and not future.running() and not future.set_running_or_notify_cancel():
+            members: list[_Member] = []
+            messages: list = []
+            while queue and len(members) < self.max_batch:
+                message, key, future, in_order = queue[0]
+                if members and not in_order:  # an out-of-order message goes alone
+                    break
                 queue.popleft()
-                continue
-            if frame is None:
-                try:  # encoded once: a copy sent again is this frame
-                    frame = item[3] = wire.dumps(message)
-                except Exception as e:  # a message that does not encode fails its own future only
-                    queue.popleft()
-                    future.set_exception(e)
+                # Running from here on: a cancel (the episode's) no longer races the result.
+                if not future.set_running_or_notify_cancel():
                     continue
-            try:
-                self.pusher._send(frame, 0)
-            except TimeoutError:
-                return True
-            queue.popleft()
-            entry = _InFlight(key, future, frame, in_order, next(self._seq), now, self.resend_s)
-            self._waiting.setdefault(key, collections.deque()).append(entry)
-            self._unanswered[entry.seq] = entry
-            heapq.heappush(self._resends, (entry.next_send, entry.seq))
-        return False
+                members.append(_Member(key, future, in_order))
+                messages.append(message)
+                if not in_order:
+                    break
+            if members:
+                frame = self._encode(members, messages)
+                if frame is not None:
+                    return frame
+        return None
+
+    def _encode(self, members: list[_Member], messages: list) -> _Frame | None:
+        """One frame of these messages: a single one as it is (unless it is itself a list, which
+        the puller would read as a batch), several as the list of them. A message that does not
+        encode fails its own future only."""
+        single = len(messages) == 1 and not isinstance(messages[0], list)
+        try:
+            return _Frame(members, wire.dumps(messages[0] if single else messages))
+        except Exception as e:
+            if len(messages) == 1:
+                members[0].future.set_exception(e)
+                return None
+        good = []  # which of the batch does not encode
+        for member, message in zip(members, messages):
+            error = _encode_error(message)
+            if error is None:
+                good.append((member, message))
+            else:
+                member.future.set_exception(error)
+        if not good:
+            return None
+        return self._encode([m for m, _ in good], [message for _, message in good])
 
     def _send_again(self, now: float) -> bool:
-        """Sends again each message unacknowledged past its timer; True if the high-water marks stopped it."""
+        """Sends again each frame with a message unacknowledged past its timer; True if the
+        high-water marks stopped it."""
         resends = self._resends
         while resends and resends[0][0] <= now:
             when, seq = resends[0]
-            entry = self._unanswered.get(seq)
-            if entry is None or entry.next_send != when:  # answered, or rescheduled since
+            frame = self._unanswered.get(seq)
+            if frame is None or frame.next_send != when:  # answered, or rescheduled since
                 heapq.heappop(resends)
                 continue
             try:
-                self.pusher._send(entry.frame, 0)
+                self.pusher._send(frame.data, 0)
             except TimeoutError:
                 return True
             heapq.heappop(resends)
             self.n_resent += 1
-            entry.interval *= 2
-            entry.next_send = now + entry.interval
-            heapq.heappush(resends, (entry.next_send, seq))
+            frame.interval *= 2
+            frame.next_send = now + frame.interval
+            heapq.heappush(resends, (frame.next_send, seq))
             self._resend_log.warning(
                 "no acknowledgement from the puller at %s of %r for %.0f s: sent it again (%d sent again so far)",
                 self.pusher.address,
-                entry.key,
-                now - entry.first_sent,
+                next(m.key for m in frame.members if not m.answered),
+                now - frame.first_sent,
                 self.n_resent,
             )
         return False
@@ -259,8 +321,9 @@ class AckedPusher:
     def _give_up_if_due(self, now: float) -> None:
         oldest = next(iter(self._unanswered.values()), None)  # the first sent of those unanswered
         if oldest is not None and now - oldest.first_sent >= self.give_up_s:
+            key = next(m.key for m in oldest.members if not m.answered)
             raise PushNotAcknowledged(
-                f"the puller at {self.pusher.address} acknowledged nothing of {oldest.key!r}, sent "
+                f"the puller at {self.pusher.address} acknowledged nothing of {key!r}, sent "
                 f"{now - oldest.first_sent:.0f} s ago ({self.n_resent} copies sent again): it reads nothing, or "
                 "its acknowledgements are lost"
             )
@@ -276,8 +339,8 @@ class AckedPusher:
                 self._logger.warning("ignoring a malformed acknowledgement: %s", e)
                 continue
             for ack in acks if isinstance(acks, list) else [acks]:
-                entry = self._entry_of(ack)
-                if entry is None:
+                answered = self._answered_by(ack)
+                if not answered:
                     self.n_unknown_acks += 1
                     self._unknown_ack_log.warning(
                         "ignoring an acknowledgement of no message in flight (%d so far): %.200r",
@@ -285,31 +348,58 @@ class AckedPusher:
                         ack,
                     )
                     continue
-                entries = self._waiting[entry.key]
-                entries.remove(entry)  # (the first of its key, but for a keyless rejection)
-                if not entries:
-                    del self._waiting[entry.key]
-                del self._unanswered[entry.seq]
-                entry.future.set_result(ack)
+                for member in answered:
+                    self._answer(member, ack)
 
-    def _entry_of(self, ack: Any) -> _InFlight | None:
-        """The message in flight `ack` answers (None: no such message)."""
+    def _answered_by(self, ack: Any) -> list[_Member]:
+        """The messages in flight `ack` answers: the oldest one of its key, or for a keyless
+        rejection every unanswered one of the oldest frame with an in-order message unanswered."""
         if not isinstance(ack, dict):
-            return None
+            return []
         key = (ack.get("rollout_id"), ack.get("index"))
         if key == (None, None) and ack.get("verdict") == "rejected":
-            return next((e for e in self._unanswered.values() if e.in_order), None)
-        entries = self._waiting.get(key)
-        return entries[0] if entries else None
+            for frame in self._unanswered.values():
+                if any(m.in_order and not m.answered for m in frame.members):
+                    return [m for m in frame.members if not m.answered]
+            return []
+        members = self._waiting.get(key)
+        return [members[0]] if members else []
+
+    def _answer(self, member: _Member, ack: dict) -> None:
+        members = self._waiting[member.key]
+        members.remove(member)  # (the first of its key, but for a keyless rejection)
+        if not members:
+            del self._waiting[member.key]
+        member.answered = True
+        frame = member.frame
+        frame.unanswered -= 1
+        self._n_unanswered -= 1
+        if not frame.unanswered:
+            del self._unanswered[frame.seq]
+        member.future.set_result(ack)
 
     def _fail_all(self, reason: str) -> None:
-        futures = [item[2] for item in self._queue] + [e.future for e in self._unanswered.values()]
+        futures = [item[2] for item in self._queue]
+        if self._blocked is not None:
+            futures += [m.future for m in self._blocked.members]
+        futures += [m.future for frame in self._unanswered.values() for m in frame.members if not m.answered]
         self._queue.clear()
+        self._blocked = None
         self._waiting.clear()
         self._unanswered.clear()
+        self._n_unanswered = 0
         self._resends.clear()
         for future in futures:
             try:
                 future.set_exception(self._failure(reason))
             except concurrent.futures.InvalidStateError:  # cancelled before it was sent
                 pass
+
+
+def _encode_error(message: Any) -> Exception | None:
+    """Why `message` does not encode (None: it does)."""
+    try:
+        wire.dumps(message)
+    except Exception as e:
+        return e
+    return None

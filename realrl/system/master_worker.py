@@ -149,9 +149,13 @@ class MasterWorker(AsyncWorker):
         self.summary_path = os.path.join(self.info.log_dir, "summary.json")
         self.plots_dir = os.path.join(self.info.log_dir, "plots")
         self.step_logger = getLogger(STEP_LOGGER)  # one line per step: the log file; the launcher renders it
-        self._gen_utilization: dict | None = None  # the manager's cumulative figures at the previous step
+        # The manager's /rollout_stats, read once per step while the trainers train (off the step's
+        # critical path): the previous step's reading is the baseline of this step's generation
+        # figures and of its rejected groups. None: not read yet, or the manager did not answer.
+        self._rollout_stats: RolloutStats | None = None
         self._wait_data_s = 0.0  # of the last _fetch: time the ranks held too few trajectories
-        self._rejected_groups: int | None = None  # of the last _fetch: groups the agents rejected meanwhile
+        self._http: aiohttp.ClientSession | None = None  # to the manager, kept open (one connection, not one per call)
+        self._manager_url: str | None = None  # resolved once; again after a connection error
         self._finished = False
 
     async def _setup_async(self) -> None:
@@ -174,6 +178,8 @@ class MasterWorker(AsyncWorker):
     async def _teardown_async(self) -> None:
         if self.stats_logger is not None:
             self.stats_logger.close()
+        if self._http is not None:
+            await self._http.close()
         self.stream.close()
 
     def _progress_info(self) -> dict:
@@ -221,7 +227,8 @@ class MasterWorker(AsyncWorker):
         all_ranks = list(range(n))
         min_version = self.version - self.cfg.max_head_offpolicyness
         started = waiting_since = last_warning = last_rejection_check = time.monotonic()
-        rejected_before = await self._rejected_so_far()
+        # The count at the previous step's reading (this step's start, give or take a train step).
+        rejected_before = None if self._rollout_stats is None else self._rollout_stats.rejected
         have = -1
         while True:
             replies = await self.stream.call_async(
@@ -247,8 +254,6 @@ class MasterWorker(AsyncWorker):
                 last_rejection_check, cap = now, self.cfg.max_rejected_groups
                 check_rejections(self.step + 1, rejected_before, await self._rejected_so_far(), cap, held, B)
             await asyncio.sleep(self.cfg.fetch_poll_interval)
-        after = await self._rejected_so_far()  # the step's rejections, for its stats
-        self._rejected_groups = None if after is None or rejected_before is None else after - rejected_before
         dest = plan_batch(chosen, n)
         requests = []
         for rank in all_ranks:
@@ -294,8 +299,8 @@ class MasterWorker(AsyncWorker):
         return batch
 
     async def _train_step(self) -> None:
-        if self._gen_utilization is None:  # the baseline of the first step's generation figures
-            self._gen_utilization = await self._manager_utilization()
+        if self._rollout_stats is None:  # the baseline of the first step's figures
+            self._rollout_stats = await self._read_rollout_stats()
         t0 = time.monotonic()
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
@@ -308,13 +313,20 @@ class MasterWorker(AsyncWorker):
                 timeout=self.cfg.rpc_timeout,
             )
         t_inf = time.monotonic()
-        results = await self.stream.call_async(
-            all_ranks,
-            "train_step",
-            [{"version": self.version + 1, "last_step": self.step + 1 == self.cfg.total_train_steps}] * len(all_ranks),
-            timeout=self.cfg.rpc_timeout,
+        # The manager's figures are read while the trainers train: an HTTP round trip between two
+        # steps (or two in the fetch) would keep the trainers waiting.
+        results, rollout_stats = await asyncio.gather(
+            self.stream.call_async(
+                all_ranks,
+                "train_step",
+                [{"version": self.version + 1, "last_step": self.step + 1 == self.cfg.total_train_steps}]
+                * len(all_ranks),
+                timeout=self.cfg.rpc_timeout,
+            ),
+            self._read_rollout_stats(),
         )
         t_train = time.monotonic()
+        before, self._rollout_stats = self._rollout_stats, rollout_stats
         self.version += 1
         self.step += 1
         self.consumed += len(batch["staleness"])
@@ -352,15 +364,15 @@ class MasterWorker(AsyncWorker):
             stats["staleness/token_histogram"] = batch["token_staleness"]  # generated tokens, per staleness
         stats["time/fetch_s"] = t_fetch - t0
         stats["time/wait_data_s"] = self._wait_data_s  # part of fetch_s
-        if self._rejected_groups is not None:
-            stats["rollout/rejected_groups"] = self._rejected_groups  # dynamic sampling, success-rate filter
+        if before is not None and rollout_stats is not None:  # dynamic sampling, success-rate filter
+            stats["rollout/rejected_groups"] = rollout_stats.rejected - before.rejected
         stats["time/inference_s"] = t_inf - t_fetch
         stats["time/train_s"] = t_train - t_inf
         if isinstance(results[0].get("publish_seconds"), (int, float)):
             stats["time/publish_s"] = results[0]["publish_seconds"]  # part of train_s
         stats["time/step_s"] = t_train - t0
         stats["throughput/tokens_per_s"] = n_tokens / max(t_train - t0, 1e-9)
-        stats.update(self._perf_stats(stats, n_tokens, await self._manager_utilization()))
+        stats.update(self._perf_stats(stats, n_tokens, before, rollout_stats))
         stats["time/elapsed_s"] = time.monotonic() - self.started
 
         if (
@@ -397,36 +409,32 @@ class MasterWorker(AsyncWorker):
             stats["perf/train_tokens_per_s"],
         )
 
-    def _perf_stats(self, stats: dict, n_tokens: int, utilization: dict | None) -> dict:
+    def _perf_stats(self, stats: dict, n_tokens: int, before: RolloutStats | None, now: RolloutStats | None) -> dict:
         """Idle ratios and throughput of this step (docs/observability.md):
         the trainers' from this step's timings, the generation servers' from
-        the manager's cumulative figures since the previous step."""
+        the manager's cumulative figures since the previous step's reading."""
         step_s = max(stats["time/step_s"], 1e-9)
         perf = {
             "perf/trainer_idle_ratio": min(max(stats["time/wait_data_s"] / step_s, 0.0), 1.0),
             "perf/train_tokens_per_s": n_tokens / step_s,
         }
-        before, self._gen_utilization = self._gen_utilization, utilization
-        if before is not None and utilization is not None:
-            server_s = utilization["gen_server_s"] - before["gen_server_s"]
-            clock_s = utilization["gen_clock_s"] - before["gen_clock_s"]
+        if before is not None and now is not None:
+            server_s = float(now.gen_server_s) - float(before.gen_server_s)
+            clock_s = float(now.gen_clock_s) - float(before.gen_clock_s)
             if server_s > 0 and clock_s > 0:
-                idle = utilization["gen_idle_s"] - before["gen_idle_s"]
+                idle = float(now.gen_idle_s) - float(before.gen_idle_s)
                 perf["perf/gen_idle_ratio"] = min(max(idle / server_s, 0.0), 1.0)
-                perf["perf/gen_tokens_per_s"] = (utilization["gen_tokens"] - before["gen_tokens"]) / clock_s
+                perf["perf/gen_tokens_per_s"] = (float(now.gen_tokens) - float(before.gen_tokens)) / clock_s
         return perf
 
-    async def _manager_utilization(self) -> dict | None:
-        """The generation servers' cumulative utilization from the manager;
-        None when it does not answer (the step's gen figures are then left out)."""
+    async def _read_rollout_stats(self) -> RolloutStats | None:
+        """The manager's /rollout_stats (cumulative generation figures, rejected groups); None
+        when it does not answer (the step's figures that need it are then left out)."""
         try:
-            rs = await self._manager("GET", "/rollout_stats", RolloutStats)
+            return await self._manager("GET", "/rollout_stats", RolloutStats)
         except Exception as e:  # figures only: never fail the step
-            self.logger.debug("no utilization from the gserver manager: %s: %s", type(e).__name__, e)
+            self.logger.debug("no rollout stats from the gserver manager: %s: %s", type(e).__name__, e)
             return None
-        if rs is None:
-            return None
-        return {k: float(getattr(rs, k)) for k in ("gen_idle_s", "gen_server_s", "gen_tokens", "gen_clock_s")}
 
     async def _rejected_so_far(self) -> int | None:
         """The groups the agents rejected so far (the manager's count); None when it does not answer."""
@@ -642,14 +650,22 @@ class MasterWorker(AsyncWorker):
     async def _manager(self, method: str, path: str, reply_type: type[_T]) -> _T | None:
         """A call to the gserver manager (no request body), its reply read as
         `reply_type` (a `manager_api` class); None when no manager is registered."""
+        if self._manager_url is None:
+            try:
+                self._manager_url = name_resolve.get(names.gen_server_manager(self.experiment_name, self.trial_name))
+            except name_resolve.NameEntryNotFoundError:
+                return None
+        if self._http is None:
+            self._http = aiohttp.ClientSession(headers=trial_secret.http_headers())
         try:
-            url = name_resolve.get(names.gen_server_manager(self.experiment_name, self.trial_name))
-        except name_resolve.NameEntryNotFoundError:
-            return None
-        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
-            async with session.request(method, f"{url}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with self._http.request(
+                method, f"{self._manager_url}{path}", timeout=aiohttp.ClientTimeout(total=30)
+            ) as resp:
                 resp.raise_for_status()
                 return from_json(reply_type, await resp.json())
+        except aiohttp.ClientConnectionError:
+            self._manager_url = None  # a manager at a new address registers it anew
+            raise
 
     async def _finish(self) -> None:
         final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}

@@ -4,8 +4,9 @@ Dynamic sampling (and the success-rate filter) make the agent reject groups
 that carry no signal; they cost no staleness budget and a step waits for
 informative ones. A task the filter rejects (almost) entirely would stall
 that wait forever, so while a step waits the master compares the manager's
-count of rejected groups with the count at the step's start, every
-`CHECK_INTERVAL_S`, and stops the trial with the reason past the cap.
+count of rejected groups, every `CHECK_INTERVAL_S`, with the count it read
+during the previous step's training (its one reading per step, off the
+step's critical path), and stops the trial with the reason past the cap.
 """
 
 from __future__ import annotations

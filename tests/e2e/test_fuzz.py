@@ -76,6 +76,8 @@ INVALID = [
     _trajectory("fuzz-future@0", 4, 3, version=10**6),  # a weight version the trainer never had
     _trajectory("fuzz-positive@0", 4, 3, logprob=0.5),
 ]
+# (A frame holding a list is a batch of messages, as AckedPusher sends them: [1, 2, 3] is three invalid ones.)
+N_INVALID = sum(len(m) if isinstance(m, list) else 1 for m in INVALID)
 REJECTED_FRAMES = [b"not a realrl message", b"RJ" + bytes(30)]  # sealed, but no wire message
 # A well-formed trajectory of no admitted rollout (no rollout id): foreign.
 FOREIGN = [_trajectory("fuzz-foreign@0", 4, 3)]
@@ -177,7 +179,7 @@ def test_junk_to_a_live_trial_is_counted_apart_and_bends_nothing(tmp_path, kit_c
     assert summary["steps"] == STEPS
     # The junk is refused and counted: invalid trajectories, rejected frames, bad requests; no
     # request of a stray was left in flight on a server.
-    assert t["dropped_invalid"] == len(INVALID) and t["rejected_frames"] == len(REJECTED_FRAMES), t
+    assert t["dropped_invalid"] == N_INVALID and t["rejected_frames"] == len(REJECTED_FRAMES), t
     assert t["seal_refused_frames"] == 3, t  # the outsider's three: refused, never trained
     assert t["foreign"] == len(FOREIGN), t
     assert summary["rollouts"]["bad_requests"] == len(statuses["manager"]), summary["rollouts"]

@@ -342,14 +342,16 @@ def test_pusher_close_does_not_hang_without_a_puller():
 
 class FakePuller:
     """A fake puller (a real ROUTER socket, in a thread): after each message
-    it receives, `respond(received)` (every message so far, decoded) says
-    what to send back to its sender now: None nothing (as when an
-    acknowledgement went to a routing id lost in a reconnect), else one
-    acknowledgement message (a dict, or a list as PullerStreamDataset sends)."""
+    it receives (a frame holding a list is a batch of them), `respond(received)`
+    (every message so far, decoded) says what to send back to its sender now:
+    None nothing (as when an acknowledgement went to a routing id lost in a
+    reconnect), else one acknowledgement message (a dict, or a list as
+    PullerStreamDataset sends). `frames` counts the frames."""
 
     def __init__(self, respond):
         self.respond = respond
         self.received: list = []
+        self.frames = 0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -363,10 +365,13 @@ class FakePuller:
             if not self._socket.poll(20):
                 continue
             sender, frame = self._socket.recv_multipart()
-            self.received.append(wire.loads(frame))
-            answer = self.respond(list(self.received))
-            if answer is not None:
-                self._socket.send_multipart([sender, wire.dumps(answer)])
+            self.frames += 1
+            message = wire.loads(frame)
+            for m in message if isinstance(message, list) else [message]:
+                self.received.append(m)
+                answer = self.respond(list(self.received))
+                if answer is not None:
+                    self._socket.send_multipart([sender, wire.dumps(answer)])
 
     def close(self):
         self._stop.set()
@@ -379,10 +384,21 @@ def ack(key, verdict, **more):
     return {"rollout_id": key[0], "index": key[1], "verdict": verdict, **more}
 
 
-def acked_delivery(respond, **kwargs):
+def acked_delivery(respond, cls=AckedPusher, **kwargs):
     puller = FakePuller(respond)
     pusher = ZMQPusher("127.0.0.1", puller.port)
-    return puller, pusher, AckedPusher(pusher, poll_s=0.05, **kwargs)
+    return puller, pusher, cls(pusher, poll_s=0.05, **kwargs)
+
+
+class HeldAckedPusher(AckedPusher):
+    """Sends nothing until `release` is set: what was submitted meanwhile goes as one frame."""
+
+    def __init__(self, *args, **kwargs):
+        self.release = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _send_queued(self, now):
+        return super()._send_queued(now) if self.release.is_set() else False
 
 
 def close_all(puller, pusher, delivery):
@@ -391,8 +407,8 @@ def close_all(puller, pusher, delivery):
     puller.close()
 
 
-def test_each_message_in_flight_is_sent_again_on_its_own_timer_and_a_copys_answer_ends_it():
-    """Two trajectories in flight; the first one's acknowledgement never
+def test_each_frame_in_flight_is_sent_again_on_its_own_timer_and_a_copys_answer_ends_it():
+    """Two trajectories in flight, a frame each; the first one's acknowledgement never
     comes (lost in a reconnect), the second's does, then one of nothing in
     flight (counted, ignored). Only the first is sent again once its own
     timer ran out, and the puller's `duplicate` for that copy resolves it."""
@@ -406,7 +422,7 @@ def test_each_message_in_flight_is_sent_again_on_its_own_timer_and_a_copys_answe
             return [ack(keys[2], "duplicate")]
         return None
 
-    puller, pusher, delivery = acked_delivery(respond, resend_s=0.3, give_up_s=60)
+    puller, pusher, delivery = acked_delivery(respond, resend_s=0.3, give_up_s=60, max_batch=1)
     try:
         first = delivery.submit({"rollout_id": a[0], "index": a[1]}, a)
         second = delivery.submit({"rollout_id": b[0], "index": b[1]}, b)
@@ -430,7 +446,7 @@ def test_a_window_never_acknowledged_fails_loudly_after_its_bound():
                 future.result(timeout=10)
         with pytest.raises(PushNotAcknowledged):
             delivery.submit({"index": 3}, ("0:0:1", 3)).result(timeout=1)
-        assert len(puller.received) >= 6 and delivery.n_resent >= 3  # each sent again meanwhile
+        assert len(puller.received) >= 6 and delivery.n_resent >= 1  # each sent again meanwhile
     finally:
         close_all(puller, pusher, delivery)
 
@@ -450,7 +466,7 @@ def test_a_keyless_rejection_is_the_oldest_unanswered_messages_and_futures_carry
             return [ack(("0:0:1", None), "held", held=2)]
         return None
 
-    puller, pusher, delivery = acked_delivery(respond)
+    puller, pusher, delivery = acked_delivery(respond, max_batch=1)  # a frame each
     try:
         futures = [delivery.submit({"i": i}, key) for i, key in enumerate(keys)]
         assert [f.result(timeout=10)["verdict"] for f in futures] == ["taken", "rejected", "taken"]
@@ -460,6 +476,51 @@ def test_a_keyless_rejection_is_the_oldest_unanswered_messages_and_futures_carry
         assert delivery.n_unknown_acks == 0 and delivery.in_flight == 0
     finally:
         close_all(puller, pusher, delivery)
+
+
+def test_messages_queued_together_go_as_one_frame_and_a_keyless_rejection_answers_all_of_it():
+    """Five messages queued while the pusher's thread is held go as one frame
+    (a batch: the puller reads five messages, in order); each is answered on
+    its own. Then two frames: a message alone, and a batch of three that the
+    puller cannot decode: its keyless `rejected` answers every message of
+    that batch (the oldest frame with a message unanswered), not the one
+    answered before it; the real puller takes a batch as its messages."""
+    keys = [("0:0:1", i) for i in range(5)]
+    puller, pusher, delivery = acked_delivery(
+        lambda received: [ack(key, "taken") for key in keys] if len(received) == 5 else None, cls=HeldAckedPusher
+    )
+    try:
+        futures = [delivery.submit({"rollout_id": k[0], "index": k[1]}, k) for k in keys]
+        delivery.release.set()
+        assert [f.result(timeout=10)["verdict"] for f in futures] == ["taken"] * 5
+        assert puller.frames == 1 and [m["index"] for m in puller.received] == list(range(5))
+        assert delivery.n_frames == 1 and delivery.in_flight == 0
+    finally:
+        close_all(puller, pusher, delivery)
+
+    def respond(received):  # the message alone, then a rejection of the batch behind it
+        return [ack(("0:0:2", 0), "taken"), ack((None, None), "rejected")] if len(received) == 1 else None
+
+    puller, pusher, delivery = acked_delivery(respond, cls=HeldAckedPusher)
+    try:
+        alone = delivery.submit({"rollout_id": "0:0:2", "index": 0}, ("0:0:2", 0), in_order=False)
+        batch = [delivery.submit({"rollout_id": "0:0:3", "index": i}, ("0:0:3", i)) for i in range(3)]
+        delivery.release.set()
+        assert alone.result(timeout=10)["verdict"] == "taken"
+        assert [f.result(timeout=10) for f in batch] == [ack((None, None), "rejected")] * 3
+        assert delivery.n_frames == 2 and delivery.n_unknown_acks == 0 and delivery.in_flight == 0
+    finally:
+        close_all(puller, pusher, delivery)
+    real = ZMQPuller()
+    pusher = ZMQPusher("127.0.0.1", real.port)
+    try:
+        pusher.push([{"index": 0}, {"index": 1}])
+        pusher.push({"index": 2})
+        got = _pull_with_senders_until(real, 3)
+        assert [m for _, m in got] == [{"index": 0}, {"index": 1}, {"index": 2}] and real.n_received == 3
+    finally:
+        pusher.close(linger=0)
+        real.close()
 
 
 def test_a_puller_reporting_rejects_returns_them_in_their_place_among_the_messages():

@@ -101,8 +101,16 @@ class SequenceBatch:
     def seq_lens(self) -> list[int]:
         return [len(x) for x in self.input_ids]
 
+    @property
+    def completion_lens(self) -> list[int]:
+        """Every sequence's completion length (computed once: the trainer asks per sequence many times a step)."""
+        lens = self.__dict__.get("_completion_lens")
+        if lens is None or len(lens) != len(self.input_ids):
+            lens = self.__dict__["_completion_lens"] = [len(x) - p for x, p in zip(self.input_ids, self.prompt_lens)]
+        return lens
+
     def completion_len(self, i: int) -> int:
-        return len(self.input_ids[i]) - self.prompt_lens[i]
+        return self.completion_lens[i]
 
     def trained_mask(self, i: int) -> torch.Tensor:
         """bool [C_i]: which completion tokens of sequence i the policy sampled:
@@ -134,6 +142,9 @@ class SequenceBatch:
 
     def n_completion_tokens(self, indices: list[int] | None = None) -> int:
         """Trained (sampled) completion tokens of these sequences (all: None)."""
+        if self.loss_masks is None:  # every completion token was sampled
+            lens = self.completion_lens
+            return sum(lens) if indices is None else sum(lens[i] for i in indices)
         indices = range(self.n_seqs) if indices is None else indices
         return sum(map(self.n_sampled, indices))
 
@@ -208,7 +219,8 @@ def make_micro_batch(
             src_cols.append([P - 1, *range(col, col + G)])
             src_rows.append(r)
             targets.append(completion)
-            masks.append(batch.trained_mask(i).long().tolist())
+            mask = None if batch.loss_masks is None else batch.loss_masks[i]
+            masks.append([1] * G if mask is None else mask.long().tolist())
             ids += completion
             seg += [s] * G
             pos += range(P, P + G)

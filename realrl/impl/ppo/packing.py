@@ -9,7 +9,8 @@ from realrl.impl.ppo.batch import SequenceBatch
 
 def _row_width(batch: SequenceBatch, row: list[int]) -> int:
     """Tokens of a row: the shared prompt once, then every completion."""
-    return batch.prompt_lens[row[0]] + sum(map(batch.completion_len, row))
+    lens = batch.completion_lens
+    return batch.prompt_lens[row[0]] + sum(lens[i] for i in row)
 
 
 def share_prompt_rows(

@@ -118,6 +118,14 @@ _MAX_KEYS = ("behav_imp_weight_max", "neg_behav_imp_weight_min", "actor_grad_nor
 _MAX_INIT = {"behav_imp_weight_max": -math.inf, "neg_behav_imp_weight_min": -math.inf}
 
 
+def _counts_per_sequence(flat_masks: torch.Tensor, lengths: list[int]) -> list[int]:
+    """The True entries of each sequence's stretch of `flat_masks` (its masks concatenated), at
+    once: a sum per sequence is a torch call each, 128 of them a default step."""
+    prefix = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(flat_masks.long(), 0)])
+    ends = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
+    return (prefix[ends] - prefix[ends - torch.tensor(lengths, dtype=torch.long)]).tolist()
+
+
 class PPOTrainer:
     """One rank's PPO/GRPO logic. Data parallelism enters through
     `process_group` (None: one rank, and then no collective is ever called)
@@ -308,12 +316,17 @@ class PPOTrainer:
         """[N] the sequences' rewards plus DAPO's soft overlong punishment."""
         return batch.rewards + self.overlong_penalties(batch)
 
-    def chain_rewards(self, batch: SequenceBatch, chains: list[list[int]]) -> torch.Tensor:
+    def chain_rewards(
+        self, batch: SequenceBatch, chains: list[list[int]], penalties: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[len(chains)] what a group estimator compares: each chain's reward, its first sequence's
         (the episode's return from its start: a multi-turn agent's turn-level discount gives later
-        turns more), plus its worst call's overlong penalty."""
-        penalties = self.overlong_penalties(batch)
-        return torch.stack([batch.rewards[chain[0]] + penalties[chain].min() for chain in chains])
+        turns more), plus its worst call's overlong penalty (`penalties`: `overlong_penalties`)."""
+        penalties = self.overlong_penalties(batch) if penalties is None else penalties
+        firsts = torch.tensor([chain[0] for chain in chains])
+        if all(len(chain) == 1 for chain in chains):  # one sequence each: one indexing, not one per chain
+            return batch.rewards[firsts] + penalties[firsts]
+        return batch.rewards[firsts] + torch.stack([penalties[chain].min() for chain in chains])
 
     def advantages(
         self, batch: SequenceBatch, masks: list[torch.Tensor] | None = None
@@ -329,10 +342,12 @@ class PPOTrainer:
         if cfg.adv_estimator in GROUP_ESTIMATORS:
             # Each chain (a sampled episode: one sequence, or a multi-turn agent's turns) is one sample
             # of its group; its sequences share its advantage.
+            penalties = self.overlong_penalties(batch)
+            kl_rewards = batch.ref_logprobs is not None and cfg.kl_ctl > 0
             for chains in batch.group_chains():
                 chain_adv = torch.zeros(len(chains))
                 if len(chains) >= 2:  # a group of one has no baseline: no signal (counted: groups_of_one)
-                    chain_rewards = self.chain_rewards(batch, chains)
+                    chain_rewards = self.chain_rewards(batch, chains, penalties)
                     if cfg.adv_estimator == "rloo":
                         chain_adv = F.rloo_advantages(chain_rewards, len(chains))
                     else:
@@ -340,6 +355,9 @@ class PPOTrainer:
                         chain_adv = F.group_normalized_advantages(chain_rewards, len(chains), std_normalize=std_norm)
                 for a, chain in zip(chain_adv.tolist(), chains):
                     for i in chain:
+                        if not kl_rewards:  # the chain's advantage on every trained token (one op, not seven)
+                            advs[i] = masks[i] * a
+                            continue
                         kl = self._kl_token_rewards(batch, i) * masks[i]
                         # advantage_t = A_chain + sum_{t' >= t} (-kl_ctl * KL_t')
                         advs[i] = (a + torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])) * masks[i]
@@ -380,6 +398,8 @@ class PPOTrainer:
         the same on every rank."""
         cfg = self.cfg
         masks = self.trained_masks(batch)
+        flat_masks = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+        trained_counts = _counts_per_sequence(flat_masks, [len(m) for m in masks])
         advs, returns = self.advantages(batch, masks)
         decoupled = batch.prox_from_train_forward or batch.prox_logprobs is not None
         if batch.prox_from_train_forward:
@@ -399,7 +419,7 @@ class PPOTrainer:
         group_parts = partition_balanced(group_tokens, n_mbs) if n_mbs else []  # n_mbs = 0: no rank has data
         parts = [[i for g in part for i in batch.groups[g]] for part in group_parts]
         plans = self._padded_plans(batch, parts)
-        normalizers = self._normalizers(masks, parts)
+        normalizers = self._normalizers(masks, parts, trained_counts)
 
         acc = {**dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0), **_MAX_INIT}
         old_values = None
@@ -418,8 +438,8 @@ class PPOTrainer:
             reward_sum=float(batch.rewards.sum()),
             n_seqs=float(batch.n_seqs),
             n_completion_tokens=float(batch.n_completion_tokens()),
-            adv_sum=float(sum(float(a[m].sum()) for a, m in zip(advs, masks))),
-            adv_count=float(sum(int(m.sum()) for m in masks)),
+            adv_sum=float(torch.cat(advs)[flat_masks].double().sum()) if advs else 0.0,
+            adv_count=float(sum(trained_counts)),
             truncated_masked_seqs=float(sum(bool(cfg.mask_truncated and x) for x in batch.no_eos.tolist())),
             groups_of_one=float(
                 sum(len(chains) < 2 for chains in batch.group_chains()) if cfg.adv_estimator in GROUP_ESTIMATORS else 0
@@ -427,16 +447,20 @@ class PPOTrainer:
         )
         return self._global_stats(acc, n_mbs)
 
-    def _normalizers(self, masks: list[torch.Tensor], parts: list[list[int]]) -> list[torch.Tensor]:
+    def _normalizers(
+        self, masks: list[torch.Tensor], parts: list[list[int]], trained_counts: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """Each minibatch's loss denominator over all ranks (one all-reduce):
         its trained tokens (token-mean), or its sequences with a trained
-        token (`F.aggregate_loss`)."""
+        token (`F.aggregate_loss`); `trained_counts`: each sequence's trained tokens, if counted."""
         if not parts:
             return []
+        if trained_counts is None:
+            trained_counts = _counts_per_sequence(torch.cat(masks), [len(m) for m in masks])
         if self.cfg.loss_agg_mode == "token-mean":
-            local = [float(sum(int(masks[i].sum()) for i in indices)) for indices in parts]
+            local = [float(sum(trained_counts[i] for i in indices)) for indices in parts]
         else:
-            local = [float(sum(bool(masks[i].any()) for i in indices)) for indices in parts]
+            local = [float(sum(trained_counts[i] > 0 for i in indices)) for indices in parts]
         return list(self.all_reduce_sum(torch.tensor(local, device=self.device)).clamp(min=1.0))
 
     def _global_stats(self, acc: dict[str, float], n_mbs: int) -> dict[str, float]:
