@@ -187,7 +187,9 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     assert "updating 2 servers to weight version 2 (broadcast)" in log, log[-3000:]
     assert re.search(r"weight group realrl-\S+-e1(: \S+ left it| failed|: \S+ did not get version)", log), log[-3000:]
     assert re.search(r"updating \d servers to weight version 3 from ", log), log[-3000:]  # by disk
-    later = re.findall(r"weight group realrl-\S+-e(\d+): (\d) servers", log)[-1]
-    assert int(later[0]) > 1 and later[1] == "2", later
+    # A later epoch of both servers (the killed one back); the last epoch line may be one the
+    # manager built as the trial's servers stopped, so not necessarily that one.
+    epochs = re.findall(r"weight group realrl-\S+-e(\d+): (\d) servers", log)
+    assert any(int(e) > 1 and n == "2" for e, n in epochs), epochs
     assert "updating 2 servers to weight version 5 (broadcast)" in log, log[-3000:]
     assert "all servers hold weight version 5" in log
