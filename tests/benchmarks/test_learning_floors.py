@@ -70,4 +70,4 @@ def test_the_docs_and_the_readme_show_the_record_as_it_is():
     with open(os.path.join(REPO, "README.md")) as f:
         readme = " ".join(f.read().split())
     # the README's figure for its first command: the range of the recorded runs
-    assert f"about 0.8 ({readme_range(record)} in the runs recorded" in readme, readme_range(record)
+    assert f"({readme_range(record)} in the runs recorded" in readme, readme_range(record)
