@@ -369,13 +369,9 @@ class GenerationClient:
             weight_version=None if weight_version is None else str(weight_version),
             abort_all_requests=abort_all_requests,
         )
-        body = await self._request(
-            "POST", url, "/update_weights_from_disk", to_json(request), timeout_s, ok_statuses=(400,)
+        answer = await self._post_answer(
+            url, "/update_weights_from_disk", request, timeout_s, UpdateWeightsFromDiskResponse
         )
-        try:
-            answer = from_json(UpdateWeightsFromDiskResponse, body)
-        except BodyError:
-            answer = UpdateWeightsFromDiskResponse(success=False, message=str(body))
         if not answer.success:
             raise GenerationServerError(400, f"weight update failed: {answer.message}", url)
         return answer
@@ -425,13 +421,7 @@ class GenerationClient:
         """Report `version` from now on (requests in flight aborted first when
         asked); the torch server switches to the adapter loaded last."""
         request = UpdateWeightVersionRequest(new_version=str(version), abort_all_requests=abort_all_requests)
-        body = await self._request(
-            "POST", url, "/update_weight_version", to_json(request), timeout_s, ok_statuses=(400,)
-        )
-        try:
-            answer = from_json(UpdateWeightVersionResponse, body)
-        except BodyError:
-            answer = UpdateWeightVersionResponse(success=False, message=str(body))
+        answer = await self._post_answer(url, "/update_weight_version", request, timeout_s, UpdateWeightVersionResponse)
         if not answer.success:
             raise GenerationServerError(400, f"weight version update failed: {answer.message}", url)
         return answer
@@ -457,12 +447,17 @@ class GenerationClient:
 
     # ---- weight groups (docs/design.md §8, "Broadcast"; torch servers)
 
-    async def _group_call(self, url: str, route: str, body: Any, timeout_s: float | None) -> WeightsGroupResponse:
-        answer = await self._request("POST", url, route, to_json(body), timeout_s, ok_statuses=(400,))
+    async def _post_answer(self, url: str, route: str, body: Any, timeout_s: float | None, answer_cls: type[T]) -> T:
+        """POSTs `body` to `route`; the server's answer as `answer_cls`, a 400 included (a
+        body that does not decode is a failed answer whose message is that body)."""
+        raw = await self._request("POST", url, route, to_json(body), timeout_s, ok_statuses=(400,))
         try:
-            return from_json(WeightsGroupResponse, answer)
+            return from_json(answer_cls, raw)
         except BodyError:
-            return WeightsGroupResponse(success=False, message=str(answer))
+            return answer_cls(success=False, message=str(raw))
+
+    async def _group_call(self, url: str, route: str, body: Any, timeout_s: float | None) -> WeightsGroupResponse:
+        return await self._post_answer(url, route, body, timeout_s, WeightsGroupResponse)
 
     async def join_weights_group(self, url: str, spec: GroupSpec, rank: int, timeout_s: float | None = None) -> None:
         """Puts the server into group `spec` at `rank` (it starts joining; the
@@ -498,11 +493,7 @@ class GenerationClient:
 
     async def _sglang_group_call(self, url: str, route: str, body: Any, timeout_s: float | None) -> None:
         """One of SGLang's group routes; GenerationServerError unless it succeeded."""
-        answer = await self._request("POST", url, route, to_json(body), timeout_s, ok_statuses=(400,))
-        try:
-            result = from_json(WeightsUpdateResponse, answer)
-        except BodyError:
-            result = WeightsUpdateResponse(success=False, message=str(answer))
+        result = await self._post_answer(url, route, body, timeout_s, WeightsUpdateResponse)
         if not result.success:
             raise GenerationServerError(400, f"{route}: {result.message}", url)
 
