@@ -171,6 +171,9 @@ class MasterWorker(AsyncWorker):
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
         self._publish_counters()
+        # The baseline of the first step's generation figures, read before admission opens: the
+        # rollouts that run during the first evaluation count in the first step's figures.
+        self._rollout_stats = await self._read_rollout_stats()
         self._publish_training_start()
         if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
@@ -299,7 +302,7 @@ class MasterWorker(AsyncWorker):
         return batch
 
     async def _train_step(self) -> None:
-        if self._rollout_stats is None:  # the baseline of the first step's figures
+        if self._rollout_stats is None:  # no baseline yet (the manager did not answer at setup)
             self._rollout_stats = await self._read_rollout_stats()
         t0 = time.monotonic()
         all_ranks = list(range(self.cfg.n_model_workers))
