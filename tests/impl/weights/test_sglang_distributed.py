@@ -66,7 +66,7 @@ def test_an_sglang_server_takes_versions_over_its_own_routes_bit_exact_with_the_
     auth = trial_secret.http_headers()
 
     async def go(client: GenerationClient):
-        driver = SGLangDriver(spec, {url: 1}, client, store, keys.weights_group_key)
+        driver = SGLangDriver(spec, {url: 1}, client, keys.weights_group_key)
         sender = Sender(spec, keys.weights_group_key, manifest, HOST)
         out = {}
         try:
