@@ -247,12 +247,21 @@ def from_json(cls: type[T], value: Any, path: str = "") -> T:
     return cls(**kwargs)
 
 
-def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
+@functools.cache
+def _shape(kind: Any) -> tuple[Any, tuple, tuple | None, bool]:
+    """`kind`'s origin, its arguments, for a union its options but None (else None), and whether
+    it is a dataclass: worked out once per annotation, not once per value (a batch of answers
+    holds thousands of values)."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
+    options = tuple(a for a in args if a is not type(None)) if origin in (typing.Union, types.UnionType) else None
+    return origin, args, options, dataclasses.is_dataclass(kind)
+
+
+def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
+    origin, args, options, is_dataclass = _shape(kind)
+    if options is not None:
         if value is None:
             return None
-        options = [a for a in args if a is not type(None)]
         fitting = [o for o in options if _fits(o, value)]
         if not fitting:
             names = " or ".join(_type_name(o) for o in options)
@@ -272,7 +281,7 @@ def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
                 f"field {path!r} must be one of {', '.join(map(repr, args))}, got {value!r}", reason="range"
             )
         return value
-    if dataclasses.is_dataclass(kind):
+    if is_dataclass:
         return from_json(kind, value, path)
     if origin in (list, tuple):
         if not isinstance(value, list):
@@ -284,7 +293,7 @@ def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
             fast = _fast_list(item, value)
             if fast is not None:
                 return fast
-            if dataclasses.is_dataclass(item):
+            if _shape(item)[3]:
                 return [from_json(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
             return [_convert(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value)]
         if len(value) != len(args):
@@ -333,8 +342,8 @@ def _fast_list(item: Any, value: list | tuple) -> list | None:
     logprobs come by the thousand), or None: an item that does not fit
     exactly, or an item type without a fast path, takes the item-by-item
     path, which converts it or names the bad item."""
-    if typing.get_origin(item) in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(item) if a is not type(None)]
+    origin, args, options, _ = _shape(item)
+    if options is not None:
         if len(options) != 1 or options[0] not in _SCALARS:
             return None
         present = [v for v in value if v is not None]
@@ -347,8 +356,8 @@ def _fast_list(item: Any, value: list | tuple) -> list | None:
         if item is float and not all(map(math.isfinite, value)):
             return None
         return list(value)
-    if typing.get_origin(item) is tuple:
-        kinds = typing.get_args(item)
+    if origin is tuple:
+        kinds = args
         if not all(type(v) is list and len(v) == len(kinds) for v in value):
             return None
         columns = [_fast_list(kind, column) for kind, column in zip(kinds, zip(*value))]
@@ -373,12 +382,14 @@ def _fits(kind: Any, value: Any) -> bool:
     prompts from one prompt)."""
     if _json_type(value) not in _json_kinds(kind):
         return False
-    if typing.get_origin(kind) is list and value:
-        (item,) = typing.get_args(kind) or (Any,)
+    origin, args, _, _ = _shape(kind)
+    if origin is list and value:
+        (item,) = args or (Any,)
         return _fits(item, value[0])
     return True
 
 
+@functools.cache
 def _json_kinds(kind: Any) -> frozenset[str]:
     """The JSON kinds a value of annotation `kind` can come as."""
     origin = typing.get_origin(kind)

@@ -3,8 +3,9 @@
 `write_plots(stats_path, out_dir)` reads the per-step records the master
 writes (realrl/base/stats.py) and writes one PNG per figure into `out_dir`,
 returning their paths. Only figures with data are written (a run without a
-test split has no evaluation figure). The master calls it at every evaluation
-and at the end of the run, into `<log_dir>/plots/`; it also works offline:
+test split has no evaluation figure). The master calls it after every
+evaluation (in a thread, while training goes on) and at the end of the run,
+into `<log_dir>/plots/`; it also works offline:
 
     python -m realrl.base.plots <log_dir or stats.jsonl> [out_dir]
 

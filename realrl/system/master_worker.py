@@ -148,6 +148,7 @@ class MasterWorker(AsyncWorker):
         self.stats_logger: StatsLogger | None = None  # opened once we know whether we resume
         self.summary_path = os.path.join(self.info.log_dir, "summary.json")
         self.plots_dir = os.path.join(self.info.log_dir, "plots")
+        self._plotting: asyncio.Task | None = None  # the plots of the last evaluation, written meanwhile
         self.step_logger = getLogger(STEP_LOGGER)  # one line per step: the log file; the launcher renders it
         # The manager's /rollout_stats, read once per step while the trainers train (off the step's
         # critical path): the previous step's reading is the baseline of this step's generation
@@ -508,7 +509,8 @@ class MasterWorker(AsyncWorker):
         )
 
     # ---- evaluation, saving, recovery --------------------------------------------------------
-    async def _evaluate(self) -> dict:
+    async def _evaluate(self, plot: bool = True) -> dict:
+        """Greedy accuracy on the test split now; `plot`: rewrite the plots meanwhile."""
         n = self.cfg.n_model_workers
         parts = await self.stream.call_async(list(range(n)), "evaluate", [{}] * n, timeout=self.cfg.rpc_timeout)
         summary = eval_metrics.merge(parts)
@@ -541,15 +543,23 @@ class MasterWorker(AsyncWorker):
                 "time/elapsed_s": time.monotonic() - self.started,
             },
         )
-        await self._write_plots()
+        if plot:
+            self._plot_meanwhile()
         return result
+
+    def _plot_meanwhile(self) -> None:
+        """Rewrites the plots in a thread while training goes on: awaited, the ~1 s of CPU they take
+        (the tiny run) held every trainer at each evaluation, ~10% of the default run's wall time. One
+        at a time: while the last evaluation's are still being written, this one's are left to the next (or the end)."""
+        if self._plotting is None or self._plotting.done():
+            self._plotting = asyncio.create_task(self._write_plots())
 
     async def _write_plots(self) -> list[str]:
         """The PNGs of plots/ from stats.jsonl so far; a failure is a warning, never the trial's."""
         from realrl.base.plots import write_plots
 
         try:
-            paths = await asyncio.to_thread(write_plots, self.stats_logger.path, self.plots_dir)
+            paths = await asyncio.to_thread(_plot, write_plots, self.stats_logger.path, self.plots_dir)
         except Exception as e:
             self.logger.warning("could not write the plots to %s: %s: %s", self.plots_dir, type(e).__name__, e)
             return []
@@ -671,7 +681,10 @@ class MasterWorker(AsyncWorker):
             raise
 
     async def _finish(self) -> None:
-        final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}
+        final_eval = await self._evaluate(plot=False) if self.cfg.evaluate else {"accuracy": None}
+        if self._plotting is not None:  # (one thread writes plots/ at a time)
+            await self._plotting
+        await self._write_plots()  # the whole run's, the final evaluation's included
         if self.cfg.save_final_model and self.cfg.final_model_dir:
             path = self.cfg.final_model_dir
             n = self.cfg.n_model_workers  # every rank: gathering FSDP shards is a collective
@@ -744,8 +757,6 @@ class MasterWorker(AsyncWorker):
             ),
             "plots_dir": self.plots_dir,
         }
-        if not self.cfg.evaluate:  # (else the final evaluation just wrote them)
-            await self._write_plots()
         tmp = self.summary_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)
@@ -762,6 +773,11 @@ class MasterWorker(AsyncWorker):
         self._finished = True
         set_experiment_status(self.experiment_name, self.trial_name, ExperimentStatus.COMPLETE)
         self.request_exit("training complete")
+
+
+def _plot(write_plots, stats_path: str, plots_dir: str) -> list[str]:
+    faults.point("master_worker.plots")  # (a test holds the plotting here: training goes on meanwhile)
+    return write_plots(stats_path, plots_dir)
 
 
 def _fmt(value, spec: str) -> str:

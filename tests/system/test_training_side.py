@@ -3,10 +3,12 @@ synthetic trajectories through the real push-pull stream."""
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 
@@ -309,15 +311,45 @@ def test_bf16_fsdp_ranks_train_a_float32_master_and_publish_bf16(tmp_path, tiny_
         assert {t.dtype for t in state[model]["model"].values() if t.is_floating_point()} == {torch.float32}
 
 
-def test_a_step_takes_its_batch_from_all_ranks_together(tmp_path, tiny_model_dir):
+def test_a_step_takes_its_batch_from_all_ranks_together(tmp_path, tiny_model_dir, monkeypatch):
     """Every trajectory lands on rank 0 (one pusher, two pullers): with a
     quota per rank, rank 1 would wait forever. The master takes the batch from
     what the ranks hold together and moves half of it to rank 1. (No stale
     trajectories here: with one pusher whether one is still buffered when it
-    becomes stale depends on timing; the other trials check those drops.)"""
-    _, _, train_stats, _ = run_trial(tmp_path, tiny_model_dir, "grpo", pushers=1, stale_every=0)
+    becomes stale depends on timing; the other trials check those drops.)
+
+    Also (the same trial): an evaluation's plots are written in a thread while the steps go on
+    (awaited, ~1 s of CPU each on the default run, they held the trainers at every evaluation).
+    With the plotting of the evaluation before training held at a gate, the trial trains all its
+    steps; the gate opens only then, and the end of the run waits for the plots."""
+    marks = tmp_path / "faults"
+    marks.mkdir()
+    monkeypatch.setenv(faults.FAULTS_ENV, "master_worker.plots=gate")
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(marks))
+    trained_while_held: list[int] = []
+
+    def open_gate_after_training():
+        deadline = time.monotonic() + 120  # (only the old behaviour waits this long: no step while held)
+        while time.monotonic() < deadline:
+            paths = glob.glob(str(tmp_path / "**" / "stats.jsonl"), recursive=True)
+            steps = [line for p in paths for line in open(p) if "train/actor_loss" in line]
+            if len(steps) == 3:
+                trained_while_held.append(len(steps))
+                break
+            time.sleep(0.1)
+        faults.open_gate(str(marks), "master_worker.plots")
+
+    opener = threading.Thread(target=open_gate_after_training)
+    opener.start()
+    try:
+        _, _, train_stats, log_dir = run_trial(tmp_path, tiny_model_dir, "grpo", pushers=1, stale_every=0)
+    finally:
+        opener.join()
     assert all(s["batch/moved_between_ranks"] >= 1 for s in train_stats)
     assert all(s["batch/rank_tokens_max_over_mean"] <= 1.5 for s in train_stats)  # balanced by tokens
+    assert os.path.exists(marks / "master_worker.plots")  # the gate was hit ...
+    assert trained_while_held == [3]  # ... and every step trained while it held the plotting
+    assert "accuracy_reward.png" in os.listdir(os.path.join(log_dir, "plots"))
 
 
 def check_out_of_vocabulary_ids_dropped(summary: dict, log_dir: str, vocab: int) -> None:
