@@ -27,19 +27,13 @@ from realrl.base import faults
 from tests.e2e.test_faults import REPO, Trial
 from tests.e2e.test_servers_come_and_go import gone
 
-STEPS = 16
-# The resumed trial is held before this step until the added server is in routing (its start takes
-# ~20 s): the steps after it carry versions to a group that has the added server, however slow the start.
-GATE_STEP = 12
+STEPS = 45  # after the resume, an added server (in routing ~20 s later) still joins a group before the end
 CHECKPOINT_EVERY = 3
 KILL_TRAINER = "test.kill_trainer"  # a marker the test creates: the trainer's fault point is armed after it
 
 
 def test_versions_go_over_the_wire_through_a_trainer_crash_and_to_an_added_server(tmp_path, kit_cache, monkeypatch):
-    gate = f"master_worker.step_{GATE_STEP}"
-    monkeypatch.setenv(
-        faults.FAULTS_ENV, f"weights.bucket_sent=kill;after={KILL_TRAINER},{gate}=gate;after=weights.bucket_sent"
-    )
+    monkeypatch.setenv(faults.FAULTS_ENV, f"weights.bucket_sent=kill;after={KILL_TRAINER}")
     fault_dir = tmp_path / "faults"
     monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
     fault_dir.mkdir()
@@ -74,7 +68,6 @@ def test_versions_go_over_the_wire_through_a_trainer_crash_and_to_an_added_serve
         )
         added_pid = int(m.group(1)) if (m := re.search(r"\(pid (\d+)\)", added.stdout)) else None
         assert added.returncode == 0, added.stdout + added.stderr
-        faults.open_gate(str(fault_dir), gate)
         code = trial.wait(timeout=900)
         deadline = time.monotonic() + 60  # the added worker ends with the trial, by itself
         while not gone(added_pid) and time.monotonic() < deadline:
@@ -88,7 +81,7 @@ def test_versions_go_over_the_wire_through_a_trainer_crash_and_to_an_added_serve
                 p.kill()
     out = trial.console()
     assert code == 0, out[-4000:]
-    assert faults.fired("weights.bucket_sent") and faults.fired(gate)
+    assert faults.fired("weights.bucket_sent")
     summary = trial.summary()
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     assert [r["why"] for r in summary["restarts"]] == ["worker model_worker/0 failed"], summary["restarts"]
