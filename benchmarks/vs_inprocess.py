@@ -1,7 +1,8 @@
 """realrl against a synchronous loop of its own trainer code in one process.
 
     python benchmarks/vs_inprocess.py [--quick] [--steps N] [--eval-every N] [--target ACC] [--model DIR]
-                                      [--json PATH] [--no-prox-recompute] [--device cuda] [override ...]
+                                      [--transport disk,broadcast] [--json PATH] [--no-prox-recompute]
+                                      [--device cuda] [override ...]
 
 `--model DIR` runs both sides on a model directory of your own (e.g. a ~100M
 random Qwen2.5: `python -m realrl.impl.random_models qwen2.5 DIR
@@ -42,8 +43,11 @@ step budget, seed and evaluation schedule). Reported for both: steps/min
 (train steps over the summed step times: realrl's `time/step_s`, the loop's
 generate + inference + train), seconds per stage, the eval accuracy curve,
 the training time until the first evaluation at or above `--target`, and the
-wall time of the whole command. `--json PATH` writes it all with a top-level
-"ratio" = realrl steps/min / in-process steps/min. Extra arguments are Hydra
+wall time of the whole command. `--transport disk,broadcast` runs realrl
+once per weight transport (`weights.transport`, docs/design.md §8), each
+against the same in-process loop, in one sitting. `--json PATH` writes it all
+with a top-level "ratio" = realrl steps/min / in-process steps/min (of the
+first transport; each one's under "transports"). Extra arguments are Hydra
 overrides applied to both sides where they apply (model, data, ppo, optimizer,
 rollout.gconfig, eval) and to the realrl run as a whole.
 """
@@ -382,6 +386,7 @@ def run_inprocess(
 
 
 def run_realrl(cfg) -> dict:
+    transport = cfg.weights.transport
     t0 = time.monotonic()
     code, summary_path = run_experiment(cfg)
     wall = time.monotonic() - t0
@@ -399,6 +404,7 @@ def run_realrl(cfg) -> dict:
         for e in summary["eval_history"]
     ]
     return {
+        "transport": transport,
         "steps": len(steps),
         "train_loop_s": total,
         "steps_per_min": 60 * len(steps) / total,
@@ -446,6 +452,12 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=["inprocess"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help="a model directory for both sides (default: the tiny kit)")
+    parser.add_argument(
+        "--transport",
+        default=None,
+        help="comma-separated weight transports, each a realrl run against the same in-process loop "
+        "(e.g. disk,broadcast; default: the config's)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--fileroot", default=os.path.join(_REPO, "runs", "bench"))
     args, overrides = parser.parse_known_args()
@@ -463,34 +475,45 @@ def main() -> None:
 
             train, test = write_math_dataset(os.path.join(args.fileroot, "vs-inprocess-data"), MathDataRecipe())
             overrides += [f"dataset.train_path={train}", f"dataset.test_path={test}"]
-    cfg = load_config(
-        [
-            "experiment_name=vs-inprocess",
-            "trial_name=realrl",
-            f"fileroot={args.fileroot}",
-            f"total_train_steps={steps}",
-            f"eval.every_n_steps={eval_every}",
-            f"eval.max_prompts={args.eval_prompts}",
-            *cache,
-            *([f"train.device={args.device}", f"server.torch.device={args.device}"] if args.device != "cpu" else []),
-            *overrides,
-        ]
-    )
+    transports = args.transport.split(",") if args.transport else [None]
+
+    def config(transport: str | None):
+        return load_config(
+            [
+                "experiment_name=vs-inprocess",
+                f"trial_name=realrl-{transport}" if transport else "trial_name=realrl",
+                f"fileroot={args.fileroot}",
+                f"total_train_steps={steps}",
+                f"eval.every_n_steps={eval_every}",
+                f"eval.max_prompts={args.eval_prompts}",
+                *cache,
+                *(
+                    [f"train.device={args.device}", f"server.torch.device={args.device}"]
+                    if args.device != "cpu"
+                    else []
+                ),
+                *overrides,
+                *([f"weights.transport={transport}"] if transport else []),
+            ]
+        )
+
+    configs = [config(t) for t in transports]  # (a bad transport is a config error before anything runs)
+    cfg = configs[0]
     model_path, train_path, test_path = resolve_model_and_data(cfg, os.path.abspath(cfg.fileroot))  # before timing
 
-    if args.only == "inprocess":  # (a check of the loop alone; no ratio)
-        realrl = None
-    else:
-        realrl = run_realrl(cfg)
+    runs = [] if args.only == "inprocess" else [run_realrl(c) for c in configs]  # (--only: the loop alone)
     inproc = run_inprocess(
         cfg, model_path, train_path, test_path, steps, eval_every, not args.no_prox_recompute, args.threads, args.device
     )
-    if realrl is None:
+    if not runs:
         print(json.dumps(inproc, indent=1))
         return
-    for r in (realrl, inproc):
+    for r in (*runs, inproc):
         r["time_to_target"] = time_to_target(r["eval_history"], args.target)
-    ratio = realrl["steps_per_min"] / inproc["steps_per_min"]
+    for r in runs:
+        r["ratio"] = r["steps_per_min"] / inproc["steps_per_min"]
+    realrl, ratio = runs[0], runs[0]["ratio"]
+    named = [(f"realrl {r['transport']}" if len(runs) > 1 else "realrl", r) for r in runs]
 
     print(
         f"\nrealrl vs an in-process synchronous loop of its trainer code: {steps} steps, seed {cfg.seed}, "
@@ -500,23 +523,24 @@ def main() -> None:
         f"{'as the trainer takes them (PPOTrainer.inference)' if inproc['prox_recompute'] else 'taken from behaviour'}"
     )
     print(
-        f"{'side':<11}{'steps/min':>10}{'tokens/s':>9}{'train s':>9}{'command s':>10}"
+        f"{'side':<20}{'steps/min':>10}{'tokens/s':>9}{'train s':>9}{'command s':>10}"
         f"{'to ' + format(args.target, '.2f') + ' (s @ step)':>22}"
         f"  eval accuracy"
     )
-    for name, r in (("realrl", realrl), ("in-process", inproc)):
+    for name, r in (*named, ("in-process", inproc)):
         t = r["time_to_target"]
         reach = f"{t['train_s']:.1f} @ {t['step']}" if t else "not reached"
         curve = " ".join(f"{e['accuracy']:.2f}" for e in r["eval_history"])
         print(
-            f"{name:<11}{r['steps_per_min']:>10.1f}{r['tokens_per_s']:>9.1f}{r['train_loop_s']:>9.1f}"
+            f"{name:<20}{r['steps_per_min']:>10.1f}{r['tokens_per_s']:>9.1f}{r['train_loop_s']:>9.1f}"
             f"{r['command_wall_s']:>10.1f}"
             f"{reach:>22}  {curve}"
         )
     print(f"eval steps: {' '.join(str(e['step']) for e in realrl['eval_history'])}")
-    for name, r in (("realrl", realrl), ("in-process", inproc)):
+    for name, r in (*named, ("in-process", inproc)):
         print(f"{name} seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in r["seconds_per_step"].items()))
-    print(f"ratio (realrl steps/min / in-process steps/min): {ratio:.2f}")
+    for name, r in named:
+        print(f"ratio ({name} steps/min / in-process steps/min): {r['ratio']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -527,6 +551,7 @@ def main() -> None:
                     "eval_prompts": args.eval_prompts,
                     "target": args.target,
                     "realrl": realrl,
+                    "transports": {r["transport"]: r for r in runs},
                     "inprocess": inproc,
                 },
                 f,

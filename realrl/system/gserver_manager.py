@@ -551,6 +551,8 @@ class GserverManager(AsyncWorker):
         if retired is None:
             return
         was, orphaned = retired
+        if self._epochs is not None:
+            self._epochs.member_down(url, f"retired: {why}")
         task = self._server_tasks.pop(url, None)
         if task is not None and not task.done():
             task.cancel()
@@ -569,6 +571,8 @@ class GserverManager(AsyncWorker):
             self.logger.info("generation server %d at %s (%s) is gone: %s", index, url, was, why)
 
     def _mark_down(self, url: str, reason: str) -> None:
+        if self._epochs is not None:  # (a weight group still forming would wait for it: ended now)
+            self._epochs.member_down(url, reason)
         orphaned = self.registry.mark_down(url, reason)
         if orphaned is None:
             return

@@ -18,6 +18,13 @@ the version (`/await_weight_version`); one that does not within
 `weight_update_timeout` (its group failed) loads it from disk instead, and
 the next boundary builds an epoch again. SGLang servers (`protocol: sglang`)
 are driven over SGLang's own routes instead (`SGLangDriver`).
+
+Each epoch has its own store, which the manager closes to abandon the epoch
+(`WeightEpochs.abandon`): a member that goes down, or one that cannot join
+(SGLang: its `/init_weights_update_group` fails, or the group has not formed
+within `timeout_s`). Whoever waits in that epoch's rendezvous (the sender,
+the members still up; SGLang would wait torch's 30 minutes) then fails at
+once, the version goes by disk, and the next boundary builds a new epoch.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
 from realrl.api.system_api import WeightTransportConfig
@@ -43,6 +49,7 @@ from realrl.impl.weights.broadcast import (
     SealedStore,
     Sender,
     StoreServer,
+    connect_store,
     published_tensors,
 )
 
@@ -129,8 +136,8 @@ class BroadcastPublisher:
 
 
 class WeightEpochs:
-    """The manager's side: the store every epoch's group meets at, the
-    current epoch and its members (url -> rank)."""
+    """The manager's side: the current epoch, its members (url -> rank) and
+    its store (one per epoch, so abandoning one ends every wait in it)."""
 
     def __init__(
         self,
@@ -146,8 +153,8 @@ class WeightEpochs:
         self.join_timeout_s = join_timeout_s
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
-        self._store = StoreServer(bind_host)
-        self._advertise_host = advertise_host
+        self._bind_host, self._advertise_host = bind_host, advertise_host
+        self._stores: dict[str, StoreServer] = {}  # group name -> its store: the current and the previous epoch
         self.epoch = 0
         self.spec: GroupSpec | None = None
         self.members: dict[str, int] = {}
@@ -165,10 +172,14 @@ class WeightEpochs:
             self._driver.stop()  # (it destroys its group on the servers once its version is over)
             self._driver = None
         self.epoch += 1
+        name = f"realrl-{self._trial}-e{self.epoch}"
+        for older in list(self._stores)[:-1]:  # (the previous epoch's sender may still finish a version)
+            self._stores.pop(older).close()
+        store = self._stores[name] = StoreServer(self._bind_host)
         spec = GroupSpec(
-            f"realrl-{self._trial}-e{self.epoch}",
+            name,
             self._advertise_host,
-            self._store.port,
+            store.port,
             1 + len(up_urls),
             self.cfg.backend,
             self.cfg.bucket_bytes,
@@ -179,7 +190,7 @@ class WeightEpochs:
         members = {url: rank for rank, url in enumerate(up_urls, start=1)}
         if spec.protocol == "sglang":  # the servers join once the sender is there (SGLangDriver)
             self.spec, self.members, self.failed = spec, members, False
-            self._driver = SGLangDriver(spec, members, self._client, self._store, _group_key())
+            self._driver = SGLangDriver(spec, members, self._client, _group_key(), on_abandon=self.abandon)
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
                 "weight group %s: %d servers (%s), SGLang's routes", spec.name, len(members), ", ".join(members)
@@ -205,6 +216,27 @@ class WeightEpochs:
             ", ".join(members),
             f"; {old.name} ends" if old is not None else "",
         )
+
+    def abandon(self, name: str, why: str) -> None:
+        """Ends epoch `name` now by closing its store: everyone waiting in its
+        rendezvous (the sender, members still up) fails at once, its versions
+        go by disk, and the next boundary builds a new epoch."""
+        store = self._stores.pop(name, None)
+        if store is None:
+            return  # (already abandoned, or long over)
+        store.close()
+        if self.spec is not None and self.spec.name == name:
+            self.failed = True
+            if self._driver is not None:
+                self._driver.stop()
+        logger.warning("weight group %s abandoned: %s; its versions go by disk until a new group", name, why)
+
+    def member_down(self, url: str, why: str) -> None:
+        """The manager found `url` down: an epoch it is a member of cannot
+        carry versions to it, and one still forming would wait for it until
+        the rendezvous times out, so it is abandoned at once."""
+        if self.spec is not None and url in self.members:
+            self.abandon(self.spec.name, f"{url} is down ({why})")
 
     async def _leave(self, url: str, name: str) -> None:
         try:
@@ -265,7 +297,9 @@ class WeightEpochs:
     def close(self) -> None:
         if self._driver is not None:
             self._driver.stop()
-        self._store.close()
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
 
 
 class SGLangDriver:
@@ -281,14 +315,23 @@ class SGLangDriver:
     bucket only, so the server's version changes when the whole version is
     in place), `/end_weight_update`, `/continue_generation`. A member whose
     call fails is lost to the epoch (the manager loads its versions from
-    disk; the next boundary builds a new epoch). `stop` ends it at a version
-    boundary and destroys the group on its members."""
+    disk; the next boundary builds a new epoch). One that cannot join, or a
+    group not formed within the spec's `timeout_s`, has the epoch abandoned
+    at once (`on_abandon(name, why)`: SGLang gives the members waiting in
+    the rendezvous no bound of their own but torch's 30 minutes). `stop`
+    ends it at a version boundary and destroys the group on its members."""
 
     def __init__(
-        self, spec: GroupSpec, members: dict[str, int], client: GenerationClient, store: StoreServer, key: bytes
+        self,
+        spec: GroupSpec,
+        members: dict[str, int],
+        client: GenerationClient,
+        key: bytes,
+        on_abandon: Callable[[str, str], None] | None = None,
     ):
         self.spec, self.members, self._client = spec, dict(members), client
-        self._store = SealedStore(dist.PrefixStore(spec.name, store.store), key, spec.name)
+        self._seal_key, self._on_abandon = key, on_abandon
+        self._store: SealedStore | None = None  # the epoch's store, as a client (connected in `_run`)
         self.held: dict[str, int] = {}  # url -> the newest version in place through the group
         self.lost: dict[str, str] = {}  # url -> why it left the epoch
         self.failed = False
@@ -317,6 +360,10 @@ class SGLangDriver:
                 pass
         return True, ""
 
+    def _abandon(self, why: str) -> None:
+        if self._on_abandon is not None:
+            self._on_abandon(self.spec.name, why)
+
     def _lose(self, url: str, why: str) -> None:
         if url not in self.lost:
             logger.warning("weight group %s: %s left it: %s", self.spec.name, url, why)
@@ -334,26 +381,37 @@ class SGLangDriver:
             await asyncio.sleep(_POLL_S)
         return None
 
+    async def _join(self, url: str, rank: int, joined: set[str]) -> None:
+        try:
+            await self._client.init_weights_update_group(url, self.spec, rank, timeout_s=self.spec.timeout_s + 30)
+        except (GenerationServerError, GenerationServerUnavailable) as e:
+            self._lose(url, f"could not join: {e}")
+            # The others wait in the rendezvous for its rank: end the epoch now.
+            self._abandon(f"{url} could not join")
+        else:
+            joined.add(url)
+
     async def _run(self) -> None:
         urls = list(self.members)
         try:
+            self._store = await asyncio.to_thread(connect_store, self.spec, self._seal_key)
             if await self._key("sender", self.spec.join_timeout_s) is None:
                 if not self._stopping:
                     for url in urls:
                         self._lose(url, f"no sender within {self.spec.join_timeout_s:g} s")
                 return
-            results = await asyncio.gather(
-                *(
-                    self._client.init_weights_update_group(url, self.spec, rank, timeout_s=self.spec.timeout_s + 30)
-                    for url, rank in self.members.items()
-                ),
-                return_exceptions=True,
-            )
-            for url, r in zip(urls, results):
-                if isinstance(r, BaseException):
-                    self._lose(url, f"could not join: {r}")
+            joined: set[str] = set()
+            try:  # the rendezvous's bound, as the sender's (SGLang's own is torch's 30 minutes)
+                await asyncio.wait_for(
+                    asyncio.gather(*(self._join(url, rank, joined) for url, rank in self.members.items())),
+                    self.spec.timeout_s,
+                )
+            except asyncio.TimeoutError:
+                for url in set(urls) - joined:
+                    self._lose(url, f"not in the group within {self.spec.timeout_s:g} s")
+                self._abandon(f"the group did not form within {self.spec.timeout_s:g} s")
             if self.lost:
-                return  # (the sender's rendezvous fails without them: the version goes by disk)
+                return  # (the sender's rendezvous failed with the epoch's store: the version goes by disk)
             manifest_bytes = await self._key("manifest")
             if manifest_bytes is None:
                 return
@@ -370,6 +428,7 @@ class SGLangDriver:
         except Exception as e:  # the store gone, a malformed tensor list: the epoch is over
             for url in urls:
                 self._lose(url, f"{type(e).__name__}: {e}")
+            self._abandon(f"{type(e).__name__}: {e}")
         finally:
             await asyncio.gather(*(self._destroy(url) for url in urls))
 

@@ -73,18 +73,27 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     (`realrl`: their group routes) or two torch servers emulating SGLang
     0.5.23 (`sglang`: the manager joins them through SGLang's
     `/init_weights_update_group` once the sender is there and takes each
-    through every version with SGLang's routes). The manager builds an epoch
-    of both; their version switches once the whole version is in place and
-    they then answer as the trainer's weights do, the same as each other. A
-    server killed in the middle of a version's buckets (a fault point) fails
-    that epoch: the version reaches both servers from disk (the killed one
-    restarted by its worker), and a new epoch of both carries the next
-    versions."""
+    through every version with SGLang's routes).
+
+    The first epoch never forms: a member dies as the sender arrives, before
+    the rendezvous (a fault point; SGLang: as its `/init_weights_update_group`
+    begins). The manager abandons the epoch as soon as it learns (the dead
+    server's health check, or its failed init) and the sender and the other
+    member, waiting in the rendezvous, give up at once (not at the
+    collective's 600 s timeout, nor SGLang's 30 minutes): version 1 reaches
+    the servers from disk. Then an epoch of both (the killed one restarted)
+    carries version 2; their version switches once the whole version is in
+    place and they then answer as the trainer's weights do, the same as each
+    other. A server killed in the middle of version 3's buckets (a fault
+    point) fails that epoch: the version reaches both servers from disk, and
+    a new epoch of both carries the next versions."""
     import asyncio
 
     from realrl.base import faults
 
-    monkeypatch.setenv(faults.FAULTS_ENV, "weights.bucket_received=kill;after=test.kill_server")
+    monkeypatch.setenv(
+        faults.FAULTS_ENV, "weights.before_rendezvous=kill,weights.bucket_received=kill;after=test.kill_server"
+    )
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
     monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
@@ -101,9 +110,8 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     _, model = build_tiny_model(seed=1)
     model_dir = publish_weights(model, str(tmp_path / "model"), 0)
     weights_dir = str(tmp_path / "weights")
-    wire = WeightTransportConfig(
-        transport="broadcast", bucket_bytes=16384, timeout_s=60, protocol=protocol
-    )  # several buckets per version
+    # Several buckets per version; a rendezvous timeout no step of the test may wait out.
+    wire = WeightTransportConfig(transport="broadcast", bucket_bytes=16384, timeout_s=600, protocol=protocol)
     manager_cfg = GserverManagerConfig(
         n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
     )
@@ -130,25 +138,28 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
             return (await resp.json())["version"]
 
     manager_log = trial.launcher.log_path("gserver_manager", 0)
-    first_urls: list[str] = []  # the servers of the first epoch
+    known_urls: set[str] = set()  # the servers' urls so far (a restarted one comes back at a new one)
 
     async def wait_for_epoch_of_both() -> None:
         """The epoch the manager builds of both servers once the killed one is back (at its new url)."""
         for _ in range(2400):
             urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
-            back = [u for u in urls if u and u not in first_urls]
+            back = [u for u in urls if u and u not in known_urls]
             log = open(manager_log).read()
-            if back and (m := re.search(rf"weight group (\S+): 2 servers \([^)]*{re.escape(back[0])}", log)):
+            if back and (found := re.findall(rf"weight group (\S+): 2 servers \([^)]*{re.escape(back[0])}", log)):
                 spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
-                assert json.loads(spec)["name"] == m.group(1), spec  # (the current epoch: the test waits for it)
+                assert json.loads(spec)["name"] == found[-1], spec  # (the current epoch: the test waits for it)
+                known_urls.update(urls)
                 return
             await asyncio.sleep(0.05)
         raise AssertionError("no epoch of both servers after the restart")
 
     async def scenario(manager_url: str):
-        first_urls.extend(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
+        known_urls.update(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             for version in (1, 2, 3, 4, 5):
+                if version == 2:  # a member died as version 1's sender came: an epoch of both again
+                    await wait_for_epoch_of_both()
                 if version == 3:
                     (fault_dir / "test.kill_server").touch()  # a server dies in version 3's buckets
                 if version == 4:  # the next version once the killed server is back in a new epoch of both
@@ -177,15 +188,21 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     finally:
         publisher.close(timeout_s=1)
         trial.close()
-    assert held == ["5", "5"] and faults.fired("weights.bucket_received")
+    assert held == ["5", "5"] and faults.fired("weights.before_rendezvous") and faults.fired("weights.bucket_received")
     assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
     expected = forward_logprobs(model, probe, outs[0].output_ids)
     torch.testing.assert_close(torch.tensor(outs[0].output_logprobs), expected, atol=1e-4, rtol=0)
     log = open(trial.launcher.log_path("gserver_manager", 0)).read()
     routes = ", SGLang's routes" if protocol == "sglang" else "$"
     assert re.search(rf"weight group realrl-\S+-e1: 2 servers \(.*\){routes}", log, re.M), log[-3000:]
+    # The first epoch, abandoned once the manager learnt its member was gone; version 1 by disk.
+    assert re.search(r"weight group realrl-\S+-e1 abandoned: \S+ (is down|could not join)", log), log[-3000:]
+    assert re.search(r"updating \d servers to weight version 1 from ", log), log[-3000:]
+    given_up = "Failed to initialize custom process group" if protocol == "sglang" else "membership failed"
+    server_logs = [open(trial.launcher.log_path("generation_server", i)).read() for i in range(2)]
+    assert any(given_up in s for s in server_logs)  # the member still up left the rendezvous
     assert "updating 2 servers to weight version 2 (broadcast)" in log, log[-3000:]
-    assert re.search(r"weight group realrl-\S+-e1(: \S+ left it| failed|: \S+ did not get version)", log), log[-3000:]
+    assert re.search(r"weight group realrl-\S+-e\d+(: \S+ left it| failed|: \S+ did not get version| abandoned)", log)
     assert re.search(r"updating \d servers to weight version 3 from ", log), log[-3000:]  # by disk
     # A later epoch of both servers (the killed one back); the last epoch line may be one the
     # manager built as the trial's servers stopped, so not necessarily that one.

@@ -286,7 +286,10 @@ class SealedStore(dist.Store):
 
 class StoreServer:
     """A TCPStore server listening on `host` only, on a free port, for the
-    groups of one owner (each group under its own prefix). `close` ends it."""
+    groups of one owner (each group under its own prefix). `close` ends it:
+    every client waiting on it (a rendezvous included) fails at once, so the
+    owner can end a group that will not form without waiting out anyone's
+    timeout. Only this object holds the server: its users connect as clients."""
 
     def __init__(self, host: str, timeout_s: float = 60.0):
         # TCPStore would listen on every interface; it serves on a socket bound here instead.
@@ -306,7 +309,7 @@ class StoreServer:
         self._socket.detach()  # the store owns the descriptor now (it closes it when it ends)
 
     def close(self) -> None:
-        self.store = None
+        self.store = None  # (the last reference: the server stops and drops its connections)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,12 +345,21 @@ class GroupSpec:
         return GroupSpec(**{f.name: d[f.name] for f in dataclasses.fields(GroupSpec) if f.name in d})
 
 
+CONNECT_TIMEOUT_S = 10.0  # a store that exists answers at once; a closed one is retried this long
+
+
 def connect_store(spec: GroupSpec, key: bytes) -> SealedStore:
-    """The group's sealed prefix of the epoch's store (GroupError if unreachable)."""
+    """The group's sealed prefix of the epoch's store (GroupError if
+    unreachable: its owner closed it, say, having abandoned the epoch)."""
     try:
         client = dist.TCPStore(
-            spec.store_host, spec.store_port, None, False, datetime.timedelta(seconds=spec.timeout_s)
+            spec.store_host,
+            spec.store_port,
+            None,
+            False,
+            datetime.timedelta(seconds=min(spec.timeout_s, CONNECT_TIMEOUT_S)),
         )
+        client.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
     except Exception as e:
         raise GroupError(f"weight group {spec.name}: its store is unreachable: {e}") from e
     return SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
@@ -607,6 +619,7 @@ class Receiver:
             store = connect_store(self.spec, self._key)
             if self._wait_key(store, "sender", self.spec.join_timeout_s) is None:
                 return
+            faults.point("weights.before_rendezvous")  # a test's member dying before the group forms
             group, store = open_group(self.spec, self.rank, self._key, self._bind_host, store)
             data = self._wait_key(store, "manifest")
             if data is None:

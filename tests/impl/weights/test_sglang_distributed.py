@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -66,7 +67,7 @@ def test_an_sglang_server_takes_versions_over_its_own_routes_bit_exact_with_the_
     auth = trial_secret.http_headers()
 
     async def go(client: GenerationClient):
-        driver = SGLangDriver(spec, {url: 1}, client, store, keys.weights_group_key)
+        driver = SGLangDriver(spec, {url: 1}, client, keys.weights_group_key)
         sender = Sender(spec, keys.weights_group_key, manifest, HOST)
         out = {}
         try:
@@ -132,6 +133,37 @@ def test_an_sglang_server_takes_versions_over_its_own_routes_bit_exact_with_the_
     # Behind the trial's key, like every route but /health.
     assert _post(url, "/init_weights_update_group", {}, {})[0] == 401
     assert _post(url, "/update_weights_from_distributed", bucket, {})[0] == 401
+
+    if release == "0.5.16":  # (the same route in both)
+        # A group that never forms (its rank 2 never comes): SGLang would wait torch's 30 minutes in
+        # the rendezvous; the driver abandons the epoch at the spec's timeout_s (the manager then
+        # closes the epoch's store) and the server's init fails at once.
+        late = StoreServer(HOST)
+        never = GroupSpec("realrl-s-e2", HOST, late.port, 3, timeout_s=2, join_timeout_s=30, protocol="sglang")
+        abandoned: list[str] = []
+
+        def abandon(name: str, why: str) -> None:
+            abandoned.append(why)
+            late.close()
+
+        async def never_forms(client: GenerationClient):
+            driver = SGLangDriver(never, {url: 1}, client, keys.weights_group_key, on_abandon=abandon)
+            sender = Sender(never, keys.weights_group_key, manifest, HOST)
+            try:
+                await asyncio.wait_for(driver._task, 60)
+            finally:
+                sender.close(timeout_s=5)
+            return driver
+
+        driver = asyncio.run(_with_client(never_forms))
+        assert abandoned == ["the group did not form within 2 s"]
+        assert driver.lost[url] == "not in the group within 2 s"
+        log = tmp_path / "server0.log"
+        for _ in range(600):  # (the server's init, on its helper thread, ends once the store is gone)
+            if "Failed to initialize custom process group" in log.read_text():
+                break
+            time.sleep(0.05)
+        assert "Failed to initialize custom process group" in log.read_text()
 
 
 async def _with_client(fn):

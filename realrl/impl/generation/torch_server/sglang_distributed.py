@@ -97,6 +97,7 @@ class DistributedWeightUpdates:
             req.group_name,
             req.backend,
         )
+        faults.point("weights.before_rendezvous")  # a test's member dying before the group forms
         try:
             # gloo listens where the server does (SGLang: where its hostname resolves), as realrl's
             # trainer tells its own gloo groups (model_worker): 127.0.0.1 in local mode and tests.
