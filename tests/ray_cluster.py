@@ -37,6 +37,7 @@ class TwoNodeRayCluster:
         self.cpus = dict(zip((HEAD_IP, WORKER_IP), cpus))
         self.address = f"{HEAD_IP}:{RAY_PORT}"
         self._starters: list[subprocess.Popen] = []
+        self.lost_nodes: set[str] = set()  # nodes kill_raylet dropped (the cluster is not whole any more)
 
     # ---- life cycle ------------------------------------------------------------
     def __enter__(self) -> TwoNodeRayCluster:
@@ -110,6 +111,10 @@ class TwoNodeRayCluster:
                     raise RuntimeError(f"`ray start` exited with {starter.returncode}; see {self.log_dir}")
             time.sleep(1.0)
 
+    def root_pids(self) -> list[int]:
+        """The `ray start` processes: every process of the cluster descends from one of them."""
+        return [starter.pid for starter in self._starters]
+
     def run_on_head(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         """Runs `cmd` inside the head node's namespace (as a user on that node)."""
         return subprocess.run(["ip", "netns", "exec", self.namespaces[HEAD_IP], *cmd], **kwargs)
@@ -134,6 +139,7 @@ class TwoNodeRayCluster:
         machine drops off the network, while the node's other processes are
         left to notice by themselves."""
         (pid,) = [pid for pid, cmd in self.processes(ip) if cmd.split(" ", 1)[0].endswith("/raylet")]
+        self.lost_nodes.add(ip)
         os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
