@@ -199,8 +199,11 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     assert re.search(r"weight group realrl-\S+-e1 abandoned: \S+ (is down|could not join)", log), log[-3000:]
     assert re.search(r"updating \d servers to weight version 1 from ", log), log[-3000:]
     given_up = "Failed to initialize custom process group" if protocol == "sglang" else "membership failed"
-    server_logs = [open(trial.launcher.log_path("generation_server", i)).read() for i in range(2)]
-    assert any(given_up in s for s in server_logs)  # the member still up left the rendezvous
+    # (the servers' own logs: a worker's log holds its server's lines only when that server died)
+    server_logs = [
+        open(os.path.join(trial.launcher.log_dir, f"generation_server-{i}.server.log")).read() for i in (0, 1)
+    ]
+    assert any(given_up in s for s in server_logs), server_logs  # the member still up left the rendezvous
     assert "updating 2 servers to weight version 2 (broadcast)" in log, log[-3000:]
     assert re.search(r"weight group realrl-\S+-e\d+(: \S+ left it| failed|: \S+ did not get version| abandoned)", log)
     assert re.search(r"updating \d servers to weight version 3 from ", log), log[-3000:]  # by disk
