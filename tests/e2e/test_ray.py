@@ -25,6 +25,20 @@ from tests.ray_cluster import HEAD_IP, WORKER_IP, TwoNodeRayCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def ray_trial(cluster: TwoNodeRayCluster, fileroot, kit_cache, *overrides: str) -> list[str]:
+    """The command line of a trial on `cluster` (from its head) with these overrides."""
+    return [
+        sys.executable,
+        os.path.join(REPO, "training", "main_async_ppo.py"),
+        "mode=ray",
+        f"ray.address={cluster.address}",
+        f"fileroot={fileroot}",
+        f"tiny_kit.cache_dir={kit_cache}",
+        *overrides,
+    ]
+
+
 # The two "nodes" are network namespaces, which only root can make (CI runs as root).
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a two-node Ray cluster needs root for `ip netns`")
 
@@ -51,19 +65,16 @@ def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache, cluster):
     # 40 steps, the local learning test's budget: from the format-3 kit's warm start, 30 failed once to learn
     fileroot, steps, eta = tmp_path / "runs", 40, 2
     proc = cluster.run_on_head(
-        [
-            sys.executable,
-            os.path.join(REPO, "training", "main_async_ppo.py"),
-            "mode=ray",
-            f"ray.address={cluster.address}",
-            f"fileroot={fileroot}",
-            f"tiny_kit.cache_dir={kit_cache}",
+        ray_trial(
+            cluster,
+            fileroot,
+            kit_cache,
             f"total_train_steps={steps}",
             f"rollout.max_head_offpolicyness={eta}",
             "eval.every_n_steps=0",
             "heartbeat_ttl=3",
             "saver.save_final_model=false",
-        ],
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -87,16 +98,13 @@ def test_a_trial_runs_across_two_ray_nodes(tmp_path, kit_cache, cluster):
     assert f"'generation_server/0': '{WORKER_IP}'" in proc.stderr, proc.stderr[-3000:]
     # A cluster too small for allocation_mode: one line, before any worker starts.
     small = cluster.run_on_head(
-        [
-            sys.executable,
-            os.path.join(REPO, "training", "main_async_ppo.py"),
-            "mode=ray",
-            f"ray.address={cluster.address}",
-            f"fileroot={fileroot}",
-            f"tiny_kit.cache_dir={kit_cache}",
+        ray_trial(
+            cluster,
+            fileroot,
+            kit_cache,
             "trial_name=toosmall",
             "allocation_mode=torch.d4p1m1+d1p1m1",
-        ],
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -119,20 +127,17 @@ def test_data_parallel_trainers_on_two_nodes_train_in_lockstep(tmp_path, kit_cac
     gloo group runs over the link between the nodes."""
     fileroot = tmp_path / "runs"
     proc = cluster.run_on_head(
-        [
-            sys.executable,
-            os.path.join(REPO, "training", "main_async_ppo.py"),
-            "mode=ray",
-            f"ray.address={cluster.address}",
-            f"fileroot={fileroot}",
-            f"tiny_kit.cache_dir={kit_cache}",
+        ray_trial(
+            cluster,
+            fileroot,
+            kit_cache,
             "allocation_mode=torch.d1p1m1+d2p1m1",
             "total_train_steps=3",
             "eval.every_n_steps=0",
             "eval.max_prompts=32",
             "heartbeat_ttl=3",
             "saver.save_final_model=false",
-        ],
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -154,14 +159,11 @@ def test_data_parallel_trainers_on_two_nodes_train_in_lockstep(tmp_path, kit_cac
 def _start_trial(cluster: TwoNodeRayCluster, tmp_path, kit_cache, trial: str):
     out = open(tmp_path / f"{trial}.console", "wb")
     proc = cluster.popen_on_head(
-        [
-            sys.executable,
-            os.path.join(REPO, "training", "main_async_ppo.py"),
-            "mode=ray",
-            f"ray.address={cluster.address}",
-            f"fileroot={tmp_path / 'runs'}",
+        ray_trial(
+            cluster,
+            tmp_path / "runs",
+            kit_cache,
             f"trial_name={trial}",
-            f"tiny_kit.cache_dir={kit_cache}",
             "total_train_steps=400",
             "eval.every_n_steps=0",
             "eval.max_prompts=16",
@@ -170,7 +172,7 @@ def _start_trial(cluster: TwoNodeRayCluster, tmp_path, kit_cache, trial: str):
             # (by default a dead server or rollout worker is started again; here a failure must stop the trial)
             "server.max_restarts=0",
             "rollout.max_restarts=0",
-        ],
+        ),
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,
