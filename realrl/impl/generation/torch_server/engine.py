@@ -23,10 +23,14 @@ testing clients against it. `compat` (`--emulate-sglang`, `sglang_compat`) copie
 until `continue`; mode `in_place` keeps them where they are, decoding nothing until `continue`.
 
 **Weight updates.** New weights are read and checked off the loop (`weights`). Then, between two decode steps,
-in-flight requests are aborted (they return their partial output, its logprobs and the *old* weight version;
-`abort_all_requests=false` instead lets them finish while no new request starts), the tensors are copied into the
-existing parameters in place, and `weight_version` changes. Queued requests that had not started yet run under the
-new weights.
+the running requests go back to the head of the queue with their outputs (their keys/values, the old weights',
+are dropped), the tensors are copied into the existing parameters in place, and `weight_version` changes; the next
+step prefills them again from prompt + outputs under the new weights and they go on, their answers naming each
+output span's version (`Request.switch_version`). Nothing runs on under the old weights, and nothing made is sent
+back to be sent again. `abort_all_requests=false` instead lets them finish while no new request starts. With
+`compat` (SGLang aborts them) and for a LoRA switch (`update_weight_version`: a request named its adapter) in-flight
+requests are aborted instead: they return their partial output, its logprobs and the *old* weight version. Queued
+requests that had not started yet run under the new weights.
 
 **LoRA adapters** (docs/design.md §8). `load_adapter` registers an adapter under a name (read and checked off the
 loop); `update_weight_version` is a weight update whose new weights are the adapter loaded last, merged into the
@@ -166,6 +170,7 @@ class GenerationEngine:
             "decode_steps": 0,
             "decode_rows": 0,
             "weight_updates": 0,
+            "requests_resumed": 0,  # running requests a weight update sent back to be prefilled again
             "weight_update_failures": 0,
             "lora_adapters_loaded": 0,
             "engine_errors": 0,  # failed engine steps (batched prefill / decode, commands)
@@ -373,6 +378,14 @@ class GenerationEngine:
             if name == "update" and self.compat is not None and self._paused and self._batch is not None:
                 # SGLang cannot flush the prefix cache of a batch paused in place.
                 self._apply_update(dict(args, reply=reply), num_aborted=0, flush_refused=True)
+            elif args["abort_all_requests"] and name == "update" and self.compat is None:
+                # Nothing runs on under the old weights, and nothing made is thrown away: the running
+                # requests are prefilled again from all their tokens under the new weights and go on.
+                n = self._requeue_running()
+                for req in self._live.values():
+                    req.switch_version(self.weight_version)
+                self.stats["requests_resumed"] += n
+                self._apply_update(dict(args, reply=reply), num_aborted=n, resumed=True)
             elif args["abort_all_requests"]:
                 n = self._abort(lambda r: True, include_waiting=self.compat is not None)
                 self._apply_update(dict(args, reply=reply), num_aborted=n)
@@ -392,7 +405,17 @@ class GenerationEngine:
             return lambda r: False
         return lambda r: r.rid.startswith(rid)
 
-    def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False) -> None:
+    def _requeue_running(self) -> int:
+        """The running requests go back to the head of the queue, outputs kept and their keys/values
+        dropped, to be prefilled again from all their tokens; how many."""
+        if self._batch is None:
+            return 0
+        requests = list(self._batch.requests)
+        self._batch = None
+        self._waiting.extendleft(reversed(requests))
+        return len(requests)
+
+    def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False, resumed: bool = False) -> None:
         """New weights: full tensors copied in (`tensors`), or a LoRA adapter
         merged (`adapter`: (name, LoraAdapter)), or neither (a new version
         number only); then the version switches and the caller is answered.
@@ -440,11 +463,12 @@ class GenerationEngine:
             self.weight_version = str(update["weight_version"])
         self.stats["weight_updates"] += 1
         logger.info(
-            "weights updated from %s: version %s -> %s (%d requests aborted)",
+            "weights updated from %s: version %s -> %s (%d requests %s)",
             source or "the same weights",
             old,
             self.weight_version,
             num_aborted,
+            "going on under the new weights" if resumed else "aborted",
         )
         update["reply"](
             UpdateWeightsFromDiskResponse(
@@ -579,8 +603,9 @@ class GenerationEngine:
         self.stats["prefill_batches"] += 1
         # Identical prompts (a GRPO group's answers) are computed once; their
         # rows are copied out of the one forward (`source`: request -> row).
+        # A request resumed after a weight update is prefilled from its prompt and its outputs so far.
         unique: dict[tuple[int, ...], int] = {}
-        source = [unique.setdefault(tuple(r.input_ids), len(unique)) for r in group]
+        source = [unique.setdefault(tuple(r.input_ids + r.output_ids), len(unique)) for r in group]
         prompts = list(unique)
         length = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), length), dtype=torch.long)
@@ -589,7 +614,8 @@ class GenerationEngine:
             ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, length - len(p) :] = True
         self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in group)
-        self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
+        tokens = sum(len(r.input_ids) + len(r.output_ids) for r in group)
+        self.stats["prompt_tokens_shared"] += tokens - sum(len(p) for p in prompts)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         # Full layers also for sliding ones: the running batch keeps every column
