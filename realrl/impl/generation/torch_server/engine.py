@@ -553,8 +553,6 @@ class GenerationEngine:
                 new_longest = max(longest, len(req.input_ids) + len(req.output_ids))
                 if group and new_longest * (len(group) + 1) > self.max_prefill_tokens:
                     break
-                if group and bool(req.output_ids) != bool(group[0].output_ids):
-                    break  # requests resumed after a weight update are prefilled apart (`_prefill_resumed`)
                 group.append(self._waiting.popleft())
                 longest = new_longest
             if not group:
@@ -603,8 +601,6 @@ class GenerationEngine:
     def _prefill(self, group: list[Request]) -> tuple[list[Request], Rows] | None:
         """One forward over the group's prompts (left-padded); samples each first
         token; returns the rows that go on with their keys/values and mask."""
-        if group[0].output_ids and self.layout.window is None and len({tuple(r.input_ids) for r in group}) < len(group):
-            return self._prefill_resumed(group)
         self.stats["prefill_batches"] += 1
         # Identical prompts (a GRPO group's answers) are computed once; their
         # rows are copied out of the one forward (`source`: request -> row).
@@ -635,71 +631,9 @@ class GenerationEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
-        return self._sample_rows(group, out.logits[:, -1, :], cache, mask, source_rows)
-
-    def _prefill_resumed(self, group: list[Request]) -> tuple[list[Request], Rows] | None:
-        """`_prefill` of requests with outputs (sent back by a weight update) whose prompts repeat (a
-        group's answers): each prompt is computed once, then every row's outputs in a second forward
-        over its prompt's keys/values: the prompt is not computed again per answer. Rows are
-        [pad | prompt | pad | outputs]: the mask's holes are never attended, the positions are the
-        tokens' own. (Full attention only: a sliding window would count the holes.)"""
-        self.stats["prefill_batches"] += 1
-        unique: dict[tuple[int, ...], int] = {}
-        source = [unique.setdefault(tuple(r.input_ids), len(unique)) for r in group]
-        prompts = list(unique)
-        length = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), length), dtype=torch.long)
-        mask = torch.zeros((len(prompts), length), dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, length - len(p) :] = True
-        outputs = max(len(r.output_ids) for r in group)
-        out_ids = torch.zeros((len(group), outputs), dtype=torch.long)
-        out_mask = torch.zeros((len(group), outputs), dtype=torch.bool)
-        out_positions = torch.zeros((len(group), outputs), dtype=torch.long)
-        for i, r in enumerate(group):
-            n = len(r.output_ids)
-            out_ids[i, outputs - n :] = torch.tensor(r.output_ids, dtype=torch.long)
-            out_mask[i, outputs - n :] = True
-            out_positions[i, outputs - n :] = torch.arange(len(r.input_ids), len(r.input_ids) + n)
-        self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in group)
-        self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache()
-        cache.layers = [DynamicLayer() for _ in range(self.n_layers)]
-        self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.long().cumsum(dim=-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
-        rows_cache = DynamicCache()
-        rows_cache.layers = [DynamicLayer() for _ in range(self.n_layers)]
-        for rows_layer, layer in zip(rows_cache.layers, cache.layers):
-            rows_layer.update(layer.keys.index_select(0, source_rows), layer.values.index_select(0, source_rows))
-        row_mask = torch.cat([mask.index_select(0, source_rows), out_mask.to(self.device)], dim=1)
-        out = self.model(
-            input_ids=out_ids.to(self.device),
-            attention_mask=row_mask,
-            position_ids=out_positions.to(self.device),
-            past_key_values=rows_cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        every_row = torch.arange(len(group), dtype=torch.long, device=self.device)
-        return self._sample_rows(group, out.logits[:, -1, :], rows_cache, row_mask, every_row)
-
-    def _sample_rows(
-        self, group: list[Request], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor, source_rows
-    ) -> tuple[list[Request], Rows] | None:
-        """Each request's next token from the logits row `source_rows[i]`; the rows that go on, with their
-        keys/values and mask (cache and mask rows are `source_rows`' too)."""
         params = RowParams.from_requests(group, self.device)
-        last_logits = logits.index_select(0, source_rows)
+        source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
+        last_logits = out.logits[:, -1, :].index_select(0, source_rows)
         tokens, logprobs, sampling_logprobs = sample_tokens(last_logits, params, self._generator, self._banned(group))
         done = set(self._record(group, tokens.tolist(), logprobs.tolist(), sampling_logprobs.tolist()))
         keep = [i for i in range(len(group)) if i not in done]
