@@ -295,6 +295,7 @@ def run_inprocess(
         o.lr_scheduler,
         o.warmup_steps,
         steps * ppo.ppo_n_minibatches,
+        o.min_lr_ratio,
     )
     temperature = 0.0 if cfg.rollout.gconfig.greedy else cfg.rollout.gconfig.temperature
     trainer = PPOTrainer(actor, ppo, temperature, torch.device(device), o.gradient_clipping)

@@ -8,4 +8,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/bootstrap.sh
-exec "$REALRL_PY" training/main_async_ppo.py "$@"
+# The recipe on top of the defaults: the learning rate decays (cosine) to a tenth by
+# the last step. The run is judged by its last weights; at a constant rate they
+# keep moving a last-digit shift shared by many answers to the end, and one run in
+# nine stopped at a low (docs/benchmarks.md, "The default run"). Arguments override it.
+recipe=(optimizer.lr_scheduler=cosine optimizer.min_lr_ratio=0.1)
+exec "$REALRL_PY" training/main_async_ppo.py "${recipe[@]}" "$@"

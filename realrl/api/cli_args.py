@@ -133,7 +133,10 @@ class OptimizerConfig:
     """Linear learning-rate warmup over this many train steps (0 = none); the schedule advances once per train
     step, however many minibatches the step runs."""
     lr_scheduler: str = "constant"
-    """The learning rate after warmup: constant | linear | cosine (decay to 0 at the last train step)."""
+    """The learning rate after warmup: constant | linear | cosine (decay to `min_lr_ratio` x lr at the last
+    train step)."""
+    min_lr_ratio: float = 0.0
+    """Where linear and cosine decay end, as a fraction of `lr` (0 = decay to 0)."""
 
 
 @dataclasses.dataclass
@@ -846,6 +849,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         "optimizer.lr_scheduler",
         f"must be constant|linear|cosine, got {o.lr_scheduler!r}",
     )
+    _check(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _check(o.gradient_clipping >= 0, "optimizer.gradient_clipping", "must be >= 0 (0 = off)")
     _check(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _check(0 <= o.beta1 < 1, "optimizer.beta1", f"must be in [0, 1), got {o.beta1}")

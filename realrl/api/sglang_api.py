@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from packaging.version import InvalidVersion, Version
 
+from realrl.api.vllm_api import WeightVersionSpan
 from realrl.base.http_body import rule
 
 OLDEST_EMULATED = "0.4.9"  # the first SGLang release with /pause_generation
@@ -170,6 +171,9 @@ class MetaInfo:
     # top-k, top-p, min-p; renormalised; 0 for greedy): the torch server with return_logprob,
     # SGLang 0.5.16+ with return_sampling_mask (docs/design.md §6).
     output_token_sampling_logprobs: list[float] | None = None
+    # The torch server, for an answer that went on across a weight update (docs/design.md §6): output tokens
+    # [start, end) were sampled by the weights labelled `version` (vLLM's spans); absent: all `weight_version`.
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 @dataclasses.dataclass

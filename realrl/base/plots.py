@@ -105,8 +105,12 @@ def _figure(n_panels: int, title: str):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.0 * n_panels, 3.6), dpi=100, layout="constrained")
+    # Fixed margins, not a layout engine: constrained layout measured a third of the plotting's CPU,
+    # which an evaluation holds the trainers for (docs/benchmarks.md).
+    width = 5.0 * n_panels
+    fig = Figure(figsize=(width, 3.6), dpi=100)
     FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=0.9 / width, right=1 - 0.3 / width, bottom=0.14, top=0.87, wspace=0.25)
     axes = fig.subplots(1, n_panels, squeeze=False)[0]
     fig.suptitle(title, fontsize=11)
     for ax in axes:

@@ -380,7 +380,15 @@ class ModelWorker(Worker):
 
         def optimized(model):
             return make_optimized(
-                model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, o.lr_scheduler, o.warmup_steps, n_opt_steps
+                model,
+                o.lr,
+                o.weight_decay,
+                (o.beta1, o.beta2),
+                o.eps,
+                o.lr_scheduler,
+                o.warmup_steps,
+                n_opt_steps,
+                o.min_lr_ratio,
             )
 
         self.actor = optimized(actor)

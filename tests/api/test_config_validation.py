@@ -72,6 +72,7 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("optimizer.beta2=1", "optimizer.beta2"),
         ("optimizer.eps=-1e-8", "optimizer.eps"),
         ("optimizer.lr_scheduler=step", "optimizer.lr_scheduler"),
+        ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
         ("ppo.value_eps_clip=0", "ppo.value_eps_clip"),
         ("ppo.kl_estimator=k9", "ppo.kl_estimator"),
         ("allocation_mode=torch.d1p2m1+d1p1m1", "allocation_mode"),

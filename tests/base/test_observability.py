@@ -96,6 +96,25 @@ def test_write_plots_from_a_synthetic_stats_file(tmp_path):
     assert not [p for p in (tmp_path / "plots").iterdir() if not p.name.endswith(".png")]  # no temp file left
 
 
+def test_every_label_fits_inside_its_figure(tmp_path):
+    """The figures have fixed margins (no layout engine, which cost a third of the plotting's CPU):
+    titles, axis labels and tick labels, six-digit ones included, must still lie inside the image."""
+    from realrl.base.plots import read_stats
+
+    stats = tmp_path / "stats.jsonl"
+    synthetic_stats(stats)
+    records = read_stats(str(stats))
+    for r in records:  # wide tick labels
+        if "perf/gen_tokens_per_s" in r:
+            r["perf/gen_tokens_per_s"] *= 100
+    for name, plot in FIGURES.items():
+        fig = plot(records)
+        fig.canvas.draw()
+        box = fig.get_tightbbox(fig.canvas.get_renderer())  # of what was drawn, in inches
+        width, height = fig.get_size_inches()
+        assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, (name, box, (width, height))
+
+
 def test_write_plots_skips_figures_without_data(tmp_path):
     stats = tmp_path / "stats.jsonl"
     stats.write_text(

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from benchmarks.learning_floors import (
+    DOCUMENTED,
     MIN_MARGIN,
     RUNS,
     assert_reaches_floor,
@@ -60,6 +61,19 @@ def test_every_run_the_suite_trains_is_recorded_as_it_trains_it_well_clear_of_it
         # A floor the initial model nearly reaches proves nothing (more steps, then): at least
         # 4 binomial standard errors of a 500-prompt accuracy near 0.2-0.3 (~0.02 each) above it.
         assert floor(record, name) >= initial + 0.075, (name, floor(record, name), initial)
+
+
+def test_the_readme_figures_were_measured_on_the_readme_command():
+    """The documented runs' configuration is the record's: the README's range comes from runs
+    of `examples/run_async_ppo.sh` as it is (its recipe line included), not of another recipe."""
+    record = load_record()
+    assert list(record["documented"]) == list(DOCUMENTED)
+    for name, run in DOCUMENTED.items():
+        recorded = record["documented"][name]
+        assert {k: recorded[k] for k in ("steps", "overrides", "faults")} == run.as_record(), (
+            f"re-measure: python benchmarks/learning_floors.py --runs {name} --record"
+        )
+    assert "optimizer.lr_scheduler=cosine" in DOCUMENTED["readme"].overrides  # read from the script
 
 
 def test_the_docs_and_the_readme_show_the_record_as_it_is():

@@ -302,3 +302,19 @@ def test_the_lr_schedule_ends_where_it_should_whatever_the_minibatches_take(tiny
     trainer = PPOTrainer(optimized, PPOConfig(adv_estimator="grpo", ppo_n_minibatches=4), 1.0, torch.device("cpu"), 1.0)
     stats = run_steps(trainer, make_groups(0, 2, 2, (3, 4), (2, 3)), 3)
     assert [round(s["lr"] / 1e-3, 6) for s in stats] == [round(2 / 3, 6), round(1 / 3, 6), 0.0]
+
+
+def test_cosine_decays_to_its_minimum_and_holds_there(tiny_llama_dir):
+    """`optimizer.min_lr_ratio`: the cosine schedule ends at min_lr_ratio x lr at the
+    last train step (verl's min_lr_ratio), not at 0, and passes the midpoint halfway."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    optimized = make_optimized(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "cosine", 0, 4, min_lr_ratio=0.1)
+    trainer = PPOTrainer(optimized, PPOConfig(adv_estimator="grpo"), 1.0, torch.device("cpu"), 1.0)
+    stats = run_steps(trainer, make_groups(0, 2, 2, (3, 4), (2, 3)), 4)
+    # the lr after each step (as the linear test above reads it): a quarter of the way down ... the minimum
+    expected = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(1, 5)]
+    assert [round(s["lr"] / 1e-3, 6) for s in stats] == [round(e, 6) for e in expected]
+    assert optimized.scheduler.get_last_lr()[0] == pytest.approx(1e-4)

@@ -475,6 +475,15 @@ def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
             wait_until, lambda: get_json(url, "/get_server_info")["num_running_requests"] == len(PROMPTS), 60, "running"
         )
         update = await client.update_weights_from_disk(url, new_dir, weight_version=1)
+        # They go on under the new weights: once each has new tokens, they are aborted.
+        made = get_json(url, "/get_server_info")["stats"]["generated_tokens"]
+        await asyncio.to_thread(
+            wait_until,
+            lambda: get_json(url, "/get_server_info")["stats"]["generated_tokens"] >= made + 2 * len(PROMPTS),
+            60,
+            "tokens under the new weights",
+        )
+        await client.abort_request(url, abort_all=True)
         aborted = await asyncio.gather(*inflight)
         after_v1 = await client.generate(url, probe, greedy)
         # Sharded checkpoint, and a bad path that must leave v2 serving.
@@ -486,11 +495,12 @@ def test_update_weights_from_disk(start_server, tiny_llama_dir, tmp_path):
 
     update, aborted, after_v1, bad, after_v2, info = run(_with_client(go))
     assert update.success is True and update.num_paused_requests == len(PROMPTS)
-    for res in aborted:
-        assert res.finish_reason == "abort"
-        assert res.weight_version == "0"
+    for res in aborted:  # each token labelled with the weights that sampled it (its span's version)
+        assert res.finish_reason == "abort" and res.weight_version == "1"
         assert 0 < len(res.output_ids) < 4000
-        assert len(res.output_logprobs) == len(res.output_ids)
+        assert len(res.output_logprobs) == len(res.output_ids) == len(res.output_versions)
+        switch = res.output_versions.index("1")
+        assert 0 < switch and res.output_versions == ["0"] * switch + ["1"] * (len(res.output_ids) - switch)
     assert after_v1.weight_version == "1"
     assert after_v1.output_ids == hf_greedy(load_reference(new_dir), probe, 30)
     assert after_v1.output_ids != hf_greedy(load_reference(tiny_llama_dir), probe, 30)

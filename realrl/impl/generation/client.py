@@ -61,6 +61,7 @@ from realrl.api.sglang_api import (
     UpdateWeightVersionResponse,
     WeightsUpdateResponse,
 )
+from realrl.api.vllm_api import WeightVersionSpan
 from realrl.api.weights_api import (
     AwaitWeightVersionRequest,
     JoinWeightsGroupRequest,
@@ -155,7 +156,23 @@ class GenerateResult:
             matched_stop=matched if isinstance(matched, int) else None,
             meta_info=meta,
             output_sampling_logprobs=meta.output_token_sampling_logprobs,
+            output_versions=versions_of_spans(meta.weight_versions, len(output_ids)),
         )
+
+
+def versions_of_spans(spans: list[WeightVersionSpan] | None, n_tokens: int) -> list[str] | None:
+    """Per output token, the version of its span (`[start, end)`, in order, covering all `n_tokens`);
+    None without spans. BodyError if they do not cover the tokens exactly."""
+    if spans is None:
+        return None
+    versions: list[str] = []
+    for span in spans:
+        if span.start != len(versions) or span.end < span.start:
+            raise BodyError(f"weight_versions: span [{span.start}, {span.end}) does not follow token {len(versions)}")
+        versions += [span.version] * (span.end - span.start)
+    if len(versions) != n_tokens:
+        raise BodyError(f"weight_versions cover {len(versions)} of {n_tokens} tokens")
+    return versions
 
 
 @dataclass

@@ -37,21 +37,20 @@ class ServerGenerator:
                 for i in range(request.group_size)
             )
         )
-        versions = []
-        for r in responses:
-            try:
-                versions.append(int(r.weight_version))
-            except (TypeError, ValueError):
-                versions.append(0)
+        # Per token: an answer that went on across a weight update has the versions of its spans.
+        token_versions = [
+            [_version(v) for v in r.output_versions or [r.weight_version] * len(r.output_ids)] for r in responses
+        ]
+        last = [_version(r.weight_version) for r in responses]
         return GenerationResult(
             qid=request.qid,
             prompt_ids=list(request.prompt_ids),
             output_ids=[list(r.output_ids) for r in responses],
             output_logprobs=[list(r.output_logprobs) for r in responses],
-            output_versions=[[v] * len(r.output_ids) for v, r in zip(versions, responses)],
+            output_versions=token_versions,
             no_eos=[r.finish_reason != "stop" for r in responses],
-            version_start=versions,
-            version_end=versions,
+            version_start=[v[0] if v else x for v, x in zip(token_versions, last)],
+            version_end=[v[-1] if v else x for v, x in zip(token_versions, last)],
             output_sampling_logprobs=[
                 list(r.output_logprobs if r.output_sampling_logprobs is None else r.output_sampling_logprobs)
                 for r in responses
@@ -61,3 +60,10 @@ class ServerGenerator:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _version(reported: str | None) -> int:
+    try:
+        return int(reported)
+    except (TypeError, ValueError):
+        return 0

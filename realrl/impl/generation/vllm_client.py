@@ -70,6 +70,7 @@ from realrl.impl.generation.client import (
     ServerWeightsBroken,
     _read,
     _sampling_params,
+    versions_of_spans,
 )
 
 PAUSED_RETRY_S = 0.05  # first wait before a generation refused while paused is sent again (doubling, to 1 s)
@@ -100,11 +101,7 @@ def result_of(answer: VLLMGenerateResponse, rid: str | None) -> GenerateResult:
     choice = answer.choices[0]
     ids = list(choice.token_ids or [])
     logprobs = [c.logprob for c in (choice.logprobs.content or [])] if choice.logprobs is not None else []
-    versions: list[str] = []
-    for span in choice.weight_versions or []:
-        versions += [span.version] * (span.end - span.start)
-    if choice.weight_versions is not None and len(versions) != len(ids):
-        raise BodyError(f"weight_versions cover {len(versions)} of {len(ids)} tokens")
+    versions = versions_of_spans(choice.weight_versions, len(ids)) or []
     reason = choice.finish_reason or "stop"
     prompt = answer.usage.prompt_tokens if answer.usage is not None else 0
     matched = choice.stop_reason if isinstance(choice.stop_reason, int) else None

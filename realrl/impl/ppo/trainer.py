@@ -74,6 +74,7 @@ def make_optimized(
     schedule: str,
     warmup_steps: int,
     total_steps: int,
+    min_lr_ratio: float = 0.0,
 ) -> Optimized:
     # Only what trains holds optimizer state (a LoRA model: its adapters).
     params = [p for p in model.parameters() if p.requires_grad]
@@ -84,10 +85,13 @@ def make_optimized(
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+            decay = 1.0 - progress
+        elif schedule == "cosine":
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            return 1.0
+        # decays from lr to min_lr_ratio * lr (verl's min_lr_ratio, OpenRLHF's cosine_with_min_lr)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
     return Optimized(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
 

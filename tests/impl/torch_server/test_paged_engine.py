@@ -1,6 +1,6 @@
 """The paged engine against the dense engine and a teacher-forced HF forward
 (float32, max |Δ logprob| <= 1e-4): mixed lengths, forks of n = 1..16, abort
-mid-sequence, preemption under a small pool, a weight update mid-run."""
+mid-sequence, preemption under a small pool, a weight update mid-run (also the dense engine)."""
 
 from __future__ import annotations
 
@@ -192,34 +192,64 @@ def test_preemption_under_a_small_pool_recomputes_exactly(paged_model, reference
     assert paged.allocator.num_free == paged.allocator.num_blocks
 
 
-def test_weight_update_mid_run(paged_model, tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_weight_update_mid_run_goes_on_under_the_new_weights(paged_model, tiny_llama_dir, tmp_path, kind):
+    """A weight update (`abort_all_requests`) while a request runs: nothing runs on under the old
+    weights, and nothing it made is thrown away. The request is prefilled again from its prompt and
+    outputs under the new weights and goes on to its budget; its answer names each output span's
+    version, and each token has the logprob of the weights its span names (teacher-forced, the whole
+    prefix). On the old engine the request ended with `abort` at the update."""
     new_dir = str(tmp_path / "new")
     save_perturbed(tiny_llama_dir, new_dir, seed=11)
     new_model = load_reference(new_dir)
     old_model = load_reference(tiny_llama_dir)
-    paged = start_paged(paged_model, block_size=4)
-    tensors = paged.read_weights(new_dir)
-    updated = threading.Event()
-    driver = Driver(paged)
+    eos = torch_server.eos_token_ids_of(old_model)
+    if kind == "paged":
+        model, engine = paged_model, start_paged(paged_model, block_size=4)
+    else:
+        model = load_reference(tiny_llama_dir)
+        engine = torch_server.GenerationEngine(model, device=CPU, eos_token_ids=eos)
+        engine.start()
+    tensors = engine.read_weights(new_dir)
+    answers = []
+    driver = Driver(engine)
     update = {"tensors": tensors, "weight_version": "1", "abort_all_requests": True, "model_path": new_dir}
-    # Mid-run: when the short request finishes, the long one is aborted by the update.
-    driver.on_reply["short"] = lambda _r: paged.command("update", update, lambda _a: updated.set())
+    # Mid-run: when the short request finishes (in the loop), the long one is running.
+    driver.on_reply["short"] = lambda _r: engine.command("update", update, answers.append)
     prompt = [0, 9, 8, 7, 6]
+    longs = ["long", "long1", "long2"]  # a group's answers: after the update, one prompt under three outputs
     try:
-        driver.submit("long", prompt, temperature=1.0, max_new_tokens=300, ignore_eos=True)
-        driver.submit("short", [0, 3], temperature=1.0, max_new_tokens=4, ignore_eos=True)
+        with driver.together():
+            for name in longs:
+                driver.submit(name, prompt, temperature=1.0, max_new_tokens=120, ignore_eos=True)
+            driver.submit("short", [0, 3], temperature=1.0, max_new_tokens=4, ignore_eos=True)
         driver.wait()
-        assert updated.wait(30)
-        after = Driver(paged)
+        after = Driver(engine)
         after.submit("after", prompt, temperature=1.0, max_new_tokens=20, ignore_eos=True)
         result_after = after.wait()["after"]
+        stats = dict(engine.stats)
     finally:
-        paged.stop()
-        paged_model.load_state_dict(old_model.state_dict())  # the module's other tests use the old weights
-    long = driver.results["long"]
-    assert long.meta_info.finish_reason.type == "abort" and long.meta_info.weight_version == "0"
-    assert max_delta(old_model, prompt, long) <= TOL
-    assert result_after.meta_info.weight_version == "1"
+        engine.stop()
+        model.load_state_dict(old_model.state_dict())  # the module's other tests use the old weights
+    assert [(a.success, a.num_paused_requests) for a in answers] == [(True, 3)]
+    assert stats["requests_resumed"] == 3 and stats["finish_abort"] == 0
+    if kind == "dense":  # the resumed answers' prompt computed once: `_prefill_resumed`
+        assert stats["prompt_tokens_shared"] >= 2 * 2 * len(prompt)  # (at the first prefill, and after the update)
+    for name in longs:
+        long = driver.results[name]
+        meta = long.meta_info
+        assert meta.finish_reason.type == "length" and len(long.output_ids) == 120 and meta.weight_version == "1"
+        (v0, v1) = meta.weight_versions
+        assert (v0.version, v0.start, v1.version, v1.end) == ("0", 0, "1", 120) and 0 < v0.end == v1.start < 120
+        got = torch.tensor([lp for lp, _, _ in meta.output_token_logprobs])
+        switch = v0.end
+        old = teacher_forced(old_model, prompt, long.output_ids)
+        new = teacher_forced(new_model, prompt, long.output_ids)
+        assert float((got[:switch] - old[:switch]).abs().max()) <= TOL, name
+        assert float((got[switch:] - new[switch:]).abs().max()) <= TOL, name
+        assert float((old[switch:] - new[switch:]).abs().max()) > 1e-2  # the versions are distinguishable
+    assert len({tuple(driver.results[name].output_ids) for name in longs}) == 3  # three different answers
+    assert result_after.meta_info.weight_version == "1" and result_after.meta_info.weight_versions is None
     assert max_delta(new_model, prompt, result_after) <= TOL
 
 

@@ -162,3 +162,40 @@ def test_client_request_and_server_answer_agree_on_every_field():
         "type": "abort",
         "message": "aborted",
     }
+
+
+def test_an_answer_across_weight_updates_names_each_span_and_the_client_reads_it():
+    """Outputs made before an update the request went on across are labelled with the old version
+    (merged when an update kept the version); an answer of one version has no spans; the client
+    reads the spans as per-token versions and refuses spans that do not cover the tokens exactly."""
+    (req,), _ = parse({"input_ids": [0, 5], "return_logprob": True})
+    req.output_ids += [7, 8]
+    req.switch_version("0")
+    req.output_ids += [9]
+    req.switch_version("1")  # an update that failed: still version 1 afterwards
+    req.output_ids += [10]
+    req.switch_version("1")
+    req.output_ids += [11, 12]
+    req.output_logprobs += [-1.0] * 6
+    req.output_sampling_logprobs += [-1.0] * 6
+    answer = req.response(FinishReason("length"), "2")
+    spans = [(s.version, s.start, s.end) for s in answer.meta_info.weight_versions]
+    assert spans == [("0", 0, 2), ("1", 2, 4), ("2", 4, 6)] and answer.meta_info.weight_version == "2"
+    result = GenerateResult.from_response(json.loads(json.dumps(to_json(answer))))
+    assert result.output_versions == ["0", "0", "1", "1", "2", "2"] and result.weight_version == "2"
+    # Aborted before it made a token under the new weights: the answer is the old version's.
+    (early,), _ = parse({"input_ids": [0, 5]})
+    early.output_ids += [7]
+    early.switch_version("0")
+    meta = early.response(FinishReason("abort"), "1").meta_info
+    assert meta.weight_version == "0" and [(s.start, s.end) for s in meta.weight_versions] == [(0, 1)]
+    (plain,), _ = parse({"input_ids": [0, 5]})
+    plain.output_ids += [7]
+    assert plain.response(FinishReason("length"), "3").meta_info.weight_versions is None
+    bad = json.loads(json.dumps(to_json(answer)))
+    bad["meta_info"]["weight_versions"][1]["start"] = 3  # a gap
+    with pytest.raises(BodyError, match="does not follow"):
+        GenerateResult.from_response(bad)
+    bad["meta_info"]["weight_versions"] = bad["meta_info"]["weight_versions"][:1]
+    with pytest.raises(BodyError, match="cover 2 of 6"):
+        GenerateResult.from_response(bad)

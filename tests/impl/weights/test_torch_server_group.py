@@ -1,7 +1,7 @@
 """A real torch server in a weight broadcast group (docs/design.md §8,
 "Broadcast"): it receives each version while it serves the one before,
-swaps it in place (requests in flight end with `abort` under the old
-version), reports the version only once the whole of it is in place, and
+swaps it in place (requests in flight go on under the new weights, each
+token labelled with its version), reports the version only once the whole of it is in place, and
 its logprobs are the trainer's."""
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ def test_a_torch_server_takes_versions_over_the_wire_while_it_serves(start_serve
             answer = await client.await_weight_version(url, version, 60)
             assert answer.success and answer.weight_version == str(version), answer
             versions[f"out{version}"] = await client.generate(url, PROBE, sample)
+        made = (await client.server_info(url))["stats"]["generated_tokens"]
+        while (await client.server_info(url))["stats"]["generated_tokens"] < made + 4:  # some under version 2
+            await asyncio.sleep(0.05)
+        await client.abort_request(url, abort_all=True)
         aborted = await asyncio.gather(*inflight)
         sender.close()
         after_close = await client.await_weight_version(url, 3, 30)
@@ -71,8 +75,9 @@ def test_a_torch_server_takes_versions_over_the_wire_while_it_serves(start_serve
     finally:
         sender.close()
         store.close()
-    for res in aborted:  # cut by version 1's swap, reported under version 0
-        assert res.finish_reason == "abort" and res.weight_version == "0" and 0 < len(res.output_ids) < 4000
+    for res in aborted:  # went on across both swaps, each span under its version
+        assert res.finish_reason == "abort" and res.weight_version == "2" and 0 < len(res.output_ids) < 4000
+        assert res.output_versions == sorted(res.output_versions) and set(res.output_versions) == {"0", "1", "2"}
     for version in (1, 2):
         out = versions[f"out{version}"]
         assert out.weight_version == str(version)

@@ -23,10 +23,14 @@ testing clients against it. `compat` (`--emulate-sglang`, `sglang_compat`) copie
 until `continue`; mode `in_place` keeps them where they are, decoding nothing until `continue`.
 
 **Weight updates.** New weights are read and checked off the loop (`weights`). Then, between two decode steps,
-in-flight requests are aborted (they return their partial output, its logprobs and the *old* weight version;
-`abort_all_requests=false` instead lets them finish while no new request starts), the tensors are copied into the
-existing parameters in place, and `weight_version` changes. Queued requests that had not started yet run under the
-new weights.
+the running requests go back to the head of the queue with their outputs (their keys/values, the old weights',
+are dropped), the tensors are copied into the existing parameters in place, and `weight_version` changes; the next
+step prefills them again from prompt + outputs under the new weights and they go on, their answers naming each
+output span's version (`Request.switch_version`). Nothing runs on under the old weights, and nothing made is sent
+back to be sent again. `abort_all_requests=false` instead lets them finish while no new request starts. With
+`compat` (SGLang aborts them) and for a LoRA switch (`update_weight_version`: a request named its adapter) in-flight
+requests are aborted instead: they return their partial output, its logprobs and the *old* weight version. Queued
+requests that had not started yet run under the new weights.
 
 **LoRA adapters** (docs/design.md §8). `load_adapter` registers an adapter under a name (read and checked off the
 loop); `update_weight_version` is a weight update whose new weights are the adapter loaded last, merged into the
@@ -166,6 +170,7 @@ class GenerationEngine:
             "decode_steps": 0,
             "decode_rows": 0,
             "weight_updates": 0,
+            "requests_resumed": 0,  # running requests a weight update sent back to be prefilled again
             "weight_update_failures": 0,
             "lora_adapters_loaded": 0,
             "engine_errors": 0,  # failed engine steps (batched prefill / decode, commands)
@@ -373,6 +378,14 @@ class GenerationEngine:
             if name == "update" and self.compat is not None and self._paused and self._batch is not None:
                 # SGLang cannot flush the prefix cache of a batch paused in place.
                 self._apply_update(dict(args, reply=reply), num_aborted=0, flush_refused=True)
+            elif args["abort_all_requests"] and name == "update" and self.compat is None:
+                # Nothing runs on under the old weights, and nothing made is thrown away: the running
+                # requests are prefilled again from all their tokens under the new weights and go on.
+                n = self._requeue_running()
+                for req in self._live.values():
+                    req.switch_version(self.weight_version)
+                self.stats["requests_resumed"] += n
+                self._apply_update(dict(args, reply=reply), num_aborted=n, resumed=True)
             elif args["abort_all_requests"]:
                 n = self._abort(lambda r: True, include_waiting=self.compat is not None)
                 self._apply_update(dict(args, reply=reply), num_aborted=n)
@@ -392,7 +405,17 @@ class GenerationEngine:
             return lambda r: False
         return lambda r: r.rid.startswith(rid)
 
-    def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False) -> None:
+    def _requeue_running(self) -> int:
+        """The running requests go back to the head of the queue, outputs kept and their keys/values
+        dropped, to be prefilled again from all their tokens; how many."""
+        if self._batch is None:
+            return 0
+        requests = list(self._batch.requests)
+        self._batch = None
+        self._waiting.extendleft(reversed(requests))
+        return len(requests)
+
+    def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False, resumed: bool = False) -> None:
         """New weights: full tensors copied in (`tensors`), or a LoRA adapter
         merged (`adapter`: (name, LoraAdapter)), or neither (a new version
         number only); then the version switches and the caller is answered.
@@ -440,11 +463,12 @@ class GenerationEngine:
             self.weight_version = str(update["weight_version"])
         self.stats["weight_updates"] += 1
         logger.info(
-            "weights updated from %s: version %s -> %s (%d requests aborted)",
+            "weights updated from %s: version %s -> %s (%d requests %s)",
             source or "the same weights",
             old,
             self.weight_version,
             num_aborted,
+            "going on under the new weights" if resumed else "aborted",
         )
         update["reply"](
             UpdateWeightsFromDiskResponse(
@@ -528,6 +552,8 @@ class GenerationEngine:
                 new_longest = max(longest, len(req.input_ids) + len(req.output_ids))
                 if group and new_longest * (len(group) + 1) > self.max_prefill_tokens:
                     break
+                if group and bool(req.output_ids) != bool(group[0].output_ids):
+                    break  # requests resumed after a weight update are prefilled apart (`_prefill_resumed`)
                 group.append(self._waiting.popleft())
                 longest = new_longest
             if not group:
@@ -576,11 +602,14 @@ class GenerationEngine:
     def _prefill(self, group: list[Request]) -> tuple[list[Request], Rows] | None:
         """One forward over the group's prompts (left-padded); samples each first
         token; returns the rows that go on with their keys/values and mask."""
+        if group[0].output_ids and self.layout.window is None and len({tuple(r.input_ids) for r in group}) < len(group):
+            return self._prefill_resumed(group)
         self.stats["prefill_batches"] += 1
         # Identical prompts (a GRPO group's answers) are computed once; their
         # rows are copied out of the one forward (`source`: request -> row).
+        # A request resumed after a weight update is prefilled from its prompt and its outputs so far.
         unique: dict[tuple[int, ...], int] = {}
-        source = [unique.setdefault(tuple(r.input_ids), len(unique)) for r in group]
+        source = [unique.setdefault(tuple(r.input_ids + r.output_ids), len(unique)) for r in group]
         prompts = list(unique)
         length = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), length), dtype=torch.long)
@@ -589,7 +618,8 @@ class GenerationEngine:
             ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, length - len(p) :] = True
         self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in group)
-        self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
+        tokens = sum(len(r.input_ids) + len(r.output_ids) for r in group)
+        self.stats["prompt_tokens_shared"] += tokens - sum(len(p) for p in prompts)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         # Full layers also for sliding ones: the running batch keeps every column
@@ -604,9 +634,71 @@ class GenerationEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        params = RowParams.from_requests(group, self.device)
         source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
-        last_logits = out.logits[:, -1, :].index_select(0, source_rows)
+        return self._sample_rows(group, out.logits[:, -1, :], cache, mask, source_rows)
+
+    def _prefill_resumed(self, group: list[Request]) -> tuple[list[Request], Rows] | None:
+        """`_prefill` of requests with outputs (sent back by a weight update) whose prompts repeat (a
+        group's answers): each prompt is computed once, then every row's outputs in a second forward
+        over its prompt's keys/values: the prompt is not computed again per answer. Rows are
+        [pad | prompt | pad | outputs]: the mask's holes are never attended, the positions are the
+        tokens' own. (Full attention only: a sliding window would count the holes.)"""
+        self.stats["prefill_batches"] += 1
+        unique: dict[tuple[int, ...], int] = {}
+        source = [unique.setdefault(tuple(r.input_ids), len(unique)) for r in group]
+        prompts = list(unique)
+        length = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), length), dtype=torch.long)
+        mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, length - len(p) :] = True
+        outputs = max(len(r.output_ids) for r in group)
+        out_ids = torch.zeros((len(group), outputs), dtype=torch.long)
+        out_mask = torch.zeros((len(group), outputs), dtype=torch.bool)
+        out_positions = torch.zeros((len(group), outputs), dtype=torch.long)
+        for i, r in enumerate(group):
+            n = len(r.output_ids)
+            out_ids[i, outputs - n :] = torch.tensor(r.output_ids, dtype=torch.long)
+            out_mask[i, outputs - n :] = True
+            out_positions[i, outputs - n :] = torch.arange(len(r.input_ids), len(r.input_ids) + n)
+        self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in group)
+        self.stats["prompt_tokens_shared"] += sum(len(r.input_ids) for r in group) - sum(len(p) for p in prompts)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in range(self.n_layers)]
+        self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.long().cumsum(dim=-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        source_rows = torch.tensor(source, dtype=torch.long, device=self.device)
+        rows_cache = DynamicCache()
+        rows_cache.layers = [DynamicLayer() for _ in range(self.n_layers)]
+        for rows_layer, layer in zip(rows_cache.layers, cache.layers):
+            rows_layer.update(layer.keys.index_select(0, source_rows), layer.values.index_select(0, source_rows))
+        row_mask = torch.cat([mask.index_select(0, source_rows), out_mask.to(self.device)], dim=1)
+        out = self.model(
+            input_ids=out_ids.to(self.device),
+            attention_mask=row_mask,
+            position_ids=out_positions.to(self.device),
+            past_key_values=rows_cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        every_row = torch.arange(len(group), dtype=torch.long, device=self.device)
+        return self._sample_rows(group, out.logits[:, -1, :], rows_cache, row_mask, every_row)
+
+    def _sample_rows(
+        self, group: list[Request], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor, source_rows
+    ) -> tuple[list[Request], Rows] | None:
+        """Each request's next token from the logits row `source_rows[i]`; the rows that go on, with their
+        keys/values and mask (cache and mask rows are `source_rows`' too)."""
+        params = RowParams.from_requests(group, self.device)
+        last_logits = logits.index_select(0, source_rows)
         tokens, logprobs, sampling_logprobs = sample_tokens(last_logits, params, self._generator, self._banned(group))
         done = set(self._record(group, tokens.tolist(), logprobs.tolist(), sampling_logprobs.tolist()))
         keep = [i for i in range(len(group)) if i not in done]

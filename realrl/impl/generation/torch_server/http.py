@@ -4,7 +4,8 @@
   for a batched request): `{"output_ids", "meta_info": {"id", "finish_reason":
   {"type": "stop"|"length"|"abort", "matched"?}, "weight_version",
   "prompt_tokens", "completion_tokens", "output_token_logprobs": [[logprob,
-  token_id, null], ...]}}`.
+  token_id, null], ...], "weight_versions"?}}` (spans `{"version", "start",
+  "end"}` of an answer that went on across a weight update).
 - `POST /update_weights_from_disk` `{"model_path", "weight_version",
   "abort_all_requests"}` -> `{"success", "message", "num_paused_requests"}`.
 - `POST /pause_generation` (`{"mode": "abort"|"in_place"}`, optional),

@@ -80,6 +80,11 @@ class PagedGenerationEngine(GenerationEngine):
         if value is None and "_scheduler" in self.__dict__:
             self._scheduler.clear()
 
+    def _requeue_running(self) -> int:
+        n = self._scheduler.preempt_all()
+        self.stats["kv_blocks_free"] = self.allocator.num_free
+        return n
+
     # ---- prefill
 
     def _admit(self) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 
 from realrl.api.generation_api import SamplingParamError, check_sampling_params
 from realrl.api.sglang_api import FinishReason, GenerateRequest, GenerateResponse, MetaInfo, SamplingParams
+from realrl.api.vllm_api import WeightVersionSpan
 from realrl.base.http_body import BodyError, from_json
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -93,6 +94,30 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_sampling_logprobs: list[float] = field(default_factory=list)  # under the filtered distribution
     arrival_time: float = field(default_factory=time.monotonic)
+    # Spans of outputs sampled before a weight update it went on across (the engine): (end, version), in order.
+    earlier_versions: list[tuple[int, str]] = field(default_factory=list)
+
+    def switch_version(self, old: str) -> None:
+        """The weights change from `old` while this request runs: its outputs so far are `old`'s."""
+        n = len(self.output_ids)
+        if self.earlier_versions and self.earlier_versions[-1][1] == old:
+            self.earlier_versions[-1] = (n, old)  # the same version goes on (e.g. an update that failed)
+        elif n > (self.earlier_versions[-1][0] if self.earlier_versions else 0):
+            self.earlier_versions.append((n, old))
+
+    def version_spans(self, weight_version: str) -> list[WeightVersionSpan] | None:
+        """Per-version spans of the outputs, the last under `weight_version`; None if that one made them all."""
+        if not self.earlier_versions:
+            return None
+        spans, start = [], 0
+        for end, version in [*self.earlier_versions, (len(self.output_ids), weight_version)]:
+            if end > start:
+                if spans and spans[-1].version == version:
+                    spans[-1].end = end
+                else:
+                    spans.append(WeightVersionSpan(version, start, end))
+                start = end
+        return None if len(spans) == 1 and spans[0].version == weight_version else spans
 
     @property
     def is_greedy(self) -> bool:
@@ -103,7 +128,10 @@ class Request:
         return not self.is_greedy and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0)
 
     def response(self, reason: FinishReason, weight_version: str) -> GenerateResponse:
-        """The answer, as it stands now."""
+        """The answer, as it stands now; `weight_version`: the weights serving now."""
+        spans = self.version_spans(weight_version)
+        if spans:  # the version of the last token (one aborted before it went on has none of the new)
+            weight_version = spans[-1].version
         logprobs = sampling_logprobs = None
         if self.return_logprob:
             logprobs = [(lp, tok, None) for lp, tok in zip(self.output_logprobs, self.output_ids)]
@@ -118,6 +146,7 @@ class Request:
             e2e_latency=time.monotonic() - self.arrival_time,
             output_token_logprobs=logprobs,
             output_token_sampling_logprobs=sampling_logprobs,
+            weight_versions=spans,
         )
         return GenerateResponse(output_ids=list(self.output_ids), meta_info=meta)
 

@@ -152,6 +152,14 @@ class Scheduler:
         step.seqs = list(self.running)
         return step
 
+    def preempt_all(self) -> int:
+        """Every running sequence back to the head of `waiting`, in order (a weight update: their
+        keys/values are the old weights'); how many."""
+        n = len(self.running)
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+        return n
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)

@@ -229,7 +229,7 @@ class VLLMRoutes:
             processed = meta.output_token_sampling_logprobs or [lp for lp, _, _ in meta.output_token_logprobs or []]
             logprobs = GenerateLogProbs([GenerateLogProb(tok, lp, None, []) for tok, lp in zip(ids, processed)])
         stop_reason = matched if kind == "stop" and matched in (body.sampling_params.stop_token_ids or ()) else None
-        spans = [WeightVersionSpan(str(meta.weight_version), 0, len(ids))] if ids else []
+        spans = meta.weight_versions or ([WeightVersionSpan(str(meta.weight_version), 0, len(ids))] if ids else [])
         prompt = meta.prompt_tokens or len(body.token_ids)
         return VLLMGenerateResponse(
             choices=[GenerateTokensChoice(0, kind, stop_reason, ids, logprobs, spans)],
