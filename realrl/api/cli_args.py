@@ -414,9 +414,10 @@ class WeightsConfig:
     """auto | disk (an HF directory each server loads) | broadcast (buckets over a process group of the
     trainer and the servers; each version is still written to disk, in the background, for servers that
     join late or fall out of the group). broadcast needs torch or SGLang servers (not vLLM yet) and a full
-    model (no LoRA). auto: broadcast where the trial can take it and a version's weights (the model's
-    parameters in model.dtype) are at least weights.auto_broadcast_mb, else disk (what measures faster
-    on each side of that size: docs/benchmarks.md)."""
+    model (no LoRA). auto: broadcast where the trial can take it, over gloo (CPU; NCCL is not measured
+    yet), and a version's weights (the model's parameters in model.dtype) are at least
+    weights.auto_broadcast_mb, else disk (what measures faster on each side of that size:
+    docs/benchmarks.md)."""
     auto_broadcast_mb: int = 16
     """auto: broadcast from this many MiB of weights per version (the crossover measured on a 2-core CPU
     machine; on another machine, measure it with benchmarks/vs_inprocess.py --transport disk,broadcast)."""

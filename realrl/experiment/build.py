@@ -111,16 +111,18 @@ def version_weight_bytes(model_path: str, dtype: str) -> int:
     return count * _DTYPE_BYTES.get(dtype, 4)
 
 
-def weights_transport(cfg: AsyncPPOConfig, alloc: AllocationMode, model_path: str) -> str:
+def weights_transport(cfg: AsyncPPOConfig, alloc: AllocationMode, model_path: str, backend: str) -> str:
     """`weights.transport`, with auto decided (docs/design.md §8): broadcast
-    where the trial can take it and a version is at least
-    `weights.auto_broadcast_mb`, else disk."""
+    where the trial can take it, over gloo (the backend it was measured
+    on), and a version is at least `weights.auto_broadcast_mb`, else disk."""
     w = cfg.weights
     if w.transport != "auto":
         return w.transport
     refusal = broadcast_refusal(cfg, alloc)
     if refusal is not None:
         transport, why = "disk", f"no broadcast here: {refusal[0]}: {refusal[1]}"
+    elif backend != "gloo":
+        transport, why = "disk", f"broadcast over {backend} is not measured yet; weights.transport=broadcast uses it"
     else:
         mib = version_weight_bytes(model_path, cfg.model.dtype) / (1 << 20)
         transport = "broadcast" if mib >= w.auto_broadcast_mb else "disk"
@@ -173,9 +175,10 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     sglang_servers = alloc.gen_backend == "sglang" or (alloc.gen_backend == "torch" and cfg.server.torch.emulate_sglang)
     servers_on_cuda = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
     on_cuda = cfg.train.device == "cuda" and servers_on_cuda
+    backend = w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo")
     weights = WeightTransportConfig(
-        transport=weights_transport(cfg, alloc, model_path),
-        backend=w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo"),
+        transport=weights_transport(cfg, alloc, model_path, backend),
+        backend=backend,
         bucket_bytes=w.bucket_mb << 20,
         timeout_s=cfg.server.weight_update_timeout,
         protocol="sglang" if sglang_servers else "realrl",

@@ -118,7 +118,7 @@ def test_weights_transport_auto_broadcasts_versions_of_the_measured_size_up(tmp_
     a version's bytes are the parameters the model's safetensors hold (tied
     ones once), counted from their headers, in `model.dtype`. The trainer
     and the manager get the one decision."""
-    from realrl.experiment.build import version_weight_bytes
+    from realrl.experiment.build import version_weight_bytes, weights_transport
     from realrl.impl.weights.broadcast import published_tensors
     from tests.impl.weights.models import tiny_model
 
@@ -144,6 +144,12 @@ def test_weights_transport_auto_broadcasts_versions_of_the_measured_size_up(tmp_
     # Where broadcast cannot go, auto is disk (asked for by name, it is a config error: above).
     assert transport("weights.auto_broadcast_mb=0", "model.lora.rank=4") == "disk"
     assert transport("weights.auto_broadcast_mb=0", "server.torch.emulate_vllm=0.33") == "disk"
+    # Over NCCL (trainer and servers on cuda) broadcast is not measured yet: auto is disk there.
+    cfg = config(tmp_path, *base, "weights.auto_broadcast_mb=0")
+    assert [weights_transport(cfg, validate(cfg), path, backend) for backend in ("gloo", "nccl")] == [
+        "broadcast",
+        "disk",
+    ]
     assert not (tmp_path / "runs").exists()
 
 
