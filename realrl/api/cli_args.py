@@ -418,7 +418,7 @@ class WeightsConfig:
     yet), and a version's weights (the model's parameters in model.dtype) are at least
     weights.auto_broadcast_mb, else disk (what measures faster on each side of that size:
     docs/benchmarks.md)."""
-    auto_broadcast_mb: int = 16
+    auto_broadcast_mb: int = 256
     """auto: broadcast from this many MiB of weights per version (the crossover measured on a 2-core CPU
     machine; on another machine, measure it with benchmarks/vs_inprocess.py --transport disk,broadcast)."""
     backend: str = "auto"
