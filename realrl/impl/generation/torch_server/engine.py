@@ -25,11 +25,12 @@ until `continue`; mode `in_place` keeps them where they are, decoding nothing un
 **Weight updates.** New weights are read and checked off the loop (`weights`). Then, between two decode steps,
 the running requests go back to the head of the queue with their outputs (their keys/values, the old weights',
 are dropped), the tensors are copied into the existing parameters in place, and `weight_version` changes; the next
-step prefills them again from prompt + outputs under the new weights and they go on, their answers naming each
-output span's version (`Request.switch_version`). Nothing runs on under the old weights, and nothing made is sent
-back to be sent again. `abort_all_requests=false` instead lets them finish while no new request starts. With
-`compat` (SGLang aborts them) and for a LoRA switch (`update_weight_version`: a request named its adapter) in-flight
-requests are aborted instead: they return their partial output, its logprobs and the *old* weight version. Queued
+step prefills them again from prompt + outputs under the new weights (the dense engine computes a group's shared
+prompt once: `_prefill_resumed`) and they go on, their answers naming each output span's version
+(`Request.switch_version`). Nothing runs on under the old weights, and nothing made is sent back to be sent
+again. `abort_all_requests=false` instead lets them finish while no new request starts. With `compat` (SGLang
+aborts them) and for a LoRA switch (`update_weight_version`: a request named its adapter) in-flight requests are
+aborted instead: they return their partial output, its logprobs and the *old* weight version. Queued
 requests that had not started yet run under the new weights.
 
 **LoRA adapters** (docs/design.md §8). `load_adapter` registers an adapter under a name (read and checked off the
