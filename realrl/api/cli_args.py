@@ -410,11 +410,17 @@ class ServerConfig:
 class WeightsConfig:
     """How each new weight version reaches the generation servers (docs/design.md §8)."""
 
-    transport: str = "disk"
-    """disk (an HF directory each server loads) | broadcast (buckets over a process group of the trainer
-    and the servers; each version is still written to disk, in the background, for servers that join
-    late or fall out of the group). broadcast needs torch or SGLang servers (not vLLM yet) and a full
-    model (no LoRA)."""
+    transport: str = "auto"
+    """auto | disk (an HF directory each server loads) | broadcast (buckets over a process group of the
+    trainer and the servers; each version is still written to disk, in the background, for servers that
+    join late or fall out of the group). broadcast needs torch or SGLang servers (not vLLM yet) and a full
+    model (no LoRA). auto: broadcast where the trial can take it, over gloo (CPU; NCCL is not measured
+    yet), and a version's weights (the model's parameters in model.dtype) are at least
+    weights.auto_broadcast_mb, else disk (what measures faster on each side of that size:
+    docs/benchmarks.md)."""
+    auto_broadcast_mb: int = 256
+    """auto: broadcast from this many MiB of weights per version (the crossover measured on a 2-core CPU
+    machine; on another machine, measure it with benchmarks/vs_inprocess.py --transport disk,broadcast)."""
     backend: str = "auto"
     """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
     bucket_mb: int = 64
@@ -1032,7 +1038,12 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
 
 def validate_weights(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
     w = cfg.weights
-    _check(w.transport in ("disk", "broadcast"), "weights.transport", f"must be disk|broadcast, got {w.transport!r}")
+    _check(
+        w.transport in ("auto", "disk", "broadcast"),
+        "weights.transport",
+        f"must be auto|disk|broadcast, got {w.transport!r}",
+    )
+    _check(w.auto_broadcast_mb >= 0, "weights.auto_broadcast_mb", f"must be >= 0 MiB, got {w.auto_broadcast_mb}")
     _check(w.backend in ("auto", "gloo", "nccl"), "weights.backend", f"must be auto|gloo|nccl, got {w.backend!r}")
     _check(w.bucket_mb >= 1, "weights.bucket_mb", f"must be >= 1 MiB, got {w.bucket_mb}")
     _check(
@@ -1041,23 +1052,30 @@ def validate_weights(cfg: AsyncPPOConfig, alloc: AllocationMode) -> None:
         "weights.backend",
         "nccl needs train.device=cuda and the servers on cuda (SGLang, or server.torch.device=cuda)",
     )
-    if w.transport != "broadcast":
-        return
+    if w.transport == "broadcast" and (refusal := broadcast_refusal(cfg, alloc)) is not None:
+        _check(False, *refusal)
+
+
+def broadcast_refusal(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[str, str] | None:
+    """Why this trial cannot take `weights.transport=broadcast` (the key to
+    blame, the reason), or None: a config error when asked for, disk under auto."""
     # vLLM 0.32/0.33 have weight-transfer routes (`entrypoints/rl/online/api_router.py`:
     # /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update),
     # over NCCL or CUDA IPC engines only; realrl does not drive them yet (docs/design.md §8).
-    _check(
-        alloc.gen_backend != "vllm" and not (alloc.gen_backend == "torch" and cfg.server.torch.emulate_vllm),
-        "weights.transport",
-        f"broadcast is not wired for vLLM servers yet (allocation_mode {cfg.allocation_mode!r}); use disk",
-    )
-    _check(cfg.model.lora.rank == 0, "weights.transport", "broadcast moves full weights; LoRA adapters go on disk")
-    _check(
-        not cfg.server.torch.emulate_sglang or cfg.server.torch.emulate_sglang_dp == 1,
-        "server.torch.emulate_sglang_dp",
-        "must be 1 with weights.transport=broadcast (SGLang asserts one data-parallel rank for a distributed "
-        "weight update)",
-    )
+    if alloc.gen_backend == "vllm" or (alloc.gen_backend == "torch" and cfg.server.torch.emulate_vllm):
+        return (
+            "weights.transport",
+            f"broadcast is not wired for vLLM servers yet (allocation_mode {cfg.allocation_mode!r}); use disk",
+        )
+    if cfg.model.lora.rank != 0:
+        return "weights.transport", "broadcast moves full weights; LoRA adapters go on disk"
+    if cfg.server.torch.emulate_sglang and cfg.server.torch.emulate_sglang_dp != 1:
+        return (
+            "server.torch.emulate_sglang_dp",
+            "must be 1 with weights.transport=broadcast (SGLang asserts one data-parallel rank for a distributed "
+            "weight update)",
+        )
+    return None
 
 
 ALL_LINEAR = "all-linear"

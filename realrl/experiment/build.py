@@ -10,10 +10,12 @@ worker's config. `realrl/experiment/run.py` launches the groups.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import math
 import os
 from collections.abc import Callable
 
-from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, validate
+from realrl.api.cli_args import AllocationMode, AsyncPPOConfig, ConfigError, broadcast_refusal, validate
 from realrl.api.system_api import (
     GenerationServerConfig,
     GserverManagerConfig,
@@ -90,6 +92,45 @@ def resolve_model_and_data(cfg: AsyncPPOConfig, fileroot: str) -> tuple[str, str
     return model_path, train_path, test_path
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def version_weight_bytes(model_path: str, dtype: str) -> int:
+    """What each published version moves: the model's parameters (counted
+    from its safetensors headers; no tensor is read) in `dtype`; a model
+    without safetensors, its weight files' size; 0 when it has none."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_path, "*.bin")))
+    count = 0
+    for path in files:
+        with safe_open(path, "pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return count * _DTYPE_BYTES.get(dtype, 4)
+
+
+def weights_transport(cfg: AsyncPPOConfig, alloc: AllocationMode, model_path: str, backend: str) -> str:
+    """`weights.transport`, with auto decided (docs/design.md §8): broadcast
+    where the trial can take it, over gloo (the backend it was measured
+    on), and a version is at least `weights.auto_broadcast_mb`, else disk."""
+    w = cfg.weights
+    if w.transport != "auto":
+        return w.transport
+    refusal = broadcast_refusal(cfg, alloc)
+    if refusal is not None:
+        transport, why = "disk", f"no broadcast here: {refusal[0]}: {refusal[1]}"
+    elif backend != "gloo":
+        transport, why = "disk", f"broadcast over {backend} is not measured yet; weights.transport=broadcast uses it"
+    else:
+        mib = version_weight_bytes(model_path, cfg.model.dtype) / (1 << 20)
+        transport = "broadcast" if mib >= w.auto_broadcast_mb else "disk"
+        why = f"{mib:.1f} MiB of weights per version, weights.auto_broadcast_mb {w.auto_broadcast_mb}"
+    logger.info("weights.transport auto: %s (%s)", transport, why)
+    return transport
+
+
 def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None = None) -> Experiment:
     """`claim_trial()` runs once the config is checked and before anything is
     built (it raises if another launcher runs the same trial)."""
@@ -134,9 +175,10 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     sglang_servers = alloc.gen_backend == "sglang" or (alloc.gen_backend == "torch" and cfg.server.torch.emulate_sglang)
     servers_on_cuda = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
     on_cuda = cfg.train.device == "cuda" and servers_on_cuda
+    backend = w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo")
     weights = WeightTransportConfig(
-        transport=w.transport,
-        backend=w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo"),
+        transport=weights_transport(cfg, alloc, model_path, backend),
+        backend=backend,
         bucket_bytes=w.bucket_mb << 20,
         timeout_s=cfg.server.weight_update_timeout,
         protocol="sglang" if sglang_servers else "realrl",

@@ -453,6 +453,13 @@ class SGLangDriver:
                 await client.continue_generation(url)
         except (GenerationServerError, GenerationServerUnavailable) as e:
             self._lose(url, f"version {version}: {e}")
+            # Alive, it takes part in none of the epoch's collectives from here on, and the sender
+            # (and the members it relays to) would wait for it until the collective's timeout:
+            # gloo does not use the store once connected, so closing the store ends no such wait.
+            # Destroying its group closes its connections, which fails theirs at once; then the
+            # epoch is abandoned (the version goes by disk, the next boundary builds a new one).
+            await self._destroy(url)
+            self._abandon(f"{url} failed version {version}")
             return
         self.held[url] = version
 

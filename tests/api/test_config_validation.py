@@ -87,6 +87,7 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("weights.transport=wire", "weights.transport"),
         ("weights.backend=mpi", "weights.backend"),
         ("weights.bucket_mb=0", "weights.bucket_mb"),
+        ("weights.auto_broadcast_mb=-1", "weights.auto_broadcast_mb"),
         ("weights.backend=nccl", "weights.backend"),  # (on cpu)
     ],
 )
@@ -109,6 +110,47 @@ def test_broadcast_weights_where_they_cannot_go_is_a_config_error(tmp_path, over
         validate(config(tmp_path, "weights.transport=broadcast", *overrides))
     validate(config(tmp_path, "weights.transport=broadcast", "weights.bucket_mb=8"))
     validate(config(tmp_path, "weights.transport=broadcast", "allocation_mode=sglang.d1p1m1+d1p1m1"))
+
+
+def test_weights_transport_auto_broadcasts_versions_of_the_measured_size_up(tmp_path):
+    """auto (the default): broadcast where the trial can take it and a
+    version's weights are at least `weights.auto_broadcast_mb`, else disk;
+    a version's bytes are the parameters the model's safetensors hold (tied
+    ones once), counted from their headers, in `model.dtype`. The trainer
+    and the manager get the one decision."""
+    from realrl.experiment.build import version_weight_bytes, weights_transport
+    from realrl.impl.weights.broadcast import published_tensors
+    from tests.impl.weights.models import tiny_model
+
+    model = tiny_model("tied", seed=1)
+    path = str(tmp_path / "model")
+    model.save_pretrained(path)
+    params = sum(t.numel() for t in published_tensors(model).values())
+    assert params < sum(p.numel() for p in model.state_dict().values())  # (the tied pair once)
+    assert version_weight_bytes(path, "float32") == 4 * params
+    assert version_weight_bytes(path, "bfloat16") == 2 * params
+    base = [f"model.path={path}", f"dataset.train_path={write_train(tmp_path)}"]
+
+    def transport(*overrides: str) -> str:
+        groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, *overrides)).groups}
+        chosen = {groups[w].config.weights.transport for w in ("model_worker", "gserver_manager")}
+        assert len(chosen) == 1, chosen
+        return chosen.pop()
+
+    assert load_config([]).weights.transport == "auto"
+    assert transport() == "disk"  # a tiny model: below the measured crossover
+    assert transport("weights.auto_broadcast_mb=0") == "broadcast"
+    assert transport("weights.auto_broadcast_mb=0", "weights.transport=disk") == "disk"
+    # Where broadcast cannot go, auto is disk (asked for by name, it is a config error: above).
+    assert transport("weights.auto_broadcast_mb=0", "model.lora.rank=4") == "disk"
+    assert transport("weights.auto_broadcast_mb=0", "server.torch.emulate_vllm=0.33") == "disk"
+    # Over NCCL (trainer and servers on cuda) broadcast is not measured yet: auto is disk there.
+    cfg = config(tmp_path, *base, "weights.auto_broadcast_mb=0")
+    assert [weights_transport(cfg, validate(cfg), path, backend) for backend in ("gloo", "nccl")] == [
+        "broadcast",
+        "disk",
+    ]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_sglang_sampling_logprobs_need_a_top_k_it_can_bound(tmp_path):

@@ -86,14 +86,21 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     place and they then answer as the trainer's weights do, the same as each
     other. A server killed in the middle of version 3's buckets (a fault
     point) fails that epoch: the version reaches both servers from disk, and
-    a new epoch of both carries the next versions."""
+    a new epoch of both carries the next versions. SGLang: a member that
+    refuses one of version 5's buckets while it stays up (a fault point: its
+    `/update_weights_from_distributed` fails before it joins the collective)
+    does not hold the sender in that collective until its 600 s timeout: the
+    manager destroys the group on it, which fails the sender's collective at
+    once, and abandons the epoch; version 5 reaches both servers from disk and
+    a new epoch of both carries version 6."""
     import asyncio
 
     from realrl.base import faults
 
-    monkeypatch.setenv(
-        faults.FAULTS_ENV, "weights.before_rendezvous=kill,weights.bucket_received=kill;after=test.kill_server"
-    )
+    armed = "weights.before_rendezvous=kill,weights.bucket_received=kill;after=test.kill_server"
+    if protocol == "sglang":
+        armed += ",weights.bucket_refused=fail_once;after=test.refuse_bucket"
+    monkeypatch.setenv(faults.FAULTS_ENV, armed)
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
     monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
@@ -154,16 +161,38 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
             await asyncio.sleep(0.05)
         raise AssertionError("no epoch of both servers after the restart")
 
+    def current_epoch() -> str:
+        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
+
+    async def wait_for_an_epoch_after(name: str) -> None:
+        """A new epoch of both servers once epoch `name` failed (no server restarted)."""
+        for _ in range(1200):
+            if (now := current_epoch()) != name and re.search(
+                rf"weight group {now}: 2 servers", open(manager_log).read()
+            ):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no epoch after {name}")
+
+    last = 6 if protocol == "sglang" else 5
+    refused_in = None  # sglang: the epoch in which a member refused a bucket of version 5
+
     async def scenario(manager_url: str):
+        nonlocal refused_in
         known_urls.update(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
-            for version in (1, 2, 3, 4, 5):
+            for version in range(1, last + 1):
                 if version == 2:  # a member died as version 1's sender came: an epoch of both again
                     await wait_for_epoch_of_both()
                 if version == 3:
                     (fault_dir / "test.kill_server").touch()  # a server dies in version 3's buckets
                 if version == 4:  # the next version once the killed server is back in a new epoch of both
                     await wait_for_epoch_of_both()
+                if version == 5 and protocol == "sglang":  # a member up refuses a bucket of version 5
+                    refused_in = current_epoch()
+                    (fault_dir / "test.refuse_bucket").touch()
+                if version == 6:
+                    await wait_for_an_epoch_after(refused_in)
                 train_a_little(model, version)
                 if not publisher.publish(version, None, announce):  # no epoch yet: the disk path
                     publish_weights(model, weights_dir, version)
@@ -188,7 +217,11 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     finally:
         publisher.close(timeout_s=1)
         trial.close()
-    assert held == ["5", "5"] and faults.fired("weights.before_rendezvous") and faults.fired("weights.bucket_received")
+    assert (
+        held == [str(last)] * 2
+        and faults.fired("weights.before_rendezvous")
+        and faults.fired("weights.bucket_received")
+    )
     assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
     expected = forward_logprobs(model, probe, outs[0].output_ids)
     torch.testing.assert_close(torch.tensor(outs[0].output_logprobs), expected, atol=1e-4, rtol=0)
@@ -211,5 +244,10 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     # manager built as the trial's servers stopped, so not necessarily that one.
     epochs = re.findall(r"weight group realrl-\S+-e(\d+): (\d) servers", log)
     assert any(int(e) > 1 and n == "2" for e, n in epochs), epochs
-    assert "updating 2 servers to weight version 5 (broadcast)" in log, log[-3000:]
-    assert "all servers hold weight version 5" in log
+    assert f"updating 2 servers to weight version {last} (broadcast)" in log, log[-3000:]
+    assert f"all servers hold weight version {last}" in log
+    if protocol == "sglang":  # the member that refused a bucket: the epoch ended at once, version 5 by disk
+        assert faults.fired("weights.bucket_refused")
+        assert re.search(rf"weight group {refused_in}: \S+ left it: version 5: ", log), log[-3000:]
+        assert re.search(rf"weight group {refused_in} abandoned: \S+ failed version 5", log), log[-3000:]
+        assert re.search(r"updating \d servers to weight version 5 from ", log), log[-3000:]

@@ -148,6 +148,8 @@ class DistributedWeightUpdates:
             raise RuntimeError(
                 f"Group {req.group_name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
             )
+        if faults.point("weights.bucket_refused"):  # a test's member failing a bucket while it stays up
+            raise RuntimeError("fault point weights.bucket_refused")
         specs = [(n, getattr(torch, d), torch.Size(s)) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
         if req.load_format == "flattened_bucket":  # FlattenedTensorBucket.empty + reconstruct_tensors
             offsets, offset = [], 0
