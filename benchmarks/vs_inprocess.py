@@ -268,7 +268,7 @@ def run_inprocess(
     from realrl.impl import datasets
     from realrl.impl.generation.eos import eos_token_ids_in_dir
     from realrl.impl.ppo.batch import SequenceBatch
-    from realrl.impl.ppo.trainer import PPOTrainer, make_optimized
+    from realrl.impl.ppo.trainer import PPOTrainer, optimized_as_configured
 
     t_start = time.monotonic()
     threads = threads or os.cpu_count() or 1
@@ -286,17 +286,7 @@ def run_inprocess(
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     o, ppo = cfg.optimizer, cfg.ppo
-    actor = make_optimized(
-        model,
-        o.lr,
-        o.weight_decay,
-        (o.beta1, o.beta2),
-        o.eps,
-        o.lr_scheduler,
-        o.warmup_steps,
-        steps * ppo.ppo_n_minibatches,
-        o.min_lr_ratio,
-    )
+    actor = optimized_as_configured(model, o, steps)  # as the trial's trainer sizes its schedule
     temperature = 0.0 if cfg.rollout.gconfig.greedy else cfg.rollout.gconfig.temperature
     trainer = PPOTrainer(actor, ppo, temperature, torch.device(device), o.gradient_clipping)
     if ppo.adv_estimator != "grpo" or ppo.kl_ctl > 0:

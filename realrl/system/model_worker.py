@@ -64,7 +64,7 @@ from realrl.base import faults, name_resolve, names, network, wire
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in, load_policy
-from realrl.impl.ppo.trainer import Optimized, PPOTrainer, make_optimized
+from realrl.impl.ppo.trainer import Optimized, PPOTrainer, optimized_as_configured
 from realrl.system.ledger import KeyLedger
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
@@ -375,21 +375,9 @@ class ModelWorker(Worker):
                 self.expected_shard_checksums = expected_shard_checksums(actor, full, self.dp_size)
             _shard(actor)
         o, ppo = config.optimizer, config.ppo
-        # The LR schedule advances once per train step (a step may run fewer minibatches than ppo_n_minibatches).
-        n_opt_steps = config.total_train_steps
 
         def optimized(model):
-            return make_optimized(
-                model,
-                o.lr,
-                o.weight_decay,
-                (o.beta1, o.beta2),
-                o.eps,
-                o.lr_scheduler,
-                o.warmup_steps,
-                n_opt_steps,
-                o.min_lr_ratio,
-            )
+            return optimized_as_configured(model, o, config.total_train_steps)
 
         self.actor = optimized(actor)
         self.critic = None

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from realrl.api.cli_args import PPOConfig
+from realrl.api.cli_args import OptimizerConfig, PPOConfig
 from realrl.base.datapack import partition_balanced
 from realrl.impl.ppo import functional as F
 from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
@@ -94,6 +94,22 @@ def make_optimized(
         return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
     return Optimized(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
+
+
+def optimized_as_configured(model: nn.Module, o: OptimizerConfig, total_train_steps: int) -> Optimized:
+    """`make_optimized` with the trial's `optimizer.*`; the schedule advances once per train
+    step (a step may run fewer minibatches than ppo_n_minibatches), so it is sized in train steps."""
+    return make_optimized(
+        model,
+        o.lr,
+        o.weight_decay,
+        (o.beta1, o.beta2),
+        o.eps,
+        o.lr_scheduler,
+        o.warmup_steps,
+        total_train_steps,
+        o.min_lr_ratio,
+    )
 
 
 # A train step's statistics are accumulated in one dict of floats, then
