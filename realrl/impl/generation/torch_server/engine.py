@@ -36,7 +36,13 @@ requests that had not started yet run under the new weights.
 loop); `update_weight_version` is a weight update whose new weights are the adapter loaded last, merged into the
 adapted matrices (`weights.AdapterTargets`), or none when no new adapter came. One adapter is served at a time: a
 request must name a loaded adapter (or none) in `lora_path`, and runs on the one being served, whose version it
-reports."""
+reports.
+
+Over 700 lines on purpose: everything here runs on the one thread that owns the model and the running batch,
+between two decode steps, and each command (pause, weight update, adapter switch, abort) changes the batch and
+the queue that the prefill and decode paths read; kept in one file, the order of those changes reads top to
+bottom. What does not touch that state already lives in its own module (`batch`, `scheduler`, `weights`,
+`sampling`, `protocol`)."""
 
 from __future__ import annotations
 
