@@ -26,7 +26,8 @@ offline with `wandb`), one line per step in this worker's log through the
 `realrl.steps` logger (the launcher turns those into its console's progress
 bar or periodic lines: realrl/base/console.py), greedy evaluation on the test
 split before training, every `eval_every_n_steps`, and at the end, each
-followed by the PNGs of `<log_dir>/plots/` (realrl/base/plots.py), recovery
+followed by the PNGs of `<log_dir>/plots/` (drawn by a child process while the
+steps go on: realrl/base/plots.py's `LivePlots`), recovery
 checkpoints, and finally `summary.json` and `experiment_status` COMPLETE.
 
 Over 700 lines on purpose: it is the one place a step's dataflow, its
@@ -53,6 +54,7 @@ from realrl.base.console import STEP_LOGGER
 from realrl.base.datapack import partition_balanced
 from realrl.base.http_body import from_json, to_json
 from realrl.base.logging import getLogger
+from realrl.base.plots import LivePlots
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.impl import eval_metrics
 from realrl.system import checkpoints
@@ -148,6 +150,7 @@ class MasterWorker(AsyncWorker):
         self.stats_logger: StatsLogger | None = None  # opened once we know whether we resume
         self.summary_path = os.path.join(self.info.log_dir, "summary.json")
         self.plots_dir = os.path.join(self.info.log_dir, "plots")
+        self.plots: LivePlots | None = None  # once the stats logger is open
         self.step_logger = getLogger(STEP_LOGGER)  # one line per step: the log file; the launcher renders it
         # The manager's /rollout_stats, read once per step while the trainers train (off the step's
         # critical path): the previous step's reading is the baseline of this step's generation
@@ -170,6 +173,7 @@ class MasterWorker(AsyncWorker):
             resume_step=self.step,
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
+        self.plots = LivePlots(self.stats_logger.path, self.plots_dir, self.logger)
         self._publish_counters()
         # The baseline of the first step's generation figures, read before admission opens: the
         # rollouts that run during the first evaluation count in the first step's figures.
@@ -179,6 +183,8 @@ class MasterWorker(AsyncWorker):
             await self._evaluate()
 
     async def _teardown_async(self) -> None:
+        if self.plots is not None:
+            await self.plots.close()
         if self.stats_logger is not None:
             self.stats_logger.close()
         if self._http is not None:
@@ -541,20 +547,8 @@ class MasterWorker(AsyncWorker):
                 "time/elapsed_s": time.monotonic() - self.started,
             },
         )
-        await self._write_plots()
+        self.plots.request()  # drawn beside the steps, not during this pause
         return result
-
-    async def _write_plots(self) -> list[str]:
-        """The PNGs of plots/ from stats.jsonl so far; a failure is a warning, never the trial's."""
-        from realrl.base.plots import write_plots
-
-        try:
-            paths = await asyncio.to_thread(write_plots, self.stats_logger.path, self.plots_dir)
-        except Exception as e:
-            self.logger.warning("could not write the plots to %s: %s: %s", self.plots_dir, type(e).__name__, e)
-            return []
-        self.logger.debug("plots: %s", paths)
-        return paths
 
     async def _checkpoint(self) -> None:
         """A recovery checkpoint (realrl/system/checkpoints.py), in this order:
@@ -672,6 +666,8 @@ class MasterWorker(AsyncWorker):
 
     async def _finish(self) -> None:
         final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}
+        if not self.cfg.evaluate:  # (else the final evaluation asked for them)
+            self.plots.request()  # drawn while the model is saved and the trajectories counted
         if self.cfg.save_final_model and self.cfg.final_model_dir:
             path = self.cfg.final_model_dir
             n = self.cfg.n_model_workers  # every rank: gathering FSDP shards is a collective
@@ -702,6 +698,7 @@ class MasterWorker(AsyncWorker):
             await asyncio.sleep(0.2)
         specs = await self.stream.call_async(all_ranks, "spec", [{"checksum": True}] * len(all_ranks), timeout=600)
         weights_identical = dp_weights_identical(specs)
+        self.logger.debug("plots: %s", await self.plots.wait())  # in plots_dir before the summary says so
         if not weights_identical:
             self.logger.error("data-parallel ranks hold different weights: %s", specs)
         summary = {
@@ -744,8 +741,6 @@ class MasterWorker(AsyncWorker):
             ),
             "plots_dir": self.plots_dir,
         }
-        if not self.cfg.evaluate:  # (else the final evaluation just wrote them)
-            await self._write_plots()
         tmp = self.summary_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)

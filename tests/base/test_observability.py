@@ -6,8 +6,12 @@ tests/e2e/test_entry_point.py."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
+import os
+import signal
 import subprocess
 import sys
 import types
@@ -16,7 +20,7 @@ import pytest
 
 from realrl.api.cli_args import ConfigError
 from realrl.base.console import ConsoleRenderer, parse_step_line
-from realrl.base.plots import FIGURES, write_plots
+from realrl.base.plots import FIGURES, PLOTTER_NICE, LivePlots, write_plots
 from realrl.base.stats import StatsLogger
 from realrl.experiment.config import load_config
 from realrl.system.router import RequestRouter
@@ -94,6 +98,46 @@ def test_write_plots_from_a_synthetic_stats_file(tmp_path):
     for path in paths:
         assert_png_has_data(path)
     assert not [p for p in (tmp_path / "plots").iterdir() if not p.name.endswith(".png")]  # no temp file left
+
+
+def test_a_live_run_s_plots_are_drawn_by_a_niced_child_and_asks_fold(tmp_path, caplog):
+    """The master's evaluation asks and goes on (`request` only schedules); a child process below the
+    model processes' priority draws; asks made while one drawing is due fold into it; a failed
+    drawing or a dead child is a warning and the next ask works; `close` ends the child."""
+    stats = tmp_path / "stats.jsonl"
+    synthetic_stats(stats)
+    out = tmp_path / "plots"
+    logger = logging.getLogger("test.live_plots")
+
+    async def run():
+        plots = LivePlots(str(stats), str(out), logger)
+        for _ in range(5):
+            plots.request()
+        paths = await plots.wait()
+        assert plots.drawings == 1 and sorted(p.rsplit("/", 1)[1] for p in paths) == sorted(FIGURES)
+        for path in paths:
+            assert_png_has_data(path)
+        child = plots._proc
+        assert child.pid != os.getpid() and child.returncode is None  # drawn in a child, kept for the next ask
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) >= os.getpriority(os.PRIO_PROCESS, 0) + PLOTTER_NICE
+
+        plots.stats_path = str(tmp_path / "missing.jsonl")  # a drawing that fails: a warning, the child stays
+        plots.request()
+        assert await plots.wait() == paths and plots.drawings == 1
+        assert "could not write the plots" in caplog.text and "FileNotFoundError" in caplog.text
+        plots.stats_path = str(stats)
+
+        assert plots._proc is child and child.returncode is None
+        os.kill(child.pid, signal.SIGKILL)
+        await child.wait()
+        plots.request()  # a dead child: the next ask starts another
+        assert await plots.wait() == paths and plots.drawings == 2 and plots._proc.pid != child.pid
+        last = plots._proc
+        await plots.close()
+        assert last.returncode == 0 and plots._proc is None  # it exits when its stdin closes
+
+    with caplog.at_level(logging.WARNING, logger="test.live_plots"):
+        asyncio.run(run())
 
 
 def test_every_label_fits_inside_its_figure(tmp_path):
