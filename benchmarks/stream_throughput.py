@@ -6,10 +6,12 @@ messages over tcp on 127.0.0.1 to a puller in this process:
 
 - `wire`: ZMQPusher.push(trajectory) -> ZMQPuller.pull() (wire encode + decode);
 - `acked`: acknowledged delivery with a window in flight: an AckedPusher
-  submits each trajectory under its own key and waits for every verdict
-  (what is queued together goes as one frame, up to 64 trajectories, as the
-  rollout worker's delivery sends a burst); the puller decodes, and
-  acknowledges each pull with one message per sender listing its verdicts;
+  gets the trajectories 64 to a `submit` (one future per call, as a producer
+  with many at hand would; the rollout worker submits an episode's in one),
+  each under its own key, and waits for every verdict (what is queued
+  together goes as one frame, up to 64 trajectories, as the rollout worker's
+  delivery sends a burst); the puller decodes, and acknowledges each pull
+  with one message per sender listing its verdicts;
 - `acked1` (with `--serial-acks`): one round trip per message (push, wait for
   its acknowledgement, push the next), as the rollout worker delivers today
   (docs/design.md §12);
@@ -51,6 +53,7 @@ from realrl.system.acked_delivery import AckedPusher  # noqa: E402
 from realrl.system.push_pull_stream import DEFAULT_HWM, ZMQPuller, ZMQPusher  # noqa: E402
 
 SIZES = [256, 2048, 16384]
+SUBMIT_BATCH = 64  # acked: trajectories per AckedPusher.submit (one future each), as many as one frame holds
 SEAL_KEY = b"benchmark-stream-key-32-bytes..."  # any 32 bytes: the seal's cost does not depend on them
 
 
@@ -89,9 +92,13 @@ def run_pusher(mode: str, port: int, n_tokens: int, count: int) -> None:
                 pusher.push(trajectory)
         elif mode == "acked":
             delivery = AckedPusher(pusher)
-            futures = [delivery.submit(dict(trajectory, index=i), ("0:0:1", i)) for i in range(count)]
+            futures = []
+            for first in range(0, count, SUBMIT_BATCH):
+                indices = range(first, min(count, first + SUBMIT_BATCH))
+                messages = [dict(trajectory, index=i) for i in indices]
+                futures.append(delivery.submit(messages, [("0:0:1", i) for i in indices]))
             for future in futures:
-                assert future.result(timeout=120)["verdict"] == "taken"
+                assert all(ack["verdict"] == "taken" for ack in future.result(timeout=120))
             delivery.close()
         else:
             for i in range(count):

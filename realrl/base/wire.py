@@ -14,7 +14,8 @@ A message is a list of frames:
 `encode(obj) -> frames` / `decode(frames) -> obj` work on that list (e.g. a zmq
 multipart message). The streams send the one-buffer form instead,
 `dumps(obj) -> bytes` / `loads(buffer) -> obj`: the same frames joined behind
-a table of their lengths (see "one-buffer form" below for why).
+a table of their lengths (see "one-buffer form" below for why);
+`dump_into(obj, out)` writes it over a reused buffer.
 
 Decoding builds every array with `np.frombuffer` over its frame (no copy), so
 the arrays keep the received buffer alive and may be read-only (take `.copy()`
@@ -35,6 +36,7 @@ and nothing else; nothing in a message is ever executed.
 
 from __future__ import annotations
 
+import io
 import struct
 import sys
 import threading
@@ -81,6 +83,7 @@ _ITEMSIZES = [dt.itemsize for dt in _DTYPES]
 assert _MARKERS[0].size == 6 and _ARRAY_EXT == 1 and len(_DTYPES) == 12  # literals in decode's hook
 _SCALARS = frozenset([type(None), bool, int, float, str, bytes])
 _LEAVES = _SCALARS | {np.ndarray}  # what a decoded structure may hold besides lists and dicts
+_KEYS = frozenset([str, int])  # (not bool)
 
 if sys.byteorder != "little":  # the format is little-endian; so is every host we run on
     raise ImportError("realrl.base.wire assumes a little-endian host")
@@ -188,19 +191,23 @@ def encode(obj: Any) -> list:
 
 
 def _validate(value: Any, depth: int, max_depth: int) -> None:
-    """Checks the decoded structure holds only supported types and is not too deep."""
+    """Checks the decoded structure holds only supported types and is not too deep. (The types
+    of a container's items are checked together first, in C: a trajectory's are all leaves.)"""
     if depth > max_depth:
         raise WireFormatError(f"structure nested deeper than {max_depth}")
     if type(value) is list:
-        for item in value:
-            if type(item) not in _LEAVES:
-                _validate(item, depth + 1, max_depth)
+        if not _LEAVES.issuperset(map(type, value)):
+            for item in value:
+                if type(item) not in _LEAVES:
+                    _validate(item, depth + 1, max_depth)
     elif type(value) is dict:
-        for key, item in value.items():
-            if type(key) is not str and type(key) is not int:
-                raise WireFormatError(f"dict key of type {type(key).__name__}; only str and int keys are allowed")
-            if type(item) not in _LEAVES:
-                _validate(item, depth + 1, max_depth)
+        if not _KEYS.issuperset(map(type, value)):
+            key = next(key for key in value if type(key) not in _KEYS)
+            raise WireFormatError(f"dict key of type {type(key).__name__}; only str and int keys are allowed")
+        if not _LEAVES.issuperset(map(type, value.values())):
+            for item in value.values():
+                if type(item) not in _LEAVES:
+                    _validate(item, depth + 1, max_depth)
     elif type(value) not in _LEAVES:
         raise WireFormatError(f"unsupported value of type {type(value).__name__}")
 
@@ -237,8 +244,21 @@ def _decode_frames(bases: list, offsets: Sequence[int], lengths: Sequence[int], 
     used[0] = True
     # Locals of this function are cheaper than globals inside the hook (it runs per array).
     markers, dtypes, itemsizes, frombuffer = _MARKERS, _DTYPES, _ITEMSIZES, np.frombuffer
+    one_dim = _MARKERS[1].unpack
 
     def ext_hook(code: int, data: bytes) -> np.ndarray:
+        if code == 1 and len(data) == 14:  # one dimension, the common case: every check in one test
+            index, dtype_code, marked_ndim, count = one_dim(data)
+            if (
+                marked_ndim == 1
+                and 0 < index < n_frames
+                and not used[index]
+                and dtype_code < 12
+                and 0 < count
+                and count * itemsizes[dtype_code] == lengths[index]
+            ):
+                used[index] = True
+                return frombuffer(bases[index], dtypes[dtype_code], count, offsets[index])
         size = len(data) - 6  # the marker's fixed part; then 8 bytes per dim
         if code != 1 or size & 7 or not 0 <= size <= 8 * MAX_NDIM:
             raise WireFormatError(f"unknown msgpack extension (type {code}, {len(data)} bytes)")
@@ -247,8 +267,6 @@ def _decode_frames(bases: list, offsets: Sequence[int], lengths: Sequence[int], 
             raise WireFormatError(_bad_marker(index, dtype_code, marked_ndim, shape, n_frames, used))
         used[index] = True
         dtype = dtypes[dtype_code]
-        if marked_ndim == 1 and 0 < shape[0] and shape[0] * itemsizes[dtype_code] == lengths[index]:
-            return frombuffer(bases[index], dtype, shape[0], offsets[index])  # the common case
         count = 1
         for dim in shape:
             if dim < 0:
@@ -330,20 +348,26 @@ def _table(n: int) -> struct.Struct:
     return table
 
 
-def _join(head: bytes, buffers: list) -> bytes:
-    """Buffers are bytes-like and contiguous (bytes, memoryviews, C-contiguous arrays)."""
+def _join_parts(head: bytes, buffers: list) -> tuple[list, int]:
+    """(the pieces of the one-buffer form in order, their total size). Buffers are bytes-like
+    and contiguous (bytes, memoryviews, C-contiguous arrays)."""
     n = len(buffers) + 1
     if n > MAX_FRAMES:
         raise ValueError(f"wire: at most {MAX_FRAMES - 1} arrays per message, got {n - 1}")
     lengths = [b.nbytes if type(b) is np.ndarray else memoryview(b).nbytes for b in buffers]
     parts: list = [_JOIN_HEAD.pack(_JOIN_MAGIC, VERSION, 0, n), _table(n).pack(len(head), *lengths), head]
-    last = len(head)
+    size = _JOIN_HEAD.size + 8 * n + len(head)
     for buffer, length in zip(buffers, lengths):
-        if last & 7:
-            parts.append(_PADS[8 - (last & 7)])
+        if size & 7:
+            parts.append(_PADS[8 - (size & 7)])
+            size += 8 - (size & 7)
         parts.append(buffer)
-        last = length
-    return b"".join(parts)
+        size += length
+    return parts, size
+
+
+def _join(head: bytes, buffers: list) -> bytes:
+    return b"".join(_join_parts(head, buffers)[0])
 
 
 def join_frames(frames: Sequence[Any]) -> bytes:
@@ -397,6 +421,20 @@ def dumps(obj: Any) -> bytes:
     """`obj` as one buffer (the frames of `encode(obj)`, joined)."""
     head, arrays = _pack(obj)
     return _join(head, arrays)
+
+
+def dump_into(obj: Any, out: io.BytesIO) -> memoryview:
+    """`dumps(obj)` written over the start of `out`, a buffer its owner reuses; a view of
+    those bytes. (A large new `bytes` per message is fresh memory that the kernel maps and
+    zeroes page by page, which cost more than encoding the message.) While a view of `out`
+    exists, `out` refuses to be written (BufferError): release the view once nothing reads
+    the bytes any more (after a zero-copy send: once its tracker is done)."""
+    head, arrays = _pack(obj)
+    parts, size = _join_parts(head, arrays)
+    out.seek(0)
+    out.writelines(parts)
+    with out.getbuffer() as whole:
+        return whole[:size]
 
 
 def loads(buffer: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:

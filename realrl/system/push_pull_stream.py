@@ -233,13 +233,14 @@ class ZMQPusher:
             self.n_acks_refused += 1
             logger.warning("pusher to %s ignored an acknowledgement without a valid seal", self.address)
 
-    def _send(self, message: Any, timeout: float) -> None:
-        """One message, within `timeout` seconds (TimeoutError: the queues are full)."""
+    def _send(self, message: Any, timeout: float, track: bool = False) -> zmq.MessageTracker | None:
+        """One message, within `timeout` seconds (TimeoutError: the queues are full). `track`:
+        returns the tracker of the zero-copy send of `message`, done once zmq let go of its bytes."""
         seal = None if self._seal is None else self._seal.tag(message)  # (once: a retry sends the same)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._send_parts(message, zmq.NOBLOCK, seal)
+                tracker = self._send_parts(message, zmq.NOBLOCK, seal, track)
                 break
             except zmq.Again:
                 remaining = deadline - time.monotonic()
@@ -249,15 +250,20 @@ class ZMQPusher:
                         "reading (high-water mark reached)"
                     ) from None
         self.n_pushed += 1
+        return tracker
 
-    def _send_parts(self, message: Any, flags: int, seal: bytes | None = None) -> None:
+    def _send_parts(
+        self, message: Any, flags: int, seal: bytes | None = None, track: bool = False
+    ) -> zmq.MessageTracker | None:
         """One message: the wire frame, then its seal (zmq delivers a multipart message whole or
-        not at all). Unsealed, one `send`: `send_multipart` costs a few µs of Python per message."""
+        not at all: once it took the first part it takes the rest). Unsealed, one `send`:
+        `send_multipart` costs a few µs of Python per message."""
         if self._seal is None:
-            self._socket.send(message, flags=flags, copy=False)
-        else:
-            seal = self._seal.tag(message) if seal is None else seal
-            self._socket.send_multipart([message, seal], flags=flags, copy=False)
+            return self._socket.send(message, flags=flags, copy=False, track=track)
+        seal = self._seal.tag(message) if seal is None else seal
+        tracker = self._socket.send(message, flags=flags | zmq.SNDMORE, copy=False, track=track)
+        self._socket.send(seal, flags=flags, copy=False)
+        return tracker
 
     def close(self, linger: float = CLOSE_LINGER_S) -> None:
         """Closes the socket, first trying for up to `linger` seconds to

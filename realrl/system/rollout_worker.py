@@ -485,11 +485,11 @@ class RolloutWorker(AsyncWorker):
         # unacknowledged past its bound fails the episode, and the worker
         # (PushNotAcknowledged).
         rid = record.metadata["rollout_id"]
-        futures = []
         for index, traj in enumerate(trajectories):
             traj.rollout_id, traj.index, traj.rollout_size = rid, index, len(trajectories)
-            futures.append(asyncio.wrap_future(self._delivery.submit(traj.to_wire(), traj.key)))
-        acks = await asyncio.gather(*futures)
+        acks = await asyncio.wrap_future(
+            self._delivery.submit([traj.to_wire() for traj in trajectories], [traj.key for traj in trajectories])
+        )
         n_tokens = held = 0
         for index, (traj, ack) in enumerate(zip(trajectories, acks)):
             verdict = str(ack.get("verdict"))
@@ -513,7 +513,8 @@ class RolloutWorker(AsyncWorker):
             # agent now rejects, or returns fewer) did not push it: it counts (docs/design.md §12).
             # Asked after this run's acknowledgements: the puller answers in the order it received.
             # (The puller answers once it read what else waits: a predecessor's frames first.)
-            ack = await asyncio.wrap_future(self._delivery.submit({HELD_QUERY: rid}, (rid, None), in_order=False))
+            question = self._delivery.submit([{HELD_QUERY: rid}], [(rid, None)], in_order=False)
+            (ack,) = await asyncio.wrap_future(question)
             delivered = int(ack.get("held", 0))
             if delivered > held:
                 self.counters["trajectories_delivered_before"] += delivered - held

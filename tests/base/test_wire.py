@@ -3,6 +3,7 @@ everything a hostile peer could send (decode raises WireFormatError, only)."""
 
 from __future__ import annotations
 
+import io
 import random
 import struct
 
@@ -75,6 +76,23 @@ def test_round_trip_is_exact(form):
     obj = sample_structure()
     got = wire.decode(wire.encode(obj)) if form == "frames" else wire.loads(wire.dumps(obj))
     assert_same(obj, got)
+
+
+def test_dump_into_writes_dumps_bytes_over_a_reused_buffer_and_guards_them_while_viewed():
+    """`dump_into` gives the bytes `dumps` gives, over the start of a buffer its
+    owner reuses (a smaller message after a larger one: only its own bytes); the
+    buffer refuses to be written while a view of them exists."""
+    out = io.BytesIO()
+    big, small = sample_structure(), {"x": np.arange(3, dtype=np.int16)}
+    view = wire.dump_into(big, out)
+    assert bytes(view) == wire.dumps(big)
+    assert_same(big, wire.loads(view))
+    with pytest.raises(BufferError):
+        wire.dump_into(small, out)
+    view.release()
+    view = wire.dump_into(small, out)
+    assert bytes(view) == wire.dumps(small) and view.nbytes < len(wire.dumps(big))
+    assert_same(small, wire.loads(view))
 
 
 def test_odd_arrays_round_trip():

@@ -176,9 +176,10 @@ def test_a_partly_delivered_rollout_is_not_done_at_a_checkpoint_and_its_restored
     delivery = AckedPusher(ZMQPusher(host, int(port)), poll_s=0.05)
     try:
         resumed.restore(buffered, seen)
-        again = [delivery.submit(t.to_wire(), t.key) for t in (trajectory("0:4:2", i, size=2) for i in (0, 1))]
-        assert [f.result(timeout=10)["verdict"] for f in again] == ["restored", "taken"]
-        assert delivery.submit({"held_of": "0:4:2"}, ("0:4:2", None)).result(timeout=10)["held"] == 1
+        both = [trajectory("0:4:2", i, size=2) for i in (0, 1)]
+        again = delivery.submit([t.to_wire() for t in both], [t.key for t in both])
+        assert [a["verdict"] for a in again.result(timeout=10)] == ["restored", "taken"]
+        assert delivery.submit([{"held_of": "0:4:2"}], [("0:4:2", None)]).result(timeout=10)[0]["held"] == 1
         finish_counts = 1  # the rollout worker's finish: `taken` and `duplicate` verdicts, not `restored`
         assert resumed.stats()["buffered"] == len(buffered) + finish_counts
         assert resumed.stats()["duplicates_dropped"] == 1
@@ -217,10 +218,10 @@ def test_a_held_of_question_counts_a_predecessors_frame_still_queued_at_the_pull
     host, port = dataset.address.rsplit(":", 1)
     successor = AckedPusher(ZMQPusher(host, int(port)), poll_s=0.05)
     try:
-        held = successor.submit({"held_of": "0:5:99"}, ("0:5:99", None), in_order=False)
+        held = successor.submit([{"held_of": "0:5:99"}], [("0:5:99", None)], in_order=False)
         wait_until(lambda: _loopback_queues_empty(int(port)), 30, "both connections' frames at the puller")
         dataset.max_buffered = 100  # it reads again: both connections in turn
-        assert held.result(timeout=10)["held"] == 1
+        assert held.result(timeout=10)[0]["held"] == 1
         assert dataset.stats()["buffered"] == 21
     finally:
         successor.close()

@@ -167,28 +167,31 @@ def _pull_with_senders_until(puller, total: int, patience: float = 30.0) -> list
 
 
 def test_acked_pusher_keeps_a_window_in_flight_and_matches_one_batched_ack_to_each_key(realrl_caplog):
-    """Five messages reach the puller before it acknowledged any (one round
-    trip per message would deliver one); one acknowledgement message listing
-    their verdicts, out of order and with a stranger's key among them,
-    resolves each future with its own verdict."""
+    """Five messages of one submit reach the puller before it acknowledged any
+    (one round trip per message would deliver one); one acknowledgement
+    message listing their verdicts, out of order and with a stranger's key
+    among them, resolves the call's one future with each message's own
+    verdict in its place."""
     puller = ZMQPuller()
     pusher = ZMQPusher("127.0.0.1", puller.port)
     delivery = AckedPusher(pusher, poll_s=0.1)
     try:
-        futures = {i: delivery.submit({"rollout_id": "0:0:1", "index": i}, ("0:0:1", i)) for i in range(5)}
+        five = delivery.submit(
+            [{"rollout_id": "0:0:1", "index": i} for i in range(5)], [("0:0:1", i) for i in range(5)]
+        )
         got = _pull_with_senders_until(puller, 5)
         assert sorted(m["index"] for _, m in got) == list(range(5))
-        assert not any(f.done() for f in futures.values()) and delivery.in_flight == 5
+        assert not five.done() and delivery.in_flight == 5
         sender = got[0][0]
         acks = [{"rollout_id": "0:0:1", "index": i, "verdict": f"v{i}"} for i in (3, 0, 4, 1, 2)]
         puller.acknowledge(sender, [*acks[:2], {"rollout_id": "9:9:9", "index": 0, "verdict": "taken"}, *acks[2:]])
-        assert {i: f.result(timeout=10)["verdict"] for i, f in futures.items()} == {i: f"v{i}" for i in range(5)}
+        assert [a["verdict"] for a in five.result(timeout=10)] == [f"v{i}" for i in range(5)]
         assert delivery.in_flight == 0
         assert "no message in flight" in realrl_caplog.text and delivery.n_unknown_acks == 1
-        one = delivery.submit({"rollout_id": "0:0:2", "index": 0}, ("0:0:2", 0))  # a single dict answers one
+        one = delivery.submit([{"rollout_id": "0:0:2", "index": 0}], [("0:0:2", 0)])  # a single dict answers one
         sender, _ = _pull_with_senders_until(puller, 1)[0]
         puller.acknowledge(sender, {"rollout_id": "0:0:2", "index": 0, "verdict": "taken"})
-        assert one.result(timeout=10)["verdict"] == "taken"
+        assert [a["verdict"] for a in one.result(timeout=10)] == ["taken"]
     finally:
         delivery.close()
         pusher.close(linger=0)
@@ -203,14 +206,54 @@ def test_acked_pusher_fails_what_waits_once_stopped_or_closed():
     stop = False
     delivery = AckedPusher(pusher, poll_s=0.05, should_stop=lambda: stop)
     try:
-        waiting = delivery.submit({"index": 0}, ("0:0:1", 0))
+        waiting = delivery.submit([{"index": 0}], [("0:0:1", 0)])
         assert len(_pull_with_senders_until(puller, 1)) == 1
         stop = True
         with pytest.raises(RuntimeError, match="exiting"):
             waiting.result(timeout=10)
         delivery.close("closed for the test")
         with pytest.raises(RuntimeError, match="exiting"):  # the first reason stays
-            delivery.submit({"index": 1}, ("0:0:1", 1)).result(timeout=1)
+            delivery.submit([{"index": 1}], [("0:0:1", 1)]).result(timeout=1)
+    finally:
+        delivery.close()
+        pusher.close(linger=0)
+        puller.close()
+
+
+@pytest.mark.parametrize("n_ids", [5_000, 25_000])  # 20 KB frames (zmq copies them), 100 KB (zero-copy sends)
+def test_frames_in_flight_stay_within_the_window_and_their_buffers_serve_again(n_ids):
+    """Twelve messages, a frame each, through a window of 250 KB: the pusher
+    sends frames while those sent and unanswered hold less than the window
+    (three frames), and the next one only once an answer made room; each
+    arrives with its own content (a buffer serves the next frame once its
+    frame is answered and zmq let go of it: a frame copied by zmq at once, a
+    zero-copy one once its send is done)."""
+    puller = ZMQPuller()
+    pusher = ZMQPusher("127.0.0.1", puller.port)
+    window = 3 * 4 * n_ids - 1  # (the third frame is sent with less than the window in flight)
+    delivery = AckedPusher(pusher, poll_s=0.05, max_batch=1, window_bytes=window)
+    try:
+        keys = [("0:0:1", i) for i in range(12)]
+        messages = [{"rollout_id": k[0], "index": k[1], "ids": np.full(n_ids, k[1], np.int32)} for k in keys]
+        twelve = delivery.submit(messages, keys)
+        got = _pull_with_senders_until(puller, 3)
+        assert [m["index"] for _, m in got] == [0, 1, 2]
+        assert puller.pull_with_senders(timeout=0.3) == [] and delivery.n_frames == 3  # the window is full
+        received = [m for _, m in got]
+        while len(received) < 12:
+            sender = got[0][0]
+            puller.acknowledge(sender, [ack((m["rollout_id"], m["index"]), "taken") for _, m in got])
+            got = _pull_with_senders_until(puller, 1)
+            assert 1 <= len(got) <= 3  # never more than the window in flight
+            received += [m for _, m in got]
+        puller.acknowledge(got[0][0], [ack((m["rollout_id"], m["index"]), "taken") for _, m in got])
+        assert [a["index"] for a in twelve.result(timeout=10)] == list(range(12))
+        assert [m["index"] for m in received] == list(range(12))
+        for m in received:
+            assert m["ids"].shape == (n_ids,) and (m["ids"] == m["index"]).all()
+        if n_ids == 5_000:  # copied at once: exactly the window's buffers serve every frame
+            assert delivery.n_buffers == 3
+        assert delivery.n_frames == 12 and delivery.in_flight == 0
     finally:
         delivery.close()
         pusher.close(linger=0)
@@ -424,10 +467,10 @@ def test_each_frame_in_flight_is_sent_again_on_its_own_timer_and_a_copys_answer_
 
     puller, pusher, delivery = acked_delivery(respond, resend_s=0.3, give_up_s=60, max_batch=1)
     try:
-        first = delivery.submit({"rollout_id": a[0], "index": a[1]}, a)
-        second = delivery.submit({"rollout_id": b[0], "index": b[1]}, b)
-        assert second.result(timeout=10) == ack(b, "taken")
-        assert first.result(timeout=10) == ack(a, "duplicate")
+        first = delivery.submit([{"rollout_id": a[0], "index": a[1]}], [a])
+        second = delivery.submit([{"rollout_id": b[0], "index": b[1]}], [b])
+        assert second.result(timeout=10) == [ack(b, "taken")]
+        assert first.result(timeout=10) == [ack(a, "duplicate")]
         assert [(m["rollout_id"], m["index"]) for m in puller.received] == [a, b, a]
         assert delivery.n_resent == 1 and delivery.n_unknown_acks == 1 and delivery.in_flight == 0
     finally:
@@ -440,12 +483,12 @@ def test_a_window_never_acknowledged_fails_loudly_after_its_bound():
     puller, and a later submit fails at once (the worker fails loudly)."""
     puller, pusher, delivery = acked_delivery(lambda received: None, resend_s=0.1, give_up_s=0.6)
     try:
-        futures = [delivery.submit({"index": i}, ("0:0:1", i)) for i in range(3)]
+        futures = [delivery.submit([{"index": i}], [("0:0:1", i)]) for i in range(3)]
         for future in futures:
             with pytest.raises(PushNotAcknowledged, match=f"127.0.0.1:{puller.port} acknowledged nothing"):
                 future.result(timeout=10)
         with pytest.raises(PushNotAcknowledged):
-            delivery.submit({"index": 3}, ("0:0:1", 3)).result(timeout=1)
+            delivery.submit([{"index": 3}], [("0:0:1", 3)]).result(timeout=1)
         assert len(puller.received) >= 6 and delivery.n_resent >= 1  # each sent again meanwhile
     finally:
         close_all(puller, pusher, delivery)
@@ -468,11 +511,11 @@ def test_a_keyless_rejection_is_the_oldest_unanswered_messages_and_futures_carry
 
     puller, pusher, delivery = acked_delivery(respond, max_batch=1)  # a frame each
     try:
-        futures = [delivery.submit({"i": i}, key) for i, key in enumerate(keys)]
-        assert [f.result(timeout=10)["verdict"] for f in futures] == ["taken", "rejected", "taken"]
-        assert futures[1].result() == ack((None, None), "rejected")
-        held = delivery.submit({"held_of": "0:0:1"}, ("0:0:1", None))
-        assert held.result(timeout=10) == ack(("0:0:1", None), "held", held=2)
+        futures = [delivery.submit([{"i": i}], [key]) for i, key in enumerate(keys)]
+        assert [f.result(timeout=10)[0]["verdict"] for f in futures] == ["taken", "rejected", "taken"]
+        assert futures[1].result() == [ack((None, None), "rejected")]
+        held = delivery.submit([{"held_of": "0:0:1"}], [("0:0:1", None)])
+        assert held.result(timeout=10) == [ack(("0:0:1", None), "held", held=2)]
         assert delivery.n_unknown_acks == 0 and delivery.in_flight == 0
     finally:
         close_all(puller, pusher, delivery)
@@ -490,9 +533,9 @@ def test_messages_queued_together_go_as_one_frame_and_a_keyless_rejection_answer
         lambda received: [ack(key, "taken") for key in keys] if len(received) == 5 else None, cls=HeldAckedPusher
     )
     try:
-        futures = [delivery.submit({"rollout_id": k[0], "index": k[1]}, k) for k in keys]
+        futures = [delivery.submit([{"rollout_id": k[0], "index": k[1]}], [k]) for k in keys]
         delivery.release.set()
-        assert [f.result(timeout=10)["verdict"] for f in futures] == ["taken"] * 5
+        assert [f.result(timeout=10)[0]["verdict"] for f in futures] == ["taken"] * 5
         assert puller.frames == 1 and [m["index"] for m in puller.received] == list(range(5))
         assert delivery.n_frames == 1 and delivery.in_flight == 0
     finally:
@@ -503,11 +546,13 @@ def test_messages_queued_together_go_as_one_frame_and_a_keyless_rejection_answer
 
     puller, pusher, delivery = acked_delivery(respond, cls=HeldAckedPusher)
     try:
-        alone = delivery.submit({"rollout_id": "0:0:2", "index": 0}, ("0:0:2", 0), in_order=False)
-        batch = [delivery.submit({"rollout_id": "0:0:3", "index": i}, ("0:0:3", i)) for i in range(3)]
+        alone = delivery.submit([{"rollout_id": "0:0:2", "index": 0}], [("0:0:2", 0)], in_order=False)
+        batch = delivery.submit(
+            [{"rollout_id": "0:0:3", "index": i} for i in range(3)], [("0:0:3", i) for i in range(3)]
+        )
         delivery.release.set()
-        assert alone.result(timeout=10)["verdict"] == "taken"
-        assert [f.result(timeout=10) for f in batch] == [ack((None, None), "rejected")] * 3
+        assert alone.result(timeout=10)[0]["verdict"] == "taken"
+        assert batch.result(timeout=10) == [ack((None, None), "rejected")] * 3
         assert delivery.n_frames == 2 and delivery.n_unknown_acks == 0 and delivery.in_flight == 0
     finally:
         close_all(puller, pusher, delivery)
