@@ -123,7 +123,8 @@ def _figure(n_panels: int, title: str):
 
 def _save(fig, path: str) -> str:
     tmp = f"{path}.tmp-{os.getpid()}"
-    fig.savefig(tmp, format="png")
+    # zlib level 1 instead of 6: the encoding was a quarter of the drawing's CPU; files ~8% larger
+    fig.savefig(tmp, format="png", pil_kwargs={"compress_level": 1})
     os.replace(tmp, path)  # a reader never sees half a file
     return path
 
