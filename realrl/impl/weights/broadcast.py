@@ -197,9 +197,24 @@ class Manifest:
             size += e.nbytes
         return [tuple(g) for g in groups]
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each tensor as a view of the flat (uint8) buffer."""
-        return {e.name: flat[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in self.entries}
+    def views(self, flat: torch.Tensor, separate: bool = False) -> dict[str, torch.Tensor]:
+        """Each tensor as a view of the flat (uint8) buffer. `separate` (a CPU
+        buffer): each view with a storage of its own over the same memory
+        (`torch.frombuffer`): save_pretrained (safetensors) refuses tensors
+        that share one storage, and would otherwise need a copy of each."""
+        if not separate or flat.device.type != "cpu":
+            return {
+                e.name: flat[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in self.entries
+            }
+        memory = flat.numpy()
+        return {
+            e.name: (
+                torch.frombuffer(memory[e.offset : e.offset + e.nbytes], dtype=_DTYPES[e.dtype])
+                if e.nbytes
+                else torch.empty(0, dtype=_DTYPES[e.dtype])  # (frombuffer refuses an empty buffer)
+            ).view(e.shape)
+            for e in self.entries
+        }
 
     def placeholders(self) -> dict[str, torch.Tensor]:
         """Each tensor's name, shape and dtype without its bytes (meta tensors),
@@ -460,8 +475,9 @@ def _flat(nbytes: int, device: str) -> torch.Tensor:
 class Sender:
     """Rank 0 of one group: `publish` snapshots a version and returns; a
     helper thread forms the group and broadcasts the newest snapshot, then
-    calls `after_send(version, tensors)` with it (views of its buffer, valid
-    until it returns: the disk copy of the version is written there). Once
+    calls `after_send(version, tensors)` with it (views of its buffer, on
+    CPU each with a storage of its own, valid until it returns: the disk
+    copy of the version is written there). Once
     the group failed, versions still go to `after_send`, not to the wire."""
 
     def __init__(
@@ -476,7 +492,7 @@ class Sender:
         self._key, self._bind_host, self._device = key, bind_host, spec.device
         self.after_send = after_send
         self._buffers = [_flat(manifest.nbytes, spec.device), _flat(manifest.nbytes, spec.device)]
-        self._views = [manifest.views(b) for b in self._buffers]
+        self._views = [manifest.views(b, separate=True) for b in self._buffers]  # (written as they are: after_send)
         self._cond = threading.Condition()
         self._pending: tuple[int, int] | None = None  # (buffer, version) snapshotted, not yet on the wire
         self._sending: int | None = None  # the buffer on the wire (or being written to disk)
@@ -486,6 +502,7 @@ class Sender:
         self.error: str | None = None  # why the group failed
         self.after_send_error: str | None = None  # the last `after_send` failure
         self.seconds: dict[int, float] = {}  # version -> seconds on the wire
+        self.wire_s = 0.0  # the version `after_send` is called with: seconds on the wire (or until it failed)
         self._thread = threading.Thread(target=self._run, name=f"weights-send-{spec.name}", daemon=True)
         self._thread.start()
 
@@ -581,6 +598,7 @@ class Sender:
                     self._fail(e)
                     group = None  # its connections close: the other members fail now, not at their timeout
             sent = not self.failed
+            self.wire_s = time.monotonic() - t0
             if self.after_send is not None:
                 try:
                     self.after_send(version, self._views[index])
@@ -591,7 +609,7 @@ class Sender:
                 self._sending = None
                 if sent:
                     self.sent_version = version
-                    self.seconds[version] = time.monotonic() - t0
+                    self.seconds[version] = self.wire_s
                 self._cond.notify_all()
         if store is not None and not self.failed:
             try:
