@@ -463,6 +463,9 @@ class GserverManager(AsyncWorker):
             if await self._epochs.await_version(url, version, self.cfg.weight_update_timeout):
                 self.router.set_loaded_version(url, version)
                 return 0
+            if not self.router.is_up(url):  # found down meanwhile: it loads the current version as it rejoins
+                self.logger.warning("weight update of %s to version %d skipped: the server left routing", url, version)
+                return None
         attempts = 1 + max(0, self.cfg.weight_update_retries)
         last_error: Exception | None = None
         for attempt in range(1, attempts + 1):

@@ -176,6 +176,7 @@ class WeightEpochs:
         self.members: dict[str, int] = {}
         self.failed = False  # a member did not get a version through the group: rebuild at the next boundary
         self._driver: SGLangDriver | None = None  # protocol sglang: the current epoch's
+        self._awaiting: dict[str, asyncio.Event] = {}  # member -> set once it is found down (await_version)
 
     def needs_rebuild(self, up_urls: list[str]) -> bool:
         failed = self.failed or (self._driver is not None and self._driver.failed)
@@ -250,7 +251,10 @@ class WeightEpochs:
     def member_down(self, url: str, why: str) -> None:
         """The manager found `url` down: an epoch it is a member of cannot
         carry versions to it, and one still forming would wait for it until
-        the rendezvous times out, so it is abandoned at once."""
+        the rendezvous times out, so it is abandoned at once; a wait for it to
+        hold a version (`await_version`) ends now."""
+        if (down := self._awaiting.get(url)) is not None:
+            down.set()
         if self.spec is not None and url in self.members:
             self.abandon(self.spec.name, f"{url} is down ({why})")
 
@@ -283,19 +287,25 @@ class WeightEpochs:
         return not self.failed
 
     async def await_version(self, url: str, version: int, timeout_s: float) -> bool:
-        """Whether member `url` holds `version` through the group; False marks the epoch failed."""
-        if self._driver is not None:
-            ok, why = await self._driver.await_version(url, version, timeout_s)
-            answer = None
+        """Whether member `url` holds `version` through the group; False marks
+        the epoch failed. A member found down meanwhile (`member_down`: a
+        stalled one's health checks fail) ends the wait at once, not its
+        `timeout_s`."""
+        down = self._awaiting[url] = asyncio.Event()
+        asked = asyncio.ensure_future(self._ask_version(url, version, timeout_s))
+        gone = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait({asked, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if self._awaiting.get(url) is down:
+                del self._awaiting[url]
+            gone.cancel()
+        if asked.done():
+            ok, why = asked.result()
         else:
-            try:
-                answer = await self._client.await_weight_version(url, version, timeout_s)
-            except (GenerationServerError, GenerationServerUnavailable) as e:
-                answer = None
-                why = str(e)
-            else:
-                why = answer.message
-            ok = answer is not None and answer.success
+            asked.cancel()
+            await asyncio.gather(asked, return_exceptions=True)
+            ok, why = False, "it went down while the manager waited for it"
         if ok:
             return True
         if not self.failed:
@@ -309,6 +319,15 @@ class WeightEpochs:
             )
         self.failed = True
         return False
+
+    async def _ask_version(self, url: str, version: int, timeout_s: float) -> tuple[bool, str]:
+        if self._driver is not None:
+            return await self._driver.await_version(url, version, timeout_s)
+        try:
+            answer = await self._client.await_weight_version(url, version, timeout_s)
+        except (GenerationServerError, GenerationServerUnavailable) as e:
+            return False, str(e)
+        return answer.success, answer.message
 
     def close(self) -> None:
         if self._driver is not None:

@@ -101,7 +101,11 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     routing and abandon the epoch, the sender and the other member leave the
     collective within a look at the store, version 6 reaches the other server
     from disk, and once the stalled server answers again (SIGCONT) a new
-    epoch of both carries version 7."""
+    epoch of both carries version 7. A member that stops with all of version
+    7's buckets received, before it holds the version, does not hold the
+    manager's wait for it until its HTTP timeout either: its health checks
+    end that wait, the other server holds 7, and once it answers again an
+    epoch of both carries version 8."""
     import asyncio
 
     from realrl.base import faults
@@ -111,6 +115,7 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         armed += ",weights.bucket_refused=fail_once;after=test.refuse_bucket"
     else:
         armed += ",weights.member_stalls=stop;after=test.stall_server"
+        armed += ",weights.member_stalls_in_place=stop;after=test.stall_in_place"
     monkeypatch.setenv(faults.FAULTS_ENV, armed)
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
@@ -187,12 +192,13 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
             await asyncio.sleep(0.05)
         raise AssertionError(f"no epoch after {name}")
 
-    last = 6 if protocol == "sglang" else 7
+    last = 6 if protocol == "sglang" else 8
     refused_in = None  # sglang: the epoch in which a member refused a bucket of version 5
     stalled_in = None  # realrl: the epoch in which a member stalled in version 6
+    stalled_in_place = None  # realrl: the epoch in which a member stalled with all of version 7
 
     async def scenario(manager_url: str):
-        nonlocal refused_in, stalled_in
+        nonlocal refused_in, stalled_in, stalled_in_place
         known_urls.update(trial.repo.get(names.gen_server(EXP, trial.trial, i)) for i in range(2))
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             for version in range(1, last + 1):
@@ -210,9 +216,14 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
                 if version == 6 and protocol == "realrl":  # a member stalls between two of its buckets
                     stalled_in = current_epoch()
                     (fault_dir / "test.stall_server").touch()
-                if version == 7:  # the stalled server answers again: a new epoch of both
+                if version == 7 and protocol == "realrl":  # the stalled server answers again: an epoch of both
                     os.kill(faults.stopped_pid(str(fault_dir), "weights.member_stalls"), signal.SIGCONT)
                     await wait_for_an_epoch_after(stalled_in)
+                    stalled_in_place = current_epoch()  # then a member stalls with all of version 7's buckets
+                    (fault_dir / "test.stall_in_place").touch()
+                if version == 8:  # that server answers again: a new epoch of both
+                    os.kill(faults.stopped_pid(str(fault_dir), "weights.member_stalls_in_place"), signal.SIGCONT)
+                    await wait_for_an_epoch_after(stalled_in_place)
                 train_a_little(model, version)
                 if not publisher.publish(version, None, announce):  # no epoch yet: the disk path
                     publish_weights(model, weights_dir, version)
@@ -235,9 +246,10 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         publisher.close()
         assert trial.complete() == 0
     finally:
-        if (stalled := faults.stopped_pid(str(fault_dir), "weights.member_stalls")) is not None:
-            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
-                os.kill(stalled, signal.SIGCONT)
+        for point in ("weights.member_stalls", "weights.member_stalls_in_place"):
+            if (stalled := faults.stopped_pid(str(fault_dir), point)) is not None:
+                with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
+                    os.kill(stalled, signal.SIGCONT)
         publisher.close(timeout_s=1)
         trial.close()
     assert (
@@ -279,3 +291,8 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         assert re.search(rf"weight group {stalled_in} abandoned: \S+ is down \(", log), log[-3000:]
         assert re.search(r"updating 1 servers to weight version 6 from ", log), log[-3000:]
         assert "updating 2 servers to weight version 7 (broadcast)" in log, log[-3000:]
+        # The member that stalled with all of version 7: the manager's wait for it ended once its
+        # health checks failed (not at its HTTP timeout, weight_update_timeout + 10 s), the other held 7.
+        assert faults.fired("weights.member_stalls_in_place")
+        assert re.search(rf"weight group {stalled_in_place} abandoned: \S+ is down \(", log), log[-3000:]
+        assert re.search(r"weight update of \S+ to version 7 skipped: the server left routing", log), log[-3000:]

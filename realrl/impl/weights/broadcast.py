@@ -704,6 +704,7 @@ class Receiver:
                     faults.point("weights.member_stalls")  # a test's member up but answering nothing
                 if self._device != "cpu":
                     torch.cuda.current_stream().synchronize()
+                faults.point("weights.member_stalls_in_place")  # a test's member stalled with a whole version
                 self._on_version(version, views)
                 self.received.append(version)
                 faults.point("weights.version_in_place")
