@@ -201,6 +201,8 @@ class ModelWorkerConfig:
     fp32_master: bool = True  # a 16-bit dtype: float32 weights and optimizer, compute in dtype (autocast)
     device: str = "cpu"
     num_threads: int = 1
+    # > num_threads: up to this many while cores are idle (realrl/base/cpu_threads.py)
+    max_threads: int = 0
     fsdp: bool = False
     gradient_checkpointing: bool = False
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank > 0: train adapters only

@@ -190,6 +190,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         fp32_master=cfg.model.fp32_master,
         device=cfg.train.device,
         num_threads=train_threads,
+        max_threads=trainer_max_threads(cfg, alloc),
         fsdp=cfg.train.fsdp,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         lora=cfg.model.lora,
@@ -341,6 +342,18 @@ def trainer_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:
     gen_on_cpu = alloc.gen_backend == "torch" and cfg.server.torch.device == "cpu"
     gen_threads = cfg.server.torch.num_threads * alloc.gen.dp if gen_on_cpu else 0
     return max(1, (cores - gen_threads) // alloc.train.dp)
+
+
+def trainer_max_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:
+    """With `train.num_threads` auto, in local mode on CPU, a trainer takes
+    more threads than `trainer_threads` while the rest of the machine leaves
+    cores idle (the generation servers wait for a version part of each step),
+    up to an even share of this process's cores: realrl/base/cpu_threads.py."""
+    floor = trainer_threads(cfg, alloc)
+    if cfg.train.num_threads or cfg.mode != "local" or cfg.train.device != "cpu":
+        return floor
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(floor, cores // alloc.train.dp)
 
 
 def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], list[dict]]:

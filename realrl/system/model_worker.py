@@ -60,7 +60,7 @@ import torch.distributed as dist
 from realrl.api.env_api import make_env
 from realrl.api.system_api import ModelWorkerConfig
 from realrl.api.trajectory import Trajectory
-from realrl.base import faults, name_resolve, names, network, wire
+from realrl.base import cpu_threads, faults, name_resolve, names, network, wire
 from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in, load_policy
@@ -388,6 +388,13 @@ class ModelWorker(Worker):
             if config.fsdp:
                 _shard(critic)
             self.critic = optimized(critic)
+        self._idle_cores = None
+        if config.max_threads > config.num_threads and self.device.type == "cpu":
+            # More threads while the servers leave cores idle (they wait for a version part of each step).
+            self._idle_cores = cpu_threads.IdleCores().start()
+            for trained in (actor, critic if self.critic is not None else None):
+                if trained is not None:
+                    cpu_threads.follow_idle_cores(trained, config.num_threads, config.max_threads, self._idle_cores)
         self.ref = None
         use_ref = ppo.kl_ctl > 0 or ppo.use_kl_loss
         if use_ref and self.lora and not config.ref_model_path:
@@ -544,6 +551,8 @@ class ModelWorker(Worker):
             obj = getattr(self, closer, None)
             if obj is not None:
                 obj.close()
+        if getattr(self, "_idle_cores", None) is not None:
+            self._idle_cores.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 

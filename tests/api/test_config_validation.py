@@ -436,12 +436,14 @@ def test_trainer_threads_auto_takes_the_cores_generation_leaves(tmp_path):
         groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, *overrides)).groups}
         group = groups["model_worker"]
         assert group.env["OMP_NUM_THREADS"] == str(group.config.num_threads)  # one pool size for both
-        return group.config.num_threads
+        return group.config.num_threads, group.config.max_threads
 
-    assert trainer() == max(1, cores - 1)  # one generation server on one CPU thread
-    assert trainer("server.torch.num_threads=64") == 1  # never below one
-    assert trainer("train.num_threads=3") == 3  # an explicit count wins
-    assert trainer("allocation_mode=torch.d1p1m1+d2p1m1", "ppo.train_batch_size=2") == max(1, (cores - 1) // 2)
+    # One generation server on one CPU thread; while cores are idle, up to all of them.
+    assert trainer() == (max(1, cores - 1), cores)
+    assert trainer("server.torch.num_threads=64") == (1, cores)  # never below one
+    assert trainer("train.num_threads=3") == (3, 3)  # an explicit count wins, and stays
+    dp2 = trainer("allocation_mode=torch.d1p1m1+d2p1m1", "ppo.train_batch_size=2")
+    assert dp2 == (max(1, (cores - 1) // 2), max(1, (cores - 1) // 2, cores // 2))
 
 
 def test_dataset_files_rows_and_attention_are_checked_before_start(tmp_path):

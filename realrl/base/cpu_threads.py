@@ -1,0 +1,118 @@
+"""A trainer's torch CPU threads that follow the cores nobody else is using.
+
+In local mode the trainer shares the machine's cores with CPU generation
+servers, which are busy only part of each step: they generate up to the
+staleness bound, then wait for the next version. A trainer given only the
+cores the servers' threads leave idles the others while the servers wait; one
+given every core fights the servers for them while they generate (OpenMP's
+threads spin at each parallel region's barrier until the slowest arrives, so
+one thread without a core holds the whole team back). `IdleCores` measures,
+every `interval_s`, how many of the cores this process may run on the rest of
+the machine left idle; `follow_idle_cores` hooks the model so that, between
+two modules' forwards and between two parameters' gradients, the calling
+thread's torch thread count becomes that many (no fewer than `floor`, the
+cores the servers' threads leave, and no more than `ceiling`).
+
+torch's intra-op thread count is the calling thread's (OpenMP's nthreads ICV),
+so it is changed there, from hooks that run on the thread running the ops
+(on CPU, autograd runs a backward on the thread that called it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from realrl.base.logging import getLogger
+
+logger = getLogger("cpu_threads")
+
+
+def _busy_ticks(cpus: set[int]) -> int | None:
+    """Busy clock ticks of `cpus` since boot (/proc/stat: all but idle and iowait)."""
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if not name.startswith("cpu") or name == "cpu":
+                    continue
+                if not name[3:].isdigit():
+                    break
+                if int(name[3:]) in cpus:
+                    ticks = [int(x) for x in rest.split()]
+                    busy += sum(ticks) - ticks[3] - ticks[4]
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy
+
+
+def _own_ticks() -> int | None:
+    """This process's CPU clock ticks (/proc/self/stat: utime + stime)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class IdleCores:
+    """How many of this process's cores the rest of the machine left idle over
+    the last `interval_s` (a daemon thread samples /proc). `idle` is None where
+    /proc cannot tell (not Linux)."""
+
+    def __init__(self, interval_s: float = 0.1):
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.interval_s = interval_s
+        self.idle: float | None = None
+        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> IdleCores:
+        if _busy_ticks(self.cpus) is None or _own_ticks() is None:
+            return self
+        self._thread = threading.Thread(target=self._run, name="idle-cores", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last = (time.monotonic(), _busy_ticks(self.cpus), _own_ticks())
+        while not self._stop.wait(self.interval_s):
+            now = (time.monotonic(), _busy_ticks(self.cpus), _own_ticks())
+            if now[1] is None or now[2] is None:
+                continue
+            others = ((now[1] - last[1]) - (now[2] - last[2])) / self._hz / (now[0] - last[0])
+            self.idle = max(0.0, len(self.cpus) - others)
+            last = now
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def follow_idle_cores(model: torch.nn.Module, floor: int, ceiling: int, cores: IdleCores) -> None:
+    """From now on `model`'s ops run on as many torch threads as the rest of
+    the machine leaves cores idle (`cores`, rounded), no fewer than `floor`
+    and no more than `ceiling`: checked before each module's forward and after
+    each parameter's gradient, on the thread running them (a cheap comparison;
+    the count changes only when the answer does)."""
+    counts = threading.local()  # (each thread's torch thread count is its own)
+
+    def follow(*_args) -> None:
+        idle = cores.idle
+        if idle is None:
+            return
+        n = max(floor, min(ceiling, int(idle + 0.5)))
+        if n != getattr(counts, "n", None):
+            torch.set_num_threads(n)
+            counts.n = n
+
+    for module in model.modules():
+        module.register_forward_pre_hook(follow)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(follow)
