@@ -222,6 +222,12 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
                     stalled_in_place = current_epoch()  # then a member stalls with all of version 7's buckets
                     (fault_dir / "test.stall_in_place").touch()
                 if version == 8:  # that server answers again: a new epoch of both
+                    # (first, version 7's update ends while it is still stopped: its wait did not hold it)
+                    for _ in range(1200):
+                        if "all servers hold weight version 7" in open(manager_log).read():
+                            break
+                        await asyncio.sleep(0.05)
+                    assert "all servers hold weight version 7" in open(manager_log).read()
                     os.kill(faults.stopped_pid(str(fault_dir), "weights.member_stalls_in_place"), signal.SIGCONT)
                     await wait_for_an_epoch_after(stalled_in_place)
                 train_a_little(model, version)
