@@ -26,10 +26,6 @@ import time
 
 import torch
 
-from realrl.base.logging import getLogger
-
-logger = getLogger("cpu_threads")
-
 
 def _busy_ticks(cpus: set[int]) -> int | None:
     """Busy clock ticks of `cpus` since boot (/proc/stat: all but idle and iowait)."""

@@ -380,6 +380,7 @@ class ModelWorker(Worker):
             return optimized_as_configured(model, o, config.total_train_steps)
 
         self.actor = optimized(actor)
+        trained = [actor]
         self.critic = None
         if ppo.adv_estimator == "gae":
             critic = CriticModel.from_pretrained(config.model_path, trained_dtype).to(self.device)
@@ -388,13 +389,13 @@ class ModelWorker(Worker):
             if config.fsdp:
                 _shard(critic)
             self.critic = optimized(critic)
+            trained.append(critic)
         self._idle_cores = None
         if config.max_threads > config.num_threads and self.device.type == "cpu":
             # More threads while the servers leave cores idle (they wait for a version part of each step).
             self._idle_cores = cpu_threads.IdleCores().start()
-            for trained in (actor, critic if self.critic is not None else None):
-                if trained is not None:
-                    cpu_threads.follow_idle_cores(trained, config.num_threads, config.max_threads, self._idle_cores)
+            for model in trained:
+                cpu_threads.follow_idle_cores(model, config.num_threads, config.max_threads, self._idle_cores)
         self.ref = None
         use_ref = ppo.kl_ctl > 0 or ppo.use_kl_loss
         if use_ref and self.lora and not config.ref_model_path:

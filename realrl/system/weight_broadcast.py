@@ -295,15 +295,15 @@ class WeightEpochs:
         asked = asyncio.ensure_future(self._ask_version(url, version, timeout_s))
         gone = asyncio.ensure_future(down.wait())
         try:
-            await asyncio.wait({asked, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({asked, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if self._awaiting.get(url) is down:
                 del self._awaiting[url]
-            gone.cancel()
-        if asked.done():
+            for task in (asked, gone):
+                task.cancel()  # (the one done stays as it is)
+        if asked in done:
             ok, why = asked.result()
         else:
-            asked.cancel()
             await asyncio.gather(asked, return_exceptions=True)
             ok, why = False, "it went down while the manager waited for it"
         if ok:
