@@ -404,13 +404,6 @@ class ServerConfig:
     at most max_restarts times within restart_window s; then the trial fails."""
     restart_window: float = 600.0
     """Seconds over which max_restarts counts."""
-    nice: int = 10
-    """Local mode: the niceness (0-19) of the generation side's processes, the generation
-    servers (and the torch server each starts), their manager and the rollout workers, and
-    of each one's session autogroup (Linux shares the CPU between sessions first, and each
-    worker is a session of its own). On one machine the trainer's step is what the run
-    waits for, and generation may run ahead of it up to the staleness bound: when both want
-    a core, the trainer gets it. 0: as started."""
 
 
 @dataclasses.dataclass
@@ -944,7 +937,6 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 1, got {ts.max_running_requests}",
     )
     _check(ts.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
-    _check(0 <= cfg.server.nice <= 19, "server.nice", "must be 0..19")
     if ts.emulate_sglang:
         try:
             emulated_release(ts.emulate_sglang)

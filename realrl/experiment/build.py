@@ -36,7 +36,6 @@ from realrl.experiment.config import (
     trial_paths,
 )
 from realrl.launcher.local import WorkerGroup
-from realrl.system.worker_base import NICE_ENV
 
 logger = getLogger("experiment")
 
@@ -274,7 +273,6 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     def threads(n: int) -> dict[str, str]:
         return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "TOKENIZERS_PARALLELISM": "false"}
 
-    yields = yielding_env(cfg)
     gen_on_gpu = alloc.gen_backend in ("sglang", "vllm") or cfg.server.torch.device == "cuda"
     groups = [
         WorkerGroup("master_worker", 1, master, env=threads(1), cpus_per_worker=0),
@@ -291,17 +289,15 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
             "generation_server",
             alloc.gen.dp,
             gen_server,
-            env=threads(cfg.server.torch.num_threads) | yields,
+            env=threads(cfg.server.torch.num_threads),
             env_per_index=gen_gpus,
             cpus_per_worker=cfg.server.torch.num_threads,
             gpus_per_worker=alloc.gen.tp if gen_on_gpu else 0,
             restarts=cfg.server.max_restarts,
         ),
-        WorkerGroup("gserver_manager", 1, manager, env=threads(1) | yields, cpus_per_worker=0),
+        WorkerGroup("gserver_manager", 1, manager, env=threads(1), cpus_per_worker=0),
         *judge_groups(cfg, gen_server, threads(cfg.server.torch.num_threads)),
-        WorkerGroup(
-            "rollout_worker", rollout.n_workers, rollout_worker, env=threads(1) | yields, restarts=rollout.max_restarts
-        ),
+        WorkerGroup("rollout_worker", rollout.n_workers, rollout_worker, env=threads(1), restarts=rollout.max_restarts),
     ]
     return Experiment(groups, paths, model_path, train_path, test_path)
 
@@ -330,12 +326,6 @@ def judge_groups(cfg: AsyncPPOConfig, gen_server: GenerationServerConfig, env: d
             restarts=cfg.server.max_restarts,
         )
     ]
-
-
-def yielding_env(cfg: AsyncPPOConfig) -> dict[str, str]:
-    """The environment of a generation-side worker (generation server, manager, rollout
-    worker): in local mode, the niceness `server.nice` that yields the cores to the trainers."""
-    return {NICE_ENV: str(cfg.server.nice)} if cfg.mode == "local" and cfg.server.nice else {}
 
 
 def trainer_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:

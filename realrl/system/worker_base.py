@@ -75,7 +75,6 @@ class PollResult(NamedTuple):
 IDLE = PollResult(0, 0)
 _MAX_IDLE_SLEEP = 0.05  # seconds; a poll that found nothing backs off up to this
 RESTARTS_ENV = "REALRL_WORKER_RESTARTS"  # set by the launcher for a worker it started again after it failed
-NICE_ENV = "REALRL_NICE"  # a worker started with it lowers its priority by that much first (its children inherit it)
 _STATUS_CHECK_INTERVAL = 0.5  # seconds between reads of experiment_status
 PROGRESS_INTERVAL = 1.0  # seconds between rewrites of the progress record
 _STACK_REQUEST_POLL = 1.0  # seconds between reads of the stack dump request key
@@ -338,7 +337,6 @@ class Worker:
 
     def run(self) -> int:
         """Runs the worker to the end; returns the process exit code."""
-        lower_priority_as_asked()  # (before it starts anything: a torch server it starts inherits it)
         realrl_logging.configure(self.info.tag)
         self._install_signal_handlers()
         self._install_stack_dumps()
@@ -493,25 +491,6 @@ class AsyncWorker(Worker):
     async def _watch_exit(self) -> None:
         while not self._check_exit_conditions():
             await asyncio.sleep(_STATUS_CHECK_INTERVAL / 5)
-
-
-def lower_priority_as_asked() -> None:
-    """This process's niceness raised by `$REALRL_NICE` (the launcher's; none: unchanged),
-    and, when it leads a session of its own (the local launcher starts each worker so),
-    that session's autogroup niceness set to it. With autogroups on (Linux's
-    sched_autogroup, the default of many distributions) the kernel first shares the CPU
-    between sessions equally, whatever their processes' niceness: only the autogroup's
-    weighs against the trainer's session."""
-    nice = int(os.environ.get(NICE_ENV) or 0)
-    if not nice:
-        return
-    os.nice(nice)
-    if os.getsid(0) == os.getpid():  # (a session shared with others, e.g. the trainer's: left alone)
-        try:
-            with open("/proc/self/autogroup", "w") as f:
-                f.write(str(nice))
-        except OSError:  # no autogroups (not Linux, or a kernel without them): the niceness is all
-            pass
 
 
 def run_worker(spec: WorkerSpec) -> int:

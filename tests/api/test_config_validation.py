@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -91,8 +89,6 @@ def test_the_default_config_is_valid_and_checking_it_creates_nothing(tmp_path):
         ("weights.bucket_mb=0", "weights.bucket_mb"),
         ("weights.auto_broadcast_mb=-1", "weights.auto_broadcast_mb"),
         ("weights.backend=nccl", "weights.backend"),  # (on cpu)
-        ("server.nice=20", "server.nice"),
-        ("server.nice=-1", "server.nice"),
     ],
 )
 def test_validate_names_the_key_first(tmp_path, override, key):
@@ -418,51 +414,6 @@ def test_every_worker_speaks_the_api_of_the_policys_servers_and_the_judge_its_ow
         config(tmp_path, *base, f"judge.model.path={model}"), groups["generation_server"].config, {}
     )
     assert judge.config.judge and judge.config.server_api == "sglang"
-
-
-def test_in_local_mode_the_generation_side_yields_the_cores_to_the_trainers(tmp_path):
-    """`server.nice` reaches the generation servers, their manager and the
-    rollout workers (local mode), not the trainers or the master; 0 leaves
-    every worker alone; a worker started with it lowers its own priority by
-    that much (a torch server it starts inherits it)."""
-    from realrl.system.worker_base import NICE_ENV
-
-    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
-    base = [f"model.path={model}", f"dataset.train_path={train}"]
-    for overrides, side in (([], "10"), (["server.nice=0"], None)):
-        groups = build_experiment(config(tmp_path, *base, *overrides)).groups
-        assert {g.worker_type: g.env.get(NICE_ENV) for g in groups} == {
-            "master_worker": None,
-            "model_worker": None,
-            "generation_server": side,
-            "gserver_manager": side,
-            "rollout_worker": side,
-        }
-    # With autogroups (Linux) a worker leading its own session (as the local launcher starts
-    # them) sets its session's autogroup niceness too; one in a shared session leaves it alone.
-    autogroups = os.path.exists("/proc/self/autogroup")
-    for own_session in (True, False):
-        lowered = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import os; from realrl.system.worker_base import lower_priority_as_asked as lower; "
-                "before = os.nice(0); lower(); print(os.nice(0) - before); "
-                "group = '/proc/self/autogroup'; "
-                "print(open(group).read().split()[-1] if os.path.exists(group) else '')",
-            ],
-            env=dict(os.environ, **{NICE_ENV: "3"}),
-            capture_output=True,
-            text=True,
-            check=True,
-            start_new_session=own_session,
-        )
-        niceness, group = lowered.stdout.split("\n")[:2]
-        assert niceness == "3"
-        if autogroups:
-            with open("/proc/self/autogroup") as f:
-                ours = f.read().split()[-1]
-            assert group == ("3" if own_session else ours), (own_session, group, ours)
 
 
 def test_sglang_missing_is_an_allocation_mode_error(tmp_path):
