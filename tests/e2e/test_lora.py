@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.learning_floors import RUNS, assert_reaches_floor, train, trial_name
 from realrl.system import checkpoints
+from tests.e2e.test_faults import TRAINED_LOGPROB_GAP
 from tests.impl.test_lora import assert_loads_without_peft
 
 STEPS = RUNS["lora"].steps
@@ -31,10 +32,10 @@ def test_a_lora_run_learns_publishes_adapters_and_resumes_after_a_crash(tmp_path
     assert_reaches_floor(summary, "lora", seed=1)
     steps = [s for s in stats if "train/actor_loss" in s]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    # Logprobs agree (max |prox - behav| <= 1e-4), before the crash and after the resume
+    # Logprobs agree (max |prox - behav| within float32's error), before the crash and after the resume
     # (the servers then serve the adapter the resumed trainer republished).
     for s in steps:
-        assert abs(s["train/behav_imp_weight_max"] - 1) <= 1e-4 and abs(s["train/behav_imp_weight_min"] - 1) <= 1e-4, s
+        assert max(s["train/behav_imp_weight_max"] - 1, 1 - s["train/behav_imp_weight_min"]) <= TRAINED_LOGPROB_GAP, s
 
     # Published versions are adapters; a checkpoint holds the adapters and their optimizer state.
     weights = os.path.join(tmp_path, "weights", "async-ppo-tiny", trial_name("lora", 1), "actor")
