@@ -189,19 +189,109 @@ def publish_weights(
 ) -> str:
     """Writes `model` (`save_model`, with the tokenizer files of
     `tokenizer_source`, in `dtype`) to `<weights_dir>/<version>/` atomically:
-    everything is in the temporary directory before the rename makes it visible."""
-    final = os.path.join(weights_dir, str(version))
-    tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(weights_dir, exist_ok=True)
-    save_model(model, tmp, max_shard_size, state_dict, tokenizer_source, dtype)
-    old = None
-    if os.path.exists(final):  # a re-run of this version (recovery): replace it, never leaving it half-deleted
-        old = os.path.join(weights_dir, f".old-{version}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    everything is in the temporary directory before the rename makes it visible.
+    (A trainer publishing every step keeps a `VersionWriter`: the same
+    directory, written without save_pretrained after the first.)"""
+    return VersionWriter(tokenizer_source, dtype, max_shard_size).publish(model, weights_dir, version, state_dict)
+
+
+class _Layout:
+    """What `save_model` wrote for a model: its one safetensors file (the names in
+    it, its metadata) and the bytes of every other file of the directory."""
+
+    __slots__ = ("names", "metadata", "files")
+
+    def __init__(self, names: list[str], metadata: dict[str, str] | None, files: dict[str, bytes]):
+        self.names, self.metadata, self.files = names, metadata, files
+
+
+class VersionWriter:
+    """Publishes a model's weight versions (`publish`) as `publish_weights` does.
+    The first through `save_model` (save_pretrained); if that directory is one
+    safetensors file whose every tensor is the state dict's own under the same
+    name (tied duplicates left out as save_pretrained leaves them), later
+    versions are written directly: those tensors with safetensors, and the other
+    files as the first version had them (config, generation config, tokenizer:
+    none changes while the run trains). save_pretrained derives all of that
+    again each time, several times the cost of writing a small model's tensors,
+    on the trainer's step. Anything else (LoRA adapters, shards, names that
+    save_pretrained converts) goes through `save_model` every time."""
+
+    def __init__(self, tokenizer_source: str | None, dtype: torch.dtype | None = None, max_shard_size: str = "2GB"):
+        self.tokenizer_source, self.dtype, self.max_shard_size = tokenizer_source, dtype, max_shard_size
+        self._layout: _Layout | None = None
+        self._learned = False  # the first version was written (and `_layout` set if it may be used)
+        self.n_direct = 0  # versions written without save_pretrained
+
+    def publish(self, model: torch.nn.Module, weights_dir: str, version: int, state_dict: dict | None = None) -> str:
+        """`model` (or `state_dict` in its layout) as `<weights_dir>/<version>/`, atomically."""
+        final = os.path.join(weights_dir, str(version))
+        tmp = os.path.join(weights_dir, f".tmp-{version}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(weights_dir, exist_ok=True)
+        layout = self._layout
+        if layout is not None:
+            os.makedirs(tmp)
+            self._write_direct(layout, model, tmp, state_dict)
+            self.n_direct += 1
+        else:
+            save_model(model, tmp, self.max_shard_size, state_dict, self.tokenizer_source, self.dtype)
+            if not self._learned:
+                self._learned = True
+                self._layout = _layout_of(tmp, self._state(model, state_dict))
+        old = None
+        if os.path.exists(final):  # a re-run of this version (recovery): replace it, never leaving it half-deleted
+            old = os.path.join(weights_dir, f".old-{version}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _state(self, model: torch.nn.Module, state_dict: dict | None) -> dict | None:
+        """The tensors save_model writes from (None: a LoRA model, whose adapter it writes)."""
+        if lora.is_lora(model):
+            return None
+        state = model.state_dict() if state_dict is None else state_dict
+        return state if self.dtype is None else cast_state_dict(state, self.dtype)
+
+    def _write_direct(self, layout: _Layout, model: torch.nn.Module, path: str, state_dict: dict | None) -> None:
+        from safetensors.torch import save_file
+
+        state = self._state(model, state_dict)
+        tensors = {name: state[name].contiguous() for name in layout.names}
+        save_file(tensors, os.path.join(path, _WEIGHTS_FILE), layout.metadata)
+        for name, data in layout.files.items():
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(data)
+
+
+_WEIGHTS_FILE = "model.safetensors"
+
+
+def _layout_of(path: str, state: dict | None) -> _Layout | None:
+    """The layout of the directory save_model just wrote at `path` from `state`, if later
+    versions may be written directly: one safetensors file holding, under each name,
+    exactly the state dict's tensor of that name; None otherwise."""
+    from safetensors import safe_open
+
+    files = os.listdir(path)
+    if state is None or _WEIGHTS_FILE not in files:
+        return None
+    for name in files:
+        if name != _WEIGHTS_FILE and (name.endswith(_WEIGHT_SUFFIXES) or not os.path.isfile(os.path.join(path, name))):
+            return None  # shards, or something else than plain files beside the weights
+    with safe_open(os.path.join(path, _WEIGHTS_FILE), framework="pt") as f:
+        names, metadata = list(f.keys()), f.metadata()
+        for name in names:
+            tensor = state.get(name)
+            if not isinstance(tensor, torch.Tensor) or not torch.equal(f.get_tensor(name), tensor.detach().cpu()):
+                return None
+    contents = {}
+    for name in files:
+        if name != _WEIGHTS_FILE:
+            with open(os.path.join(path, name), "rb") as fh:
+                contents[name] = fh.read()
+    return _Layout(names, metadata, contents)
 
 
 def _sampled_lens(t: Trajectory) -> list[int]:
@@ -360,6 +450,7 @@ class ModelWorker(Worker):
         trained_dtype = torch.float32 if mixed else dtype
         # What is published and saved: the run's dtype, whatever the trainer holds.
         self.save_dtype = dtype if mixed else None
+        self._versions = VersionWriter(self._source, self.save_dtype)  # the weight versions rank 0 publishes
         actor = load_policy(config.model_path, dtype, config.fp32_master, self.lora, self.device)
         if config.gradient_checkpointing:
             actor.gradient_checkpointing_enable()
@@ -696,15 +787,8 @@ class ModelWorker(Worker):
             self.version = version
 
     def _write_version(self, version: int, state_dict: dict) -> None:
-        """Version `version`'s directory from a snapshot (the broadcast sender's thread)."""
-        publish_weights(
-            self.actor.model,
-            self.cfg.weights_dir,
-            version,
-            state_dict=state_dict,
-            tokenizer_source=self._source,
-            dtype=self.save_dtype,
-        )
+        """Version `version`'s directory (from a snapshot on the broadcast sender's thread)."""
+        self._versions.publish(self.actor.model, self.cfg.weights_dir, version, state_dict)
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict | None:
         """The full (unsharded, CPU) state dict under FSDP, of a LoRA model

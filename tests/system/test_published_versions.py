@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from realrl.api.cli_args import LoraConfig
 from realrl.impl import lora
 from realrl.impl.random_models import FAMILIES, build_random_model
-from realrl.system.model_worker import publish_weights
+from realrl.system.model_worker import VersionWriter, publish_weights
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
 
@@ -149,3 +149,54 @@ def test_a_mixed_precision_version_is_published_in_the_runs_dtype(source_dirs, t
     for name, p in loaded.named_parameters():
         assert torch.equal(p, master[name].to(torch.bfloat16)), name
     assert model.dtype == torch.float32  # the master is left as it was
+
+
+@pytest.mark.parametrize("family,dtype", [("llama3", None), ("qwen2.5", torch.bfloat16)])
+def test_a_trainers_later_versions_are_the_directory_save_pretrained_writes(family, dtype, source_dirs, tmp_path):
+    """A trainer's `VersionWriter` writes its first version with save_pretrained and
+    the later ones directly (safetensors + the first one's other files): each later
+    version holds the same files as save_pretrained's directory of the same weights,
+    byte for byte but the weights file, whose tensors and metadata are the same
+    (Qwen2.5: the tied embedding written once; in a mixed-precision run's dtype)."""
+    from safetensors import safe_open
+
+    source = source_dirs[family]
+    model = trained(source)
+    writer = VersionWriter(source, dtype)
+    writer.publish(model, str(tmp_path / "weights"), 1)
+    for version in (2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)  # the step between versions
+        direct = writer.publish(model, str(tmp_path / "weights"), version)
+        reference = publish_weights(model, str(tmp_path / "reference"), version, tokenizer_source=source, dtype=dtype)
+        assert sorted(os.listdir(direct)) == sorted(os.listdir(reference))
+        for name in os.listdir(reference):
+            if name != "model.safetensors":
+                with open(os.path.join(direct, name), "rb") as a, open(os.path.join(reference, name), "rb") as b:
+                    assert a.read() == b.read(), name
+        with (
+            safe_open(os.path.join(direct, "model.safetensors"), "pt") as a,
+            safe_open(os.path.join(reference, "model.safetensors"), "pt") as b,
+        ):
+            assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+            for name in b.keys():
+                assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+        loaded = AutoModelForCausalLM.from_pretrained(direct)
+        master = dict(model.named_parameters())
+        for name, p in loaded.named_parameters():
+            assert torch.equal(p, master[name].to(dtype or p.dtype)), name
+    assert writer.n_direct == 2  # (save_pretrained each time: 0)
+    assert sorted(os.listdir(tmp_path / "weights")) == ["1", "2", "3"]
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft 0.21 on transformers 5
+def test_a_lora_trainers_versions_all_go_through_save_model(source_dirs, tmp_path):
+    """A LoRA model's versions are its adapter (peft's files): never written directly."""
+    source = source_dirs["llama3"]
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), LoraConfig(rank=4, alpha=8))
+    writer = VersionWriter(source)
+    for version in (1, 2):
+        path = writer.publish(model, str(tmp_path / "weights"), version)
+        assert "adapter_model.safetensors" in os.listdir(path) and "model.safetensors" not in os.listdir(path)
+    assert writer.n_direct == 0
