@@ -300,6 +300,10 @@ class AckedPusher:
             messages: list = []
             while queue and len(members) < self.max_batch:
                 request = queue[0]
+                # An out-of-order message goes alone: it waits for the next frame untouched
+                # (its future is marked running once, when its first message is taken).
+                if members and not request.in_order:
+                    break
                 if request.next == 0 and not request.future.set_running_or_notify_cancel():
                     queue.popleft()  # cancelled (the episode was) before any of it was sent
                     self._n_settled += len(request.messages)
@@ -308,8 +312,6 @@ class AckedPusher:
                     queue.popleft()
                     self._n_settled += len(request.messages) - request.next
                     continue
-                if members and not request.in_order:  # an out-of-order message goes alone
-                    break
                 start = request.next
                 stop = (
                     start + 1

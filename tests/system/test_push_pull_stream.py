@@ -568,6 +568,33 @@ def test_messages_queued_together_go_as_one_frame_and_a_keyless_rejection_answer
         real.close()
 
 
+def test_an_out_of_order_question_queued_behind_messages_goes_in_the_next_frame():
+    """A rollout worker's question (`in_order=False`) queued behind its
+    trajectories while the thread is held: the trajectories go as one frame,
+    the question alone in the next, and both are answered. (The question's
+    future was once marked running when the first frame stopped at it, and
+    again for the second: the push thread died and the rollout worker with it.)"""
+    keys = [("0:0:1", 0), ("0:0:1", 1)]
+
+    def respond(received):
+        if len(received) == 2:
+            return [ack(key, "taken") for key in keys]
+        if len(received) == 3:
+            return [ack(("0:0:1", None), "held", held=2)]
+        return None
+
+    puller, pusher, delivery = acked_delivery(respond, cls=HeldAckedPusher)
+    try:
+        trajectories = delivery.submit([{"rollout_id": k[0], "index": k[1]} for k in keys], keys)
+        question = delivery.submit([{"held_of": "0:0:1"}], [("0:0:1", None)], in_order=False)
+        delivery.release.set()
+        assert [a["verdict"] for a in trajectories.result(timeout=10)] == ["taken", "taken"]
+        assert question.result(timeout=10) == [ack(("0:0:1", None), "held", held=2)]
+        assert puller.frames == 2 and delivery.n_frames == 2 and delivery.in_flight == 0
+    finally:
+        close_all(puller, pusher, delivery)
+
+
 def test_a_puller_reporting_rejects_returns_them_in_their_place_among_the_messages():
     """With `report_rejects`, a frame that does not decode comes back from
     pull_with_senders where it arrived (so its sender's answers keep its
