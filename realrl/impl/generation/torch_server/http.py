@@ -58,6 +58,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -147,6 +148,7 @@ class TorchGenerationServer:
         self.frozen = frozen
         self.vllm = vllm  # `--emulate-vllm`: vLLM's routes instead (vllm_compat)
         self._update_lock: asyncio.Lock | None = None
+        self._answer_pump: Answers | None = None  # the engine's answers into the event loop
         self._in_flight: set[str] = set()  # rids of the /generate requests being answered
         # SGLang emulation: rids a `retract` pause put back in the queue, until /continue_generation.
         self._retracted: set[str] = set()
@@ -209,18 +211,21 @@ class TorchGenerationServer:
 
     # ---- helpers
 
+    def _answers(self) -> Answers:
+        if self._answer_pump is None:
+            self._answer_pump = Answers(asyncio.get_running_loop())
+        return self._answer_pump
+
     def _call(self, name: str, args: dict | None = None) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self.engine.command(name, args or {}, threadsafe_setter(loop, fut))
+        fut = asyncio.get_running_loop().create_future()
+        self.engine.command(name, args or {}, self._answers().setter(fut))
         return fut
 
     async def _run(self, req: Any) -> Any:
         """Submits one engine request (`protocol.Request`) and returns its answer; a cancelled caller
         (the client went away) aborts it."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        req.reply = threadsafe_setter(loop, fut)
+        fut = asyncio.get_running_loop().create_future()
+        req.reply = self._answers().setter(fut)
         self.engine.submit(req)
         try:
             return await fut
@@ -255,8 +260,6 @@ class TorchGenerationServer:
             reqs, batched = parse_generate_body(body, self.engine.limits)
         except BodyError as e:
             return self._reject(e)
-        loop = asyncio.get_running_loop()
-        futures = []
         if self.compat is not None:  # SGLang refuses the whole request before anything runs
             for req in reqs:
                 refusal = (
@@ -267,14 +270,15 @@ class TorchGenerationServer:
                 if refusal is not None:
                     self.engine.count_rejection("sampling_mask")
                     return web.json_response({"error": {"message": refusal}}, status=400)
-        for req in reqs:
-            fut = loop.create_future()
-            req.reply = threadsafe_setter(loop, fut)
-            futures.append(fut)
+        # One future for the whole body: the engine's answers are collected where they are made and
+        # handed to this loop once, when the last one comes (not one loop wake-up per prompt).
+        done = asyncio.get_running_loop().create_future()
+        for req, reply in zip(reqs, self._answers().all_of(done, len(reqs))):
+            req.reply = reply
             self._in_flight.add(req.rid)
             self.engine.submit(req)
         try:
-            results = await asyncio.gather(*futures)
+            results = await done
         except asyncio.CancelledError:  # the client went away: stop generating for it
             for req in reqs:
                 self.engine.command("abort", {"rid": req.rid}, lambda result: None)
@@ -649,18 +653,64 @@ def _aborted(response: Any) -> bool:
     return isinstance(reason, FinishReason) and reason.type == "abort"
 
 
-def threadsafe_setter(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Any], None]:
-    def set_result(result: Any) -> None:
-        if not fut.done():
-            fut.set_result(result)
+class Answers:
+    """The engine thread's answers into the event loop, in batches.
 
-    def reply(result: Any) -> None:
+    `setter(fut)` is a `reply` callback that sets `fut`; `all_of(fut, n)` gives n
+    callbacks that set `fut` to the list of their n answers (in order) once the
+    last one came. Answers made while the loop has not yet run the previous
+    batch join it: the loop is woken once per batch (a self-pipe write and a
+    select each), not once per answer; a batched /generate of 128 prompts is
+    one wake-up when all of its answers come in the same engine step. A
+    callback may be called from any thread, once; a second call is ignored.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Future, Any]] = []
+
+    def _deliver(self, fut: asyncio.Future, result: Any) -> None:
+        with self._lock:
+            self._pending.append((fut, result))
+            if len(self._pending) > 1:
+                return  # a batch is already due in the loop: this one goes with it
         try:
-            loop.call_soon_threadsafe(set_result, result)
+            self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the event loop is already closed (shutdown)
             pass
 
-    return reply
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for fut, result in batch:
+            if not fut.done():
+                fut.set_result(result)
+
+    def setter(self, fut: asyncio.Future) -> Callable[[Any], None]:
+        return self.all_of(fut, 1, single=True)[0]
+
+    def all_of(self, fut: asyncio.Future, n: int, single: bool = False) -> list[Callable[[Any], None]]:
+        results: list[Any] = [None] * n
+        answered = [False] * n
+        left = [n]
+        lock = threading.Lock()
+
+        def reply_for(i: int) -> Callable[[Any], None]:
+            def reply(result: Any) -> None:
+                with lock:
+                    if answered[i]:
+                        return
+                    answered[i] = True
+                    results[i] = result
+                    left[0] -= 1
+                    if left[0]:
+                        return
+                self._deliver(fut, results[0] if single else results)
+
+            return reply
+
+        return [reply_for(i) for i in range(n)]
 
 
 async def serve(server: TorchGenerationServer, host: str, port: int) -> None:
