@@ -355,6 +355,8 @@ class GenerationClient:
             if isinstance(sampling_params, list)
             else _sampling_params(sampling_params)
         )
+        if isinstance(params, list) and params and all(p == params[0] for p in params):
+            params = params[0]  # one for every prompt: the body carries it once, the server reads it once
         request = GenerateRequest(
             lora_path=lora_path,
             input_ids=[list(p) for p in input_ids],

@@ -178,13 +178,16 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
     sampling_masks = _per_prompt("return_sampling_mask", body.return_sampling_mask, batched, n)
 
     requests = []
+    checked: dict[int, dict[str, Any]] = {}  # id(params) -> its checked values: one value for all is checked once
     for prompt, params, want_logprob, rid, lora_name, want_mask in zip(
         prompts, sampling, return_logprob, rids, lora_names, sampling_masks
     ):
         if not prompt:
             raise BodyError("every prompt must be a non-empty list of token ids", reason="empty")
         _check_vocabulary(prompt, "input_ids", limits.vocab_size)
-        p = _sampling(params or SamplingParams(), limits)
+        if (p := checked.get(id(params))) is None:
+            p = checked[id(params)] = _sampling(params or SamplingParams(), limits)
+        p = dict(p)
         if rid is None:
             rid = uuid.uuid4().hex
         elif not rid:
@@ -256,6 +259,8 @@ def _sampling(params: SamplingParams, limits: GenerateLimits) -> dict[str, Any]:
 
 
 def _check_vocabulary(ids: list[int], name: str, vocab_size: int) -> None:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # at C speed; the loop below names the bad one
+        return
     for tok in ids:
         if not 0 <= tok < vocab_size:
             raise BodyError(f"token id {tok} in {name} is outside the vocabulary [0, {vocab_size})", reason="vocab")
