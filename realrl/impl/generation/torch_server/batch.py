@@ -81,12 +81,14 @@ class RunningBatch:
     window copied over.
     """
 
-    def __init__(self, requests: list[Request], rows: Rows, config, max_rows: int):
+    def __init__(self, requests: list[Request], rows: Rows, config, max_rows: int, spare: RunningBatch | None = None):
+        """`spare`: a batch that ended normally (emptied, or its requests sent back at a weight
+        update), whose buffers are taken over when they are large enough, instead of new ones."""
         self.config = config
         self.max_rows = max_rows
         self.requests: list[Request] = []
         kv, mask = rows
-        self._allocate([(kv, mask)], n_rows=mask.shape[0], length=mask.shape[1], extra_requests=requests)
+        self._allocate([(kv, mask)], n_rows=mask.shape[0], length=mask.shape[1], extra_requests=requests, spare=spare)
         self.requests = list(requests)
         self._refresh_rows()
 
@@ -122,19 +124,34 @@ class RunningBatch:
 
     # ---- (re)allocation
 
-    def _allocate(self, parts: list[Rows], n_rows: int, length: int, extra_requests: list[Request]) -> None:
-        """Fresh zeroed buffers holding `parts` stacked by rows, right-aligned at `length`."""
+    def _allocate(
+        self,
+        parts: list[Rows],
+        n_rows: int,
+        length: int,
+        extra_requests: list[Request],
+        spare: RunningBatch | None = None,
+    ) -> None:
+        """Buffers holding `parts` stacked by rows, right-aligned at `length`: fresh zeroed
+        ones, or `spare`'s when they hold enough rows and columns. Those are not zeroed: every
+        value in them was computed by a batch that ended normally (a row that went non-finite
+        is cleared when it fails), so their stale padding is finite too; the mask is reset."""
         requests = self.requests + extra_requests
         row_capacity = min(max(self.max_rows, n_rows), max(2 * n_rows, 8))
         col_capacity = length + self.headroom(requests)
-        device = parts[0][1].device
-        self.mask = torch.zeros((row_capacity, col_capacity), dtype=torch.bool, device=device)
         self.window = Window(n_rows, 0, length)
-        layers = []
-        for k0, v0 in parts[0][0]:
-            keys = k0.new_zeros((row_capacity, k0.shape[1], col_capacity, k0.shape[3]))
-            values = v0.new_zeros((row_capacity, v0.shape[1], col_capacity, v0.shape[3]))
-            layers.append(KVBuffer(keys, values, self.window))
+        if spare is not None and spare._fits(parts[0][0], row_capacity, col_capacity):
+            self.mask = spare.mask
+            self.mask.zero_()
+            layers = [KVBuffer(old.keys_buf, old.values_buf, self.window) for old in spare.cache.layers]
+            spare.cache.layers = []  # the buffers are this batch's now
+        else:
+            self.mask = torch.zeros((row_capacity, col_capacity), dtype=torch.bool, device=parts[0][1].device)
+            layers = []
+            for k0, v0 in parts[0][0]:
+                keys = k0.new_zeros((row_capacity, k0.shape[1], col_capacity, k0.shape[3]))
+                values = v0.new_zeros((row_capacity, v0.shape[1], col_capacity, v0.shape[3]))
+                layers.append(KVBuffer(keys, values, self.window))
         row = 0
         for kv, part_mask in parts:
             n, cols = part_mask.shape
@@ -146,6 +163,21 @@ class RunningBatch:
             row += n
         self.cache = DynamicCache(config=self.config)
         self.cache.layers = layers
+
+    def _fits(self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, cols: int) -> bool:
+        """Whether this batch's buffers can hold `rows` x `cols` of keys/values shaped like `kv`'s."""
+        have_rows, have_cols = self.mask.shape
+        layers = self.cache.layers
+        if have_rows < rows or have_cols < cols or len(layers) != len(kv):
+            return False
+        return all(
+            buf.dtype == new.dtype
+            and buf.device == new.device
+            and buf.shape[1] == new.shape[1]
+            and buf.shape[3] == new.shape[3]
+            for layer, (k, v) in zip(layers, kv)
+            for buf, new in ((layer.keys_buf, k), (layer.values_buf, v))
+        )
 
     def _refresh_rows(self) -> None:
         """Rebuild the per-row tensors from the requests (after rows changed)."""

@@ -158,6 +158,9 @@ class GenerationEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Request] = deque()
         self._batch: RunningBatch | None = None
+        # The last batch that ended normally (emptied, or sent back at a weight update): the next one
+        # takes over its buffers when they are large enough (batch.RunningBatch).
+        self._spare: RunningBatch | None = None
         self._live: dict[str, Request] = {}  # rid -> request, waiting or running
         self._paused = False
         self._pending_update: dict | None = None  # an update waiting for the batch to drain
@@ -417,7 +420,7 @@ class GenerationEngine:
         if self._batch is None:
             return 0
         requests = list(self._batch.requests)
-        self._batch = None
+        self._spare, self._batch = self._batch, None  # its buffers serve the next batch
         self._waiting.extendleft(reversed(requests))
         return len(requests)
 
@@ -516,7 +519,7 @@ class GenerationEngine:
 
     def _drop_rows(self, drop: list[int]) -> None:
         if drop and not self._batch.remove(drop):
-            self._batch = None
+            self._spare, self._batch = self._batch, None
 
     def _abort_all(self, message: str) -> None:
         self._abort(lambda r: True, include_waiting=True, message=message)
@@ -566,7 +569,10 @@ class GenerationEngine:
             self._prefilling = group
             for requests, rows in self._prefill_isolated(group):
                 if self._batch is None:
-                    self._batch = RunningBatch(requests, rows, self.config, self.max_running_requests)
+                    self._batch = RunningBatch(
+                        requests, rows, self.config, self.max_running_requests, spare=self._spare
+                    )
+                    self._spare = None
                 else:
                     self._batch.add(requests, rows)
             self._prefilling = []
