@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import types
@@ -409,6 +410,7 @@ def _json_kinds(kind: Any) -> frozenset[str]:
 
 
 _PLAIN = (str, int, float, bool, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 @functools.cache
@@ -417,25 +419,40 @@ def _keep_null(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls) if (f.metadata.get("http_body") or {}).get("keep_null"))
 
 
+@functools.cache
+def _json_fields(cls: type) -> tuple[tuple[str, bool], ...] | None:
+    """(name, written as null when None) of each field of dataclass `cls`, in order; None if
+    `cls` is no dataclass. Worked out once per class (an answer of 128 prompts holds hundreds)."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    keep = _keep_null(cls)
+    return tuple((f.name, f.name in keep) for f in dataclasses.fields(cls))
+
+
 def to_json(obj: Any) -> Any:
     """A dataclass (nested, in lists/dicts) as JSON-ready values; None fields are
     left out unless marked `rule(keep_null=True)`."""
-    if type(obj) in _PLAIN:
+    kind = type(obj)
+    if kind in _PLAIN_TYPES:
         return obj
     if isinstance(obj, (list, tuple)):
         # Token ids, logprobs, (logprob, id, text) triples: no call per item.
-        if all(type(v) in _PLAIN for v in obj):
+        kinds = set(map(type, obj))
+        if kinds <= _PLAIN_TYPES:
             return list(obj)
-        if all(type(v) is tuple for v in obj) and all(type(x) in _PLAIN for v in obj for x in v):
+        if kinds == {tuple} and set(map(type, itertools.chain.from_iterable(obj))) <= _PLAIN_TYPES:
             return [list(v) for v in obj]
         return [to_json(v) for v in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        keep = _keep_null(type(obj))
-        return {
-            f.name: to_json(v)
-            for f in dataclasses.fields(obj)
-            if (v := getattr(obj, f.name)) is not None or f.name in keep
-        }
+    fields = _json_fields(kind)
+    if fields is not None:
+        out = {}
+        for name, keep in fields:
+            v = getattr(obj, name)
+            if v is not None:
+                out[name] = v if type(v) in _PLAIN_TYPES else to_json(v)
+            elif keep:
+                out[name] = None
+        return out
     if isinstance(obj, dict):
         return {k: to_json(v) for k, v in obj.items()}
     return obj
