@@ -651,14 +651,21 @@ class GenerationEngine:
         if not keep:
             return None
         rows = source_rows[torch.tensor(keep, dtype=torch.long, device=self.device)]
-        kv = [(layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in cache.layers]
         row_mask = mask.index_select(0, rows)
         first = int(row_mask.any(dim=0).int().argmax())
-        # Zero the padded positions: their keys/values are never attended, but
-        # they must be finite.
-        pad = ~row_mask[:, None, first:, None]
-        kv = [(k[:, :, first:].masked_fill(pad, 0), v[:, :, first:].masked_fill(pad, 0)) for k, v in kv]
-        return [group[i] for i in keep], (kv, row_mask[:, first:])
+        row_mask = row_mask[:, first:]
+        # The kept rows' columns from `first` on, copied once; the padded positions zeroed in
+        # that copy: their keys/values are never attended, but they must be finite.
+        kv = [
+            (layer.keys[:, :, first:].index_select(0, rows), layer.values[:, :, first:].index_select(0, rows))
+            for layer in cache.layers
+        ]
+        if not bool(row_mask.all()):
+            pad = ~row_mask[:, None, :, None]
+            for k, v in kv:
+                k.masked_fill_(pad, 0)
+                v.masked_fill_(pad, 0)
+        return [group[i] for i in keep], (kv, row_mask)
 
     def _banned(self, requests: list[Request]) -> list[tuple[int, list[int]]] | None:
         banned = [
