@@ -263,6 +263,8 @@ def _convert(kind: Any, value: Any, path: str, checks: dict) -> Any:
     if options is not None:
         if value is None:
             return None
+        if len(options) == 1 and _fits(options[0], value):  # `T | None`: what the loop below does, without it
+            return _convert(options[0], value, path, checks)
         fitting = [o for o in options if _fits(o, value)]
         if not fitting:
             names = " or ".join(_type_name(o) for o in options)
