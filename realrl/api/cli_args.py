@@ -318,6 +318,13 @@ class TorchServerConfig:
     """Requests decoded together; more wait in the server's queue."""
     num_threads: int = 1
     """torch CPU threads of the server process."""
+    max_threads: int = 0
+    """Up to this many torch threads while the rest of the machine leaves cores
+    idle (the trainer waits for rollouts part of each step; at the first step, for
+    the whole first batch), never fewer than num_threads: the count is checked
+    before each forward (realrl/base/cpu_threads.py). 0 = auto: in local mode on
+    CPU an even share of the cores among the servers, elsewhere num_threads (fixed).
+    Two servers whose counts differ at a moment may differ in a logprob's last bits."""
     length_before_eos: bool = False
     """Check the length limit before EOS / stop tokens, as SGLang does (a request
     whose last allowed token is EOS reports `length`): tests the runtime against it."""
@@ -939,6 +946,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 1, got {ts.max_running_requests}",
     )
     _check(ts.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
+    _check(ts.max_threads >= 0, "server.torch.max_threads", f"must be >= 0 (0 = auto), got {ts.max_threads}")
     if ts.emulate_sglang:
         try:
             emulated_release(ts.emulate_sglang)
