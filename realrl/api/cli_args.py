@@ -471,7 +471,8 @@ class TrainConfig:
     """torch CPU threads per model worker; 0 = auto: in local mode the cores the
     CPU generation servers' threads leave, shared by the trainers (>= 1), and on
     CPU up to an even share of all cores while the rest of the machine leaves
-    cores idle (the servers wait for a version part of each step)."""
+    cores idle (the servers wait for a version part of each step), where a
+    training step lasts 1 s or more."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state across data-parallel ranks (FSDP2, CUDA)."""
 

@@ -8,7 +8,7 @@ given every core fights the servers for them while they generate (OpenMP's
 threads spin at each parallel region's barrier until the slowest arrives, so
 one thread without a core holds the whole team back). `IdleCores` measures,
 every `interval_s`, how many of the cores this process may run on the rest of
-the machine left idle; `follow_idle_cores` hooks the model so that, between
+the machine left idle; `FollowIdleCores` hooks the models so that, between
 two modules' forwards and between two parameters' gradients, the calling
 thread's torch thread count becomes that many (no fewer than `floor`, the
 cores the servers' threads leave, and no more than `ceiling`).
@@ -16,6 +16,14 @@ cores the servers' threads leave, and no more than `ceiling`).
 torch's intra-op thread count is the calling thread's (OpenMP's nthreads ICV),
 so it is changed there, from hooks that run on the thread running the ops
 (on CPU, autograd runs a backward on the thread that called it).
+
+The figure is an average over `interval_s`, so it can only be followed by a
+step that spans many of them: in a step of a few intervals (the tiny default
+model's ~0.1 s) the servers turn from waiting to generating faster than the
+figure moves, and a thread taken on a stale figure spins beside a busy core.
+`FollowIdleCores.step_took` turns following off after a step shorter than
+`MIN_STEP_INTERVALS` intervals (the count stays at the floor) and on again
+after a longer one.
 """
 
 from __future__ import annotations
@@ -90,25 +98,53 @@ class IdleCores:
         self._stop.set()
 
 
-def follow_idle_cores(model: torch.nn.Module, floor: int, ceiling: int, cores: IdleCores) -> None:
-    """From now on `model`'s ops run on as many torch threads as the rest of
-    the machine leaves cores idle (`cores`, rounded), no fewer than `floor`
-    and no more than `ceiling`: checked before each module's forward and after
-    each parameter's gradient, on the thread running them (a cheap comparison;
-    the count changes only when the answer does)."""
-    counts = threading.local()  # (each thread's torch thread count is its own)
+MIN_STEP_INTERVALS = 10
+"""A step must last this many sampling intervals for its threads to follow the figure."""
 
-    def follow(*_args) -> None:
-        idle = cores.idle
-        if idle is None:
+
+class FollowIdleCores:
+    """The models' ops run on as many torch threads as the rest of the machine
+    leaves cores idle (`cores`, rounded), no fewer than `floor` and no more
+    than `ceiling`: checked before each module's forward and after each
+    parameter's gradient, on the thread running them (a cheap comparison; the
+    count changes only when the answer does). `step_took(seconds)` after each
+    step: following holds only while steps are long against the sampling."""
+
+    def __init__(self, models: list[torch.nn.Module], floor: int, ceiling: int, cores: IdleCores):
+        self.models, self.floor, self.ceiling, self.cores = models, floor, ceiling, cores
+        self._counts = threading.local()  # (each thread's torch thread count is its own)
+        self._hooks: list = []
+        self._follow(True)
+
+    @property
+    def following(self) -> bool:
+        return bool(self._hooks)
+
+    def step_took(self, seconds: float) -> None:
+        self._follow(seconds >= MIN_STEP_INTERVALS * self.cores.interval_s)
+
+    def _follow(self, on: bool) -> None:
+        if on == self.following:
             return
-        n = max(floor, min(ceiling, int(idle + 0.5)))
-        if n != getattr(counts, "n", None):
-            torch.set_num_threads(n)
-            counts.n = n
+        if not on:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            self._set(self.floor)  # (the calling thread: the one that runs the steps)
+            return
+        for model in self.models:
+            for module in model.modules():
+                self._hooks.append(module.register_forward_pre_hook(self._check))
+            for param in model.parameters():
+                if param.requires_grad:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._check))
 
-    for module in model.modules():
-        module.register_forward_pre_hook(follow)
-    for param in model.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(follow)
+    def _check(self, *_args) -> None:
+        idle = self.cores.idle
+        if idle is not None:
+            self._set(max(self.floor, min(self.ceiling, int(idle + 0.5))))
+
+    def _set(self, n: int) -> None:
+        if n != getattr(self._counts, "n", None):
+            torch.set_num_threads(n)
+            self._counts.n = n

@@ -481,12 +481,13 @@ class ModelWorker(Worker):
                 _shard(critic)
             self.critic = optimized(critic)
             trained.append(critic)
-        self._idle_cores = None
+        self._idle_cores, self._threads = None, None
         if config.max_threads > config.num_threads and self.device.type == "cpu":
             # More threads while the servers leave cores idle (they wait for a version part of each step).
             self._idle_cores = cpu_threads.IdleCores().start()
-            for model in trained:
-                cpu_threads.follow_idle_cores(model, config.num_threads, config.max_threads, self._idle_cores)
+            self._threads = cpu_threads.FollowIdleCores(
+                trained, config.num_threads, config.max_threads, self._idle_cores
+            )
         self.ref = None
         use_ref = ppo.kl_ctl > 0 or ppo.use_kl_loss
         if use_ref and self.lora and not config.ref_model_path:
@@ -749,6 +750,8 @@ class ModelWorker(Worker):
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
+        if self._threads is not None:
+            self._threads.step_took(stats["train_seconds"])
         stats["completion_tokens"] = float(self.step_batch.n_completion_tokens())
         # Answers cut by max_new_tokens (no EOS): most of them means the budget is too small.
         stats["length_cut_frac"] = float(self.step_batch.no_eos.float().mean()) if len(self.step_batch.no_eos) else 0.0

@@ -13,6 +13,7 @@ class _Idle:
     """What `IdleCores` would have measured (set by the test)."""
 
     idle: float | None = None
+    interval_s = 0.1
 
 
 def test_the_thread_count_follows_idle_cores_in_forward_and_backward():
@@ -20,7 +21,7 @@ def test_the_thread_count_follows_idle_cores_in_forward_and_backward():
     cores, before = _Idle(), torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        cpu_threads.follow_idle_cores(model, 1, 3, cores)
+        cpu_threads.FollowIdleCores([model], 1, 3, cores)
         model(torch.randn(2, 8))
         assert torch.get_num_threads() == 1  # nothing measured yet: as configured
         cores.idle = 1.7  # (rounded)
@@ -32,6 +33,26 @@ def test_the_thread_count_follows_idle_cores_in_forward_and_backward():
         cores.idle = 8.0  # no more than the ceiling
         model(torch.randn(2, 8))
         assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_short_steps_keep_the_floor_until_a_step_is_long_against_the_sampling():
+    model = torch.nn.Linear(8, 1)
+    cores, before = _Idle(), torch.get_num_threads()
+    cores.interval_s, cores.idle = 0.1, 2.0
+    try:
+        torch.set_num_threads(1)
+        threads = cpu_threads.FollowIdleCores([model], 1, 2, cores)
+        model(torch.randn(2, 8))
+        assert torch.get_num_threads() == 2
+        threads.step_took(0.3)  # three samples: the figure is stale within such a step
+        assert not threads.following and torch.get_num_threads() == 1
+        model(torch.randn(2, 8)).sum().backward()
+        assert torch.get_num_threads() == 1  # cores idle, but not followed
+        threads.step_took(cpu_threads.MIN_STEP_INTERVALS * 0.1)
+        model(torch.randn(2, 8))
+        assert threads.following and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
