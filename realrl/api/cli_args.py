@@ -322,7 +322,8 @@ class TorchServerConfig:
     """Up to this many torch threads while the rest of the machine leaves cores
     idle (the trainer waits for rollouts part of each step; at the first step, for
     the whole first batch), never fewer than num_threads: the count is checked
-    before each forward (realrl/base/cpu_threads.py). 0 = auto: in local mode on
+    before each forward that follows one of 0.1 s or more of thread time (a small
+    model's decode steps never are; realrl/base/cpu_threads.py). 0 = auto: in local mode on
     CPU an even share of the cores among the servers, elsewhere num_threads (fixed).
     Two servers whose counts differ at a moment may differ in a logprob's last bits."""
     length_before_eos: bool = False

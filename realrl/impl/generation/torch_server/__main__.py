@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import threading
+import time
 
 import torch
 import transformers
@@ -38,18 +39,28 @@ def follow_idle_cores(model: torch.nn.Module, floor: int, ceiling: int) -> None:
     count becomes as many cores as the rest of the machine left idle over the last 0.1 s
     (`IdleCores`), between `floor` and `ceiling`: a server generating while the trainer
     waits for its rollouts (the whole first batch, at the first step) uses the trainer's
-    cores too, and gives them back once the trainer runs again."""
+    cores too, and gives them back once the trainer runs again. Only while a forward takes
+    a sampling interval or more of thread time (seconds x threads): a shorter one (a small
+    model's decode step) would act on a figure older than itself, and a thread taken on a
+    stale figure spins beside the trainer once it runs again (docs/design.md §2)."""
     cores = IdleCores().start()
-    counts = threading.local()
+    state = threading.local()  # (the count, and the last forward's thread time, are the calling thread's)
 
-    def follow(*_args) -> None:
+    def before(*_args) -> None:
         idle = cores.idle
-        n = floor if idle is None else max(floor, min(ceiling, int(idle + 0.5)))
-        if n != getattr(counts, "n", None):
+        n = floor
+        if idle is not None and getattr(state, "work", 0.0) >= cores.interval_s:
+            n = max(floor, min(ceiling, int(idle + 0.5)))
+        if n != getattr(state, "n", None):
             torch.set_num_threads(n)
-            counts.n = n
+            state.n = n
+        state.t0 = time.perf_counter()
 
-    model.register_forward_pre_hook(follow)
+    def after(*_args) -> None:
+        state.work = (time.perf_counter() - state.t0) * state.n
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
 
 
 def main(argv: list[str] | None = None) -> None:
