@@ -427,8 +427,10 @@ class WeightsConfig:
     weights.auto_broadcast_mb, else disk (what measures faster on each side of that size:
     docs/benchmarks.md)."""
     auto_broadcast_mb: int = 256
-    """auto: broadcast from this many MiB of weights per version (the crossover measured on a 2-core CPU
-    machine; on another machine, measure it with benchmarks/vs_inprocess.py --transport disk,broadcast)."""
+    """auto: broadcast from this many MiB of weights per version (on a 2-core CPU machine, time to every
+    server ties at 135 MiB with 1-2 servers, disk wins with 4, and broadcast wins with 1, 2 and 4 at 270
+    MiB; docs/benchmarks.md). On another machine measure it: benchmarks/weight_publish.py --transport
+    disk,broadcast --servers 1,2,4 --models <N>mib, and benchmarks/vs_inprocess.py --transport disk,broadcast."""
     backend: str = "auto"
     """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
     bucket_mb: int = 64
