@@ -3,6 +3,7 @@
     python benchmarks/regress.py [--only NAME ...] [--repeat N] [--results DIR]
     python benchmarks/regress.py --from-json DIR            # compare results already written
     python benchmarks/regress.py --repeat 3 --record "why"  # measure and make these the baseline
+    python benchmarks/regress.py --against main --repeat 3  # against another commit, in the same sitting
 
 Runs each quick benchmark (`--only` picks some), reads the ratio its JSON
 reports (each compares realrl with a baseline measured in the same run, so
@@ -28,7 +29,16 @@ It is not a CI test: CI machines are shared, and timing there is noise. Run
 it on a quiet machine (nothing else running: the load average is printed
 and a warning given above the core count) before landing a change that
 touches a hot path, and again with `--record REASON` when a change moves a
-figure on purpose. The baseline lives in `benchmarks/baseline.json`, which
+figure on purpose.
+
+The ratios travel between machines of one kind, not between kinds: a faster
+core shortens a step's compute more than its fixed costs, so a baseline
+recorded on another machine can read "slower" for code that did not change.
+`--against REF` needs no stored figure: it checks REF (a commit, branch or
+tag) out in a temporary git worktree and runs its benchmarks alternated with
+this checkout's (REF first in odd runs, this first in even ones), each side
+importing its own code, and compares the two medians with the larger of the
+two sides' spreads (and `MIN_TOLERANCE`) as the tolerance. The baseline lives in `benchmarks/baseline.json`, which
 git tracks, not under `benchmarks/results/`, which it ignores: a recorded
 figure must travel with the code it was measured on, and every update is a
 commit that says why (the `reason` field, with the commit, date, machine and
@@ -42,6 +52,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,23 +130,80 @@ def read_figure(path: str, key: str) -> float:
         return float(json.load(f)[key])
 
 
-def run_benchmarks(names: list[str], repeat: int, results: str) -> dict[str, list[float]]:
-    """Runs each benchmark the metrics need `repeat` times; the figures per metric."""
+def run_benchmarks(
+    names: list[str], repeat: int, results: str, repos: dict[str, str] | None = None
+) -> dict[str, dict[str, list[float]]]:
+    """Runs each benchmark the metrics need `repeat` times in each of `repos`
+    ({side: repository root}; default this one), the sides alternated within
+    each run and their order reversed every other run; the figures per side
+    and metric. Each side imports its own code (PYTHONPATH, passed on to the
+    workers a benchmark starts)."""
+    repos = repos or {"this": _REPO}
     os.makedirs(results, exist_ok=True)
-    measured: dict[str, list[float]] = {name: [] for name in names}
+    measured = {side: {name: [] for name in names} for side in repos}
     scripts: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for name in names:
         script, args, _ = METRICS[name]
         scripts.setdefault((script, tuple(args)), []).append(name)
     for i in range(repeat):
+        order = list(repos) if i % 2 == 0 else list(reversed(repos))
         for (script, args), metrics in scripts.items():
-            out = os.path.join(results, f"regress_{script.removesuffix('.py')}_{i}.json")
-            cmd = [sys.executable, os.path.join(_REPO, "benchmarks", script), *args, "--json", out]
-            print(f"[regress] run {i + 1}/{repeat}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True, cwd=_REPO, stdout=subprocess.DEVNULL)
-            for name in metrics:
-                measured[name].append(read_figure(out, METRICS[name][2]))
+            for side in order:
+                repo = repos[side]
+                tag = "" if len(repos) == 1 else f"{side}_"
+                out = os.path.join(results, f"regress_{tag}{script.removesuffix('.py')}_{i}.json")
+                cmd = [sys.executable, os.path.join(repo, "benchmarks", script), *args, "--json", out]
+                print(f"[regress] run {i + 1}/{repeat} ({side}): {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+                subprocess.run(cmd, check=True, cwd=repo, env=env, stdout=subprocess.DEVNULL)
+                for name in metrics:
+                    measured[side][name].append(read_figure(out, METRICS[name][2]))
     return measured
+
+
+def checkout(ref: str, results: str) -> str:
+    """A temporary worktree of `ref` under `results` (its own kit caches copied
+    from this checkout's `runs/`, so that it builds none); removed by `remove`."""
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=_REPO, capture_output=True, text=True
+    )
+    if sha.returncode != 0:
+        raise SystemExit(f"--against: {ref!r} is not a commit here")
+    path = os.path.join(os.path.abspath(results), f"against-{sha.stdout.strip()[:12]}")
+    if os.path.exists(path):
+        remove(path)
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", path, sha.stdout.strip()], cwd=_REPO, check=True)
+    runs = os.path.join(_REPO, "runs")
+    for sub in os.listdir(runs) if os.path.isdir(runs) else []:
+        cache = os.path.join(runs, sub, "cache") if sub != "cache" else os.path.join(runs, "cache")
+        if os.path.isdir(cache):
+            shutil.copytree(cache, os.path.join(path, os.path.relpath(cache, _REPO)), dirs_exist_ok=True)
+    return path
+
+
+def remove(path: str) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", path], cwd=_REPO, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=_REPO, capture_output=True)
+
+
+def compare_sides(ref: str, measured: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """One row per metric: this checkout against `ref`, measured in one sitting."""
+    baseline = {
+        "metrics": {
+            name: {"median": statistics.median(runs), "runs": runs} for name, runs in measured["ref"].items() if runs
+        }
+    }
+    rows = compare(baseline, measured["this"])
+    for r in rows:  # the tolerance: the larger of the two sides' spreads
+        if "baseline" in r:
+            spread = max(r["runs"]) - min(r["runs"])
+            if spread > r["tolerance"]:
+                r["tolerance"] = spread
+                lo, hi = r["baseline"] - spread, r["baseline"] + spread
+                r["verdict"] = "slower" if r["now"] < lo else "faster" if r["now"] > hi else "held"
+        r["against"] = ref
+    return rows
 
 
 def from_json(names: list[str], results: str) -> dict[str, list[float]]:
@@ -173,14 +241,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", metavar="DIR", help="compare the results in DIR instead of running")
     parser.add_argument("--record", metavar="REASON", help="write the figures to the baseline, with this reason")
     parser.add_argument("--baseline", default=BASELINE)
+    parser.add_argument("--against", metavar="REF", help="compare with REF's code run in the same sitting")
     args = parser.parse_args(argv)
     names = args.only or list(METRICS)
+    if args.against and (args.record or args.from_json):
+        parser.error("--against compares two checkouts measured now: not with --record or --from-json")
 
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} on {os.cpu_count()} cores", file=sys.stderr)
     if load > (os.cpu_count() or 1):
         print("warning: the machine is busy; ratios measured now are noisy", file=sys.stderr)
-    measured = from_json(names, args.from_json) if args.from_json else run_benchmarks(names, args.repeat, args.results)
+    if args.against:
+        ref_repo = checkout(args.against, args.results)
+        try:
+            measured = run_benchmarks(names, args.repeat, args.results, {"ref": ref_repo, "this": _REPO})
+        finally:
+            remove(ref_repo)
+        rows = compare_sides(args.against, measured)
+        print(f"against {args.against} (its runs as the baseline column), measured alternated just now")
+        print(format_table(rows))
+        return 1 if any(r["verdict"] == "slower" for r in rows) else 0
+    measured = (
+        from_json(names, args.from_json) if args.from_json else run_benchmarks(names, args.repeat, args.results)["this"]
+    )
 
     baseline: dict = {}
     if os.path.exists(args.baseline):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 
@@ -43,3 +45,31 @@ def test_record_keeps_other_metrics_and_says_why(tmp_path):
     stream = out["metrics"]["stream"]
     assert stream["median"] == 0.91 and stream["runs"] == [0.9, 0.92, 0.91]
     assert stream["reason"] == "AckedPusher: a window of acknowledgements" and stream["commit"]
+
+
+def test_against_a_commit_the_wider_side_spread_is_the_tolerance():
+    measured = {
+        "ref": {"vs_inprocess": [1.00, 1.01, 1.02], "stream": [0.80, 0.80, 0.80]},
+        "this": {"vs_inprocess": [0.85, 0.95, 1.05], "stream": [0.70, 0.71, 0.72]},
+    }
+    rows = {r["metric"]: r for r in regress.compare_sides("main", measured)}
+    # this side's own spread (0.20) covers 0.95 against 1.01: not a move
+    assert rows["vs_inprocess"]["verdict"] == "held" and rows["vs_inprocess"]["tolerance"] == pytest.approx(0.20)
+    assert rows["stream"]["verdict"] == "slower" and rows["stream"]["against"] == "main"
+
+
+def test_against_checks_the_commit_out_apart_and_leaves_no_worktree(tmp_path):
+    path = regress.checkout("HEAD", str(tmp_path))
+    try:
+        assert os.path.isfile(os.path.join(path, "benchmarks", "regress.py"))
+        listed = subprocess.run(["git", "worktree", "list"], cwd=regress._REPO, capture_output=True, text=True).stdout
+        assert path in listed
+    finally:
+        regress.remove(path)
+    assert not os.path.exists(path)
+    assert (
+        path
+        not in subprocess.run(["git", "worktree", "list"], cwd=regress._REPO, capture_output=True, text=True).stdout
+    )
+    with pytest.raises(SystemExit, match="not a commit"):
+        regress.checkout("no-such-ref-anywhere", str(tmp_path))
