@@ -1,7 +1,7 @@
 """Weight publication: trainer step end -> every generation server serves the new version.
 
     python benchmarks/weight_publish.py [--quick] [--json PATH] [--servers N] [--repeats R]
-                                        [--dtype float32|bfloat16] [--inflight K] [--models tiny,100m]
+                                        [--dtype float32|bfloat16] [--inflight K] [--models tiny,100m,<N>mib]
                                         [--lora-rank R]
     python benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2,4 [--bucket-mb M] ...
 
@@ -124,6 +124,48 @@ def llama_100m(dtype: torch.dtype):
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def llama_of_mib(mib: int, dtype: torch.dtype):
+    """A random Llama shaped as `llama_100m` (12 layers, vocab 32000, untied head,
+    intermediate 2.7x hidden) but of the hidden size (a multiple of 64, heads of
+    64) whose weights come closest to `mib` MiB in `dtype`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    per_param = torch.finfo(dtype).bits // 8
+
+    def params(hidden: int) -> int:
+        inter = int(hidden * 2.7)
+        return 2 * 32000 * hidden + 12 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + hidden
+
+    want = mib * (1 << 20) / per_param
+    hidden = min(range(64, 8192 + 1, 64), key=lambda h: abs(params(h) - want))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.7),
+        num_hidden_layers=12,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def make_model(name: str, dtype: torch.dtype, fileroot: str, overrides: list[str]):
+    """`tiny`, `100m`, or `<N>mib` (`llama_of_mib`); None for another name."""
+    if name == "tiny":
+        return tiny_model(dtype, fileroot, overrides)
+    if name == "100m":
+        return llama_100m(dtype)
+    if name.endswith("mib") and name[:-3].isdigit() and int(name[:-3]) > 0:
+        return llama_of_mib(int(name[:-3]), dtype)
+    return None
 
 
 # ---- servers --------------------------------------------------------------------------------
@@ -535,7 +577,9 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                         n_before = len(load.pauses)
                         row = await transport_version(kind, client, members, model, weights_dir, version, sender)
                         if inflight:
-                            deadline = time.monotonic() + 60
+                            # An aborted request resumes within its pause; a server that resumes its requests
+                            # itself (the torch server re-prefills them under the new weights) aborts none.
+                            deadline = time.monotonic() + 3
                             while len(load.pauses) == n_before and time.monotonic() < deadline:
                                 await asyncio.sleep(0.01)
                             await asyncio.sleep(0.5)  # the other aborted requests resume
@@ -797,7 +841,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 repeats (< 2 minutes on 2 cores)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--models", default="tiny,100m", help="comma-separated: tiny, 100m")
+    parser.add_argument(
+        "--models",
+        default="tiny,100m",
+        help="comma-separated: tiny, 100m, <N>mib (a random Llama of about N MiB of weights in --dtype, "
+        "e.g. 200mib,800mib: the 100m model's shape at another width)",
+    )
     parser.add_argument("--servers", default="1", help="servers; with --transport a list (e.g. 1,2,4)")
     parser.add_argument(
         "--transport", default="", help="disk,broadcast: compare the transports (docs/design.md §8) instead"
@@ -822,7 +871,9 @@ def main() -> None:
         kinds = [k.strip() for k in args.transport.split(",") if k.strip()]
         counts = [int(n) for n in args.servers.split(",")]
         for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-            model = tiny_model(dtype, args.fileroot, overrides) if name == "tiny" else llama_100m(dtype)
+            model = make_model(name, dtype, args.fileroot, overrides)
+            if model is None:
+                parser.error(f"unknown model {name!r} (tiny, 100m, <N>mib)")
             max_new = 200 if name == "tiny" else 1024
             results[name] = run_transports(
                 name, model, args.dtype, counts, kinds, repeats, args.inflight, max_new, args.bucket_mb
@@ -836,14 +887,10 @@ def main() -> None:
         return
     args.servers = int(args.servers)
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if name == "tiny":
-            model = tiny_model(dtype, args.fileroot, overrides)
-            max_new = 200  # the tiny model has 256 positions
-        elif name == "100m":
-            model = llama_100m(dtype)
-            max_new = 1024
-        else:
-            parser.error(f"unknown model {name!r} (tiny, 100m)")
+        model = make_model(name, dtype, args.fileroot, overrides)
+        if model is None:
+            parser.error(f"unknown model {name!r} (tiny, 100m, <N>mib)")
+        max_new = 200 if name == "tiny" else 1024  # (the tiny model has 256 positions)
         results[name] = run_model(
             name, model, args.dtype, args.servers, repeats, args.inflight, max_new, args.lora_rank
         )

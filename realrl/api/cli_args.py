@@ -318,6 +318,14 @@ class TorchServerConfig:
     """Requests decoded together; more wait in the server's queue."""
     num_threads: int = 1
     """torch CPU threads of the server process."""
+    max_threads: int = 0
+    """Up to this many torch threads while the rest of the machine leaves cores
+    idle (the trainer waits for rollouts part of each step; at the first step, for
+    the whole first batch), never fewer than num_threads: the count is checked
+    before each forward that follows one of 0.1 s or more of thread time (a small
+    model's decode steps never are; realrl/base/cpu_threads.py). 0 = auto: in local mode on
+    CPU an even share of the cores among the servers, elsewhere num_threads (fixed).
+    Two servers whose counts differ at a moment may differ in a logprob's last bits."""
     length_before_eos: bool = False
     """Check the length limit before EOS / stop tokens, as SGLang does (a request
     whose last allowed token is EOS reports `length`): tests the runtime against it."""
@@ -419,8 +427,10 @@ class WeightsConfig:
     weights.auto_broadcast_mb, else disk (what measures faster on each side of that size:
     docs/benchmarks.md)."""
     auto_broadcast_mb: int = 256
-    """auto: broadcast from this many MiB of weights per version (the crossover measured on a 2-core CPU
-    machine; on another machine, measure it with benchmarks/vs_inprocess.py --transport disk,broadcast)."""
+    """auto: broadcast from this many MiB of weights per version (on a 2-core CPU machine, time to every
+    server ties at 135 MiB with 1-2 servers, disk wins with 4, and broadcast wins with 1, 2 and 4 at 270
+    MiB; docs/benchmarks.md). On another machine measure it: benchmarks/weight_publish.py --transport
+    disk,broadcast --servers 1,2,4 --models <N>mib, and benchmarks/vs_inprocess.py --transport disk,broadcast."""
     backend: str = "auto"
     """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
     bucket_mb: int = 64
@@ -940,6 +950,7 @@ def validate(cfg: AsyncPPOConfig) -> AllocationMode:
         f"must be >= 1, got {ts.max_running_requests}",
     )
     _check(ts.num_threads >= 1, "server.torch.num_threads", "must be >= 1")
+    _check(ts.max_threads >= 0, "server.torch.max_threads", f"must be >= 0 (0 = auto), got {ts.max_threads}")
     if ts.emulate_sglang:
         try:
             emulated_release(ts.emulate_sglang)

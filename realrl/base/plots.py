@@ -319,6 +319,12 @@ def serve(stdin=None, stdout=None) -> int:
         os.nice(PLOTTER_NICE)
     except OSError:  # not permitted here: draw at the same priority rather than not at all
         pass
+    if os.getsid(0) == os.getpid():  # its own session (LivePlots starts it so): its autogroup's too
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(PLOTTER_NICE))
+        except OSError:  # no autogroups (not Linux, or a kernel without them): the niceness is all
+            pass
     for line in stdin:
         try:
             request = json.loads(line)
@@ -335,7 +341,8 @@ class _DrawingFailed(Exception):
 
 
 class LivePlots:
-    """The master's plots of a running trial, drawn in a child process at nice +10.
+    """The master's plots of a running trial, drawn in a child process at nice +10 (in a session,
+    so an autogroup, of its own at nice +10 too).
 
     An evaluation asks for them and goes on: the trainers do not wait while matplotlib draws (~0.7 s
     of CPU for a 200-step run, growing with the run), and the drawing takes the CPU the model
@@ -398,6 +405,11 @@ class LivePlots:
                 "--serve",
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,  # (its stderr is the master's: a traceback lands in its log)
+                # With autogroups (Linux's sched_autogroup, on in many distributions) the kernel
+                # shares the CPU between sessions first and a niceness only ranks a process inside
+                # its own: in the master's session the child would take the master's share from the
+                # trainers. In a session of its own it sets that session's niceness (`serve`).
+                start_new_session=True,
             )
         self._proc.stdin.write((json.dumps({"stats": self.stats_path, "out": self.out_dir}) + "\n").encode())
         await self._proc.stdin.drain()

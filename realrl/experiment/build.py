@@ -212,7 +212,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         seed=cfg.seed,
         tp_size=alloc.gen.tp,
         startup_timeout=cfg.server.startup_timeout,
-        torch=cfg.server.torch,
+        torch=dataclasses.replace(cfg.server.torch, max_threads=server_max_threads(cfg, alloc)),
         sglang=cfg.server.sglang,
         vllm=cfg.server.vllm,
         weights_dir=paths.weights_dir,
@@ -354,6 +354,20 @@ def trainer_max_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:
         return floor
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(floor, cores // alloc.train.dp)
+
+
+def server_max_threads(cfg: AsyncPPOConfig, alloc: AllocationMode) -> int:
+    """The most torch threads a CPU generation server runs while the rest of the
+    machine leaves cores idle (`server.torch.max_threads`; 0 = auto: in local mode
+    an even share of this process's cores among the servers, elsewhere the fixed
+    `server.torch.num_threads`)."""
+    ts = cfg.server.torch
+    if ts.max_threads:
+        return max(ts.max_threads, ts.num_threads)
+    if cfg.mode != "local" or alloc.gen_backend != "torch" or ts.device != "cpu":
+        return ts.num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(ts.num_threads, cores // alloc.gen.dp)
 
 
 def place_gpus(cfg: AsyncPPOConfig, alloc: AllocationMode) -> tuple[list[dict], list[dict]]:

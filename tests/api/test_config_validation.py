@@ -446,6 +446,30 @@ def test_trainer_threads_auto_takes_the_cores_generation_leaves(tmp_path):
     assert dp2 == (max(1, (cores - 1) // 2), max(1, (cores - 1) // 2, cores // 2))
 
 
+def test_server_threads_auto_follow_up_to_an_even_share_of_the_cores(tmp_path):
+    from realrl.impl.generation.backends import TorchBackend
+
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}"]
+    cores = len(os.sched_getaffinity(0))
+
+    def server(*overrides):
+        groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, *overrides)).groups}
+        torch_cfg = groups["generation_server"].config.torch
+        cmd = TorchBackend().command(groups["generation_server"].config, "127.0.0.1", 1)
+        following = cmd[cmd.index("--max-threads") + 1] if "--max-threads" in cmd else None
+        return torch_cfg.max_threads, following
+
+    # One server: up to every core while the rest of the machine leaves them idle.
+    assert server() == (cores, str(cores) if cores > 1 else None)
+    dp2 = server("allocation_mode=torch.d2p1m1+d1p1m1", "ppo.train_batch_size=2")
+    assert dp2[0] == max(1, cores // 2)
+    assert server("server.torch.max_threads=1") == (1, None)  # a fixed count: nothing follows
+    assert server("server.torch.num_threads=3", "server.torch.max_threads=2") == (3, None)  # never below num_threads
+    with pytest.raises(ConfigError, match="^server.torch.max_threads: "):
+        validate(config(tmp_path, *base, "server.torch.max_threads=-1"))
+
+
 def test_dataset_files_rows_and_attention_are_checked_before_start(tmp_path):
     """A dataset the workers could not read, a row without the configured key,
     and attention the torch server cannot serve: one line naming the key."""

@@ -120,6 +120,10 @@ def test_a_live_run_s_plots_are_drawn_by_a_niced_child_and_asks_fold(tmp_path, c
         child = plots._proc
         assert child.pid != os.getpid() and child.returncode is None  # drawn in a child, kept for the next ask
         assert os.getpriority(os.PRIO_PROCESS, child.pid) >= os.getpriority(os.PRIO_PROCESS, 0) + PLOTTER_NICE
+        assert os.getsid(child.pid) == child.pid  # a session of its own: the niceness weighs against the trainers
+        if os.path.exists(f"/proc/{child.pid}/autogroup"):  # (and so does its autogroup's, where there are any)
+            with open(f"/proc/{child.pid}/autogroup") as f:
+                assert f.read().split()[-1] == str(PLOTTER_NICE)
 
         plots.stats_path = str(tmp_path / "missing.jsonl")  # a drawing that fails: a warning, the child stays
         plots.request()

@@ -211,6 +211,8 @@ class TorchBackend(GenerationBackend):
             "--engine",
             torch_cfg.engine,
         ]
+        if torch_cfg.max_threads > torch_cfg.num_threads and device == "cpu":
+            cmd += ["--max-threads", str(torch_cfg.max_threads)]
         if torch_cfg.kv_cache_tokens is not None:
             cmd += ["--kv-cache-tokens", str(torch_cfg.kv_cache_tokens)]
         if torch_cfg.length_before_eos:
