@@ -428,8 +428,8 @@ class WeightsConfig:
     docs/benchmarks.md)."""
     auto_broadcast_mb: int = 256
     """auto: broadcast from this many MiB of weights per version (on a 2-core CPU machine, time to every
-    server ties at 135 MiB with 1-2 servers, disk wins with 4, and broadcast wins with 1, 2 and 4 at 270
-    MiB; docs/benchmarks.md). On another machine measure it: benchmarks/weight_publish.py --transport
+    server ties at 135 and 175 MiB with 1-2 servers, and broadcast wins with 1, 2 and 4 servers at 270
+    and 514 MiB; docs/benchmarks.md). On another machine measure it: benchmarks/weight_publish.py --transport
     disk,broadcast --servers 1,2,4 --models <N>mib, and benchmarks/vs_inprocess.py --transport disk,broadcast."""
     backend: str = "auto"
     """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
