@@ -1,9 +1,9 @@
-"""The engine thread's answers into the HTTP server's event loop (`http.Answers`)."""
+"""The engine thread's answers into the HTTP server's event loop (`answers.Answers`)."""
 
 import asyncio
 import threading
 
-from realrl.impl.generation.torch_server.http import Answers
+from realrl.impl.generation.torch_server.answers import Answers
 
 
 def test_answers_of_a_body_arrive_together_in_order_once_each():
