@@ -107,39 +107,15 @@ def tiny_model(dtype: torch.dtype, fileroot: str, overrides: list[str]):
 
 
 def llama_100m(dtype: torch.dtype):
+    """A random ~100M Llama: 12 layers of hidden 640, vocab 32000, untied head."""
+    return llama_of_hidden(640, dtype)
+
+
+def llama_of_hidden(hidden: int, dtype: torch.dtype):
+    """A random Llama of `llama_100m`'s shape (12 layers, vocab 32000, untied head,
+    intermediate 2.7x hidden, heads of 64) at hidden size `hidden`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=640,
-        intermediate_size=1728,
-        num_hidden_layers=12,
-        num_attention_heads=10,
-        num_key_value_heads=10,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).to(dtype).eval()
-
-
-def llama_of_mib(mib: int, dtype: torch.dtype):
-    """A random Llama shaped as `llama_100m` (12 layers, vocab 32000, untied head,
-    intermediate 2.7x hidden) but of the hidden size (a multiple of 64, heads of
-    64) whose weights come closest to `mib` MiB in `dtype`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    per_param = torch.finfo(dtype).bits // 8
-
-    def params(hidden: int) -> int:
-        inter = int(hidden * 2.7)
-        return 2 * 32000 * hidden + 12 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + hidden
-
-    want = mib * (1 << 20) / per_param
-    hidden = min(range(64, 8192 + 1, 64), key=lambda h: abs(params(h) - want))
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=32000,
@@ -155,6 +131,22 @@ def llama_of_mib(mib: int, dtype: torch.dtype):
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def llama_of_mib(mib: int, dtype: torch.dtype):
+    """A random Llama shaped as `llama_100m` (12 layers, vocab 32000, untied head,
+    intermediate 2.7x hidden) but of the hidden size (a multiple of 64, heads of
+    64) whose weights come closest to `mib` MiB in `dtype`."""
+
+    per_param = torch.finfo(dtype).bits // 8
+
+    def params(hidden: int) -> int:
+        inter = int(hidden * 2.7)
+        return 2 * 32000 * hidden + 12 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + hidden
+
+    want = mib * (1 << 20) / per_param
+    hidden = min(range(64, 8192 + 1, 64), key=lambda h: abs(params(h) - want))
+    return llama_of_hidden(hidden, dtype)
 
 
 def make_model(name: str, dtype: torch.dtype, fileroot: str, overrides: list[str]):
