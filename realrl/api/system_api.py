@@ -182,6 +182,8 @@ class RolloutWorkerConfig:
     )  # experiment/config.py: agent_settings
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     max_concurrent_rollouts: int = 64  # episodes in flight in this worker
+    # Episodes per admission priority, in start order (one trainer batch's share; rollout_worker.py)
+    episodes_per_priority: int = 1
     new_tokens_per_chunk: int = 1 << 30
     n_pullers: int = 1  # trainer data-parallel size (pushers are grouped onto pullers)
     request_timeout: float = 600.0

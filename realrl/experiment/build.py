@@ -259,6 +259,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         agent_settings=agent_settings(cfg, model_path),
         env=rollout.env,
         max_concurrent_rollouts=per_worker_concurrency,
+        episodes_per_priority=-(-cfg.ppo.train_batch_size // rollout.n_workers),
         new_tokens_per_chunk=rollout.new_tokens_per_chunk,
         n_pullers=n_train,
         request_timeout=rollout.request_timeout,
