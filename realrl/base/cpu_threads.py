@@ -23,7 +23,9 @@ model's ~0.1 s) the servers turn from waiting to generating faster than the
 figure moves, and a thread taken on a stale figure spins beside a busy core.
 `FollowIdleCores.step_took` turns following off after a step shorter than
 `MIN_STEP_INTERVALS` intervals (the count stays at the floor) and on again
-after a longer one.
+after a longer one. A CPU generation server follows the same way with each
+whole forward as its step (`FollowIdleCores.per_forward`): only while a
+forward takes a sampling interval or more of thread time.
 """
 
 from __future__ import annotations
@@ -106,22 +108,57 @@ class FollowIdleCores:
     """The models' ops run on as many torch threads as the rest of the machine
     leaves cores idle (`cores`, rounded), no fewer than `floor` and no more
     than `ceiling`: checked before each module's forward and after each
-    parameter's gradient, on the thread running them (a cheap comparison; the
-    count changes only when the answer does). `step_took(seconds)` after each
-    step: following holds only while steps are long against the sampling."""
+    parameter's gradient (`every_module`; else before each whole forward), on
+    the thread running them (a cheap comparison; the count changes only when
+    the answer does). `step_took(seconds)` after each step: following holds
+    only while steps take `min_step_s` or more (default `MIN_STEP_INTERVALS`
+    samples), long against the sampling."""
 
-    def __init__(self, models: list[torch.nn.Module], floor: int, ceiling: int, cores: IdleCores):
+    def __init__(
+        self,
+        models: list[torch.nn.Module],
+        floor: int,
+        ceiling: int,
+        cores: IdleCores,
+        *,
+        min_step_s: float | None = None,
+        every_module: bool = True,
+        following: bool = True,
+    ):
         self.models, self.floor, self.ceiling, self.cores = models, floor, ceiling, cores
+        self.min_step_s = MIN_STEP_INTERVALS * cores.interval_s if min_step_s is None else min_step_s
+        self.every_module = every_module
         self._counts = threading.local()  # (each thread's torch thread count is its own)
         self._hooks: list = []
-        self._follow(True)
+        self._follow(following)
+
+    @classmethod
+    def per_forward(cls, model: torch.nn.Module, floor: int, ceiling: int, cores: IdleCores) -> FollowIdleCores:
+        """A generation server's engine: the count is chosen before each forward of `model`, and
+        followed only after a forward of a sampling interval or more of thread time (seconds x
+        threads). A shorter one (a small model's decode step) would act on a figure older than
+        itself, and a thread taken on a stale figure spins beside the trainer once it runs again;
+        a long one (a larger model's prefill, or the first batch while the trainer waits for it)
+        takes the trainer's idle cores and gives them back when it runs again."""
+        threads = cls([model], floor, ceiling, cores, min_step_s=cores.interval_s, every_module=False, following=False)
+        started = threading.local()
+
+        def before(*_args) -> None:
+            started.t = time.perf_counter()
+
+        def after(*_args) -> None:
+            threads.step_took((time.perf_counter() - started.t) * torch.get_num_threads())
+
+        model.register_forward_pre_hook(before)
+        model.register_forward_hook(after)
+        return threads
 
     @property
     def following(self) -> bool:
         return bool(self._hooks)
 
     def step_took(self, seconds: float) -> None:
-        self._follow(seconds >= MIN_STEP_INTERVALS * self.cores.interval_s)
+        self._follow(seconds >= self.min_step_s)
 
     def _follow(self, on: bool) -> None:
         if on == self.following:
@@ -133,6 +170,9 @@ class FollowIdleCores:
             self._set(self.floor)  # (the calling thread: the one that runs the steps)
             return
         for model in self.models:
+            if not self.every_module:
+                self._hooks.append(model.register_forward_pre_hook(self._check))
+                continue
             for module in model.modules():
                 self._hooks.append(module.register_forward_pre_hook(self._check))
             for param in model.parameters():

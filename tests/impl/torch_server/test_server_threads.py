@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from realrl.impl.generation.torch_server.__main__ import follow_idle_cores
+from realrl.base.cpu_threads import FollowIdleCores, IdleCores
 
 
 class _Timed(torch.nn.Module):
@@ -37,11 +37,29 @@ def _forwards(model: _Timed, n: int) -> list[int]:
     return model.counts
 
 
+class _Idle:
+    """What `IdleCores` would have measured: three cores idle."""
+
+    idle, interval_s = 3.0, 0.1
+
+
 def test_short_forwards_stay_at_the_floor_long_ones_follow_within_the_bounds():
     short = _Timed(0.001)  # (a small model's decode step: shorter than one 0.1 s sample)
-    follow_idle_cores(short, 1, 4)
+    FollowIdleCores.per_forward(short, 1, 4, _Idle())
     assert set(_forwards(short, 40)) == {1}
-    long = _Timed(0.12)
-    follow_idle_cores(long, 1, 4)
-    counts = _forwards(long, 6)
-    assert counts[0] == 1 and all(1 <= n <= 4 for n in counts)
+    long = _Timed(0.12)  # (a forward of more than one sample's thread time)
+    FollowIdleCores.per_forward(long, 1, 2, _Idle())
+    assert _forwards(long, 4) == [1, 2, 2, 2]  # the first runs as configured; then within the ceiling
+    long.seconds = 0.001  # short again: back to the floor after the first short one
+    assert _forwards(long, 3)[4:] == [2, 1, 1]
+
+
+def test_a_server_follows_the_cores_measured_beside_it():
+    cores = IdleCores().start()
+    try:
+        long = _Timed(0.12)
+        FollowIdleCores.per_forward(long, 1, 4, cores)
+        counts = _forwards(long, 6)
+        assert counts[0] == 1 and all(1 <= n <= 4 for n in counts)
+    finally:
+        cores.stop()

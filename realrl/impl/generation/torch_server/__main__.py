@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import threading
-import time
 
 import torch
 import transformers
 
 from realrl.base import trial_secret
-from realrl.base.cpu_threads import IdleCores
+from realrl.base.cpu_threads import FollowIdleCores, IdleCores
 from realrl.base.logging import configure, getLogger
 from realrl.base.process import exit_process
 from realrl.impl.generation.eos import eos_token_ids_in_dir
@@ -32,35 +30,6 @@ from realrl.impl.generation.torch_server.vllm_compat import VLLMCompat
 from realrl.impl.generation.torch_server.weights_group import GroupMembership
 
 logger = getLogger("realrl.impl.generation.torch_server")
-
-
-def follow_idle_cores(model: torch.nn.Module, floor: int, ceiling: int) -> None:
-    """Before each forward (on the engine's thread, whose torch thread count is its own) the
-    count becomes as many cores as the rest of the machine left idle over the last 0.1 s
-    (`IdleCores`), between `floor` and `ceiling`: a server generating while the trainer
-    waits for its rollouts (the whole first batch, at the first step) uses the trainer's
-    cores too, and gives them back once the trainer runs again. Only while a forward takes
-    a sampling interval or more of thread time (seconds x threads): a shorter one (a small
-    model's decode step) would act on a figure older than itself, and a thread taken on a
-    stale figure spins beside the trainer once it runs again (docs/design.md §2)."""
-    cores = IdleCores().start()
-    state = threading.local()  # (the count, and the last forward's thread time, are the calling thread's)
-
-    def before(*_args) -> None:
-        idle = cores.idle
-        n = floor
-        if idle is not None and getattr(state, "work", 0.0) >= cores.interval_s:
-            n = max(floor, min(ceiling, int(idle + 0.5)))
-        if n != getattr(state, "n", None):
-            torch.set_num_threads(n)
-            state.n = n
-        state.t0 = time.perf_counter()
-
-    def after(*_args) -> None:
-        state.work = (time.perf_counter() - state.t0) * state.n
-
-    model.register_forward_pre_hook(before)
-    model.register_forward_hook(after)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         compat=compat,
     )
     if args.device == "cpu" and args.max_threads > (args.num_threads or 1):
-        follow_idle_cores(model, args.num_threads or 1, args.max_threads)
+        # A server generating while the trainer waits for its rollouts uses the trainer's cores too.
+        FollowIdleCores.per_forward(model, args.num_threads or 1, args.max_threads, IdleCores().start())
         logger.info("torch threads: %d, up to %d while cores are idle", args.num_threads or 1, args.max_threads)
     engine.start()
     logger.info(
