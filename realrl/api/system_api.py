@@ -151,6 +151,7 @@ class GserverManagerConfig:
     train_batch_size: int = 16  # trajectories per train step (the staleness unit)
     max_head_offpolicyness: int = 4
     max_concurrent_rollouts: int = 64
+    total_train_steps: int = 0  # the trial's steps: no rollout past their batches is admitted (0: no end)
     # Weight version v of the actor lives in <weights_dir>/<v>/ (docs/design.md §8).
     weights_dir: str = ""
     weight_update_timeout: float = 120.0

@@ -225,6 +225,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
         train_batch_size=ppo.train_batch_size,
         max_head_offpolicyness=rollout.max_head_offpolicyness,
         max_concurrent_rollouts=rollout.max_concurrent_rollouts,
+        total_train_steps=cfg.total_train_steps,
         weights_dir=paths.weights_dir,
         weight_update_timeout=cfg.server.weight_update_timeout,
         weight_update_retries=cfg.server.weight_update_retries,
