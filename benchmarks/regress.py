@@ -34,6 +34,9 @@ figure on purpose.
 The ratios travel between machines of one kind, not between kinds: a faster
 core shortens a step's compute more than its fixed costs, so a baseline
 recorded on another machine can read "slower" for code that did not change.
+Each baseline entry names the machine it was recorded on (CPU model and core
+count); against an entry from another machine the table says so, a warning
+names both, and a "slower" there does not fail the exit status.
 `--against REF` needs no stored figure: it checks REF (a commit, branch or
 tag) out in a temporary git worktree and runs its benchmarks alternated with
 this checkout's (REF first in odd runs, this first in even ones), each side
@@ -71,6 +74,17 @@ METRICS: dict[str, tuple[str, list[str], str]] = {
 }
 
 
+def this_machine() -> str:
+    """The CPU model and the core count: what a ratio's baseline must share to be compared."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
 def verdict(baseline: dict, value: float) -> tuple[str, float]:
     """('slower' | 'faster' | 'held', tolerance) of `value` against one metric's
     baseline entry {"median", "runs"}. Every ratio is higher-is-better."""
@@ -104,6 +118,7 @@ def compare(baseline: dict, measured: dict[str, list[float]]) -> list[dict]:
                 "runs": runs,
                 "change": now / entry["median"] - 1 if entry["median"] else float("nan"),
                 "verdict": word,
+                "machine": entry.get("machine", ""),
             }
         )
     return rows
@@ -121,6 +136,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['metric']:<14}{r['baseline']:>9.2f}{spread:>16}{r['now']:>8.2f}{runs:>20}"
             f"{r['change'] * 100:>+7.1f}%  {r['verdict']}"
+            + (f" (recorded on {r['machine']})" if r.get("machine") and r["machine"] != this_machine() else "")
         )
     return "\n".join(lines)
 
@@ -225,7 +241,7 @@ def record(baseline: dict, measured: dict[str, list[float]], reason: str) -> dic
         "reason": reason,
         "commit": commit.stdout.strip(),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": this_machine(),
     }
     metrics = dict(baseline.get("metrics", {}))
     for name, runs in measured.items():
@@ -271,12 +287,20 @@ def main(argv: list[str] | None = None) -> int:
             baseline = json.load(f)
     rows = compare(baseline, measured)
     print(format_table(rows))
+    here = this_machine()
+    elsewhere = sorted({r["machine"] for r in rows if r.get("machine") and r["machine"] != here})
+    if elsewhere:
+        print(
+            f"warning: baseline figures recorded on {'; '.join(elsewhere)}, this is {here}: those verdicts are "
+            "indicative only (record a baseline here, or compare with --against REF)",
+            file=sys.stderr,
+        )
     if args.record:
         with open(args.baseline, "w") as f:
             json.dump(record(baseline, measured, args.record), f, indent=1)
             f.write("\n")
         print(f"recorded {', '.join(measured)} in {args.baseline}")
-    return 1 if any(r["verdict"] == "slower" for r in rows) else 0
+    return 1 if any(r["verdict"] == "slower" and (r.get("machine") or here) == here for r in rows) else 0
 
 
 if __name__ == "__main__":

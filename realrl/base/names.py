@@ -160,11 +160,6 @@ def weights_sent(experiment_name: str, trial_name: str, role: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/weights_sent/{role}"
 
 
-def training_samples(experiment_name: str, trial_name: str) -> str:
-    """Value: trajectories the trainer has consumed so far."""
-    return f"{trial_root(experiment_name, trial_name)}/training_samples"
-
-
 def dropped_samples(experiment_name: str, trial_name: str) -> str:
     """Value: trajectories the trainer dropped (stale/invalid); their rollout budget is given back."""
     return f"{trial_root(experiment_name, trial_name)}/dropped_samples"

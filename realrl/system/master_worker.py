@@ -174,7 +174,7 @@ class MasterWorker(AsyncWorker):
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
         self.plots = LivePlots(self.stats_logger.path, self.plots_dir, self.logger)
-        self._publish_counters()
+        self._publish_dropped()  # (a resumed trial's count)
         # The baseline of the first step's generation figures, read before admission opens: the
         # rollouts that run during the first evaluation count in the first step's figures.
         self._rollout_stats = await self._read_rollout_stats()
@@ -247,7 +247,7 @@ class MasterWorker(AsyncWorker):
             self._count_invalid(sum(r["invalid"] for r in replies))
             if dropped_stale:
                 self.dropped_stale += dropped_stale
-                self._publish_counters()  # give the dropped rollouts' budget back now
+                self._publish_dropped()  # give the dropped rollouts' budget back now
             chosen = choose_batch([r["items"] for r in replies], B)
             if chosen is not None:
                 self._wait_data_s = time.monotonic() - started
@@ -340,7 +340,6 @@ class MasterWorker(AsyncWorker):
         self.step += 1
         self.consumed += len(batch["staleness"])
         self.max_staleness_trained = max([self.max_staleness_trained] + batch["staleness"])
-        self._publish_counters()
 
         n_tokens = sum(batch["seq_lens"])
         stats: dict = {
@@ -482,13 +481,8 @@ class MasterWorker(AsyncWorker):
         """Accepted trajectories the trainers dropped (stale): their budget goes back (§7)."""
         return self.dropped_stale
 
-    def _publish_counters(self) -> None:
-        name_resolve.add(
-            names.training_samples(self.experiment_name, self.trial_name),
-            str(self.consumed),
-            replace=True,
-            delete_on_exit=False,
-        )
+    def _publish_dropped(self) -> None:
+        """`dropped_samples`, written when it changes (the manager reads it every poll), not every step."""
         name_resolve.add(
             names.dropped_samples(self.experiment_name, self.trial_name),
             str(self.dropped),

@@ -38,6 +38,25 @@ def test_compare_marks_new_metrics_and_main_exits_1_on_a_slower_one(tmp_path, ca
     assert "slower" in capsys.readouterr().out
 
 
+def test_a_baseline_from_another_machine_warns_and_does_not_fail(tmp_path, capsys):
+    here = regress.this_machine()
+    assert here.endswith(f", {os.cpu_count()} cores") and len(here) > len(f", {os.cpu_count()} cores")
+    slower = {"median": 0.9, "runs": [0.88, 0.9, 0.92]}
+    baseline = tmp_path / "baseline.json"
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "regress_stream_throughput_0.json").write_text(json.dumps({"ratio": 0.5, "acked_ratio": 0.5}))
+    args = ["--from-json", str(results), "--baseline", str(baseline), "--only", "stream"]
+    baseline.write_text(json.dumps({"metrics": {"stream": {**slower, "machine": "another CPU, 64 cores"}}}))
+    assert regress.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "slower (recorded on another CPU, 64 cores)" in out and "indicative only" in err
+    baseline.write_text(json.dumps({"metrics": {"stream": {**slower, "machine": here}}}))
+    assert regress.main(args) == 1  # the same machine: a slower figure fails
+    out, err = capsys.readouterr()
+    assert "recorded on" not in out and "indicative" not in err
+
+
 def test_record_keeps_other_metrics_and_says_why(tmp_path):
     baseline = {"metrics": {"generation": {"median": 2.3, "runs": [2.3]}}}
     out = regress.record(baseline, {"stream": [0.9, 0.92, 0.91]}, "AckedPusher: a window of acknowledgements")
@@ -45,6 +64,7 @@ def test_record_keeps_other_metrics_and_says_why(tmp_path):
     stream = out["metrics"]["stream"]
     assert stream["median"] == 0.91 and stream["runs"] == [0.9, 0.92, 0.91]
     assert stream["reason"] == "AckedPusher: a window of acknowledgements" and stream["commit"]
+    assert stream["machine"] == regress.this_machine()
 
 
 def test_against_a_commit_the_wider_side_spread_is_the_tolerance():
