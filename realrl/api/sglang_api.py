@@ -135,6 +135,11 @@ class GenerateRequest:
     # The LoRA adapter to generate with, by the name it was loaded under (null: the base model); one for
     # every prompt or one per prompt. The torch server serves one adapter at a time (docs/design.md §8).
     lora_path: str | list[str | None] | None = None
+    # Admission order (SGLang's `priority`, one integer for the whole body): lower values are admitted
+    # first, as SGLang does with `--enable-priority-scheduling --schedule-low-priority-values-first`
+    # (how realrl launches it); a body without one comes after every body with one; equal values in
+    # arrival order (docs/design.md §6).
+    priority: int | None = None
     text: str | list[str] | None = None  # SGLang's text prompts: the torch server has no tokenizer
     # SGLang options the torch server takes only switched off: `stream` falsy,
     # `top_logprobs_num` 0; the last two have no effect.

@@ -151,6 +151,7 @@ class GserverManagerConfig:
     train_batch_size: int = 16  # trajectories per train step (the staleness unit)
     max_head_offpolicyness: int = 4
     max_concurrent_rollouts: int = 64
+    total_train_steps: int = 0  # the trial's steps: no rollout past their batches is admitted (0: no end)
     # Weight version v of the actor lives in <weights_dir>/<v>/ (docs/design.md §8).
     weights_dir: str = ""
     weight_update_timeout: float = 120.0
@@ -182,6 +183,8 @@ class RolloutWorkerConfig:
     )  # experiment/config.py: agent_settings
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     max_concurrent_rollouts: int = 64  # episodes in flight in this worker
+    # Episodes per admission priority, in start order (one trainer batch's share; rollout_worker.py)
+    episodes_per_priority: int = 1
     new_tokens_per_chunk: int = 1 << 30
     n_pullers: int = 1  # trainer data-parallel size (pushers are grouped onto pullers)
     request_timeout: float = 600.0

@@ -155,7 +155,10 @@ class GserverManager(AsyncWorker):
     def _configure(self, config: GserverManagerConfig) -> None:
         self.cfg = config
         self.controller = StalenessController(
-            config.train_batch_size, config.max_head_offpolicyness, config.max_concurrent_rollouts
+            config.train_batch_size,
+            config.max_head_offpolicyness,
+            config.max_concurrent_rollouts,
+            config.total_train_steps * config.train_batch_size or None,
         )
         self.router: RequestRouter | None = None
         self.reservations = Reservations()  # who holds which scheduled requests

@@ -8,10 +8,11 @@ prompt per unfinished answer) on one server, scheduled and released through the 
 group costs one request per round instead of one per answer, and the server prefills the shared prompt once. Rounds
 of several groups that are ready in the same few event-loop iterations (the rollout worker starts a batch of
 admitted episodes at once) go out together (`_send_rounds`): one schedule, and one `/generate` and one release per
-server, instead of one of each per group. Unfinished answers (interrupted by a weight update, or a chunk ended by
-length) go on together in the next round, sticky to the server. When a round fails, generates nothing, or leaves
-answers on different weight versions, each unfinished answer goes on in its own loop, with what it has, all answers
-concurrently:
+server, instead of one of each per group; one per episode priority (`EPISODE_PRIORITY`, set by the rollout worker:
+the server admits lower first), so the episodes started first are answered first, not with the last of the batch.
+Unfinished answers (interrupted by a weight update, or a chunk ended by length) go on together in the next round,
+sticky to the server. When a round fails, generates nothing, or leaves answers on different weight versions, each
+unfinished answer goes on in its own loop, with what it has, all answers concurrently:
 
 1. ask the routing for a server (`realrl/system/client_routing.py`: picked here from the manager's routing table, or
    asked of the manager); after the first chunk the request is sticky: it names the server and the weight version
@@ -55,6 +56,7 @@ waiting for `request_timeout` (the routing's `left_routing` future)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import time
 from collections.abc import Coroutine, Iterable
@@ -96,6 +98,9 @@ MAX_EMPTY_ABORTS = 50
 MAX_UNCOUNTED_FAILURES = 20
 MAX_ANSWERS_PER_REQUEST = 256  # answers of several groups' rounds sent as one /generate, at most
 NO_SERVER_POLL_S = 2.0  # while no server is up, an answer asks the manager again at least this often
+
+# Set in each episode's task by the rollout worker: its /generate's `priority` (lower admitted first); None: not sent.
+EPISODE_PRIORITY: contextvars.ContextVar[int | None] = contextvars.ContextVar("episode_priority", default=None)
 
 
 class PartialRolloutError(RuntimeError):
@@ -242,21 +247,18 @@ class PartialRolloutManager:
         )
 
     async def _generate_group(self, request: GenerationRequest) -> list[_Answer | _Resume]:
-        """The answers of a group, generated together: each round is one
-        batched `/generate` on one server for every answer not finished yet
-        (one schedule, one request, one release instead of one of each per
-        answer; the server prefills the shared prompt once). After an
-        interruption or a chunk ended by length, the unfinished answers go on
-        together, sticky to the server. Returns each answer finished, or how
-        its own loop (`_generate_answer`) goes on: after a failed round or
-        no server up (counted once per answer, as if each had failed alone,
-        after one backoff), a round that generated no token (after a short
-        pause), a server that answered the batch with something else, or
-        answers that ended up on different weight versions."""
+        """The answers of a group, generated together: each round is one batched `/generate` on one server for
+        every answer not finished yet (one schedule, one request, one release instead of one of each per answer;
+        the server prefills the shared prompt once). After an interruption or a chunk ended by length, the
+        unfinished answers go on together, sticky to the server. Returns each answer finished, or how its own loop
+        (`_generate_answer`) goes on: after a failed round or no server up (counted once per answer, as if each had
+        failed alone, after one backoff), a round that generated no token (after a short pause), a server that
+        answered the batch with something else, or answers that ended up on different weight versions."""
         gconfig = request.gconfig
         answers = [_Answer() for _ in range(request.group_size)]
         out: list[_Answer | _Resume | None] = [None] * request.group_size
         live = list(range(request.group_size))
+        priority = EPISODE_PRIORITY.get()  # rounds of one priority share a /generate (SGLang's is one per body)
         previous_url: str | None = None
         previous_version: int | None = None
         while live:
@@ -266,7 +268,7 @@ class PartialRolloutManager:
                 [self._chunk_params(gconfig, answers[i]) for i in live],
                 [new_rid(request.qid, i) for i in live],
             )
-            scheduled, outcome = await self._rounds.submit((previous_url, previous_version), round_)
+            scheduled, outcome = await self._rounds.submit((previous_url, previous_version, priority), round_)
             if scheduled.url is None:  # no server is up: counted, as in an answer's loop, which retries
                 reason = scheduled.reason or "no generation server is up"
                 logger.warning("qid %s: %s; each answer retries", request.qid, reason)
@@ -327,16 +329,14 @@ class PartialRolloutManager:
         return out  # type: ignore[return-value]
 
     async def _send_rounds(
-        self, key: tuple[str | None, int | None], rounds: list[_Round]
+        self, key: tuple[str | None, int | None, int | None], rounds: list[_Round]
     ) -> list[tuple[ScheduleReply, Any]]:
-        """Rounds of several groups with the same stickiness `key`, ready in
-        the same few event-loop iterations, sent together: one
-        schedule_request whose `parts` route each group as if alone (so they
-        spread over the servers), then per server one batched /generate of
-        its groups' answers (MAX_ANSWERS_PER_REQUEST at most, unless one
-        group alone has more) and one release. Each round gets (its server
-        and version as the manager replied, its responses or the error of
-        its request)."""
+        """Rounds of several groups with the same stickiness and priority `key` (previous server, its version, the
+        episodes' EPISODE_PRIORITY), ready in the same few event-loop iterations, sent together: one schedule_request
+        whose `parts` route each group as if alone (so they spread over the servers), then per server one batched
+        /generate of its groups' answers (MAX_ANSWERS_PER_REQUEST at most, unless one group alone has more) and one
+        release. Each round gets (its server and version as the manager replied, its responses or the error of its
+        request)."""
         sizes = [len(r.prompts) for r in rounds]
         scheduled = await self._schedule(rounds[0].qid, key[0], key[1], n=sum(sizes), parts=sizes)
         if scheduled.url is None:
@@ -361,6 +361,7 @@ class PartialRolloutManager:
                         rids=[i for r in chunk for i in r.rids],
                         timeout_s=self.request_timeout,
                         lora_path=self._adapter(picks[part[0]].version),
+                        priority=key[2],
                     ),
                 )
             except (GenerationServerUnavailable, GenerationServerError) as e:
@@ -405,10 +406,9 @@ class PartialRolloutManager:
         return answer
 
     def _stale_adapter(self, e: Exception) -> bool:
-        """A LoRA request refused because its server no longer holds the
-        adapter it names: the server moved on (two versions, say) since the
-        request was scheduled. Scheduled again, the request names the
-        adapter of the server's version now (docs/design.md §8)."""
+        """A LoRA request refused because its server no longer holds the adapter it names: the server moved on (two
+        versions, say) since the request was scheduled. Scheduled again, the request names the adapter of the server's
+        version now (docs/design.md §8)."""
         return self.lora and isinstance(e, GenerationServerError) and e.status == 400 and "not loaded" in e.message
 
     def _raise_if_final(self, e: Exception, qid: str, which: str, url: str) -> None:
@@ -517,6 +517,7 @@ class PartialRolloutManager:
                             rid=rid,
                             timeout_s=self.request_timeout,
                             lora_path=self._adapter(scheduled_version),
+                            priority=EPISODE_PRIORITY.get(),
                         ),
                     )
                 finally:
@@ -627,11 +628,10 @@ class PartialRolloutManager:
         n: int = 1,
         parts: list[int] | None = None,
     ) -> ScheduleReply:
-        """The manager's `schedule_request`, safe against cancellation: once the
-        manager may have counted the request, the slot is released even if this
-        answer is cancelled meanwhile (e.g. because a sibling answer failed).
-        Routed in this process without waiting (the client routing has its
-        table and nothing to report), it is picked at once: nothing to cancel."""
+        """The manager's `schedule_request`, safe against cancellation: once the manager may have counted the request,
+        the slot is released even if this answer is cancelled meanwhile (e.g. because a sibling answer failed). Routed
+        in this process without waiting (the client routing has its table and nothing to report), it is picked at once:
+        nothing to cancel."""
         if not avoid:
             picked = self.routing.schedule_now(qid, n, previous_url, previous_version, parts=parts)
             if picked is not None:
@@ -654,11 +654,10 @@ class PartialRolloutManager:
             raise
 
     async def _generate_on(self, url: str, call: Coroutine[Any, Any, _T]) -> _T:
-        """A `/generate` `call` on `url`, abandoned (GenerationServerUnavailable)
-        as soon as the routing says the server left it, e.g. because it
-        stopped answering: its answers are then resubmitted elsewhere. The call
-        runs in this task (no task per call to hop through); the server's
-        leaving cancels it, as `asyncio.timeout` cancels on its deadline."""
+        """A `/generate` `call` on `url`, abandoned (GenerationServerUnavailable) as soon as the routing says the server
+        left it, e.g. because it stopped answering: its answers are then resubmitted elsewhere. The call runs in this
+        task (no task per call to hop through); the server's leaving cancels it, as `asyncio.timeout` cancels on its
+        deadline."""
         left = self.routing.left_routing(url)  # (shared by every request on url: never cancelled here)
         if left.done():
             call.close()

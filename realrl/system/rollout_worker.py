@@ -17,7 +17,10 @@ Each rollout worker owns a shard of the prompt data set
 2. an admitted episode runs `agent.run_episode(record, env, partial_rollout)`
    against a fresh environment: every `self.generate(...)` of the agent
    becomes a `GenerationRequest` served by the `PartialRolloutManager`
-   (several may be in flight at once); an agent over the OpenAI chat API
+   (several may be in flight at once), each `/generate` with the episode's
+   priority (`EPISODE_PRIORITY`): its start order over `episodes_per_priority`
+   (one trainer batch's share), so a server admits the episodes started first
+   first and the trainer's first batch is not done only with the last; an agent over the OpenAI chat API
    (`uses_chat_endpoint`: agent functions, external agents) reaches it through
    the worker's OpenAI-compatible endpoint, which the worker serves for its
    whole life on its node's address and registers as `chat_endpoint/<index>`;
@@ -72,7 +75,7 @@ from realrl.system.acked_delivery import AckedPusher
 from realrl.system.client_routing import ClientRouting, ManagerRouting
 from realrl.system.ledger import Ledger, rollout_id, undone
 from realrl.system.manager_client import GserverManagerClient
-from realrl.system.partial_rollout import PartialRolloutManager
+from realrl.system.partial_rollout import EPISODE_PRIORITY, PartialRolloutManager
 from realrl.system.push_pull_stream import NameResolvingZmqPusher
 from realrl.system.stream_dataset import HELD_QUERY
 from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
@@ -419,9 +422,10 @@ class RolloutWorker(AsyncWorker):
                 [(r.metadata["rollout_id"], r.qid) for r in offered], wait_s=ALLOCATE_WAIT_S
             )
             admitted = reply.admitted
-            for record in offered[:admitted]:  # started in one go: their first rounds go out together
+            for k, record in enumerate(offered[:admitted]):  # started in one go: their first rounds go out together
+                priority = (self.counters["episodes_started"] + k) // self.cfg.episodes_per_priority
                 task = self._episodes[record.qid] = asyncio.create_task(
-                    self._run_episode(record), name=f"episode {record.qid}"
+                    self._run_episode(record, priority), name=f"episode {record.qid}"
                 )
                 task.add_done_callback(lambda t, qid=record.qid: self._ended.append((qid, t)))
             del self._pending[:admitted]
@@ -465,7 +469,8 @@ class RolloutWorker(AsyncWorker):
             task.result()  # raises the episode's error
         return n
 
-    async def _run_episode(self, record: PromptRecord) -> None:
+    async def _run_episode(self, record: PromptRecord, priority: int) -> None:
+        EPISODE_PRIORITY.set(priority)  # this task's (and its children's) generation requests carry it
         redo = record.metadata.get("redo", False)
         env = make_env(self.cfg.env.type, **self.cfg.env.args)
         try:

@@ -10,7 +10,11 @@ generation server holds (not merely the one the trainer published: rollouts
 admitted for v+1 must be generated with v+1). With version v, at most
 `(η + v + 1) * train_batch_size` trajectories are ever admitted, counting the
 finished-and-accepted ones; agent-rejected rollouts and trainer drops give
-their budget back. The unit counted everywhere is one trajectory.
+their budget back. The unit counted everywhere is one trajectory. With a
+trial budget (`max_trajectories`: total_train_steps * train_batch_size),
+nothing is admitted once `accepted - dropped + running` reaches it: rollouts
+past the last step's batch would be generated for nothing, on cores the
+trainer needs (a 10-step run with η = 4 generated 40% more than it trained).
 
 `StalenessController` is plain synchronous state: the GserverManager worker
 feeds it what it reads (the trainer's version, drops, the training start) and
@@ -55,7 +59,13 @@ class StalenessController:
     consumed and dropped), so a resumed trial admits exactly what an
     uninterrupted one would."""
 
-    def __init__(self, train_batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int):
+    def __init__(
+        self,
+        train_batch_size: int,
+        max_head_offpolicyness: int,
+        max_concurrent_rollouts: int,
+        max_trajectories: int | None = None,
+    ):
         if train_batch_size < 1:
             raise ValueError(f"train_batch_size must be >= 1, got {train_batch_size}")
         if max_head_offpolicyness < 0:
@@ -65,6 +75,9 @@ class StalenessController:
         self.train_batch_size = train_batch_size
         self.max_head_offpolicyness = max_head_offpolicyness
         self.max_concurrent_rollouts = max_concurrent_rollouts
+        if max_trajectories is not None and max_trajectories < 1:
+            raise ValueError(f"max_trajectories must be >= 1 (or None), got {max_trajectories}")
+        self.max_trajectories = max_trajectories  # the trial's: total_train_steps x train_batch_size
         self.started = False
         self.version = 0  # the weight version every server holds (admission opens per version only then)
         self.trainer_version = 0  # the newest version the trainer published (for the stats)
@@ -107,10 +120,16 @@ class StalenessController:
                 f" // train_batch_size {self.train_batch_size} > max_head_offpolicyness"
                 f" {self.max_head_offpolicyness} + version {self.version}"
             )
+        budget = self.accepted - self.dropped + self.running
+        if self.max_trajectories is not None and budget >= self.max_trajectories:
+            return "trial budget", (
+                f"trial budget: accepted {self.accepted} - dropped {self.dropped} + running {self.running}"
+                f" >= total_train_steps x train_batch_size = {self.max_trajectories}"
+            )
         return None
 
     def admission(self) -> str:
-        """ "open", or why it is closed: "not started", "stopped", "full" or "staleness bound"."""
+        """ "open", or why it is closed: "not started", "stopped", "full", "staleness bound" or "trial budget"."""
         closed = self._closed()
         return closed[0] if closed else "open"
 

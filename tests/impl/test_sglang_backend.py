@@ -77,6 +77,9 @@ def test_sglang_command_for_a_full_config():
         "--random-seed": "7",
         "--weight-version": "3",
         "--skip-tokenizer-init": True,  # we send token ids and read output ids
+        # /generate's priority (the episode order): lower values first, as the torch server admits them
+        "--enable-priority-scheduling": True,
+        "--schedule-low-priority-values-first": True,
         "--log-level": "info",
         "--context-length": "4096",
         "--max-running-requests": "128",

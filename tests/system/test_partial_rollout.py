@@ -38,7 +38,7 @@ from realrl.impl.verifiers.math_verifier import MathVerifier
 from realrl.launcher.local import WorkerGroup
 from realrl.system.client_routing import ManagerRouting
 from realrl.system.manager_client import GserverManagerClient
-from realrl.system.partial_rollout import PartialRolloutError, PartialRolloutManager
+from realrl.system.partial_rollout import EPISODE_PRIORITY, PartialRolloutError, PartialRolloutManager
 from tests.impl.conftest import save_perturbed
 from tests.system.test_generation_server import ENGINE_MODES, SERVER_MODES
 from tests.system.trial_thread import TrialThread
@@ -293,6 +293,50 @@ def test_agent_episodes_match_a_fresh_forward_pass(tiny_kit, reference_model, tr
     else:
         assert stats["chunk_continuations"] == 0 and stats["server_requests"] == 1
     assert set(manager_stats(trial.manager_url)["server_in_flight"].values()) == {0}  # every request released
+
+
+class ObservedClient(GenerationClient):
+    """The real client, keeping each batched /generate's priority and size."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches: list[tuple[int | None, int]] = []
+
+    async def generate_batch(self, url, input_ids, *args, priority=None, **kwargs):
+        self.batches.append((priority, len(input_ids)))
+        return await super().generate_batch(url, input_ids, *args, priority=priority, **kwargs)
+
+
+def test_rounds_of_different_episode_priorities_go_as_one_request_each(tiny_kit, trial, verifier):
+    """Episodes started together with two priorities (EPISODE_PRIORITY, which the rollout worker sets in
+    each episode's task): their first rounds go as one /generate per priority, each carrying it (SGLang's
+    `priority` is one per body), and the server takes them."""
+    group_size = 2
+    settings = AgentSettings(tokenizer_path=tiny_kit["model_dir"], group_size=group_size, gconfig={"max_new_tokens": 4})
+    agent = make_agent("single-step", settings)
+    records = prompt_records(tiny_kit, 4)
+
+    async def go():
+        manager = ObservedManagerClient(trial.manager_url, retries=1, retry_backoff_s=0.01)
+        async with ObservedClient(timeout_s=120) as client:
+            prm = PartialRolloutManager(ManagerRouting(manager, 2.0), client)
+
+            async def episode(record, priority):
+                EPISODE_PRIORITY.set(priority)  # (this task's own context, as in the rollout worker)
+                return await run_episode(agent, record, make_env("math", verifier=verifier), prm)
+
+            try:
+                results = await asyncio.gather(*[episode(r, p) for r, p in zip(records, [3, 0, 3, 0])])
+                return results, prm.stats.pop(), client.batches
+            finally:
+                await prm.close()
+                await manager.end_rollouts()
+                await manager.close()
+
+    results, stats, batches = asyncio.run(go())
+    assert all(len(trajectories) == 1 for trajectories in results)
+    assert sorted(batches) == [(0, 2 * group_size), (3, 2 * group_size)]
+    assert stats["server_requests"] == 2 and stats["retries"] == 0
 
 
 def server_stats(url: str) -> dict[str, float]:

@@ -118,6 +118,27 @@ def test_admission_names_why_it_is_closed():
     assert c.admission() == "stopped"
 
 
+def test_nothing_past_the_trials_last_batch_is_admitted():
+    """With a trial budget (total_train_steps x train_batch_size) admission
+    closes once accepted - dropped + running reaches it, whatever the
+    staleness bound allows; agent rejections and trainer drops give it back."""
+    c = StalenessController(
+        train_batch_size=4, max_head_offpolicyness=4, max_concurrent_rollouts=100, max_trajectories=6
+    )
+    c.start()
+    assert sum(c.allocate(f"r{i}")[0] for i in range(20)) == 6  # the bound alone would admit 20
+    ok, reason = c.allocate("x")
+    assert not ok and reason.startswith("trial budget: accepted 0 - dropped 0 + running 6 >= total_train_steps")
+    assert c.admission() == "trial budget"
+    c.finish("r0", n_trajectories=1)
+    c.finish("r1", n_trajectories=0)  # rejected by the agent: one back
+    assert c.allocate("a")[0] and not c.allocate("x")[0]
+    c.dropped = 1  # one dropped as stale: one back
+    assert c.allocate("b")[0] and not c.allocate("x")[0]
+    with pytest.raises(ValueError, match="max_trajectories"):
+        StalenessController(1, 0, 1, max_trajectories=0)
+
+
 def test_release_worker_frees_its_rollouts_and_done_says_what_it_finished():
     """Rollout ids `<worker>:<epoch>:<row>`: a restarted rollout worker gets
     its predecessor's running rollouts back (ids and qids, generated again

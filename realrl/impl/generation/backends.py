@@ -94,6 +94,15 @@ Paths below are under `sglang/srt/`, line numbers of the version named.
   (v0.5.23 `managers/scheduler.py:5685-5703` `abort_request`,
   `tokenizer_manager.py:3577-3640` `_handle_abort_req`). The partial rollout
   drops those tokens and generates them again.
+- `/generate`'s `priority` is one integer per body (a batch's prompts share
+  it: v0.5.6 `managers/io_struct.py:213, 624`); with
+  `--enable-priority-scheduling --schedule-low-priority-values-first` (how
+  realrl launches it; both exist from before 0.5.6) the waiting queue is
+  sorted by (priority, arrival), lower first (`schedule_policy.py:100-106`),
+  a request without one gets the lowest (`scheduler.py:1504-1510`), and a
+  waiting request 10 or more better than a running one may preempt it
+  (`--priority-scheduling-preemption-threshold`, 10: `scheduler.py:1744-1765`,
+  `PrefillAdder`).
 - The finish order: up to 0.5.16 the length limit before EOS (v0.5.16
   `managers/schedule_batch.py:1476-1506`), from 0.5.23 EOS first (v0.5.23
   `managers/schedule_batch.py:2007-2041`); the partial rollout ends an answer
@@ -316,6 +325,9 @@ class SGLangBackend(GenerationBackend):
             "--weight-version",
             str(config.weight_version),
             "--skip-tokenizer-init",
+            # `/generate`'s `priority`: the rollout worker's episode order, lower first (docs/design.md §6)
+            "--enable-priority-scheduling",
+            "--schedule-low-priority-values-first",
             "--log-level",
             sg.log_level,
         ]

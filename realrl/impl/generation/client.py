@@ -320,10 +320,12 @@ class GenerationClient:
         rid: str | None = None,
         timeout_s: float | None = None,
         lora_path: str | None = None,
+        priority: int | None = None,
     ) -> GenerateResult:
         """`lora_path`: the name of the LoRA adapter to generate with (None:
         the base model). With `return_logprob` and filtered sampling, also
-        asks for the sampling logprobs (`return_sampling_mask`)."""
+        asks for the sampling logprobs (`return_sampling_mask`). `priority`:
+        the server admits lower values first (SGLang's field)."""
         params = _sampling_params(sampling_params)
         request = GenerateRequest(
             input_ids=list(input_ids),
@@ -332,6 +334,7 @@ class GenerationClient:
             return_sampling_mask=_sampling_mask(return_logprob, [params]),
             rid=rid,
             lora_path=lora_path,
+            priority=priority,
         )
         body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
         return GenerateResult.from_response(_read(GenerateResponse, body, url, "/generate"))
@@ -345,11 +348,13 @@ class GenerationClient:
         rids: list[str] | None = None,
         timeout_s: float | None = None,
         lora_path: str | list[str | None] | None = None,
+        priority: int | None = None,
     ) -> list[GenerateResult]:
         """One batched `/generate` (SGLang's list-of-prompts form): one result
         per prompt, in order; the response comes when every prompt is done.
         `sampling_params` and `lora_path` (an adapter name): one for all, or
-        one per prompt."""
+        one per prompt; `priority` one for the body (SGLang's: lower values
+        are admitted first)."""
         params = (
             [_sampling_params(p) for p in sampling_params]
             if isinstance(sampling_params, list)
@@ -364,6 +369,7 @@ class GenerationClient:
             return_logprob=return_logprob,
             return_sampling_mask=_sampling_mask(return_logprob, params if isinstance(params, list) else [params]),
             rid=None if rids is None else list(rids),
+            priority=priority,
         )
         body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
         if not isinstance(body, list) or len(body) != len(input_ids):

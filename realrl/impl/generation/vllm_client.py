@@ -137,6 +137,7 @@ class VLLMClient(GenerationClient):
         rid: str | None = None,
         timeout_s: float | None = None,
         lora_path: str | None = None,
+        priority: int | None = None,  # not sent: vLLM's scheduler is first come, first served by default
     ) -> GenerateResult:
         request = VLLMGenerateRequest(
             token_ids=list(input_ids),
@@ -179,6 +180,7 @@ class VLLMClient(GenerationClient):
         rids: list[str] | None = None,
         timeout_s: float | None = None,
         lora_path: str | list[str | None] | None = None,
+        priority: int | None = None,  # not sent (see `generate`)
     ) -> list[GenerateResult]:
         """One request per prompt (vLLM's route takes one), concurrently; when one fails, the
         others are cancelled (their connections closed: vLLM aborts them) and the error raised."""

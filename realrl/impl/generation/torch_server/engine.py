@@ -19,6 +19,10 @@ whose last allowed token is a stop token reports `stop` (SGLang would report `le
 testing clients against it. `compat` (`--emulate-sglang`, `sglang_compat`) copies SGLang's order of finish checks
 (per release), its aborts: by rid prefix, waiting requests included, and weight updates into a batch paused in place.
 
+**Admission order.** Waiting requests are admitted lowest `priority` first (SGLang's field, as SGLang orders
+them with `--schedule-low-priority-values-first`), those without one last, equal ones in arrival order; requests
+a weight update sends back go to the head. Nothing running is preempted for a better one (SGLang may).
+
 **Pauses.** `pause` in mode `abort` ends the running requests (and with `compat` the waiting ones) and admits none
 until `continue`; mode `in_place` keeps them where they are, decoding nothing until `continue`.
 
@@ -46,6 +50,7 @@ bottom. What does not touch that state already lives in its own module (`batch`,
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -99,6 +104,11 @@ def _failure(
     if name in ("load_adapter", "unload_adapter"):
         return LoRAUpdateResponse(success=False, error_message=message)
     return ControlResponse(success=False, message=message)
+
+
+def _priority(req: Request) -> float:
+    """A request's place in the admission order: its `priority`, none after every value."""
+    return math.inf if req.priority is None else req.priority
 
 
 def _refuse(item: tuple, message: str) -> None:
@@ -353,7 +363,7 @@ class GenerationEngine:
                 req.reply(BodyError(f"LoRA adapter {req.lora_name!r} is not loaded", reason="lora_not_loaded"))
                 return
             self._live[req.rid] = req
-            self._waiting.append(req)
+            self._enqueue(req)
         elif name == "stop":
             self._stopping = True
         elif name == "abort":
@@ -402,6 +412,15 @@ class GenerationEngine:
                 self._pending_update = dict(args, reply=reply)
         else:
             reply(_failure(name, f"unknown command {name!r}"))
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the waiting queue by `priority` (lower first, none last), after its equals; admission
+        takes the head. Requests a weight update sends back go to the head (`_requeue_running`)."""
+        waiting, key = self._waiting, _priority(req)
+        i = len(waiting)
+        while i > 0 and _priority(waiting[i - 1]) > key:
+            i -= 1
+        waiting.insert(i, req)
 
     def _abort_match(self, args: dict) -> Callable[[Request], bool]:
         if args.get("abort_all"):

@@ -28,6 +28,11 @@ changes nothing (this server always reports both, and no mask).
 `lora_path` (one name for every prompt, or one per prompt) names the LoRA
 adapter a prompt asks for; the engine checks that it is loaded.
 
+`priority` (SGLang's: one integer for the whole body, a JSON integer in the
+int64 range, else 400 `type` / `range`) orders admission: the engine admits
+waiting requests lowest value first, those without one last, equal values in
+arrival order (`engine.py`).
+
 `Request.response` builds the answer (`GenerateResponse`) when the engine
 finishes a request.
 """
@@ -89,6 +94,7 @@ class Request:
     return_sampling_mask: bool = False  # asked for SGLang's sampling logprobs (used when emulating it)
     requested_top_k: int | None = None  # top_k as sent (`top_k` is -1 when it keeps the whole vocabulary)
     lora_name: str | None = None  # the LoRA adapter named by `lora_path` (checked by the engine)
+    priority: int | None = None  # the body's `priority`: lower is admitted first, None after every value
     reply: Callable[[Any], None] = field(repr=False, default=lambda result: None)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -215,6 +221,7 @@ def parse_generate(body: GenerateRequest, limits: GenerateLimits) -> tuple[list[
                 return_sampling_mask=bool(want_mask),
                 requested_top_k=(params or SamplingParams()).top_k,
                 lora_name=lora_name or None,
+                priority=body.priority,
                 **p,
             )
         )
