@@ -399,6 +399,20 @@ def test_prompts_that_leave_no_room_for_new_tokens_are_skipped(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_episode_priorities_and_the_trial_budget_follow_the_trainer_batch(tmp_path):
+    """Each rollout worker gives one trainer batch's share of its episodes one priority
+    (docs/design.md §6), and the manager admits no rollout past the last step's batch (§7)."""
+    model, train = write_model(tmp_path, max_position_embeddings=64), write_train(tmp_path)
+    base = [f"model.path={model}", f"dataset.train_path={train}", "ppo.train_batch_size=10", "total_train_steps=7"]
+
+    def built(*overrides: str) -> tuple[int, int]:
+        groups = {g.worker_type: g for g in build_experiment(config(tmp_path, *base, *overrides)).groups}
+        return groups["rollout_worker"].config.episodes_per_priority, groups["gserver_manager"].config.total_train_steps
+
+    assert built() == (10, 7)
+    assert built("rollout.n_workers=3") == (4, 7)  # ceil(10 / 3)
+
+
 def test_every_worker_speaks_the_api_of_the_policys_servers_and_the_judge_its_own(tmp_path):
     """Emulating vLLM, the policy's servers, their manager and the rollout
     workers speak vLLM's API; a judge's servers stay on SGLang's, which the
