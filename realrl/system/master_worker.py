@@ -173,20 +173,17 @@ class MasterWorker(AsyncWorker):
         self._inference_stage = self.cfg.needs_inference and any(s.get("inference_computes", True) for s in specs)
         if self.cfg.recover:
             await self._recover()
-        self._publish_dropped()  # (a resumed trial's count)
-        # The baseline of the first step's generation figures, read before admission opens: the
-        # rollouts that run during the first evaluation count in the first step's figures.
-        self._rollout_stats = await self._read_rollout_stats()
-        self._publish_training_start()
-        # Opened after admission opens: the stats logger's import of tensorboardX (~0.9 s of CPU
-        # here) and the first evaluation then overlap the first batch's generation, which the
-        # first step would otherwise wait for.
         self.stats_logger = StatsLogger(
             self.info.log_dir,
             resume_step=self.step,
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
         self.plots = LivePlots(self.stats_logger.path, self.plots_dir, self.logger)
+        self._publish_dropped()  # (a resumed trial's count)
+        # The baseline of the first step's generation figures, read before admission opens: the
+        # rollouts that run during the first evaluation count in the first step's figures.
+        self._rollout_stats = await self._read_rollout_stats()
+        self._publish_training_start()
         if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
 
@@ -522,7 +519,7 @@ class MasterWorker(AsyncWorker):
         )
 
     # ---- evaluation, saving, recovery --------------------------------------------------------
-    async def _evaluate(self) -> dict:
+    async def _evaluate(self, final: bool = False) -> dict:
         n = self.cfg.n_model_workers
         parts = await self.stream.call_async(list(range(n)), "evaluate", [{}] * n, timeout=self.cfg.rpc_timeout)
         summary = eval_metrics.merge(parts)
@@ -555,7 +552,7 @@ class MasterWorker(AsyncWorker):
                 "time/elapsed_s": time.monotonic() - self.started,
             },
         )
-        self.plots.request()  # drawn beside the steps, not during this pause
+        self.plots.request(final=final)  # drawn beside the steps, not during this pause (a minute or more apart)
         return result
 
     async def _checkpoint(self) -> None:
@@ -673,9 +670,9 @@ class MasterWorker(AsyncWorker):
             raise
 
     async def _finish(self) -> None:
-        final_eval = await self._evaluate() if self.cfg.evaluate else {"accuracy": None}
+        final_eval = await self._evaluate(final=True) if self.cfg.evaluate else {"accuracy": None}
         if not self.cfg.evaluate:  # (else the final evaluation asked for them)
-            self.plots.request()  # drawn while the model is saved and the trajectories counted
+            self.plots.request(final=True)  # drawn while the model is saved and the trajectories counted
         if self.cfg.save_final_model and self.cfg.final_model_dir:
             path = self.cfg.final_model_dir
             n = self.cfg.n_model_workers  # every rank: gathering FSDP shards is a collective
