@@ -4,9 +4,9 @@
 writes (realrl/base/stats.py) and writes one PNG per figure into `out_dir`,
 returning their paths. Only figures with data are written (a run without a
 test split has no evaluation figure). A live run's master has `LivePlots` call
-it at every evaluation and at the end, into `<log_dir>/plots/`, in a child
-process at a lower CPU priority (the trainers do not wait for the drawing);
-it also works offline:
+it at an evaluation a minute or more after the last drawing (or training's
+start) and at the end, into `<log_dir>/plots/`, in a child process at a lower
+CPU priority (the trainers do not wait for the drawing); it also works offline:
 
     python -m realrl.base.plots <log_dir or stats.jsonl> [out_dir]
 
@@ -37,6 +37,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -308,6 +309,11 @@ def write_plots(stats_path: str, out_dir: str) -> list[str]:
 # ---- a live run's plots, drawn beside it ---------------------------------------------------
 
 PLOTTER_NICE = 10  # below the trainers and the generation servers: it draws with the CPU they leave
+# An evaluation's ask draws only this long after the last drawing (or training's start). On a machine
+# whose cores the run keeps busy the drawing's CPU (~1 s for the child's start and first drawing) is the
+# run's: drawn at each evaluation of the tiny run (4 in vs_inprocess --quick) it cost realrl 12-15% of
+# its steps/min. A run shorter than this gets its plots at the end.
+MIN_INTERVAL_S = 60.0
 
 
 def serve(stdin=None, stdout=None) -> int:
@@ -352,16 +358,23 @@ class LivePlots:
     next ask starts a new child.
     """
 
-    def __init__(self, stats_path: str, out_dir: str, logger) -> None:
+    def __init__(self, stats_path: str, out_dir: str, logger, min_interval_s: float = MIN_INTERVAL_S) -> None:
         self.stats_path, self.out_dir, self.logger = stats_path, out_dir, logger
+        self.min_interval_s = min_interval_s
+        self._last = time.monotonic()  # of the last drawing asked for (at first: training's start)
         self.paths: list[str] = []  # of the last drawing that succeeded
         self.drawings = 0
         self._proc = None
         self._task = None
         self._wanted = False
 
-    def request(self) -> None:
-        """Draws the stats as they are now, soon; returns at once."""
+    def request(self, final: bool = False) -> None:
+        """Draws the stats as they are now, soon; returns at once. An ask within `min_interval_s`
+        of the last drawing asked for (or of this object's making) is dropped, unless `final`."""
+        now = time.monotonic()
+        if not final and now - self._last < self.min_interval_s:
+            return
+        self._last = now
         self._wanted = True
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._drain())

@@ -110,7 +110,7 @@ def test_a_live_run_s_plots_are_drawn_by_a_niced_child_and_asks_fold(tmp_path, c
     logger = logging.getLogger("test.live_plots")
 
     async def run():
-        plots = LivePlots(str(stats), str(out), logger)
+        plots = LivePlots(str(stats), str(out), logger, min_interval_s=0.0)
         for _ in range(5):
             plots.request()
         paths = await plots.wait()
@@ -142,6 +142,31 @@ def test_a_live_run_s_plots_are_drawn_by_a_niced_child_and_asks_fold(tmp_path, c
 
     with caplog.at_level(logging.WARNING, logger="test.live_plots"):
         asyncio.run(run())
+
+
+def test_live_plots_are_drawn_a_minimum_interval_apart_and_always_at_the_end(tmp_path):
+    """An evaluation's ask within `min_interval_s` of training's start or of the last drawing is
+    dropped (the drawing's CPU is the run's on a busy machine); the end's ask always draws."""
+    stats = tmp_path / "stats.jsonl"
+    synthetic_stats(stats)
+    out = tmp_path / "plots"
+
+    async def run():
+        plots = LivePlots(str(stats), str(out), logging.getLogger("test.live_plots"), min_interval_s=60.0)
+        plots.request()  # an evaluation right after training starts
+        assert await plots.wait() == [] and plots.drawings == 0 and plots._proc is None  # no child either
+        plots.request(final=True)
+        assert len(await plots.wait()) == len(FIGURES) and plots.drawings == 1
+        plots.request()  # right after a drawing: dropped
+        await plots.wait()
+        assert plots.drawings == 1
+        plots._last -= 60.0  # a minute later
+        plots.request()
+        await plots.wait()
+        assert plots.drawings == 2
+        await plots.close()
+
+    asyncio.run(run())
 
 
 def test_every_label_fits_inside_its_figure(tmp_path):
