@@ -129,6 +129,7 @@ class MasterWorker(AsyncWorker):
         )
         self.step = 0
         self.version = 0
+        self._inference_stage = config.needs_inference  # narrowed by the model workers' specs at set-up
         self.consumed = 0
         self.dropped_stale = 0
         # Refused at the pullers (schema; no rollout of ours; a second copy): counted apart from the
@@ -166,19 +167,26 @@ class MasterWorker(AsyncWorker):
             list(range(self.cfg.n_model_workers)), "spec", [None] * self.cfg.n_model_workers, timeout=600
         )
         self.logger.info("model workers ready: %s", [(s["dp_rank"], s["version"]) for s in specs])
+        # A step's `inference` request only when some rank's runs a model in it (with the proximal
+        # logprobs from the train forward and no reference or critic, `train_step` prepares the
+        # batch itself: one request and its two messages less per step).
+        self._inference_stage = self.cfg.needs_inference and any(s.get("inference_computes", True) for s in specs)
         if self.cfg.recover:
             await self._recover()
+        self._publish_dropped()  # (a resumed trial's count)
+        # The baseline of the first step's generation figures, read before admission opens: the
+        # rollouts that run during the first evaluation count in the first step's figures.
+        self._rollout_stats = await self._read_rollout_stats()
+        self._publish_training_start()
+        # Opened after admission opens: the stats logger's import of tensorboardX (~0.9 s of CPU
+        # here) and the first evaluation then overlap the first batch's generation, which the
+        # first step would otherwise wait for.
         self.stats_logger = StatsLogger(
             self.info.log_dir,
             resume_step=self.step,
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
         self.plots = LivePlots(self.stats_logger.path, self.plots_dir, self.logger)
-        self._publish_dropped()  # (a resumed trial's count)
-        # The baseline of the first step's generation figures, read before admission opens: the
-        # rollouts that run during the first evaluation count in the first step's figures.
-        self._rollout_stats = await self._read_rollout_stats()
-        self._publish_training_start()
         if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
 
@@ -314,7 +322,7 @@ class MasterWorker(AsyncWorker):
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
         t_fetch = time.monotonic()
-        if self.cfg.needs_inference:
+        if self._inference_stage:
             await self.stream.call_async(
                 all_ranks,
                 "inference",
@@ -328,7 +336,13 @@ class MasterWorker(AsyncWorker):
             self.stream.call_async(
                 all_ranks,
                 "train_step",
-                [{"version": self.version + 1, "last_step": self.step + 1 == self.cfg.total_train_steps}]
+                [
+                    {
+                        "version": self.version + 1,
+                        "last_step": self.step + 1 == self.cfg.total_train_steps,
+                        "decoupled": self.cfg.use_decoupled_loss,
+                    }
+                ]
                 * len(all_ranks),
                 timeout=self.cfg.rpc_timeout,
             ),

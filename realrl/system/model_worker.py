@@ -656,6 +656,8 @@ class ModelWorker(Worker):
             "dp_size": self.dp_size,
             "version": self.version,
             "n_params": sum(p.numel() for p in self.actor.model.parameters()),
+            # Whether `inference` runs a model for the decoupled loss (else `train_step` prepares the batch).
+            "inference_computes": self.trainer.inference_computes(decoupled=True),
             **self.dataset.stats(),
         }
         if data and data.get("checksum"):  # compared by dp_weights_identical
@@ -746,8 +748,9 @@ class ModelWorker(Worker):
         if self.dp_rank == 0 and getattr(self, "_checkpointed", False):  # a test's trainer dying after a checkpoint
             faults.point("model_worker.step_after_checkpoint")
         t0 = time.monotonic()
-        if self.step_batch is None:
+        if self.step_batch is None:  # no `inference` request this step: nothing in it runs a model
             self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+            self.trainer.inference(self.step_batch, decoupled=bool(data.get("decoupled", False)))
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
         if self._threads is not None:

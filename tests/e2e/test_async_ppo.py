@@ -51,6 +51,9 @@ def test_async_grpo_learns_end_to_end(tmp_path, kit_cache):
     train_steps = [s for s in stats if "train/actor_loss" in s]
     assert len(train_steps) == steps
     assert max(s["rollout/version_start/max"] for s in train_steps) >= steps - eta - 1
+    # The proximal logprobs come from the train forward (one minibatch): no step has an
+    # `inference` request (a round trip of a few ms), train_step prepares the batch.
+    assert max(s["time/inference_s"] for s in train_steps) < 5e-4
     # Accounting: every produced trajectory is consumed, dropped or still buffered.
     t = summary["trajectories"]
     assert t["produced"] == t["consumed"] + t["dropped"] + t["buffered"], t

@@ -88,6 +88,8 @@ def test_proximal_logprobs_from_the_train_forward_equal_a_separate_pass(tiny_lla
     results = []
     for fused in (True, False):
         trainer, forwards = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
+        # No model runs in `inference`: the master sends no request for it (train_step runs it).
+        assert not trainer.inference_computes(decoupled=True)
         batch = make_batch(groups)
         trainer.inference(batch, decoupled=True)
         assert batch.prox_from_train_forward and batch.prox_logprobs is None
@@ -114,6 +116,7 @@ def test_proximal_logprobs_get_their_own_pass_with_several_minibatches_or_kl(tin
         PPOConfig(adv_estimator="grpo", group_size=2, kl_ctl=0.1),
     ):
         trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"))
+        assert trainer.inference_computes(decoupled=True)  # a stage of its own
         batch = make_batch(groups)
         trainer.inference(batch, decoupled=True)
         assert not batch.prox_from_train_forward and len(batch.prox_logprobs) == batch.n_seqs

@@ -294,6 +294,14 @@ class PPOTrainer:
         if self.critic is not None:
             batch.values = self._per_seq(self.critic.model, batch, plan, lambda m, mb: mb.gather(forward_values(m, mb)))
 
+    def inference_computes(self, decoupled: bool) -> bool:
+        """Whether `inference(batch, decoupled)` runs a model (else it only marks the batch, and a
+        caller may run it just before `train_step` instead of as a stage of its own)."""
+        use_ref = self.ref is not None and (self.cfg.kl_ctl > 0 or self.cfg.use_kl_loss)
+        if decoupled and self._prox_in_train_forward(use_ref):
+            decoupled = False
+        return decoupled or use_ref or self.critic is not None
+
     def _prox_in_train_forward(self, use_ref: bool) -> bool:
         """Whether the proximal logprobs can come from the train step's own
         forward: with one minibatch that forward runs at exactly the weights a
