@@ -58,6 +58,7 @@ from realrl.base.plots import LivePlots
 from realrl.base.stats import StatsLogger, histogram, summarize
 from realrl.impl import eval_metrics
 from realrl.system import checkpoints
+from realrl.system.client_routing import REPORT_INTERVAL_S
 from realrl.system.ledger import LEDGER_FILE, Ledger, resume_info
 from realrl.system.rejections import CHECK_INTERVAL_S, check_rejections
 from realrl.system.request_reply_stream.request_client import NameResolvingRequestClient
@@ -683,12 +684,16 @@ class MasterWorker(AsyncWorker):
         ledger = None  # the manager's whole-trial counts: accepted trajectories, rejected episodes
         try:
             if await self._manager("POST", "/stop_rollouts", SuccessReply) is not None:
-                deadline = time.monotonic() + 120
+                deadline, settled_by = time.monotonic() + 120, None
                 while time.monotonic() < deadline:
                     rs = await self._manager("GET", "/rollout_stats", RolloutStats)
                     if rs.running == 0:
                         ledger = rs
-                        break
+                        # The servers' in-flight counts come from the rollout workers' load reports
+                        # (every REPORT_INTERVAL_S), which follow the last answers: a few more readings.
+                        if not any(rs.server_in_flight.values()) or time.monotonic() > (settled_by or deadline):
+                            break
+                        settled_by = settled_by or time.monotonic() + 8 * REPORT_INTERVAL_S
                     await asyncio.sleep(0.2)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.logger.warning("no final rollout accounting from the gserver manager: %s", e)
