@@ -174,17 +174,23 @@ class MasterWorker(AsyncWorker):
         self._inference_stage = self.cfg.needs_inference and any(s.get("inference_computes", True) for s in specs)
         if self.cfg.recover:
             await self._recover()
+        self._publish_dropped()  # (a resumed trial's count)
+        # The baseline of the first step's generation figures, read before admission opens: the
+        # rollouts that run during the first evaluation count in the first step's figures. A
+        # manager not registered yet has admitted nothing (admission opens below): its counts
+        # start from zero, and its servers' utilization from its start.
+        baseline = await self._read_rollout_stats()
+        self._rollout_stats = baseline if baseline is not None else _nothing_generated()
+        self._publish_training_start()
+        # Opened after admission opens: the stats logger's import of tensorboardX (~0.9 s of CPU)
+        # and the first evaluation overlap the first batch's generation, which the first step
+        # would otherwise wait for.
         self.stats_logger = StatsLogger(
             self.info.log_dir,
             resume_step=self.step,
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
         self.plots = LivePlots(self.stats_logger.path, self.plots_dir, self.logger)
-        self._publish_dropped()  # (a resumed trial's count)
-        # The baseline of the first step's generation figures, read before admission opens: the
-        # rollouts that run during the first evaluation count in the first step's figures.
-        self._rollout_stats = await self._read_rollout_stats()
-        self._publish_training_start()
         if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
 
@@ -314,7 +320,7 @@ class MasterWorker(AsyncWorker):
         return batch
 
     async def _train_step(self) -> None:
-        if self._rollout_stats is None:  # no baseline yet (the manager did not answer at setup)
+        if self._rollout_stats is None:  # no baseline (the manager did not answer at the previous step)
             self._rollout_stats = await self._read_rollout_stats()
         t0 = time.monotonic()
         all_ranks = list(range(self.cfg.n_model_workers))
@@ -767,6 +773,33 @@ class MasterWorker(AsyncWorker):
         self._finished = True
         set_experiment_status(self.experiment_name, self.trial_name, ExperimentStatus.COMPLETE)
         self.request_exit("training complete")
+
+
+def _nothing_generated() -> RolloutStats:
+    """The manager's figures before it admitted anything: every count and
+    cumulative figure zero."""
+    return RolloutStats(
+        running=0,
+        accepted=0,
+        rejected=0,
+        dropped=0,
+        admitted=0,
+        version=0,
+        trainer_version=0,
+        n_tokens=0,
+        started=False,
+        stopped=False,
+        loaded_version=0,
+        n_servers=0,
+        server_in_flight={},
+        server_events={},
+        bad_requests=0,
+        unauthorized=0,
+        gen_idle_s=0.0,
+        gen_server_s=0.0,
+        gen_tokens=0,
+        gen_clock_s=0.0,
+    )
 
 
 def _fmt(value, spec: str) -> str:
