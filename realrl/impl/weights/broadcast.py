@@ -24,10 +24,7 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   list is packed as SGLang's `FlattenedTensorBucket` (`Manifest.packed`) and
   the process group's own keys are laid out as SGLang's
   `init_custom_process_group` lays them, unsealed (SGLang reads them plain);
-  the sender marks each bucket of announcement n done in the store
-  (`b/<n>/<i>`: every member has it), and the manager asks the members for
-  bucket i + 1 only then, so none of them waits in a collective that a
-  stalled member holds up (SGLang's own wait looks at no store).
+  each bucket sent is marked in the store (`b/<n>/<i>`: the manager's cue).
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
