@@ -6,7 +6,8 @@ Each step, over the request-reply stream to the model workers:
    allows and lists its oldest trajectories) until the ranks hold
    `train_batch_size` trajectories together; the oldest B of all of them
    (`choose_batch`) are split across the ranks balanced by tokens
-   (`plan_batch`), and `assemble` moves them there. No rank has a quota of
+   (`plan_batch`), and `assemble` moves them there. With one rank, one
+   `assemble` with `oldest: B` does both (its B oldest are the batch). No rank has a quota of
    its own, so trajectories that arrive unevenly never stall a step. Stale
    drops are published under `dropped_samples` at once so the
    GserverManager gives their staleness budget back (what the pullers refuse
@@ -174,17 +175,23 @@ class MasterWorker(AsyncWorker):
         self._inference_stage = self.cfg.needs_inference and any(s.get("inference_computes", True) for s in specs)
         if self.cfg.recover:
             await self._recover()
+        self._publish_dropped()  # (a resumed trial's count)
+        # The baseline of the first step's generation figures, read before admission opens: the
+        # rollouts that run during the first evaluation count in the first step's figures. A
+        # manager not registered yet has admitted nothing (admission opens below): its counts
+        # start from zero, and its servers' utilization from its start.
+        baseline = await self._read_rollout_stats()
+        self._rollout_stats = baseline if baseline is not None else _nothing_generated()
+        self._publish_training_start()
+        # Opened after admission opens: the stats logger's import of tensorboardX (~0.9 s of CPU)
+        # and the first evaluation overlap the first batch's generation, which the first step
+        # would otherwise wait for.
         self.stats_logger = StatsLogger(
             self.info.log_dir,
             resume_step=self.step,
             wandb={"project": self.experiment_name, "name": self.trial_name} if self.cfg.wandb else None,
         )
         self.plots = LivePlots(self.stats_logger.path, self.plots_dir, self.logger)
-        self._publish_dropped()  # (a resumed trial's count)
-        # The baseline of the first step's generation figures, read before admission opens: the
-        # rollouts that run during the first evaluation count in the first step's figures.
-        self._rollout_stats = await self._read_rollout_stats()
-        self._publish_training_start()
         if self.cfg.evaluate and not self.eval_history:
             await self._evaluate()
 
@@ -246,20 +253,32 @@ class MasterWorker(AsyncWorker):
         rejected_before = None if self._rollout_stats is None else self._rollout_stats.rejected
         have = -1
         while True:
-            replies = await self.stream.call_async(
-                all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n, timeout=self.cfg.rpc_timeout
-            )
+            asked = time.monotonic()
+            if n == 1:
+                # One rank: the batch is its B oldest (choose_batch's order, which its buffer
+                # keeps), so one `assemble` drops the stale, looks and takes them: no inventory
+                # round trip before it.
+                request = {"oldest": B, "min_version": min_version, "current_version": self.version}
+                replies = await self.stream.call_async(all_ranks, "assemble", [request], timeout=self.cfg.rpc_timeout)
+            else:
+                replies = await self.stream.call_async(
+                    all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n, timeout=self.cfg.rpc_timeout
+                )
             dropped_stale = sum(r["n_dropped"] for r in replies)
             self._count_invalid(sum(r["invalid"] for r in replies))
             if dropped_stale:
                 self.dropped_stale += dropped_stale
                 self._publish_dropped()  # give the dropped rollouts' budget back now
-            chosen = choose_batch([r["items"] for r in replies], B)
+            if n == 1:
+                chosen = None if "held" in replies[0] else replies
+                held = replies[0].get("held", B)
+            else:
+                chosen = choose_batch([r["items"] for r in replies], B)
+                held = sum(len(r["items"]) for r in replies)
             if chosen is not None:
-                self._wait_data_s = time.monotonic() - started
+                self._wait_data_s = asked - started  # (the request that found the batch not counted)
                 break
             now = time.monotonic()
-            held = sum(len(r["items"]) for r in replies)
             if held != have:
                 have, waiting_since = held, now
             elif now - waiting_since > STARVED_WARNING_S and now - last_warning > STARVED_WARNING_S:
@@ -269,24 +288,7 @@ class MasterWorker(AsyncWorker):
                 last_rejection_check, cap = now, self.cfg.max_rejected_groups
                 check_rejections(self.step + 1, rejected_before, await self._rejected_so_far(), cap, held, B)
             await asyncio.sleep(self.cfg.fetch_poll_interval)
-        dest = plan_batch(chosen, n)
-        requests = []
-        for rank in all_ranks:
-            mine = [i for i, (owner, _, _) in enumerate(chosen) if owner == rank]
-            recv_from = {
-                str(r): sum(1 for i, (owner, _, _) in enumerate(chosen) if owner == r and dest[i] == rank)
-                for r in all_ranks
-                if r != rank
-            }
-            requests.append(
-                {
-                    "take": [chosen[i][1] for i in mine],
-                    "send_to": [dest[i] for i in mine],
-                    "recv_from": recv_from,
-                    "current_version": self.version,
-                }
-            )
-        parts = await self.stream.call_async(all_ranks, "assemble", requests, timeout=self.cfg.rpc_timeout)
+        parts = chosen if n == 1 else await self._assemble(chosen)
         batch: dict = {
             k: [x for p in parts for x in p[k]]
             for k in (
@@ -313,8 +315,30 @@ class MasterWorker(AsyncWorker):
                 batch["env"][k] = batch["env"].get(k, 0.0) + v
         return batch
 
+    async def _assemble(self, chosen: list[tuple[int, int, int]]) -> list[dict]:
+        """Moves the chosen trajectories to the ranks that train them (`plan_batch`): the ranks' replies."""
+        all_ranks = list(range(self.cfg.n_model_workers))
+        dest = plan_batch(chosen, len(all_ranks))
+        requests = []
+        for rank in all_ranks:
+            mine = [i for i, (owner, _, _) in enumerate(chosen) if owner == rank]
+            recv_from = {
+                str(r): sum(1 for i, (owner, _, _) in enumerate(chosen) if owner == r and dest[i] == rank)
+                for r in all_ranks
+                if r != rank
+            }
+            requests.append(
+                {
+                    "take": [chosen[i][1] for i in mine],
+                    "send_to": [dest[i] for i in mine],
+                    "recv_from": recv_from,
+                    "current_version": self.version,
+                }
+            )
+        return await self.stream.call_async(all_ranks, "assemble", requests, timeout=self.cfg.rpc_timeout)
+
     async def _train_step(self) -> None:
-        if self._rollout_stats is None:  # no baseline yet (the manager did not answer at setup)
+        if self._rollout_stats is None:  # no baseline (the manager did not answer at the previous step)
             self._rollout_stats = await self._read_rollout_stats()
         t0 = time.monotonic()
         all_ranks = list(range(self.cfg.n_model_workers))
@@ -767,6 +791,33 @@ class MasterWorker(AsyncWorker):
         self._finished = True
         set_experiment_status(self.experiment_name, self.trial_name, ExperimentStatus.COMPLETE)
         self.request_exit("training complete")
+
+
+def _nothing_generated() -> RolloutStats:
+    """The manager's figures before it admitted anything: every count and
+    cumulative figure zero."""
+    return RolloutStats(
+        running=0,
+        accepted=0,
+        rejected=0,
+        dropped=0,
+        admitted=0,
+        version=0,
+        trainer_version=0,
+        n_tokens=0,
+        started=False,
+        stopped=False,
+        loaded_version=0,
+        n_servers=0,
+        server_in_flight={},
+        server_events={},
+        bad_requests=0,
+        unauthorized=0,
+        gen_idle_s=0.0,
+        gen_server_s=0.0,
+        gen_tokens=0,
+        gen_clock_s=0.0,
+    )
 
 
 def _fmt(value, spec: str) -> str:

@@ -10,6 +10,7 @@ puller (`PullerStreamDataset`) and answers the master's requests:
 | stats       | cheap | stream accounting (received/taken/dropped/buffered)          |
 | assemble    | long  | this step's batch: take the chosen trajectories, send those  |
 |             |       | planned for other ranks, receive the ones planned for us     |
+|             |       | (one rank: `oldest: B`, its B oldest, no inventory first)    |
 | inference   | long  | proximal / reference logprobs and values for the step batch  |
 | train_step  | long  | one PPO/GRPO update, then publish the new weights            |
 | evaluate    | long  | greedy accuracy on the test split (rank 0)                   |
@@ -681,7 +682,20 @@ class ModelWorker(Worker):
         """This rank's share of the step's batch. `take` lists the keys of this
         rank's buffer that go into the batch and `send_to` the rank each goes
         to (this rank or another); `recv_from[r]` is how many come from rank r.
-        Returns what the master logs about the trajectories this rank trains."""
+        Returns what the master logs about the trajectories this rank trains.
+        A single rank's form, `oldest: B` with `min_version`: `inventory` and
+        the take in one request: the B oldest are the batch once it holds B
+        (else `held`, and nothing is taken); `n_dropped` and `invalid` as
+        `inventory` reports them."""
+        if "oldest" in data:
+            want = int(data["oldest"])
+            items, dropped = self.dataset.inventory(int(data["min_version"]), want)
+            counts = {"n_dropped": dropped, "invalid": self.dataset.n_invalid}
+            if len(items) < want:
+                return {"held": len(items), **counts}
+            keys = [item[0] for item in items]
+            take = {"take": keys, "send_to": [self.dp_rank] * len(keys), "recv_from": {}}
+            return {**self._handle_assemble({**take, "current_version": data["current_version"]}), **counts}
         keys, dests = [int(k) for k in data["take"]], [int(r) for r in data["send_to"]]
         taken = self.dataset.take(keys)
         outgoing: dict[int, list[Trajectory]] = {}

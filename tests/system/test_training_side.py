@@ -320,6 +320,15 @@ def test_a_step_takes_its_batch_from_all_ranks_together(tmp_path, tiny_model_dir
     assert all(s["batch/rank_tokens_max_over_mean"] <= 1.5 for s in train_stats)  # balanced by tokens
 
 
+def test_one_model_worker_takes_its_batch_in_one_request(tmp_path, tiny_model_dir):
+    """One rank: a step's batch is one `assemble` with `oldest: B` (no inventory before
+    it), which drops the stale ones and reports the invalid ones as the inventory does."""
+    summary, _, train_stats, log_dir = run_trial(tmp_path, tiny_model_dir, "grpo", dp=1)
+    assert summary["trajectories"]["dropped_stale"] >= 1 and summary["trajectories"]["dropped_invalid"] >= 1
+    assert all(s["batch/moved_between_ranks"] == 0 for s in train_stats)
+    assert all(0 <= s["time/wait_data_s"] <= s["time/fetch_s"] for s in train_stats)
+
+
 def check_out_of_vocabulary_ids_dropped(summary: dict, log_dir: str, vocab: int) -> None:
     """A trial whose every 4th pushed trajectory is well-formed but holds a token id
     outside the vocabulary (== vocab size, or -1): fed to the model it would raise
