@@ -442,7 +442,10 @@ class GserverManager(AsyncWorker):
         checks of `url` that fail meanwhile are not counted (see ServerRegistry)."""
         self.registry.start_loading(url)
         try:
-            return await self._client.load_version(url, path, version, self.cfg.lora, self.cfg.weight_update_timeout)
+            aborted = await self._client.load_version(url, path, version, self.cfg.lora, self.cfg.weight_update_timeout)
+            if self._epochs is not None:  # (an SGLang member a failed version left paused serves again)
+                await self._epochs.resume(url)
+            return aborted
         finally:
             ignored = self.registry.stop_loading(url)
             if ignored:
@@ -625,7 +628,8 @@ class GserverManager(AsyncWorker):
                 version = await self._server_version(url)
                 # Never behind the servers in routing: admission must not go back (docs/design.md §7).
                 target = max(self.router.version, self.controller.trainer_version)
-                if version < target:
+                # (a server left paused with part of a failed version loads one whole, even the one it reports)
+                if version < target or (self._epochs is not None and self._epochs.partly_updated(url)):
                     if not self.cfg.weights_dir:
                         raise WeightUpdateError(f"server holds version {version} < {target} and weights_dir is empty")
                     path = os.path.join(self.cfg.weights_dir, str(target))

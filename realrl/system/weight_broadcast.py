@@ -29,6 +29,11 @@ So do the sender and torch servers waiting in a version's collective (they
 look at the store between slices of the wait): a member up but answering
 nothing, which the health checks take out of routing (`member_down`),
 holds versions back for that long, not for the collective's timeout.
+SGLang members wait in a plain broadcast that looks at no store: they are
+asked for a bucket only once the sender finished the one before, so none
+waits for one the sender will not send; one that fails after its first
+bucket (SGLang loads each as it comes) stays paused until a version is
+loaded whole from disk (`WeightEpochs.left_paused`, `resume`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from realrl.base.logging import getLogger
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.impl.weights.broadcast import (
     _POLL_S,
+    GroupError,
     GroupSpec,
     Manifest,
     SealedStore,
@@ -176,6 +182,9 @@ class WeightEpochs:
         self.members: dict[str, int] = {}
         self.failed = False  # a member did not get a version through the group: rebuild at the next boundary
         self._driver: SGLangDriver | None = None  # protocol sglang: the current epoch's
+        # SGLang members a failed version left paused with part of it in place: they serve again only
+        # once a version is loaded whole from disk (`resume`), never a half-swapped model.
+        self.left_paused: set[str] = set()
         self._awaiting: dict[str, asyncio.Event] = {}  # member -> set once it is found down (await_version)
 
     def needs_rebuild(self, up_urls: list[str]) -> bool:
@@ -207,7 +216,9 @@ class WeightEpochs:
         members = {url: rank for rank, url in enumerate(up_urls, start=1)}
         if spec.protocol == "sglang":  # the servers join once the sender is there (SGLangDriver)
             self.spec, self.members, self.failed = spec, members, False
-            self._driver = SGLangDriver(spec, members, self._client, _group_key(), on_abandon=self.abandon)
+            self._driver = SGLangDriver(
+                spec, members, self._client, _group_key(), on_abandon=self.abandon, left_paused=self.left_paused
+            )
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
                 "weight group %s: %d servers (%s), SGLang's routes", spec.name, len(members), ", ".join(members)
@@ -263,6 +274,24 @@ class WeightEpochs:
             await self._client.leave_weights_group(url, name, timeout_s=10)
         except (GenerationServerError, GenerationServerUnavailable):
             pass
+
+    def partly_updated(self, url: str) -> bool:
+        """Whether `url` (SGLang) holds part of a version that failed: it must
+        load a version whole from disk, even one it claims to hold."""
+        return url in self.left_paused
+
+    async def resume(self, url: str) -> None:
+        """After a version was loaded whole from disk into `url`: a server a
+        failed version left paused serves again (`/continue_generation`)."""
+        if url not in self.left_paused:
+            return
+        try:
+            await self._client.continue_generation(url)
+        except (GenerationServerError, GenerationServerUnavailable) as e:  # (still paused: the next load retries)
+            logger.warning("%s loaded a version from disk but did not continue generating: %s", url, e)
+            return
+        self.left_paused.discard(url)
+        logger.info("%s holds a whole version again (from disk): generating again", url)
 
     def is_member(self, url: str) -> bool:
         return not self.failed and url in self.members and (self._driver is None or url not in self._driver.lost)
@@ -348,9 +377,12 @@ class SGLangDriver:
     `/update_weights_from_distributed` per bucket of the tensor list (packed:
     `load_format: flattened_bucket`; the version's number with its last
     bucket only, so the server's version changes when the whole version is
-    in place), `/end_weight_update`, `/continue_generation`. A member whose
-    call fails is lost to the epoch (the manager loads its versions from
-    disk; the next boundary builds a new epoch). One that cannot join, or a
+    in place), `/end_weight_update`, `/continue_generation`; each bucket
+    after the first once the sender finished the one before (`_bucket_sent`).
+    A member whose call fails, or whose wait for the sender's bucket ends with
+    the epoch, is lost to the epoch (the manager loads its versions from
+    disk; the next boundary builds a new epoch), paused until then if part
+    of the version went in (`left_paused`). One that cannot join, or a
     group not formed within the spec's `timeout_s`, has the epoch abandoned
     at once (`on_abandon(name, why)`: SGLang gives the members waiting in
     the rendezvous no bound of their own but torch's 30 minutes). `stop`
@@ -363,9 +395,12 @@ class SGLangDriver:
         client: GenerationClient,
         key: bytes,
         on_abandon: Callable[[str, str], None] | None = None,
+        left_paused: set[str] | None = None,
     ):
         self.spec, self.members, self._client = spec, dict(members), client
         self._seal_key, self._on_abandon = key, on_abandon
+        self.left_paused = left_paused if left_paused is not None else set()
+        self._sent: dict[str, asyncio.Task] = {}  # `b/<n>/<i>` -> its wait, shared by the members
         self._store: SealedStore | None = None  # the epoch's store, as a client (connected in `_run`)
         self.held: dict[str, int] = {}  # url -> the newest version in place through the group
         self.lost: dict[str, str] = {}  # url -> why it left the epoch
@@ -457,7 +492,8 @@ class SGLangDriver:
                 if announced is None or announced == b"close":
                     return
                 version = int(announced)
-                await asyncio.gather(*(self._version(url, version, buckets) for url in urls))
+                self._sent.clear()
+                await asyncio.gather(*(self._version(url, n, version, buckets) for url in urls))
                 self._changed.set()
                 n += 1
         except Exception as e:  # the store gone, a malformed tensor list: the epoch is over
@@ -467,9 +503,22 @@ class SGLangDriver:
         finally:
             await asyncio.gather(*(self._destroy(url) for url in urls))
 
-    async def _version(self, url: str, version: int, buckets: list) -> None:
+    async def _version(self, url: str, n: int, version: int, buckets: list) -> None:
+        """Version `version` (announcement `n`) into member `url`. Bucket i + 1
+        is asked for only once the sender finished bucket i (`_bucket_sent`):
+        SGLang waits in a plain broadcast that looks at no store, and one
+        asked for a bucket the sender never sends (a member stalled in the
+        one before: its sender leaves that collective once the epoch is
+        abandoned) would wait for it until the collective's timeout, paused.
+        SGLang loads each bucket as it arrives (v0.5.6 `model_executor/
+        model_runner.py` `_update_bucketed_weights_from_distributed`; on a
+        failure: "partially updated. Please discard the whole weights."), so
+        a member that fails after its first bucket stays paused
+        (`left_paused`) until a version is loaded whole from disk
+        (`WeightEpochs.resume`): it never serves a half-swapped model."""
         client, timeout = self._client, self.spec.timeout_s + 30
-        session = False
+        session = partial = False
+        failure: Exception | None = None
         try:
             await client.pause_generation(url, mode="abort")
             try:
@@ -477,26 +526,60 @@ class SGLangDriver:
                     await client.begin_weight_update(url, timeout_s=timeout)
                     session = True
                 for i, entries in enumerate(buckets):
+                    if i:
+                        await self._bucket_sent(n, i - 1)
+                    partial = True
                     last = i == len(buckets) - 1
                     await client.update_weights_from_distributed(
                         url, self.spec.name, entries, str(version) if last else None, timeout_s=timeout
                     )
+                partial = False  # (the whole version is in place)
             finally:
                 if session:  # also after a failure: a session left open refuses the next epoch's begin
-                    session = False
                     await client.end_weight_update(url, timeout_s=timeout)
+        except (GenerationServerError, GenerationServerUnavailable, GroupError) as e:
+            failure = e
+        if not partial:
+            try:
                 await client.continue_generation(url)
-        except (GenerationServerError, GenerationServerUnavailable) as e:
-            self._lose(url, f"version {version}: {e}")
-            # Alive, it takes part in none of the epoch's collectives from here on, and the sender
-            # (and the members it relays to) would wait for it until the collective's timeout:
-            # gloo does not use the store once connected, so closing the store ends no such wait.
-            # Destroying its group closes its connections, which fails theirs at once; then the
-            # epoch is abandoned (the version goes by disk, the next boundary builds a new one).
-            await self._destroy(url)
-            self._abandon(f"{url} failed version {version}")
+            except (GenerationServerError, GenerationServerUnavailable) as e:
+                failure = failure or e
+        if failure is None:
+            self.held[url] = version
             return
-        self.held[url] = version
+        if partial:
+            self.left_paused.add(url)
+        self._lose(url, f"version {version}: {failure}" + (" (paused until loaded from disk)" if partial else ""))
+        # Alive, it takes part in none of the epoch's collectives from here on, and the sender
+        # (and the members it relays to) would wait for it until the collective's timeout:
+        # gloo does not use the store once connected, so closing the store ends no such wait.
+        # Destroying its group closes its connections, which fails theirs at once; then the
+        # epoch is abandoned (the version goes by disk, the next boundary builds a new one).
+        await self._destroy(url)
+        self._abandon(f"{url} failed version {version}")
+
+    def _bucket_sent(self, n: int, i: int) -> asyncio.Task:
+        """Ends once the sender finished bucket `i` of announcement `n`
+        (`b/<n>/<i>` in the store: every member has it); GroupError once the
+        epoch's store is gone (abandoned) or after a collective's timeout.
+        One wait per bucket, shared by the members."""
+        key = f"b/{n}/{i}"
+        if (task := self._sent.get(key)) is None:
+            task = self._sent[key] = asyncio.ensure_future(self._wait_sent(key))
+        return task
+
+    async def _wait_sent(self, key: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.timeout_s
+        while True:
+            try:
+                if await asyncio.to_thread(self._store.check, [key]):
+                    return
+            except Exception as e:  # the epoch's store closed: abandoned
+                raise GroupError(f"weight group {self.spec.name} was abandoned (its store: {e})") from None
+            if loop.time() > deadline:
+                raise GroupError(f"weight group {self.spec.name}: {key} not sent within {self.spec.timeout_s:g} s")
+            await asyncio.sleep(_POLL_S)
 
     async def _has_sessions(self, url: str) -> bool:
         """Whether the server needs a weight-update session: SGLang 0.5.23 on

@@ -23,7 +23,8 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   them over SGLang's routes: realrl/system/weight_broadcast.py): the tensor
   list is packed as SGLang's `FlattenedTensorBucket` (`Manifest.packed`) and
   the process group's own keys are laid out as SGLang's
-  `init_custom_process_group` lays them, unsealed (SGLang reads them plain).
+  `init_custom_process_group` lays them, unsealed (SGLang reads them plain);
+  each bucket sent is marked in the store (`b/<n>/<i>`: the manager's cue).
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
@@ -589,10 +590,12 @@ class Sender:
             if not self.failed:
                 try:
                     store.set(f"v/{n}", str(version).encode())
-                    n += 1
+                    announced, n = n, n + 1
                     flat = self._buffers[index]
-                    for start, end in self.manifest.buckets(self.spec.bucket_bytes):
+                    for i, (start, end) in enumerate(self.manifest.buckets(self.spec.bucket_bytes)):
                         _broadcast(group, flat[start:end], self.spec, store)
+                        if self.spec.protocol == "sglang":  # every member has bucket i: the next may go out
+                            store.set(f"b/{announced}/{i}", b"sent")
                         faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                 except Exception as e:  # a member died or timed out: the group is over
                     self._fail(e)

@@ -161,6 +161,7 @@ class DistributedWeightUpdates:
             flat = torch.empty(offset, dtype=torch.uint8, device=self.device)
             dist.broadcast(flat, src=0, group=group)
             faults.point("weights.bucket_received")  # a test's member dying mid-version
+            faults.point("weights.member_stalls")  # a test's member up but answering nothing, mid-version
             return {
                 name: flat[start : start + shape.numel() * dtype.itemsize].view(dtype).reshape(shape)
                 for (name, dtype, shape), start in zip(specs, offsets)
