@@ -116,46 +116,17 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     else:
         armed += ",weights.member_stalls=stop;after=test.stall_server"
         armed += ",weights.member_stalls_in_place=stop;after=test.stall_in_place"
-    monkeypatch.setenv(faults.FAULTS_ENV, armed)
-    fault_dir = tmp_path / "faults"
-    fault_dir.mkdir()
-    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
+    fault_dir = _armed(tmp_path, monkeypatch, armed)
 
     import aiohttp
 
-    from realrl.api.system_api import GserverManagerConfig
     from realrl.impl.generation import make_client
-    from realrl.launcher.local import WorkerGroup
     from tests.impl.weights.test_torch_server_group import forward_logprobs
-    from tests.system.test_generation_server import EXP, build_tiny_model, server_config
-    from tests.system.trial_thread import TrialThread, wait_until
+    from tests.system.test_generation_server import EXP
+    from tests.system.trial_thread import wait_until
 
-    _, model = build_tiny_model(seed=1)
-    model_dir = publish_weights(model, str(tmp_path / "model"), 0)
-    weights_dir = str(tmp_path / "weights")
     # Several buckets per version; a rendezvous timeout no step of the test may wait out.
-    wire = WeightTransportConfig(transport="broadcast", bucket_bytes=16384, timeout_s=600, protocol=protocol)
-    manager_cfg = GserverManagerConfig(
-        n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
-    )
-    # (the stalled server is found by its health checks: 2 unanswered within 2 s each)
-    manager_cfg.health_check_interval, manager_cfg.health_check_timeout, manager_cfg.health_check_failures = 0.5, 2, 2
-    servers = server_config(model_dir, "sglang" if protocol == "sglang" else "torch")
-    if protocol == "sglang":
-        servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
-    groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
-    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
-    trial.start_training()
-    publisher = BroadcastPublisher(
-        wire,
-        model,
-        None,
-        lambda v, state: publish_weights(model, weights_dir, v, state_dict=state),
-        EXP,
-        trial.trial,
-        HOST,
-    )
-    announce = lambda v: trial.set(names.model_version(EXP, trial.trial, "actor"), str(v))  # noqa: E731
+    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(tmp_path, etcd_server, protocol, 600.0)
     probe = [5, 6, 7, 8, 9]
 
     async def manager_version(session, url) -> int:
@@ -328,44 +299,17 @@ def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the
 
     import aiohttp
 
-    from realrl.api.system_api import GserverManagerConfig
     from realrl.base import faults
     from realrl.impl.generation import make_client
-    from realrl.launcher.local import WorkerGroup
     from tests.impl.weights.test_torch_server_group import forward_logprobs
-    from tests.system.test_generation_server import EXP, build_tiny_model, server_config
-    from tests.system.trial_thread import TrialThread, wait_until
+    from tests.system.test_generation_server import EXP
+    from tests.system.trial_thread import wait_until
 
-    monkeypatch.setenv(faults.FAULTS_ENV, "weights.member_stalls=stop;after=test.stall_server")
-    fault_dir = tmp_path / "faults"
-    fault_dir.mkdir()
-    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
-    _, model = build_tiny_model(seed=1)
-    model_dir = publish_weights(model, str(tmp_path / "model"), 0)
-    weights_dir = str(tmp_path / "weights")
+    fault_dir = _armed(tmp_path, monkeypatch, "weights.member_stalls=stop;after=test.stall_server")
     timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
-    wire = WeightTransportConfig(transport="broadcast", bucket_bytes=16384, timeout_s=timeout_s, protocol="sglang")
-    manager_cfg = GserverManagerConfig(
-        n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
+    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(
+        tmp_path, etcd_server, "sglang", timeout_s, weight_update_timeout=timeout_s
     )
-    manager_cfg.weight_update_timeout = timeout_s
-    # (the stalled server is found by its health checks: 2 unanswered within 2 s each)
-    manager_cfg.health_check_interval, manager_cfg.health_check_timeout, manager_cfg.health_check_failures = 0.5, 2, 2
-    servers = server_config(model_dir, "sglang")
-    servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
-    groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
-    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
-    trial.start_training()
-    publisher = BroadcastPublisher(
-        wire,
-        model,
-        None,
-        lambda v, state: publish_weights(model, weights_dir, v, state_dict=state),
-        EXP,
-        trial.trial,
-        HOST,
-    )
-    announce = lambda v: trial.set(names.model_version(EXP, trial.trial, "actor"), str(v))  # noqa: E731
     manager_log = trial.launcher.log_path("gserver_manager", 0)
     probe = [5, 6, 7, 8, 9]
     greedy = {"max_new_tokens": 8, "temperature": 0.0}
@@ -462,3 +406,54 @@ def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the
     torch.testing.assert_close(
         torch.tensor(outs[0].output_logprobs), forward_logprobs(model, probe, outs[0].output_ids), atol=1e-4, rtol=0
     )
+
+
+def _armed(tmp_path, monkeypatch, armed: str):
+    """Arms the fault points `armed` for the workers this test starts; their
+    directory (where a test's `after=` files go) is returned."""
+    from realrl.base import faults
+
+    monkeypatch.setenv(faults.FAULTS_ENV, armed)
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir()
+    monkeypatch.setenv(faults.FAULTS_DIR_ENV, str(fault_dir))
+    return fault_dir
+
+
+def _two_servers_and_a_sender(tmp_path, etcd_server, protocol: str, timeout_s: float, weight_update_timeout=None):
+    """A trial of two torch servers (`sglang`: emulating SGLang 0.5.23) and the
+    manager, `weights.transport=broadcast`, training started; this process is
+    the trainer: (model, weights_dir, trial, publisher, announce)."""
+    from realrl.api.system_api import GserverManagerConfig
+    from realrl.launcher.local import WorkerGroup
+    from tests.system.test_generation_server import EXP, build_tiny_model, server_config
+    from tests.system.trial_thread import TrialThread
+
+    _, model = build_tiny_model(seed=1)
+    model_dir = publish_weights(model, str(tmp_path / "model"), 0)
+    weights_dir = str(tmp_path / "weights")
+    wire = WeightTransportConfig(transport="broadcast", bucket_bytes=16384, timeout_s=timeout_s, protocol=protocol)
+    manager_cfg = GserverManagerConfig(
+        n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
+    )
+    if weight_update_timeout is not None:
+        manager_cfg.weight_update_timeout = weight_update_timeout
+    # (a stalled server is found by its health checks: 2 unanswered within 2 s each)
+    manager_cfg.health_check_interval, manager_cfg.health_check_timeout, manager_cfg.health_check_failures = 0.5, 2, 2
+    servers = server_config(model_dir, "sglang" if protocol == "sglang" else "torch")
+    if protocol == "sglang":
+        servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
+    groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
+    trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
+    trial.start_training()
+    publisher = BroadcastPublisher(
+        wire,
+        model,
+        None,
+        lambda v, state: publish_weights(model, weights_dir, v, state_dict=state),
+        EXP,
+        trial.trial,
+        HOST,
+    )
+    announce = lambda v: trial.set(names.model_version(EXP, trial.trial, "actor"), str(v))  # noqa: E731
+    return model, weights_dir, trial, publisher, announce
