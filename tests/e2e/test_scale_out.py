@@ -55,8 +55,11 @@ def test_synchronous_ppo_on_two_trainers_and_three_rollout_workers_never_trains_
     assert len(train_steps) == steps and all(s["env/n_answers"] == s["train/n_seqs"] for s in train_steps)
 
 
-def test_filter_that_starves_one_rank(tmp_path, kit_cache):
+def test_filter_that_starves_one_rank(tmp_path, kit_cache, monkeypatch):
     steps = 4
+    # Workers 0 and 1 wait for worker 2's first rejection (the plugin's gate); 8 episodes
+    # each at most (24 over 3 workers) leave worker 2 room under the staleness bound's 32.
+    monkeypatch.setenv("SHARD_FILTER_GATE", str(tmp_path))
     _, summary, stats = run(
         tmp_path,
         kit_cache,
@@ -65,6 +68,7 @@ def test_filter_that_starves_one_rank(tmp_path, kit_cache):
         "rollout.max_head_offpolicyness=1",
         f"plugins=[{os.path.join(HERE, 'shard_filter_plugin.py')}]",
         "rollout.agent.type=shard-filter-agent",
+        "rollout.max_concurrent_rollouts=24",
         *TWO_TRAINERS,
     )
     check(summary, stats, steps, 1)
