@@ -531,7 +531,7 @@ class SGLangDriver:
                     partial = True
                     last = i == len(buckets) - 1
                     await client.update_weights_from_distributed(
-                        url, self.spec.name, entries, str(version) if last else None, timeout_s=timeout
+                        url, self._group_name(url), entries, str(version) if last else None, timeout_s=timeout
                     )
                 partial = False  # (the whole version is in place)
             finally:
@@ -593,8 +593,11 @@ class SGLangDriver:
                 self._sessions[url] = True  # (a development build: the newest behaviour)
         return self._sessions[url]
 
+    def _group_name(self, url: str) -> str:
+        return self.spec.sglang_group(self.members[url])[0]
+
     async def _destroy(self, url: str) -> None:
         try:
-            await self._client.destroy_weights_update_group(url, self.spec.name, timeout_s=10)
+            await self._client.destroy_weights_update_group(url, self._group_name(url), timeout_s=10)
         except (GenerationServerError, GenerationServerUnavailable):
             pass
