@@ -275,139 +275,6 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         assert re.search(r"weight update of \S+ to version 7 skipped: the server left routing", log), log[-3000:]
 
 
-def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the_epoch_is_abandoned(
-    tmp_path, etcd_server, monkeypatch
-):
-    """Two torch servers emulating SGLang 0.5.23 take versions over SGLang's
-    routes (`weights.transport=broadcast`; real manager and server workers,
-    this process is the trainer). One member stops (SIGSTOP, the
-    `weights.member_stalls` fault point) right after it received one of
-    version 2's buckets, inside its `/update_weights_from_distributed`: up,
-    holding its sockets, answering nothing. The other member, paused for
-    version 2 with part of it in place, never waits in a collective the
-    stalled one holds up (each bucket goes to the members only once the
-    sender finished the one before): once the stalled one's health checks
-    fail, the epoch is abandoned, the sender leaves its collective, version 2
-    goes by disk, and the healthy member, kept paused meanwhile (never
-    serving a half-swapped model), serves version 2 loaded from disk within
-    seconds, not at the collective's timeout (`weights.timeout_s` =
-    `weight_update_timeout` = 120 s). Once the stalled one answers again it
-    loads version 2 from disk before it takes requests, and a new epoch of
-    both carries version 3 to both."""
-    import asyncio
-    import time
-
-    import aiohttp
-
-    from realrl.base import faults
-    from realrl.impl.generation import make_client
-    from tests.impl.weights.test_torch_server_group import forward_logprobs
-    from tests.system.test_generation_server import EXP
-    from tests.system.trial_thread import wait_until
-
-    fault_dir = _armed(tmp_path, monkeypatch, "weights.member_stalls=stop;after=test.stall_server")
-    timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
-    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(
-        tmp_path, etcd_server, "sglang", timeout_s, weight_update_timeout=timeout_s
-    )
-    manager_log = trial.launcher.log_path("gserver_manager", 0)
-    probe = [5, 6, 7, 8, 9]
-    greedy = {"max_new_tokens": 8, "temperature": 0.0}
-
-    def current_epoch() -> str:
-        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
-
-    async def publish(session, manager_url: str, version: int) -> None:
-        train_a_little(model, version)
-        assert publisher.publish(version, None, announce)
-        for _ in range(1200):
-            async with session.get(manager_url + "/get_model_version") as resp:
-                if (await resp.json())["version"] == version:
-                    return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the manager did not reach version {version}")
-
-    async def answers(url: str, timeout: float) -> bool:
-        try:
-            async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
-                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                    return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
-
-    result: dict = {}
-
-    async def scenario(manager_url: str) -> None:
-        urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
-        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
-            await publish(session, manager_url, 1)  # through the first epoch
-            result["epoch"] = current_epoch()
-            (fault_dir / "test.stall_server").touch()  # a member stops in one of version 2's buckets
-            train_a_little(model, 2)
-            assert publisher.publish(2, None, announce)
-            wait_pid = lambda: faults.stopped_pid(str(fault_dir), "weights.member_stalls")  # noqa: E731
-            await asyncio.to_thread(wait_until, wait_pid, 60, "a member stalling in version 2")
-            stalled_at = float((fault_dir / "weights.member_stalls").read_text())
-            alive = await asyncio.gather(*(answers(u, 1.0) for u in urls))
-            assert sorted(alive) == [False, True], alive
-            healthy, stalled = urls[alive.index(True)], urls[alive.index(False)]
-            # The healthy member, paused for version 2: it serves again once version 2 is in place.
-            async with make_client("sglang", timeout_s=timeout_s + 30) as client:
-                served = await client.generate(healthy, probe, greedy)
-                while served.finish_reason == "abort":  # (sent before its pause for version 2 came)
-                    served = await client.generate(healthy, probe, greedy)
-            result["served_after"] = time.time() - stalled_at
-            result["served"] = served
-            result["v2"] = forward_logprobs(model, probe, served.output_ids)
-            for _ in range(1200):  # the manager holds version 2 (the stalled server out of routing)
-                async with session.get(manager_url + "/get_model_version") as resp:
-                    if (await resp.json())["version"] == 2:
-                        break
-                await asyncio.sleep(0.05)
-            os.kill(wait_pid(), signal.SIGCONT)  # the stalled one answers again: back by disk, then an epoch of both
-            for _ in range(1200):
-                log = open(manager_log).read()
-                if (now := current_epoch()) != result["epoch"] and re.search(rf"weight group {now}: 2 servers", log):
-                    break
-                await asyncio.sleep(0.05)
-            await publish(session, manager_url, 3)
-        async with make_client("sglang", timeout_s=60) as client:
-            result["held"] = [await client.weight_version(u) for u in (healthy, stalled)]
-            result["outs"] = [await client.generate(u, probe, greedy) for u in (healthy, stalled)]
-        result["stalled"] = stalled
-
-    try:
-        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
-        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
-        asyncio.run(scenario(manager_url))
-        publisher.close()
-        assert trial.complete() == 0
-    finally:
-        if (pid := faults.stopped_pid(str(fault_dir), "weights.member_stalls")) is not None:
-            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
-                os.kill(pid, signal.SIGCONT)
-        publisher.close(timeout_s=1)
-        trial.close()
-    log = open(manager_log).read()
-    # The healthy member served again within seconds of the stall, far below the collective's timeout,
-    # and with version 2 whole (loaded from disk), never a model with part of version 2 swapped in.
-    assert result["served_after"] < timeout_s / 4, (result["served_after"], log[-3000:])
-    served = result["served"]
-    assert served.weight_version == "2", served
-    torch.testing.assert_close(torch.tensor(served.output_logprobs), result["v2"], atol=1e-4, rtol=0)
-    assert re.search(rf"weight group {result['epoch']} abandoned: \S+ is down \(", log), log[-3000:]
-    assert re.search(r"updating 1 servers to weight version 2 from ", log), log[-3000:]  # the healthy one, by disk
-    # The stalled one, back: version 2 from disk before it took requests, then version 3 through a new epoch.
-    assert re.search(rf"at {re.escape(result['stalled'])} holds weight version 1: loading version 2", log), log[-3000:]
-    assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
-    assert result["held"] == ["3", "3"]
-    outs = result["outs"]
-    assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
-    torch.testing.assert_close(
-        torch.tensor(outs[0].output_logprobs), forward_logprobs(model, probe, outs[0].output_ids), atol=1e-4, rtol=0
-    )
-
-
 def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_health_checks(
     tmp_path, etcd_server, monkeypatch
 ):
@@ -544,6 +411,139 @@ def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_
     ]
     assert result["held"] == ["3"] * 3
     assert "updating 3 servers to weight version 3 (broadcast)" in log, log[-3000:]
+
+
+def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the_epoch_is_abandoned(
+    tmp_path, etcd_server, monkeypatch
+):
+    """Two torch servers emulating SGLang 0.5.23 take versions over SGLang's
+    routes (`weights.transport=broadcast`; real manager and server workers,
+    this process is the trainer). One member stops (SIGSTOP, the
+    `weights.member_stalls` fault point) right after it received one of
+    version 2's buckets, inside its `/update_weights_from_distributed`: up,
+    holding its sockets, answering nothing. The other member, paused for
+    version 2 with part of it in place, never waits in a collective the
+    stalled one holds up (each bucket goes to the members only once the
+    sender finished the one before): once the stalled one's health checks
+    fail, the epoch is abandoned, the sender leaves its collective, version 2
+    goes by disk, and the healthy member, kept paused meanwhile (never
+    serving a half-swapped model), serves version 2 loaded from disk within
+    seconds, not at the collective's timeout (`weights.timeout_s` =
+    `weight_update_timeout` = 120 s). Once the stalled one answers again it
+    loads version 2 from disk before it takes requests, and a new epoch of
+    both carries version 3 to both."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from realrl.base import faults
+    from realrl.impl.generation import make_client
+    from tests.impl.weights.test_torch_server_group import forward_logprobs
+    from tests.system.test_generation_server import EXP
+    from tests.system.trial_thread import wait_until
+
+    fault_dir = _armed(tmp_path, monkeypatch, "weights.member_stalls=stop;after=test.stall_server")
+    timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
+    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(
+        tmp_path, etcd_server, "sglang", timeout_s, weight_update_timeout=timeout_s
+    )
+    manager_log = trial.launcher.log_path("gserver_manager", 0)
+    probe = [5, 6, 7, 8, 9]
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+
+    def current_epoch() -> str:
+        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
+
+    async def publish(session, manager_url: str, version: int) -> None:
+        train_a_little(model, version)
+        assert publisher.publish(version, None, announce)
+        for _ in range(1200):
+            async with session.get(manager_url + "/get_model_version") as resp:
+                if (await resp.json())["version"] == version:
+                    return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the manager did not reach version {version}")
+
+    async def answers(url: str, timeout: float) -> bool:
+        try:
+            async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                    return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    result: dict = {}
+
+    async def scenario(manager_url: str) -> None:
+        urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+            await publish(session, manager_url, 1)  # through the first epoch
+            result["epoch"] = current_epoch()
+            (fault_dir / "test.stall_server").touch()  # a member stops in one of version 2's buckets
+            train_a_little(model, 2)
+            assert publisher.publish(2, None, announce)
+            wait_pid = lambda: faults.stopped_pid(str(fault_dir), "weights.member_stalls")  # noqa: E731
+            await asyncio.to_thread(wait_until, wait_pid, 60, "a member stalling in version 2")
+            stalled_at = float((fault_dir / "weights.member_stalls").read_text())
+            alive = await asyncio.gather(*(answers(u, 1.0) for u in urls))
+            assert sorted(alive) == [False, True], alive
+            healthy, stalled = urls[alive.index(True)], urls[alive.index(False)]
+            # The healthy member, paused for version 2: it serves again once version 2 is in place.
+            async with make_client("sglang", timeout_s=timeout_s + 30) as client:
+                served = await client.generate(healthy, probe, greedy)
+                while served.finish_reason == "abort":  # (sent before its pause for version 2 came)
+                    served = await client.generate(healthy, probe, greedy)
+            result["served_after"] = time.time() - stalled_at
+            result["served"] = served
+            result["v2"] = forward_logprobs(model, probe, served.output_ids)
+            for _ in range(1200):  # the manager holds version 2 (the stalled server out of routing)
+                async with session.get(manager_url + "/get_model_version") as resp:
+                    if (await resp.json())["version"] == 2:
+                        break
+                await asyncio.sleep(0.05)
+            os.kill(wait_pid(), signal.SIGCONT)  # the stalled one answers again: back by disk, then an epoch of both
+            for _ in range(1200):
+                log = open(manager_log).read()
+                if (now := current_epoch()) != result["epoch"] and re.search(rf"weight group {now}: 2 servers", log):
+                    break
+                await asyncio.sleep(0.05)
+            await publish(session, manager_url, 3)
+        async with make_client("sglang", timeout_s=60) as client:
+            result["held"] = [await client.weight_version(u) for u in (healthy, stalled)]
+            result["outs"] = [await client.generate(u, probe, greedy) for u in (healthy, stalled)]
+        result["stalled"] = stalled
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+        asyncio.run(scenario(manager_url))
+        publisher.close()
+        assert trial.complete() == 0
+    finally:
+        if (pid := faults.stopped_pid(str(fault_dir), "weights.member_stalls")) is not None:
+            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
+                os.kill(pid, signal.SIGCONT)
+        publisher.close(timeout_s=1)
+        trial.close()
+    log = open(manager_log).read()
+    # The healthy member served again within seconds of the stall, far below the collective's timeout,
+    # and with version 2 whole (loaded from disk), never a model with part of version 2 swapped in.
+    assert result["served_after"] < timeout_s / 4, (result["served_after"], log[-3000:])
+    served = result["served"]
+    assert served.weight_version == "2", served
+    torch.testing.assert_close(torch.tensor(served.output_logprobs), result["v2"], atol=1e-4, rtol=0)
+    assert re.search(rf"weight group {result['epoch']} abandoned: \S+ is down \(", log), log[-3000:]
+    assert re.search(r"updating 1 servers to weight version 2 from ", log), log[-3000:]  # the healthy one, by disk
+    # The stalled one, back: version 2 from disk before it took requests, then version 3 through a new epoch.
+    assert re.search(rf"at {re.escape(result['stalled'])} holds weight version 1: loading version 2", log), log[-3000:]
+    assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
+    assert result["held"] == ["3", "3"]
+    outs = result["outs"]
+    assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
+    torch.testing.assert_close(
+        torch.tensor(outs[0].output_logprobs), forward_logprobs(model, probe, outs[0].output_ids), atol=1e-4, rtol=0
+    )
 
 
 def _armed(tmp_path, monkeypatch, armed: str):
