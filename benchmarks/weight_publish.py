@@ -586,7 +586,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                         if kind.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
                             done = asyncio.get_running_loop().create_future()
                             done.set_result(None)
-                            driver._bucket_sent = lambda n, i, done=done: done
+                            driver._bucket_sent = lambda *_, done=done: done
                         packed = Manifest.of(tensors, packed=True)
                         sender = Sender(spec, b"", packed, "127.0.0.1", after_send=to_disk)
                     if kind == "broadcast":

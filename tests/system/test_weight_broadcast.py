@@ -283,16 +283,18 @@ def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_
     binomial tree (rank 3 receives each bucket from rank 1), and a member fed
     through a stalled one would wait in SGLang's plain `dist.broadcast` until
     the collective's timeout (`weights.timeout_s` = 120 s here), paused. Each
-    member is in a group of two with the sender instead (docs/design.md §8).
-    The sender is held after version 2's first bucket (the
-    `weights.bucket_sent` gate, this process being the trainer) while the
+    member is in a group of two with the sender instead (docs/design.md §8),
+    and takes each version at its own pace. The sender is held for the
     member at rank 1 of the epoch (the one a tree would relay through,
-    whatever order the servers started in) is stopped (SIGSTOP): up, holding
-    its sockets, answering nothing. The two others serve version 2, whole and
-    as the trainer's weights answer, within a few rounds of the health checks
-    that take the stalled one out (a liveness bound, far below the
-    collective's timeout); once it answers again, an epoch of all three
-    carries version 3."""
+    whatever order the servers started in) after version 2's first bucket
+    (the `weights.bucket_sent.r1` gate, this process being the trainer)
+    while that member is stopped (SIGSTOP): up, holding its sockets,
+    answering nothing. The two others take version 2 whole through their
+    groups, not waiting for the health checks that take the stalled one out
+    (nor loading it from disk after), and serve it as the trainer's weights
+    answer, well within those checks (a liveness bound, far below the
+    collective's timeout); once the stalled one answers again, an epoch of
+    all three carries version 3."""
     import asyncio
     import time
 
@@ -304,7 +306,7 @@ def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_
     from tests.system.test_generation_server import EXP
     from tests.system.trial_thread import wait_until
 
-    fault_dir = _armed(tmp_path, monkeypatch, "weights.bucket_sent=gate;after=test.hold_sender")
+    fault_dir = _armed(tmp_path, monkeypatch, "weights.bucket_sent.r1=gate;after=test.hold_sender")
     timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
     model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(
         tmp_path, etcd_server, "sglang", timeout_s, weight_update_timeout=timeout_s, n_servers=3
@@ -355,16 +357,17 @@ def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_
         result["epoch"] = current_epoch()
         publish(1)
         await manager_at(1)
-        (fault_dir / "test.hold_sender").touch()  # the sender stops after version 2's first bucket
+        (fault_dir / "test.hold_sender").touch()  # the sender stops for rank 1 after version 2's first bucket
         publish(2)
-        await asyncio.to_thread(wait_until, lambda: faults.fired("weights.bucket_sent"), 60, "version 2's bucket")
+        held = lambda: faults.fired("weights.bucket_sent.r1")  # noqa: E731
+        await asyncio.to_thread(wait_until, held, 60, "version 2's first bucket to rank 1")
         relay = members[0]  # rank 1: a tree would feed rank 3 through it
         result["stalled"] = relay
         result["pid"] = server_pid(relay)
         os.kill(result["pid"], signal.SIGSTOP)
         stalled_at = time.monotonic()
-        faults.open_gate(str(fault_dir), "weights.bucket_sent")
-        healthy = members[1:]
+        faults.open_gate(str(fault_dir), "weights.bucket_sent.r1")
+        healthy = result["healthy"] = members[1:]
         async with make_client("sglang", timeout_s=timeout_s + 30) as client:
 
             async def serves(url: str):
@@ -394,8 +397,8 @@ def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_
         if result.get("pid"):
             with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
                 os.kill(result["pid"], signal.SIGCONT)
-        if faults.fired("weights.bucket_sent"):
-            faults.open_gate(str(fault_dir), "weights.bucket_sent")
+        if faults.fired("weights.bucket_sent.r1"):
+            faults.open_gate(str(fault_dir), "weights.bucket_sent.r1")
         publisher.close(timeout_s=1)
         trial.close()
     log = open(manager_log).read()
@@ -409,29 +412,28 @@ def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_
     assert re.search(rf"weight group {result['epoch']} abandoned: {re.escape(result['stalled'])} is down", log), log[
         -3000:
     ]
+    for url in result["healthy"]:  # version 2 through their groups: neither lost to the epoch nor loaded from disk
+        assert not re.search(rf"{re.escape(url)} (left it|holds a whole version again)", log), log[-3000:]
     assert result["held"] == ["3"] * 3
     assert "updating 3 servers to weight version 3 (broadcast)" in log, log[-3000:]
 
 
-def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the_epoch_is_abandoned(
-    tmp_path, etcd_server, monkeypatch
-):
+def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(tmp_path, etcd_server, monkeypatch):
     """Two torch servers emulating SGLang 0.5.23 take versions over SGLang's
     routes (`weights.transport=broadcast`; real manager and server workers,
     this process is the trainer). One member stops (SIGSTOP, the
     `weights.member_stalls` fault point) right after it received one of
     version 2's buckets, inside its `/update_weights_from_distributed`: up,
-    holding its sockets, answering nothing. The other member, paused for
-    version 2 with part of it in place, never waits in a collective the
-    stalled one holds up (each bucket goes to the members only once the
-    sender finished the one before): once the stalled one's health checks
-    fail, the epoch is abandoned, the sender leaves its collective, version 2
-    goes by disk, and the healthy member, kept paused meanwhile (never
-    serving a half-swapped model), serves version 2 loaded from disk within
-    seconds, not at the collective's timeout (`weights.timeout_s` =
-    `weight_update_timeout` = 120 s). Once the stalled one answers again it
-    loads version 2 from disk before it takes requests, and a new epoch of
-    both carries version 3 to both."""
+    holding its sockets, answering nothing. The other member takes version 2
+    whole through its own group at its own pace (it is asked for each bucket
+    once the sender finished the one before to it), never waiting for the
+    stalled one, and serves it within seconds, not at the collective's
+    timeout (`weights.timeout_s` = `weight_update_timeout` = 120 s), nor
+    after the stalled one's health checks, nor loaded again from disk once
+    they fail and the epoch is abandoned (the sender leaves the stalled
+    one's collective then). Once the stalled one answers again it loads
+    version 2 from disk before it takes requests, and a new epoch of both
+    carries version 3 to both."""
     import asyncio
     import time
 
@@ -489,6 +491,7 @@ def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the
             alive = await asyncio.gather(*(answers(u, 1.0) for u in urls))
             assert sorted(alive) == [False, True], alive
             healthy, stalled = urls[alive.index(True)], urls[alive.index(False)]
+            result["healthy"] = healthy
             # The healthy member, paused for version 2: it serves again once version 2 is in place.
             async with make_client("sglang", timeout_s=timeout_s + 30) as client:
                 served = await client.generate(healthy, probe, greedy)
@@ -528,13 +531,14 @@ def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the
         trial.close()
     log = open(manager_log).read()
     # The healthy member served again within seconds of the stall, far below the collective's timeout,
-    # and with version 2 whole (loaded from disk), never a model with part of version 2 swapped in.
+    # and with version 2 whole (through its group), never a model with part of version 2 swapped in.
     assert result["served_after"] < timeout_s / 4, (result["served_after"], log[-3000:])
     served = result["served"]
     assert served.weight_version == "2", served
     torch.testing.assert_close(torch.tensor(served.output_logprobs), result["v2"], atol=1e-4, rtol=0)
     assert re.search(rf"weight group {result['epoch']} abandoned: \S+ is down \(", log), log[-3000:]
-    assert re.search(r"updating 1 servers to weight version 2 from ", log), log[-3000:]  # the healthy one, by disk
+    healthy = re.escape(result["healthy"])  # (neither lost to the epoch nor loaded from disk)
+    assert not re.search(rf"{healthy} (left it|holds a whole version again)", log), log[-3000:]
     # The stalled one, back: version 2 from disk before it took requests, then version 3 through a new epoch.
     assert re.search(rf"at {re.escape(result['stalled'])} holds weight version 1: loading version 2", log), log[-3000:]
     assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]

@@ -25,8 +25,9 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   the process group's own keys are laid out as SGLang's
   `init_custom_process_group` lays them, unsealed (SGLang reads them plain);
   each member is in a group of two of its own with the sender (`GroupSpec.
-  sglang_group`: no member relays another's buckets), and each bucket sent
-  is marked in the store (`b/<n>/<i>`: the manager's cue).
+  sglang_group`: no member relays another's buckets), fed on a thread of its
+  own at its own pace, and each bucket sent to it is marked in the store
+  (`b/<n>/<i>/<rank>`: the manager's cue).
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
@@ -588,6 +589,33 @@ class Sender:
         if timeout_s > 0:
             self._thread.join(timeout_s)
 
+    def _to_each(self, groups: list, flat: torch.Tensor, buckets: list, n: int, store: SealedStore) -> None:
+        """Announcement `n`'s buckets into each member's group of two, each on
+        a thread of its own at the member's own pace (`b/<n>/<i>/<rank>`:
+        bucket i went to member `rank`, whose next is on its way): no member
+        waits for another. Once every one ended, raises the first failure."""
+        errors: list[Exception] = []
+
+        def to_member(rank: int, group: dist.ProcessGroup) -> None:
+            try:
+                for i, (start, end) in enumerate(buckets):
+                    _broadcast([group], flat[start:end], self.spec, store)
+                    store.set(f"b/{n}/{i}/{rank}", b"sent")
+                    faults.point(f"weights.bucket_sent.r{rank}")  # a test's sender held for one member
+            except Exception as e:
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=to_member, args=(rank, group), name=f"weights-send-r{rank}", daemon=True)
+            for rank, group in enumerate(groups, start=1)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
     def _fail(self, e: Exception) -> None:
         with self._cond:
             self.error = f"{type(e).__name__}: {e}"
@@ -623,12 +651,15 @@ class Sender:
                 try:
                     store.set(f"v/{n}", str(version).encode())
                     announced, n = n, n + 1
-                    flat = self._buffers[index]
-                    for i, (start, end) in enumerate(self.manifest.buckets(self.spec.bucket_bytes)):
-                        _broadcast(groups, flat[start:end], self.spec, store)
-                        if self.spec.protocol == "sglang":  # every member has bucket i: the next may go out
-                            store.set(f"b/{announced}/{i}", b"sent")
-                        faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
+                    flat, buckets = self._buffers[index], self.manifest.buckets(self.spec.bucket_bytes)
+                    if self.spec.protocol == "sglang" and self.spec.sglang_groups == "pairs":
+                        self._to_each(groups, flat, buckets, announced, store)
+                    else:
+                        for i, (start, end) in enumerate(buckets):
+                            _broadcast(groups, flat[start:end], self.spec, store)
+                            if self.spec.protocol == "sglang":  # every member has bucket i: the next may go out
+                                store.set(f"b/{announced}/{i}", b"sent")
+                            faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                 except Exception as e:  # a member died or timed out: the group is over
                     self._fail(e)
                     groups = None  # their connections close: the other members fail now, not at their timeout
