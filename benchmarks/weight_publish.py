@@ -6,7 +6,13 @@
     python benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2,4 [--bucket-mb M] ...
 
 `--transport` compares the two ways a version reaches the servers
-(docs/design.md §8) instead: for each server count n and each transport, the
+(docs/design.md §8) instead (`sglang-pairs`, `sglang-one`: broadcast over
+SGLang's routes to torch servers emulating SGLang 0.5.23, driven by the
+manager's `SGLangDriver`, each member in a group of two with the sender, what
+realrl does, or all in one group, whose broadcast relays along a tree;
+`sglang-pairs-nomarks`: pairs with every bucket asked for at once, not after
+the sender's mark of the one before (what the marks cost; not safe with a
+stalled member); "wire s" is the sender's time on the wire per version): for each server count n and each transport, the
 trainer's stall (disk: `publish_weights`; broadcast: the snapshot), the time
 from step end to every server serving the version, until its directory is on
 disk, the bytes moved, and the generation pause of `--inflight` requests per
@@ -169,7 +175,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_servers(model_dir: str, n: int, dtype: str, log_dir: str) -> list[tuple[subprocess.Popen, str]]:
+def start_servers(
+    model_dir: str, n: int, dtype: str, log_dir: str, emulate_sglang: bool = False
+) -> list[tuple[subprocess.Popen, str]]:
     servers = []
     for i in range(n):
         port = free_port()
@@ -192,7 +200,7 @@ def start_servers(model_dir: str, n: int, dtype: str, log_dir: str) -> list[tupl
                 "64",
                 "--log-level",
                 "WARNING",
-            ]
+            ] + (["--emulate-sglang", "0.5.23"] if emulate_sglang else [])
             proc = subprocess.Popen(
                 with_parent_death_signal(cmd, os.getpid()),  # SIGKILLed with us, should we die
                 stdout=log,
@@ -492,7 +500,9 @@ def disk_floor(tensors: dict, readers: int, scratch: str, repeats: int) -> float
     return statistics.median(times)
 
 
-async def transport_version(kind: str, client, urls, model, weights_dir: str, version: int, sender) -> dict:
+async def transport_version(
+    kind: str, client, urls, model, weights_dir: str, version: int, sender, driver=None
+) -> dict:
     """One version, step end -> every server in `urls` serves it: the trainer's
     stall, the time to all servers, and (broadcast) the time until its disk copy exists."""
     from realrl.impl.weights.broadcast import published_tensors
@@ -507,9 +517,14 @@ async def transport_version(kind: str, client, urls, model, weights_dir: str, ve
     else:
         sender.publish(version, published_tensors(model))
         t1 = time.perf_counter()
-        answers = await asyncio.gather(*(client.await_weight_version(u, version, 300) for u in urls))
-        if not all(a.success for a in answers):
-            raise RuntimeError(f"broadcast of version {version} failed: {[a.message for a in answers]}")
+        if driver is not None:  # SGLang's routes
+            answers = await asyncio.gather(*(driver.await_version(u, version, 300) for u in urls))
+            if not all(ok for ok, _ in answers):
+                raise RuntimeError(f"broadcast of version {version} failed: {answers}")
+        else:
+            answers = await asyncio.gather(*(client.await_weight_version(u, version, 300) for u in urls))
+            if not all(a.success for a in answers):
+                raise RuntimeError(f"broadcast of version {version} failed: {[a.message for a in answers]}")
         t2 = time.perf_counter()
         await asyncio.to_thread(sender.wait_idle, 300)  # its HF directory is written
         t3 = time.perf_counter()
@@ -520,7 +535,8 @@ async def transport_version(kind: str, client, urls, model, weights_dir: str, ve
     for name in os.listdir(weights_dir):  # the manager deletes older versions once all servers hold v
         if name.isdigit() and int(name) < version:
             shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
-    return {"stall_s": t1 - t0, "to_all_s": t2 - t0, "on_disk_s": t3 - t0, "bytes_moved": moved}
+    wire = sender.seconds.get(version) if sender is not None else None
+    return {"stall_s": t1 - t0, "to_all_s": t2 - t0, "on_disk_s": t3 - t0, "bytes_moved": moved, "wire_s": wire}
 
 
 def dir_bytes(path: str) -> int:
@@ -531,6 +547,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
     """For each server count n (the first n servers) and each transport: the
     versions' stall, time to all servers, generation pause, bytes moved."""
     from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
+    from realrl.system.weight_broadcast import SGLangDriver
 
     tensors = published_tensors(model)
     scratch = os.path.join(work, "scratch-transports")
@@ -548,15 +565,34 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                 for kind in kinds:
                     weights_dir = os.path.join(work, f"weights-{kind}-{n}")
                     os.makedirs(weights_dir, exist_ok=True)
-                    sender = None
+                    sender = driver = None
+
+                    def to_disk(v, views, d=weights_dir):
+                        publish_weights(model, d, v, state_dict={k: t.clone() for k, t in views.items()})
+
+                    if kind.startswith("sglang-"):
+                        spec = GroupSpec(
+                            f"bench-{kind}-{n}",
+                            "127.0.0.1",
+                            store.port,
+                            1 + n,
+                            "gloo",
+                            bucket_bytes,
+                            300,
+                            protocol="sglang",
+                            sglang_groups=kind.removeprefix("sglang-").removesuffix("-nomarks"),
+                        )
+                        driver = SGLangDriver(spec, {u: r for r, u in enumerate(members, start=1)}, client, b"")
+                        if kind.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
+                            done = asyncio.get_running_loop().create_future()
+                            done.set_result(None)
+                            driver._bucket_sent = lambda *_, done=done: done
+                        packed = Manifest.of(tensors, packed=True)
+                        sender = Sender(spec, b"", packed, "127.0.0.1", after_send=to_disk)
                     if kind == "broadcast":
                         spec = GroupSpec(f"bench-{n}", "127.0.0.1", store.port, 1 + n, "gloo", bucket_bytes, 300)
                         for rank, u in enumerate(members, start=1):
                             await client.join_weights_group(u, spec, rank)
-
-                        def to_disk(v, views, d=weights_dir):
-                            publish_weights(model, d, v, state_dict={k: t.clone() for k, t in views.items()})
-
                         sender = Sender(spec, b"", Manifest.of(tensors), "127.0.0.1", after_send=to_disk)
                     load = InflightLoad(client, members, inflight, model.config.vocab_size, max_new)
                     rows = []
@@ -567,7 +603,9 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             load.start()
                             await asyncio.sleep(1.0)  # every request is decoding
                         n_before = len(load.pauses)
-                        row = await transport_version(kind, client, members, model, weights_dir, version, sender)
+                        row = await transport_version(
+                            kind, client, members, model, weights_dir, version, sender, driver
+                        )
                         if inflight:
                             # An aborted request resumes within its pause; a server that resumes its requests
                             # itself (the torch server re-prefills them under the new weights) aborts none.
@@ -581,8 +619,11 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             rows.append(row)
                     if sender is not None:
                         sender.close()
-                        for u in members:
-                            await client.leave_weights_group(u)
+                        if driver is not None:
+                            await asyncio.wait_for(driver._task, 60)  # (it destroys the groups on the servers)
+                        else:
+                            for u in members:
+                                await client.leave_weights_group(u)
                     pauses = [p for row in rows for p in row.get("pauses_s", [])]
                     med = lambda key: statistics.median(row[key] for row in rows)  # noqa: E731
                     out["rows"].append(
@@ -593,6 +634,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             "to_all_s": med("to_all_s"),
                             "on_disk_s": med("on_disk_s"),
                             "bytes_moved": med("bytes_moved"),
+                            "wire_s": med("wire_s") if sender is not None else None,
                             "pause_s_median": statistics.median(pauses) if pauses else None,
                             "disk_floor_s": floor,
                             "runs": rows,
@@ -602,10 +644,11 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
     finally:
         store.close()
     by = {(row["transport"], row["servers"]): row for row in out["rows"]}
+    wire = next((k for k in ("broadcast", "sglang-pairs") if k in kinds), "broadcast")
     ratios = {
-        n: by[("broadcast", n)]["to_all_s"] / by[("disk", n)]["to_all_s"]
+        n: by[(wire, n)]["to_all_s"] / by[("disk", n)]["to_all_s"]
         for n in counts
-        if ("broadcast", n) in by and ("disk", n) in by
+        if (wire, n) in by and ("disk", n) in by
     }
     out["to_all_ratio_by_servers"] = ratios
     if ratios:
@@ -619,7 +662,10 @@ def run_transports(name: str, model, dtype: str, counts, kinds, repeats, infligh
     try:
         model_dir = os.path.join(work, "model")
         model.save_pretrained(model_dir)
-        running = start_servers(model_dir, max(counts), dtype, work)
+        sglang = any(k.startswith("sglang-") for k in kinds)
+        if sglang and "broadcast" in kinds:
+            raise ValueError("--transport: broadcast (realrl's routes) and sglang-* (SGLang's) need other servers")
+        running = start_servers(model_dir, max(counts), dtype, work, emulate_sglang=sglang)
         result = asyncio.run(
             measure_transports(
                 model, [u for _, u in running], counts, kinds, work, repeats, inflight, max_new, bucket_mb << 20
@@ -638,16 +684,17 @@ def run_transports(name: str, model, dtype: str, counts, kinds, repeats, infligh
 def print_transport_table(results: dict, repeats: int) -> None:
     print(f"\nweight transports: step end -> every server serves the version; median of {repeats}")
     print(
-        f"{'model':<7}{'transport':<11}{'servers':>8}{'stall s':>9}{'copy floor':>11}{'to all s':>9}"
-        f"{'disk floor':>11}{'on disk s':>10}{'MB moved':>9}{'pause s':>9}"
+        f"{'model':<7}{'transport':<21}{'servers':>8}{'stall s':>9}{'copy floor':>11}{'to all s':>9}"
+        f"{'disk floor':>11}{'on disk s':>10}{'MB moved':>9}{'pause s':>9}{'wire s':>8}"
     )
     for name, r in results.items():
         for row in r["rows"]:
             pause = f"{row['pause_s_median']:.3f}" if row["pause_s_median"] is not None else "-"
             print(
-                f"{name:<7}{row['transport']:<11}{row['servers']:>8}{row['stall_s']:>9.3f}{r['copy_floor_s']:>11.3f}"
+                f"{name:<7}{row['transport']:<21}{row['servers']:>8}{row['stall_s']:>9.3f}{r['copy_floor_s']:>11.3f}"
                 f"{row['to_all_s']:>9.3f}{row['disk_floor_s']:>11.3f}{row['on_disk_s']:>10.3f}"
                 f"{row['bytes_moved'] / 1e6:>9.0f}{pause:>9}"
+                + (f"{row['wire_s']:>8.3f}" if row.get("wire_s") is not None else f"{'-':>8}")
             )
         ratios = ", ".join(f"{n} servers {x:.2f}" for n, x in r["to_all_ratio_by_servers"].items())
         print(f"{name}: time to all servers, broadcast / disk: {ratios}")
@@ -872,7 +919,7 @@ def main() -> None:
             )
         print_transport_table(results, repeats)
         if args.json:
-            main_ratio = results["100m"]["ratio"] if "100m" in results else next(iter(results.values()))["ratio"]
+            main_ratio = (results["100m"] if "100m" in results else next(iter(results.values()))).get("ratio")
             with open(args.json, "w") as f:
                 json.dump({"ratio": main_ratio, **results}, f, indent=1)
             print(f"wrote {args.json}")

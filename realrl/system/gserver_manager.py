@@ -514,6 +514,9 @@ class GserverManager(AsyncWorker):
         idempotent, and fixes SGLang 0.5.23's "weights updated, but the cache
         was not flushed" (`success: false` with the new weights serving and
         the old version reported; `realrl.impl.generation.backends`)."""
+        if self._epochs is not None and self._epochs.holds(url, version):  # (SGLang: its group's epoch failed since)
+            self.router.set_loaded_version(url, version)
+            return 0
         if via_group and self._epochs.is_member(url):  # it received the version through its group
             if await self._epochs.await_version(url, version, self.cfg.weight_update_timeout):
                 self.router.set_loaded_version(url, version)

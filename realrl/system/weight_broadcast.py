@@ -34,11 +34,13 @@ So do the sender and torch servers waiting in a version's collective (they
 look at the store between slices of the wait): a member up but answering
 nothing, which the health checks take out of routing (`member_down`),
 holds versions back for that long, not for the collective's timeout.
-SGLang members wait in a plain broadcast that looks at no store: they are
-asked for a bucket only once the sender finished the one before, so none
-waits for one the sender will not send; one that fails after its first
-bucket (SGLang loads each as it comes) stays paused until a version is
-loaded whole from disk (`WeightEpochs.left_paused`, `resume`).
+SGLang members wait in a plain broadcast that looks at no store: each is
+in a group of two with the sender, and asked for a bucket only once the
+sender finished the one before to it, so none waits for one the sender will
+not send, nor for a stalled peer (the others take the version meanwhile,
+and one a member took whole is not loaded again: `holds`); one that fails
+after its first bucket (SGLang loads each as it comes) stays paused until a
+version is loaded whole from disk (`WeightEpochs.left_paused`, `resume`).
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class BroadcastPublisher:
 
     def publish(self, version: int, state_dict: dict | None, announce: Callable[[int], None]) -> bool:
         """Snapshots `version` for the current epoch's group (one memory copy);
-        its disk copy and `announce(version)` follow on the sender's thread."""
+        `announce(version)` (and, if its group fails or the manager asks, its disk copy) follows on
+        the sender's thread."""
         spec = self._current_spec()
         if spec is None:
             return False
@@ -209,6 +212,9 @@ class WeightEpochs:
         # SGLang members a failed version left paused with part of it in place: they serve again only
         # once a version is loaded whole from disk (`resume`), never a half-swapped model.
         self.left_paused: set[str] = set()
+        # url -> the newest version an SGLang member took whole through a group, whatever became of
+        # its epoch since (a peer that stalled later failed it): no disk load of that version then.
+        self.through_group: dict[str, int] = {}
         self._awaiting: dict[str, asyncio.Event] = {}  # member -> set once it is found down (await_version)
 
     def needs_rebuild(self, up_urls: list[str]) -> bool:
@@ -243,6 +249,7 @@ class WeightEpochs:
             self._driver = SGLangDriver(
                 spec, members, self._client, _group_key(), on_abandon=self.abandon, left_paused=self.left_paused
             )
+            self._driver.through_group = self.through_group
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
                 "weight group %s: %d servers (%s), SGLang's routes", spec.name, len(members), ", ".join(members)
@@ -290,6 +297,7 @@ class WeightEpochs:
         hold a version (`await_version`) ends now."""
         if (down := self._awaiting.get(url)) is not None:
             down.set()
+        self.through_group.pop(url, None)  # (back, it reports its version again)
         if self.spec is not None and url in self.members:
             self.abandon(self.spec.name, f"{url} is down ({why})")
 
@@ -316,6 +324,10 @@ class WeightEpochs:
             return
         self.left_paused.discard(url)
         logger.info("%s holds a whole version again (from disk): generating again", url)
+
+    def holds(self, url: str, version: int) -> bool:
+        """Whether `url` took `version` (or a newer one) whole through a group."""
+        return self.through_group.get(url, -1) >= version
 
     def is_member(self, url: str) -> bool:
         return not self.failed and url in self.members and (self._driver is None or url not in self._driver.lost)
@@ -427,6 +439,7 @@ class SGLangDriver:
         self._sent: dict[str, asyncio.Task] = {}  # `b/<n>/<i>` -> its wait, shared by the members
         self._store: SealedStore | None = None  # the epoch's store, as a client (connected in `_run`)
         self.held: dict[str, int] = {}  # url -> the newest version in place through the group
+        self.through_group: dict[str, int] = {}  # the same, kept by the manager beyond the epoch
         self.lost: dict[str, str] = {}  # url -> why it left the epoch
         self.failed = False
         self._stopping = False
@@ -531,9 +544,9 @@ class SGLangDriver:
         """Version `version` (announcement `n`) into member `url`. Bucket i + 1
         is asked for only once the sender finished bucket i (`_bucket_sent`):
         SGLang waits in a plain broadcast that looks at no store, and one
-        asked for a bucket the sender never sends (a member stalled in the
-        one before: its sender leaves that collective once the epoch is
-        abandoned) would wait for it until the collective's timeout, paused.
+        asked for a bucket the sender never sends (it leaves every
+        collective once the epoch is abandoned) would wait for it until the
+        collective's timeout, paused.
         SGLang loads each bucket as it arrives (v0.5.6 `model_executor/
         model_runner.py` `_update_bucketed_weights_from_distributed`; on a
         failure: "partially updated. Please discard the whole weights."), so
@@ -551,11 +564,11 @@ class SGLangDriver:
                     session = True
                 for i, entries in enumerate(buckets):
                     if i:
-                        await self._bucket_sent(n, i - 1)
+                        await self._bucket_sent(n, i - 1, self.members[url])
                     partial = True
                     last = i == len(buckets) - 1
                     await client.update_weights_from_distributed(
-                        url, self.spec.name, entries, str(version) if last else None, timeout_s=timeout
+                        url, self._group_name(url), entries, str(version) if last else None, timeout_s=timeout
                     )
                 partial = False  # (the whole version is in place)
             finally:
@@ -569,7 +582,7 @@ class SGLangDriver:
             except (GenerationServerError, GenerationServerUnavailable) as e:
                 failure = failure or e
         if failure is None:
-            self.held[url] = version
+            self.held[url] = self.through_group[url] = version
             return
         if partial:
             self.left_paused.add(url)
@@ -582,12 +595,13 @@ class SGLangDriver:
         await self._destroy(url)
         self._abandon(f"{url} failed version {version}")
 
-    def _bucket_sent(self, n: int, i: int) -> asyncio.Task:
-        """Ends once the sender finished bucket `i` of announcement `n`
-        (`b/<n>/<i>` in the store: every member has it); GroupError once the
+    def _bucket_sent(self, n: int, i: int, rank: int) -> asyncio.Task:
+        """Ends once the sender finished bucket `i` of announcement `n` for
+        the member at `rank` (`b/<n>/<i>/<rank>`: in its group of two; one
+        group of all: `b/<n>/<i>`, every member has it); GroupError once the
         epoch's store is gone (abandoned) or after a collective's timeout.
-        One wait per bucket, shared by the members."""
-        key = f"b/{n}/{i}"
+        One wait per key, shared by the members."""
+        key = f"b/{n}/{i}/{rank}" if self.spec.sglang_groups == "pairs" else f"b/{n}/{i}"
         if (task := self._sent.get(key)) is None:
             task = self._sent[key] = asyncio.ensure_future(self._wait_sent(key))
         return task
@@ -617,8 +631,11 @@ class SGLangDriver:
                 self._sessions[url] = True  # (a development build: the newest behaviour)
         return self._sessions[url]
 
+    def _group_name(self, url: str) -> str:
+        return self.spec.sglang_group(self.members[url])[0]
+
     async def _destroy(self, url: str) -> None:
         try:
-            await self._client.destroy_weights_update_group(url, self.spec.name, timeout_s=10)
+            await self._client.destroy_weights_update_group(url, self._group_name(url), timeout_s=10)
         except (GenerationServerError, GenerationServerUnavailable):
             pass

@@ -287,25 +287,165 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
         assert re.search(r"weight update of \S+ to version 7 skipped: the server left routing", log), log[-3000:]
 
 
-def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the_epoch_is_abandoned(
+def test_an_sglang_member_fed_through_none_of_its_peers_serves_again_within_the_health_checks(
     tmp_path, etcd_server, monkeypatch
 ):
+    """Three torch servers emulating SGLang 0.5.23 take versions over SGLang's
+    routes. Were they one process group, gloo's broadcast would relay along a
+    binomial tree (rank 3 receives each bucket from rank 1), and a member fed
+    through a stalled one would wait in SGLang's plain `dist.broadcast` until
+    the collective's timeout (`weights.timeout_s` = 120 s here), paused. Each
+    member is in a group of two with the sender instead (docs/design.md §8),
+    and takes each version at its own pace. The sender is held for the
+    member at rank 1 of the epoch (the one a tree would relay through,
+    whatever order the servers started in) after version 2's first bucket
+    (the `weights.bucket_sent.r1` gate, this process being the trainer)
+    while that member is stopped (SIGSTOP): up, holding its sockets,
+    answering nothing. The two others take version 2 whole through their
+    groups, not waiting for the health checks that take the stalled one out
+    (nor loading it from disk after), and serve it as the trainer's weights
+    answer, well within those checks (a liveness bound, far below the
+    collective's timeout); once the stalled one answers again, an epoch of
+    all three carries version 3."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from realrl.base import faults
+    from realrl.impl.generation import make_client
+    from tests.impl.weights.test_torch_server_group import forward_logprobs
+    from tests.system.test_generation_server import EXP
+    from tests.system.trial_thread import wait_until
+
+    fault_dir = _armed(tmp_path, monkeypatch, "weights.bucket_sent.r1=gate;after=test.hold_sender")
+    timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
+    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(
+        tmp_path, etcd_server, "sglang", timeout_s, weight_update_timeout=timeout_s, n_servers=3
+    )
+    manager_log = trial.launcher.log_path("gserver_manager", 0)
+    probe = [5, 6, 7, 8, 9]
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+    # Out of routing after `health_check_failures` checks, each unanswered within its timeout.
+    detection_s = 2 * (0.5 + 2)
+    result: dict = {}
+
+    def current_epoch() -> str | None:
+        spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
+        return json.loads(spec)["name"] if spec else None
+
+    async def epoch_of_three(other_than: str | None = None) -> list[str]:
+        """The members of the current epoch once it has all three servers, in rank order."""
+        for _ in range(2400):
+            now = current_epoch()
+            found = re.search(rf"weight group {now}: 3 servers \(([^)]*)\)", open(manager_log).read()) if now else None
+            if found and now != other_than:
+                return found.group(1).split(", ")
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no epoch of three servers: {open(manager_log).read()[-3000:]}")
+
+    async def manager_at(version: int) -> None:
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+            for _ in range(1200):
+                async with session.get(manager_url + "/get_model_version") as resp:
+                    if (await resp.json())["version"] == version:
+                        return
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"the manager did not reach version {version}")
+
+    def publish(version: int) -> None:
+        train_a_little(model, version)
+        assert publisher.publish(version, None, announce)
+
+    def server_pid(url: str) -> int:
+        for i in range(3):
+            log = open(trial.launcher.log_path("generation_server", i)).read()
+            if found := re.search(rf"server pid (\d+) healthy at {re.escape(url)}\b", log):
+                return int(found.group(1))
+        raise AssertionError(f"no server pid for {url}")
+
+    async def scenario() -> None:
+        members = await epoch_of_three()  # (the servers register in any order: the epoch of all three)
+        result["epoch"] = current_epoch()
+        publish(1)
+        await manager_at(1)
+        (fault_dir / "test.hold_sender").touch()  # the sender stops for rank 1 after version 2's first bucket
+        publish(2)
+        held = lambda: faults.fired("weights.bucket_sent.r1")  # noqa: E731
+        await asyncio.to_thread(wait_until, held, 60, "version 2's first bucket to rank 1")
+        relay = members[0]  # rank 1: a tree would feed rank 3 through it
+        result["stalled"] = relay
+        result["pid"] = server_pid(relay)
+        os.kill(result["pid"], signal.SIGSTOP)
+        stalled_at = time.monotonic()
+        faults.open_gate(str(fault_dir), "weights.bucket_sent.r1")
+        healthy = result["healthy"] = members[1:]
+        async with make_client("sglang", timeout_s=timeout_s + 30) as client:
+
+            async def serves(url: str):
+                served = await client.generate(url, probe, greedy)
+                while served.finish_reason == "abort":  # (sent before its pause for version 2 came)
+                    served = await client.generate(url, probe, greedy)
+                return served, time.monotonic() - stalled_at
+
+            result["served"] = await asyncio.gather(*(serves(u) for u in healthy))
+        result["v2"] = [forward_logprobs(model, probe, s.output_ids) for s, _ in result["served"]]
+        await manager_at(2)
+        os.kill(result["pid"], signal.SIGCONT)  # it answers again: an epoch of all three carries version 3
+        result["pid"] = None
+        await epoch_of_three(other_than=result["epoch"])
+        publish(3)
+        await manager_at(3)
+        async with make_client("sglang", timeout_s=60) as client:
+            result["held"] = [await client.weight_version(u) for u in members]
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+        asyncio.run(scenario())
+        publisher.close()
+        assert trial.complete() == 0
+    finally:
+        if result.get("pid"):
+            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
+                os.kill(result["pid"], signal.SIGCONT)
+        if faults.fired("weights.bucket_sent.r1"):
+            faults.open_gate(str(fault_dir), "weights.bucket_sent.r1")
+        publisher.close(timeout_s=1)
+        trial.close()
+    log = open(manager_log).read()
+    print("served again after the stall (s):", [round(after, 2) for _, after in result["served"]])
+    for (served, after), v2 in zip(result["served"], result["v2"]):
+        # Serving again within a few rounds of the stalled one's health checks, not at the
+        # collective's timeout, and version 2 whole: never part of it swapped in.
+        assert after < 4 * detection_s < timeout_s, (after, log[-3000:])
+        assert served.weight_version == "2", served
+        torch.testing.assert_close(torch.tensor(served.output_logprobs), v2, atol=1e-4, rtol=0)
+    assert re.search(rf"weight group {result['epoch']} abandoned: {re.escape(result['stalled'])} is down", log), log[
+        -3000:
+    ]
+    for url in result["healthy"]:  # version 2 through their groups: neither lost to the epoch nor loaded from disk
+        assert not re.search(rf"{re.escape(url)} (left it|holds a whole version again)", log), log[-3000:]
+    assert result["held"] == ["3"] * 3
+    assert "updating 3 servers to weight version 3 (broadcast)" in log, log[-3000:]
+
+
+def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(tmp_path, etcd_server, monkeypatch):
     """Two torch servers emulating SGLang 0.5.23 take versions over SGLang's
     routes (`weights.transport=broadcast`; real manager and server workers,
     this process is the trainer). One member stops (SIGSTOP, the
     `weights.member_stalls` fault point) right after it received one of
     version 2's buckets, inside its `/update_weights_from_distributed`: up,
-    holding its sockets, answering nothing. The other member, paused for
-    version 2 with part of it in place, never waits in a collective the
-    stalled one holds up (each bucket goes to the members only once the
-    sender finished the one before): once the stalled one's health checks
-    fail, the epoch is abandoned, the sender leaves its collective, version 2
-    goes by disk, and the healthy member, kept paused meanwhile (never
-    serving a half-swapped model), serves version 2 loaded from disk within
-    seconds, not at the collective's timeout (`weights.timeout_s` =
-    `weight_update_timeout` = 120 s). Once the stalled one answers again it
-    loads version 2 from disk before it takes requests, and a new epoch of
-    both carries version 3 to both."""
+    holding its sockets, answering nothing. The other member takes version 2
+    whole through its own group at its own pace (it is asked for each bucket
+    once the sender finished the one before to it), never waiting for the
+    stalled one, and serves it within seconds, not at the collective's
+    timeout (`weights.timeout_s` = `weight_update_timeout` = 120 s), nor
+    after the stalled one's health checks, nor loaded again from disk once
+    they fail and the epoch is abandoned (the sender leaves the stalled
+    one's collective then). Once the stalled one answers again it loads
+    version 2 from disk before it takes requests, and a new epoch of both
+    carries version 3 to both."""
     import asyncio
     import time
 
@@ -362,6 +502,7 @@ def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the
             alive = await asyncio.gather(*(answers(u, 1.0) for u in urls))
             assert sorted(alive) == [False, True], alive
             healthy, stalled = urls[alive.index(True)], urls[alive.index(False)]
+            result["healthy"] = healthy
             # The healthy member, paused for version 2: it serves again once version 2 is in place.
             async with make_client("sglang", timeout_s=timeout_s + 30) as client:
                 served = await client.generate(healthy, probe, greedy)
@@ -401,13 +542,14 @@ def test_an_sglang_member_that_stalls_mid_version_holds_the_other_only_until_the
         trial.close()
     log = open(manager_log).read()
     # The healthy member served again within seconds of the stall, far below the collective's timeout,
-    # and with version 2 whole (loaded from disk), never a model with part of version 2 swapped in.
+    # and with version 2 whole (through its group), never a model with part of version 2 swapped in.
     assert result["served_after"] < timeout_s / 4, (result["served_after"], log[-3000:])
     served = result["served"]
     assert served.weight_version == "2", served
     torch.testing.assert_close(torch.tensor(served.output_logprobs), result["v2"], atol=1e-4, rtol=0)
     assert re.search(rf"weight group {result['epoch']} abandoned: \S+ is down \(", log), log[-3000:]
-    assert re.search(r"updating 1 servers to weight version 2 from ", log), log[-3000:]  # the healthy one, by disk
+    healthy = re.escape(result["healthy"])  # (neither lost to the epoch nor loaded from disk)
+    assert not re.search(rf"{healthy} (left it|holds a whole version again)", log), log[-3000:]
     # The stalled one, back: version 2 from disk before it took requests, then version 3 through a new epoch.
     assert re.search(rf"at {re.escape(result['stalled'])} holds weight version 1: loading version 2", log), log[-3000:]
     assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
@@ -562,8 +704,10 @@ def _armed(tmp_path, monkeypatch, armed: str):
     return fault_dir
 
 
-def _two_servers_and_a_sender(tmp_path, etcd_server, protocol: str, timeout_s: float, weight_update_timeout=None):
-    """A trial of two torch servers (`sglang`: emulating SGLang 0.5.23) and the
+def _two_servers_and_a_sender(
+    tmp_path, etcd_server, protocol: str, timeout_s: float, weight_update_timeout=None, n_servers: int = 2
+):
+    """A trial of two (`n_servers`) torch servers (`sglang`: emulating SGLang 0.5.23) and the
     manager, `weights.transport=broadcast`, training started; this process is
     the trainer: (model, weights_dir, trial, publisher, announce)."""
     from realrl.api.system_api import GserverManagerConfig
@@ -576,7 +720,7 @@ def _two_servers_and_a_sender(tmp_path, etcd_server, protocol: str, timeout_s: f
     weights_dir = str(tmp_path / "weights")
     wire = WeightTransportConfig(transport="broadcast", bucket_bytes=16384, timeout_s=timeout_s, protocol=protocol)
     manager_cfg = GserverManagerConfig(
-        n_servers=2, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
+        n_servers=n_servers, train_batch_size=2, weights_dir=weights_dir, poll_interval=0.05, weights=wire
     )
     if weight_update_timeout is not None:
         manager_cfg.weight_update_timeout = weight_update_timeout
@@ -585,7 +729,7 @@ def _two_servers_and_a_sender(tmp_path, etcd_server, protocol: str, timeout_s: f
     servers = server_config(model_dir, "sglang" if protocol == "sglang" else "torch")
     if protocol == "sglang":
         servers.torch.emulate_sglang, servers.torch.emulate_sglang_dp = "0.5.23", 1
-    groups = [WorkerGroup("generation_server", 2, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
+    groups = [WorkerGroup("generation_server", n_servers, servers), WorkerGroup("gserver_manager", 1, manager_cfg)]
     trial = TrialThread(tmp_path, etcd_server.addr, groups, EXP).start()
     trial.start_training()
     publisher = BroadcastPublisher(

@@ -527,9 +527,8 @@ class GenerationClient:
     ) -> None:
         """Joins SGLang server `url` into group `spec` at `rank`: answered once
         the group formed (the sender is there), or GenerationServerError."""
-        request = InitWeightsUpdateGroupRequest(
-            spec.store_host, spec.store_port, rank, spec.world_size, spec.name, spec.backend
-        )
+        name, world_size, rank = spec.sglang_group(rank)  # (a group of two with the sender, or the epoch's one)
+        request = InitWeightsUpdateGroupRequest(spec.store_host, spec.store_port, rank, world_size, name, spec.backend)
         await self._sglang_group_call(url, "/init_weights_update_group", request, timeout_s)
 
     async def update_weights_from_distributed(

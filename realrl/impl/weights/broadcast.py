@@ -26,7 +26,10 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   list is packed as SGLang's `FlattenedTensorBucket` (`Manifest.packed`) and
   the process group's own keys are laid out as SGLang's
   `init_custom_process_group` lays them, unsealed (SGLang reads them plain);
-  each bucket sent is marked in the store (`b/<n>/<i>`: the manager's cue).
+  each member is in a group of two of its own with the sender (`GroupSpec.
+  sglang_group`: no member relays another's buckets), fed on a thread of its
+  own at its own pace, and each bucket sent to it is marked in the store
+  (`b/<n>/<i>/<rank>`: the manager's cue).
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
@@ -256,8 +259,9 @@ class SealedStore(dist.Store):
 
     NONCE_BYTES = 12
 
-    def __init__(self, inner: dist.Store, key: bytes, scope: str):
+    def __init__(self, inner: dist.Store, key: bytes, scope: str, client: dist.Store | None = None):
         super().__init__()
+        self._client = client  # the store under the prefix (`unsealed`)
         # a 256-bit AES key from any key, as the stream seal derives its own
         self._aead = AESGCM(hmac.digest(key, b"realrl/weights-group-store", "sha256"))
         self._inner, self._scope = inner, scope.encode()
@@ -283,9 +287,9 @@ class SealedStore(dist.Store):
     def get(self, key):
         return self.unseal(key, self._inner.get(key))
 
-    def unsealed(self) -> dist.Store:
-        """The same prefix without the seal (an SGLang group's own keys: SGLang reads them plain)."""
-        return self._inner
+    def unsealed(self, prefix: str) -> dist.Store:
+        """The store's `prefix` without the seal (an SGLang group's own keys: SGLang reads them plain)."""
+        return dist.PrefixStore(prefix, self._client)
 
     def wait(self, keys, timeout=None):
         return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
@@ -356,6 +360,16 @@ class GroupSpec:
     # process group's keys are laid out as SGLang lays them and cannot be sealed (it reads them
     # unsealed); the announcements and the tensor list stay sealed (only the manager reads them).
     protocol: str = "realrl"
+    # sglang: `pairs`, each member in a process group of its own with the sender (it waits for
+    # the sender alone); `one`, a single group of all, whose broadcast relays along a tree.
+    sglang_groups: str = "pairs"
+
+    def sglang_group(self, rank: int) -> tuple[str, int, int]:
+        """The process group the member at `rank` joins (protocol sglang): its
+        name, world size and the member's rank in it."""
+        if self.sglang_groups == "pairs":
+            return f"{self.name}-r{rank}", 2, 1
+        return self.name, self.world_size, rank
 
     @property
     def device(self) -> str:
@@ -387,16 +401,20 @@ def connect_store(spec: GroupSpec, key: bytes) -> SealedStore:
         client.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
     except Exception as e:
         raise GroupError(f"weight group {spec.name}: its store is unreachable: {e}") from e
-    return SealedStore(dist.PrefixStore(spec.name, client), key, spec.name)
+    return SealedStore(dist.PrefixStore(spec.name, client), key, spec.name, client)
 
 
-def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: SealedStore | None = None):
+def open_group(
+    spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: SealedStore | None = None, member: int = 0
+):
     """This process's place (`rank`) in the group: its own process group over
     a sealed prefix of the epoch's store (`store`, when already connected);
     blocks until every rank joined, at most the spec's `timeout_s` (a member
     enters only once the sender announced itself: `Receiver`). gloo listens
-    on `bind_host` only."""
+    on `bind_host` only. SGLang: the sender's side of the group of the
+    member at rank `member` (`GroupSpec.sglang_group`)."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    world_size = spec.world_size
     try:
         if store is None:
             store = connect_store(spec, key)
@@ -405,19 +423,19 @@ def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: Se
             # SGLang's `init_custom_process_group` (v0.5.16 and v0.5.23 `utils/common.py`): the
             # store under the group's name, then torch's `_new_process_group_helper` adds
             # "<name>/" and "<device>/" before the backend's own keys.
+            name, world_size, _ = spec.sglang_group(member)
             pg_store = dist.PrefixStore(
-                "cuda/" if spec.backend == "nccl" else "cpu/",
-                dist.PrefixStore(f"{spec.name}/", store.unsealed()),
+                "cuda/" if spec.backend == "nccl" else "cpu/", dist.PrefixStore(f"{name}/", store.unsealed(name))
             )
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(pg_store, rank, spec.world_size, options)
+            group = dist.ProcessGroupNCCL(pg_store, rank, world_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-            group = dist.ProcessGroupGloo(pg_store, rank, spec.world_size, options)
+            group = dist.ProcessGroupGloo(pg_store, rank, world_size, options)
     except GroupError:
         raise
     except Exception as e:  # a rank that never came, a forged address
@@ -428,31 +446,38 @@ def open_group(spec: GroupSpec, rank: int, key: bytes, bind_host: str, store: Se
 _LOOK_S = 0.25  # how often a process waiting in a collective looks whether its epoch still exists
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, spec: GroupSpec, store: SealedStore) -> None:
-    """One bucket's collective, waited for in slices of `_LOOK_S`: between
+def _broadcast(groups: list, tensor: torch.Tensor, spec: GroupSpec, store: SealedStore) -> None:
+    """One bucket's collective in each of `groups` (at once: SGLang's groups of
+    two), waited for in slices of `_LOOK_S`: between
     two, the epoch's store must still answer. Its owner closes it to abandon
     the epoch (a member found down or unresponsive): the wait then ends with
     GroupError within a slice, not at the collective's `timeout_s` (gloo
     cannot be interrupted: once connected it no longer uses the store, its
     `abort` closes nothing, and a member that is up but stalled never closes
-    its side). The collective itself is left to end on its own (`_strand`)."""
+    its side). A collective left is left to end on its own (`_strand`)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.timeout = datetime.timedelta(seconds=spec.timeout_s)
-    work = group.broadcast([tensor], opts)
+    works = [group.broadcast([tensor], opts) for group in groups]
     look = datetime.timedelta(seconds=_LOOK_S)
-    while True:
-        try:
-            work.wait(look)
-            return
-        except RuntimeError:
-            if work.is_completed():
-                raise  # the collective failed (a peer died, or its own timeout)
-        try:
-            store.check(["sender"])
-        except Exception as e:
-            _strand(group, work)
-            raise GroupError(f"weight group {spec.name} was abandoned by its owner (its store: {e})") from None
+    try:
+        for work in works:
+            while True:
+                try:
+                    work.wait(look)
+                    break
+                except RuntimeError:
+                    if work.is_completed():
+                        raise  # the collective failed (a peer died, or its own timeout)
+                try:
+                    store.check(["sender"])
+                except Exception as e:
+                    raise GroupError(f"weight group {spec.name} was abandoned by its owner (its store: {e})") from None
+    except BaseException:
+        for group, work in zip(groups, works):
+            if not work.is_completed():
+                _strand(group, work)
+        raise
 
 
 def _strand(group: dist.ProcessGroup, work: dist.Work) -> None:
@@ -588,20 +613,51 @@ class Sender:
                 self._sending = None
                 self._cond.notify_all()
 
+    def _to_each(self, groups: list, flat: torch.Tensor, buckets: list, n: int, store: SealedStore) -> None:
+        """Announcement `n`'s buckets into each member's group of two, each on
+        a thread of its own at the member's own pace (`b/<n>/<i>/<rank>`:
+        bucket i went to member `rank`, whose next is on its way): no member
+        waits for another. Once every one ended, raises the first failure."""
+        errors: list[Exception] = []
+
+        def to_member(rank: int, group: dist.ProcessGroup) -> None:
+            try:
+                for i, (start, end) in enumerate(buckets):
+                    _broadcast([group], flat[start:end], self.spec, store)
+                    store.set(f"b/{n}/{i}/{rank}", b"sent")
+                    faults.point(f"weights.bucket_sent.r{rank}")  # a test's sender held for one member
+            except Exception as e:
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=to_member, args=(rank, group), name=f"weights-send-r{rank}", daemon=True)
+            for rank, group in enumerate(groups, start=1)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
     def _fail(self, e: Exception) -> None:
         with self._cond:
             self.error = f"{type(e).__name__}: {e}"
             self._cond.notify_all()
 
     def _run(self) -> None:
-        group = store = None
+        groups = store = None
         try:
             # The members wait for this key before they enter the rendezvous, so the rendezvous
             # takes at most a collective's timeout for everyone (a member that died meanwhile
             # must not hold versions back, and one whose sender never comes gives up: `Receiver`).
             store = connect_store(self.spec, self._key)
             store.set("sender", b"here")
-            group, store = open_group(self.spec, 0, self._key, self._bind_host, store)
+            if self.spec.protocol == "sglang" and self.spec.sglang_groups == "pairs":  # one group per member
+                members = range(1, self.spec.world_size)
+                groups = [open_group(self.spec, 0, self._key, self._bind_host, store, k)[0] for k in members]
+            else:
+                groups = [open_group(self.spec, 0, self._key, self._bind_host, store)[0]]
             store.set("manifest", self.manifest.to_bytes())
         except Exception as e:
             self._fail(e)
@@ -626,15 +682,18 @@ class Sender:
                 try:
                     store.set(f"v/{n}", str(version).encode())
                     announced, n = n, n + 1
-                    flat = self._buffers[index]
-                    for i, (start, end) in enumerate(self.manifest.buckets(self.spec.bucket_bytes)):
-                        _broadcast(group, flat[start:end], self.spec, store)
-                        if self.spec.protocol == "sglang":  # every member has bucket i: the next may go out
-                            store.set(f"b/{announced}/{i}", b"sent")
-                        faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
+                    flat, buckets = self._buffers[index], self.manifest.buckets(self.spec.bucket_bytes)
+                    if self.spec.protocol == "sglang" and self.spec.sglang_groups == "pairs":
+                        self._to_each(groups, flat, buckets, announced, store)
+                    else:
+                        for i, (start, end) in enumerate(buckets):
+                            _broadcast(groups, flat[start:end], self.spec, store)
+                            if self.spec.protocol == "sglang":  # every member has bucket i: the next may go out
+                                store.set(f"b/{announced}/{i}", b"sent")
+                            faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                 except Exception as e:  # a member died or timed out: the group is over
                     self._fail(e)
-                    group = None  # its connections close: the other members fail now, not at their timeout
+                    groups = None  # their connections close: the other members fail now, not at their timeout
             sent = not self.failed
             self.wire_s = time.monotonic() - t0
             self._call(self.after_send, "after_send", index, version)
@@ -714,6 +773,7 @@ class Receiver:
                 return
             faults.point("weights.before_rendezvous")  # a test's member dying before the group forms
             group, store = open_group(self.spec, self.rank, self._key, self._bind_host, store)
+            groups = [group]
             data = self._wait_key(store, "manifest")
             if data is None:
                 return
@@ -732,7 +792,7 @@ class Receiver:
                     return
                 version = int(announced)
                 for start, end in buckets:
-                    _broadcast(group, flat[start:end], self.spec, store)
+                    _broadcast(groups, flat[start:end], self.spec, store)
                     faults.point("weights.bucket_received")  # a test's member dying mid-version
                     faults.point("weights.member_stalls")  # a test's member up but answering nothing
                 if self._device != "cpu":

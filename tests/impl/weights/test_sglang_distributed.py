@@ -135,8 +135,9 @@ def test_an_sglang_server_takes_versions_over_its_own_routes_bit_exact_with_the_
     assert _post(url, "/update_weights_from_distributed", bucket, {})[0] == 401
 
     if release == "0.5.16":  # (the same route in both)
-        # A group that never forms (its rank 2 never comes): SGLang would wait torch's 30 minutes in
-        # the rendezvous; the driver abandons the epoch at the spec's timeout_s (the manager then
+        # A group that never forms (the sender waits for rank 1, which never comes, before it
+        # forms the server's group, rank 2's): SGLang would wait torch's 30 minutes in the
+        # rendezvous; the driver abandons the epoch at the spec's timeout_s (the manager then
         # closes the epoch's store) and the server's init fails at once.
         late = StoreServer(HOST)
         never = GroupSpec("realrl-s-e2", HOST, late.port, 3, timeout_s=2, join_timeout_s=30, protocol="sglang")
@@ -147,7 +148,7 @@ def test_an_sglang_server_takes_versions_over_its_own_routes_bit_exact_with_the_
             late.close()
 
         async def never_forms(client: GenerationClient):
-            driver = SGLangDriver(never, {url: 1}, client, keys.weights_group_key, on_abandon=abandon)
+            driver = SGLangDriver(never, {url: 2}, client, keys.weights_group_key, on_abandon=abandon)
             sender = Sender(never, keys.weights_group_key, manifest, HOST)
             try:
                 await asyncio.wait_for(driver._task, 60)
