@@ -154,6 +154,13 @@ def weights_group(experiment_name: str, trial_name: str, role: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/weights_group/{role}"
 
 
+def weights_wanted(experiment_name: str, trial_name: str, role: str) -> str:
+    """Value: a weight version of `role` (an int as str) the manager needs as a directory (broadcast
+    transport: a version that went through every member is not written); the trainer's rank 0 then
+    writes its newest version, at least this one (docs/design.md §8)."""
+    return f"{trial_root(experiment_name, trial_name)}/weights_wanted/{role}"
+
+
 def weights_sent(experiment_name: str, trial_name: str, role: str) -> str:
     """Value: JSON {"group", "version", "ok"}: the newest version of `role` the trainer's sender
     finished with, and whether every member of `group` received it (set before `model_version`)."""

@@ -13,8 +13,10 @@
 3. waits for `/health` (up to `startup_timeout`); if the child dies or never
    gets healthy the worker fails with the tail of the server log;
 4. loads the trainer's current weight version (`names.model_version`, from
-   `<weights_dir>/<v>/`) when one was published (a server started mid-run:
-   restarted, or added with `python -m realrl add-server`);
+   `<weights_dir>/<v>/`) when one was published and is on disk (a server
+   started mid-run: restarted, or added with `python -m realrl add-server`;
+   with weights.transport=broadcast a version may have no directory, and the
+   manager has the trainer write it before it routes here);
 5. registers `http://<address>:<port>` under `names.gen_server(exp, trial, i)`.
 
 A judge's server (`config.judge`, worker type `judge_server`) is started
@@ -157,6 +159,13 @@ class GenerationServer(Worker):
                 if version is None or version <= self.cfg.weight_version:
                     return
                 path = os.path.join(self.cfg.weights_dir, str(version))
+                if not await asyncio.to_thread(os.path.isdir, path):  # (broadcast: sent, not written)
+                    if await asyncio.to_thread(self._trainer_version) != version:
+                        continue  # (a newer one was published, this one deleted)
+                    self.logger.info(
+                        "weight version %d is not on disk: the manager loads it before routing here", version
+                    )
+                    return
                 t0 = time.monotonic()
                 try:
                     await client.load_version(url, path, version, self.cfg.lora.rank > 0)

@@ -129,24 +129,42 @@ _MAX_BODY_BYTES = 1024 * 1024
 _MAX_BODY_DEPTH = 8
 
 
-def delete_old_weight_dirs(weights_dir: str, current_version: int) -> list[str]:
-    """Deletes `<weights_dir>/<u>` for integer u < current_version; returns
-    what it deleted. Nothing else (temp dirs of a publish in progress, other
-    files, symlinks) is touched."""
-    deleted = []
+def _version_dirs(weights_dir: str) -> dict[int, str]:
+    """`<weights_dir>/<u>` for every integer u (directories, not symlinks)."""
     try:
         entries = list(os.scandir(weights_dir))
     except FileNotFoundError:
-        return deleted
-    for entry in entries:
-        if entry.name.isdigit() and int(entry.name) < current_version and entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-            deleted.append(entry.path)
+        return {}
+    return {int(e.name): e.path for e in entries if e.name.isdigit() and e.is_dir(follow_symlinks=False)}
+
+
+def newest_weight_dir(weights_dir: str) -> int:
+    """The newest version with a directory in `weights_dir` (renamed into place whole), or -1."""
+    return max(_version_dirs(weights_dir), default=-1)
+
+
+def delete_old_weight_dirs(weights_dir: str, current_version: int) -> list[str]:
+    """Deletes `<weights_dir>/<u>` for integer u < current_version but the
+    newest directory there (with weights.transport=broadcast the current
+    version may have none: the newest written one stays); returns what it
+    deleted. Nothing else (temp dirs of a publish in progress, other files,
+    symlinks) is touched."""
+    dirs = _version_dirs(weights_dir)
+    newest = max(dirs, default=None)
+    deleted = []
+    for version, path in dirs.items():
+        if version < current_version and version != newest:
+            shutil.rmtree(path)
+            deleted.append(path)
     return deleted
 
 
 class WeightUpdateError(RuntimeError):
     pass
+
+
+class WeightsNotWritten(WeightUpdateError):
+    """The trainer did not write a version the manager asked for in time (broadcast transport)."""
 
 
 class GserverManager(AsyncWorker):
@@ -179,6 +197,7 @@ class GserverManager(AsyncWorker):
         self._last_refusal = ""
         self._update_task: asyncio.Task | None = None  # a weight update, or a new broadcast epoch
         self._epochs: WeightEpochs | None = None  # weights.transport=broadcast (docs/design.md §8)
+        self._wanted = -1  # broadcast: the newest version asked of the trainer as a directory (_on_disk)
         self._runner: web.AppRunner | None = None
         self._client: GenerationClient | None = None
         self._last_read = 0.0
@@ -244,6 +263,10 @@ class GserverManager(AsyncWorker):
                 network.advertise_address(self.info.mode, self.info.bind_address),
                 self.epoch_join_timeout_s(),
             )
+            try:  # (a previous launch's request: this one asks for its own)
+                await asyncio.to_thread(name_resolve.delete, self._wanted_key())
+            except name_resolve.NameEntryNotFoundError:
+                pass
         self._health_task = asyncio.create_task(self._health_loop())
 
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._gate.middleware])
@@ -436,6 +459,32 @@ class GserverManager(AsyncWorker):
             if deleted:
                 self.logger.info("deleted old weights: %s", ", ".join(os.path.basename(d) for d in deleted))
 
+    def _wanted_key(self) -> str:
+        return names.weights_wanted(self.experiment_name, self.trial_name, "actor")
+
+    async def _on_disk(self, version: int) -> tuple[str, int]:
+        """The directory to load `version` from, and the version it holds.
+        With weights.transport=broadcast a version that went through every
+        member has no directory: the trainer writes its newest version on
+        demand (`names.weights_wanted`, docs/design.md §8), so this waits for
+        a directory of `version` or newer (then loaded as that version),
+        within weight_update_timeout (WeightsNotWritten)."""
+        if self._epochs is None:
+            return os.path.join(self.cfg.weights_dir, str(version)), version
+        deadline = time.monotonic() + self.cfg.weight_update_timeout
+        while (newest := await asyncio.to_thread(newest_weight_dir, self.cfg.weights_dir)) < version:
+            if version > self._wanted:
+                self._wanted = version
+                await asyncio.to_thread(name_resolve.add, self._wanted_key(), str(version), replace=True)
+                self.logger.info("weight version %d is not on disk: the trainer is asked to write it", version)
+            if time.monotonic() > deadline:
+                raise WeightsNotWritten(
+                    f"the trainer did not write weight version {version} (or a newer one) to "
+                    f"{self.cfg.weights_dir} within weight_update_timeout={self.cfg.weight_update_timeout}s"
+                )
+            await asyncio.sleep(self.cfg.poll_interval)
+        return os.path.join(self.cfg.weights_dir, str(newest)), newest
+
     async def _load_weights(self, url: str, path: str, version: int) -> int:
         """One version load (`GenerationClient.load_version`: full weights, or
         a LoRA run's adapter); returns how many requests it aborted. Health
@@ -477,10 +526,12 @@ class GserverManager(AsyncWorker):
                 return None
         attempts = 1 + max(0, self.cfg.weight_update_retries)
         last_error: Exception | None = None
+        loaded = version
         for attempt in range(1, attempts + 1):
             try:
-                aborted = await self._load_weights(url, path, version)
-            except (GenerationServerError, GenerationServerUnavailable) as e:
+                path, loaded = await self._on_disk(version)  # (broadcast: maybe written on demand, maybe newer)
+                aborted = await self._load_weights(url, path, loaded)
+            except (GenerationServerError, GenerationServerUnavailable, WeightsNotWritten) as e:
                 last_error = e
                 if isinstance(e, GenerationServerUnavailable):
                     # Dead, wedged (its load did not complete within weight_update_timeout, though
@@ -499,7 +550,7 @@ class GserverManager(AsyncWorker):
                 if attempt < attempts:
                     await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
                 continue
-            self.router.set_loaded_version(url, version)
+            self.router.set_loaded_version(url, loaded)
             return aborted
         if not self.router.is_up(url):
             return None
@@ -635,16 +686,16 @@ class GserverManager(AsyncWorker):
                 if version < target or (self._epochs is not None and self._epochs.partly_updated(url)):
                     if not self.cfg.weights_dir:
                         raise WeightUpdateError(f"server holds version {version} < {target} and weights_dir is empty")
-                    path = os.path.join(self.cfg.weights_dir, str(target))
+                    path, loaded = await self._on_disk(target)  # (broadcast: maybe written on demand, maybe newer)
                     self.logger.info(
                         "generation server %d at %s holds weight version %d: loading version %d before "
                         "it takes requests",
                         server.index,
                         url,
                         version,
-                        target,
+                        loaded,
                     )
-                    await self._load_weights(url, path, target)
+                    await self._load_weights(url, path, loaded)
                     continue  # check again: the trainer may have moved on meanwhile
             except (GenerationServerError, GenerationServerUnavailable, WeightUpdateError) as e:
                 load_failures += 1

@@ -31,7 +31,9 @@ Weights (docs/design.md §8): after each train step rank 0 writes the actor as H
 safetensors, with the tokenizer files, chat template and generation config of
 the model directory it started from (an ordinary HF directory), into a temp
 directory, renames it to `<weights_dir>/<version>/`, and only then sets
-`model_version/actor`; a half-written version is never visible. With
+`model_version/actor`; a half-written version is never visible. (With
+`weights.transport=broadcast` a version that reached every server over the
+wire is written only when the manager asks: realrl/system/weight_broadcast.py.) With
 `lora.rank` > 0 the actor is wrapped with peft LoRA adapters
 (`realrl.impl.lora`): only they train, and a version (with the tokenizer
 files), a checkpoint and the final model's `adapter/` hold them alone; the KL
@@ -616,7 +618,8 @@ class ModelWorker(Worker):
         self._announce_version(version)
 
     def _announce_version(self, version: int) -> None:
-        """`model_version/actor` = version: its directory is on disk (any thread)."""
+        """`model_version/actor` = version (any thread): its directory is on disk, unless
+        it went through a broadcast group (docs/design.md §8)."""
         name_resolve.add(
             names.model_version(self.experiment_name, self.trial_name, ACTOR),
             str(version),
@@ -640,7 +643,7 @@ class ModelWorker(Worker):
 
     def _exit_hook(self) -> None:
         if getattr(self, "_broadcast", None) is not None:
-            self._broadcast.close()  # versions still queued reach the disk
+            self._broadcast.close()  # versions still queued go out
         for closer in ("server", "dataset"):
             obj = getattr(self, closer, None)
             if obj is not None:
@@ -795,13 +798,16 @@ class ModelWorker(Worker):
         """Rank 0 writes weight version `version` (in the run's dtype) and
         announces it; the other ranks only take the number. With a broadcast
         epoch, rank 0 snapshots it for the group and the sender's thread
-        writes and announces it (`disk_only`: a resume's version, §8)."""
+        announces it, written to disk only if the group failed or the manager
+        asks (`disk_only`: a resume's version, §8)."""
         if self.dp_rank == 0 and not disk_only and self._broadcast is not None:
             if self._broadcast.publish(version, state_dict, self._announce_version):
                 self.version = version
                 return
         if self.dp_rank == 0:
             self._write_version(version, state_dict)
+            if self._broadcast is not None:
+                self._broadcast.written = max(self._broadcast.written, version)
             self._set_version(version)
         else:
             self.version = version

@@ -8,12 +8,17 @@ failed, it builds a new one: the up servers, each at its rank, are told to
 join (`/join_weights_group`), then the group's spec goes to the name service
 (`names.weights_group`). The trainer reads that key at each step end; on a
 new epoch it ends its old sender and starts one for the new group (its
-first version completes the rendezvous). Every version still becomes an HF
-directory: the sender's thread writes it from the snapshot once the
-broadcast is over (or failed) and only then sets `model_version/actor`, so
-the key keeps its meaning (the directory exists) and a server outside the
-group (joining late, restarted, or dropped from a failed epoch) loads it
-from disk as before. For a member the manager only waits until it holds
+first version completes the rendezvous). A version that went through the
+group to every member is not written to disk: the sender's thread writes a
+version's HF directory from its snapshot only when the group failed, or
+when the manager asks (`names.weights_wanted`: a server joining, restarted,
+or dropped from a failed epoch needs one), also between versions, from the
+last snapshot, which stays in its buffer (`Sender.idle`); so a trainer that
+waits for a batch no server can make (every server restarted) still writes
+the version they need. `model_version/actor` is set after the write (or
+without one), so the key no longer means the directory exists: the manager
+waits for the directory it asked for (`GserverManager._on_disk`). For a
+member the manager only waits until it holds
 the version (`/await_weight_version`); one that does not within
 `weight_update_timeout` (its group failed) loads it from disk instead, and
 the next boundary builds an epoch again. SGLang servers (`protocol: sglang`)
@@ -78,7 +83,10 @@ def _group_key() -> bytes:
 class BroadcastPublisher:
     """Rank 0's publishing under `weights.transport=broadcast`. `publish`
     returns False when no epoch exists yet (the caller writes the version to
-    disk itself, as on the disk path)."""
+    disk itself, as on the disk path, and tells `written`). A version that
+    went through the group is written to disk only if the manager wants one
+    at least as new (`names.weights_wanted`; looked at after each version and
+    every `idle_s` between versions) that is not on disk yet."""
 
     def __init__(
         self,
@@ -94,7 +102,9 @@ class BroadcastPublisher:
         self._write_to_disk = write_to_disk
         self._key_name = names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
+        self._wanted_name = names.weights_wanted(experiment_name, trial_name, ROLE)
         self._bind_host = bind_host
+        self.written = -1  # the newest version written to disk (by the caller too: the disk path)
         self.sender: Sender | None = None
         self._announced = -1
         self._announce_lock = threading.Lock()
@@ -108,7 +118,8 @@ class BroadcastPublisher:
 
     def publish(self, version: int, state_dict: dict | None, announce: Callable[[int], None]) -> bool:
         """Snapshots `version` for the current epoch's group (one memory copy);
-        its disk copy and `announce(version)` follow on the sender's thread."""
+        `announce(version)` (and, if its group fails or the manager asks, its disk copy) follows on
+        the sender's thread."""
         spec = self._current_spec()
         if spec is None:
             return False
@@ -121,6 +132,7 @@ class BroadcastPublisher:
             manifest = Manifest.of(tensors, self.dtype, packed=spec.protocol == "sglang")  # (SGLang's buckets)
             sender = Sender(spec, _group_key(), manifest, self._bind_host)
             sender.after_send = functools.partial(self._after_send, sender)
+            sender.idle = functools.partial(self._write, sender, why=None)  # (between versions)
             self.sender = sender
         self.sender.publish(version, tensors)
         return True
@@ -134,26 +146,39 @@ class BroadcastPublisher:
         # Which versions went through which group: the manager waits for members only on those.
         sent = {"group": sender.spec.name, "version": version, "ok": ok}
         name_resolve.add(self._sent_name, json.dumps(sent), replace=True)
-        # On CPU each tensor has a storage of its own over the snapshot (`Manifest.views(separate=True)`),
-        # which save_pretrained takes as it is: no copy of the version before it is written.
-        t0 = time.monotonic()
-        # (a dict of its own: save_pretrained drops the entries it does not write from the one it is given)
-        tensors = {name: t if sender.spec.device == "cpu" else t.cpu() for name, t in tensors.items()}
-        self._write_to_disk(version, tensors)
-        logger.info(
-            "weight version %d: %.2f s on the wire (%s), %.2f s to disk",
-            version,
-            sender.wire_s,
-            "sent" if ok else "failed",
-            time.monotonic() - t0,
-        )
+        logger.info("weight version %d: %.2f s on the wire (%s)", version, sender.wire_s, "sent" if ok else "failed")
+        self._write(sender, version, tensors, "its group failed" if not ok else None)
         with self._announce_lock:  # two senders (an old epoch's, finishing) never move the key back
             if version > self._announced:
                 self._announced = version
                 self._announce(version)
 
+    def _wanted(self, newest: int) -> bool:
+        """Whether the manager wants a directory of a version up to `newest` that is not on disk yet.
+        (One above `newest` is a previous launch's: this trainer resumed from an older checkpoint.)"""
+        try:
+            wanted = int(name_resolve.get(self._wanted_name))
+        except (name_resolve.NameEntryNotFoundError, ValueError):
+            return False
+        return self.written < wanted <= newest
+
+    def _write(self, sender: Sender, version: int, tensors: dict[str, torch.Tensor], why: str | None) -> None:
+        """Writes `version`'s directory if `why` (its group failed) or the manager wants it."""
+        if version <= self.written or (why is None and not self._wanted(version)):
+            return
+        t0 = time.monotonic()
+        # On CPU each tensor has a storage of its own over the snapshot (`Manifest.views(separate=True)`),
+        # which save_pretrained takes as it is: no copy of the version before it is written.
+        # (a dict of its own: save_pretrained drops the entries it does not write from the one it is given)
+        cpu = sender.spec.device == "cpu"
+        self._write_to_disk(version, {name: t if cpu else t.cpu() for name, t in tensors.items()})
+        self.written = max(self.written, version)
+        logger.info(
+            "weight version %d: %.2f s to disk (%s)", version, time.monotonic() - t0, why or "the manager asked"
+        )
+
     def close(self, timeout_s: float = 60.0) -> None:
-        """Waits for what is queued to reach the disk, then ends the group."""
+        """Waits for what is queued to go out (or to disk), then ends the group."""
         if self.sender is not None:
             self.sender.wait_idle(timeout_s)
             self.sender.close(timeout_s=5.0)

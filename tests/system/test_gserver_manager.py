@@ -43,7 +43,7 @@ B = 2  # train_batch_size in the worker tests
 # ---------------------------------------------------------------- weights on disk, in-process
 
 
-def test_delete_old_weight_dirs_only_touches_old_versions(tmp_path):
+def test_delete_old_weight_dirs_only_touches_old_versions_and_keeps_the_newest(tmp_path):
     for name in ("0", "1", "2", "3", ".tmp-4-abcd", "notes"):
         (tmp_path / name).mkdir()
     (tmp_path / "1" / "model.safetensors").write_text("x")
@@ -52,6 +52,10 @@ def test_delete_old_weight_dirs_only_touches_old_versions(tmp_path):
     deleted = delete_old_weight_dirs(str(tmp_path), 2)
     assert sorted(os.path.basename(d) for d in deleted) == ["0", "1"]
     assert sorted(os.listdir(tmp_path)) == [".tmp-4-abcd", "0123", "2", "3", "README", "notes"]
+    # weights.transport=broadcast: version 5 has no directory (it went over the wire); the newest written stays.
+    deleted = delete_old_weight_dirs(str(tmp_path), 5)
+    assert [os.path.basename(d) for d in deleted] == ["2"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-4-abcd", "0123", "3", "README", "notes"]
 
 
 def test_republishing_a_version_replaces_it_whole(tmp_path, tiny_model):

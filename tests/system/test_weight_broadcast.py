@@ -1,8 +1,9 @@
 """The trainer's side of `weights.transport=broadcast` (realrl/system/weight_broadcast.py,
 docs/design.md §8): without an epoch it leaves the version to the disk path;
-with one, each version goes through the group and its HF directory exists
-before `model_version` announces it, in order, with `weights_sent` saying
-which group carried it."""
+with one, each version goes through the group, is announced in order, with
+`weights_sent` saying which group carried it, and is written to disk only
+when the manager asks (`weights_wanted`), also between versions; and the
+manager with its servers through epochs, failures and restarts."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from realrl.impl.weights.broadcast import GroupSpec, Receiver, StoreServer, publ
 from realrl.system.model_worker import publish_weights
 from realrl.system.weight_broadcast import BroadcastPublisher
 from tests.impl.weights.models import tiny_model, train_a_little
+from tests.system.trial_thread import wait_until
 
 HOST = "127.0.0.1"
 
 
-def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announced(tmp_path):
+def test_each_version_goes_through_the_group_and_is_written_to_disk_only_when_the_manager_asks(tmp_path):
     exp, trial = "wire-test", uuid.uuid4().hex[:8]
     model = tiny_model("tied", seed=1)
     weights_dir = str(tmp_path / "weights")
@@ -43,13 +45,23 @@ def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announc
     )
     announce = lambda v: announced.append((v, os.path.isdir(os.path.join(weights_dir, str(v)))))  # noqa: E731
     assert not publisher.publish(1, None, announce)  # no epoch yet: the disk path's turn
+    publish_weights(model, weights_dir, 1)
     store = StoreServer(HOST)
     spec = GroupSpec(f"realrl-{trial}-e1", HOST, store.port, 2, timeout_s=30)
     received: list[int] = []
     member = Receiver(spec, 1, b"", HOST, check=lambda m: None, on_version=lambda v, t: received.append(v))
     name_resolve.add(names.weights_group(exp, trial, "actor"), json.dumps(spec.to_json()), replace=True)
+    wanted = names.weights_wanted(exp, trial, "actor")
     try:
-        for version in (2, 3):
+        train_a_little(model, 2)
+        assert publisher.publish(2, None, announce)
+        assert publisher.sender.wait_idle(60)
+        v2 = {name: t.clone() for name, t in published_tensors(model).items()}
+        # Asked for version 2 once it was sent: written between versions, from the snapshot kept.
+        name_resolve.add(wanted, "2", replace=True)
+        wait_until(lambda: os.path.isdir(os.path.join(weights_dir, "2")), 30, "version 2 written on demand")
+        name_resolve.add(wanted, "3", replace=True)  # asked for before it is sent: written before it is announced
+        for version in (3, 4):
             train_a_little(model, version)
             assert publisher.publish(version, None, announce)
             assert publisher.sender.wait_idle(60)
@@ -58,11 +70,12 @@ def test_each_version_goes_through_the_group_and_is_on_disk_before_it_is_announc
         publisher.close()
         member.join(30)
         store.close()
-    assert received == [2, 3] and member.closed and member.error is None
-    assert announced == [(2, True), (3, True)]  # in order, each once its directory existed
-    assert sent == {"group": spec.name, "version": 3, "ok": True}
-    on_disk = read_weights_dir(os.path.join(weights_dir, "3"))
-    for name, t in published_tensors(model).items():
+    assert received == [2, 3, 4] and member.closed and member.error is None
+    assert announced == [(2, False), (3, True), (4, False)]  # in order; on disk only when asked for
+    assert sorted(os.listdir(weights_dir)) == ["1", "2", "3"]  # (1: the disk path's)
+    assert sent == {"group": spec.name, "version": 4, "ok": True}
+    on_disk = read_weights_dir(os.path.join(weights_dir, "2"))
+    for name, t in v2.items():
         assert torch.equal(on_disk[name], t), name
 
 
@@ -123,7 +136,6 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
     from realrl.impl.generation import make_client
     from tests.impl.weights.test_torch_server_group import forward_logprobs
     from tests.system.test_generation_server import EXP
-    from tests.system.trial_thread import wait_until
 
     # Several buckets per version; a rendezvous timeout no step of the test may wait out.
     model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(tmp_path, etcd_server, protocol, 600.0)
@@ -443,7 +455,6 @@ def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(t
     from realrl.impl.generation import make_client
     from tests.impl.weights.test_torch_server_group import forward_logprobs
     from tests.system.test_generation_server import EXP
-    from tests.system.trial_thread import wait_until
 
     fault_dir = _armed(tmp_path, monkeypatch, "weights.member_stalls=stop;after=test.stall_server")
     timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
@@ -548,6 +559,137 @@ def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(t
     torch.testing.assert_close(
         torch.tensor(outs[0].output_logprobs), forward_logprobs(model, probe, outs[0].output_ids), atol=1e-4, rtol=0
     )
+
+
+def test_a_version_no_server_can_load_is_written_on_demand_also_with_every_server_gone(tmp_path, etcd_server):
+    """While every server is a member, a version goes through the group and
+    is never written to disk. A member killed between versions (the trainer
+    idle, as one waiting for a batch) restarts, finds no directory of the
+    current version, and the manager has the trainer write it (from the
+    snapshot its sender keeps): the server serves it, as the trainer's
+    weights do. Then both servers are killed at once: no server, so no batch
+    and no next version; both restart and get the current version the same
+    way (no deadlock). An epoch of both then carries the next version over
+    the wire, again not written; the newest directory written stays."""
+    import asyncio
+
+    import aiohttp
+    import psutil
+
+    from realrl.impl.generation import make_client
+    from tests.impl.weights.test_torch_server_group import forward_logprobs
+    from tests.system.test_generation_server import EXP
+
+    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(tmp_path, etcd_server, "realrl", 600.0)
+    manager_log = trial.launcher.log_path("gserver_manager", 0)
+    probe, greedy = [5, 6, 7, 8, 9], {"max_new_tokens": 8, "temperature": 0.0}
+
+    def on_disk() -> list[int]:
+        return sorted(int(d) for d in os.listdir(weights_dir) if d.isdigit()) if os.path.isdir(weights_dir) else []
+
+    def urls() -> list[str]:
+        return [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+
+    def kill_servers(which: list[str]) -> None:
+        ports = {u.rsplit(":", 1)[1] for u in which}
+        for pid in trial.launcher.worker_pids:
+            for child in psutil.Process(pid).children(recursive=True):
+                if any(a in ports for a in child.cmdline()) and "torch_server" in " ".join(child.cmdline()):
+                    child.kill()
+
+    async def manager(session, manager_url: str, route: str) -> dict:
+        async with session.get(manager_url + route) as resp:
+            return await resp.json()
+
+    async def both_up_again(session, manager_url: str, before: list[str], version: int) -> list[str]:
+        """Both servers (the killed ones at new urls) up in the manager's routing at `version`."""
+        for _ in range(2400):
+            servers = (await manager(session, manager_url, "/servers"))["servers"]
+            up = {s["url"]: s for s in servers if s["state"] == "up"}
+            now = urls()
+            if all(u in up and up[u]["version"] == version for u in now) and now != before:
+                return now
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the servers did not come back at version {version}")
+
+    async def epoch_of(now: list[str]) -> None:
+        for _ in range(2400):
+            groups = re.findall(r"weight group \S+: 2 servers \(([^)]*)\)", open(manager_log).read())
+            if any(set(g.split(", ")) == set(now) for g in groups):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no epoch of {now}")
+
+    async def publish(session, manager_url: str, version: int) -> None:
+        train_a_little(model, version)
+        assert publisher.publish(version, None, announce)
+        for _ in range(1200):
+            if (await manager(session, manager_url, "/get_model_version"))["version"] == version:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the manager did not reach version {version}")
+
+    async def served(now: list[str]) -> list:
+        async with make_client("sglang", timeout_s=60) as client:
+            return [await client.generate(u, probe, greedy) for u in now]
+
+    result: dict = {}
+
+    async def scenario(manager_url: str) -> None:
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+            first = urls()
+            await epoch_of(first)
+            await publish(session, manager_url, 1)
+            result["after_1"] = on_disk()
+            kill_servers(first[:1])  # a member gone between versions: version 1 was never written
+            second = await both_up_again(session, manager_url, first, 1)
+            outs = await served(second)
+            result["one_back"] = (on_disk(), outs, [forward_logprobs(model, probe, o.output_ids) for o in outs])
+            await epoch_of(second)
+            await publish(session, manager_url, 2)
+            result["after_2"] = on_disk()
+            kill_servers(second)  # every server gone: no batch, no next version
+            third = await both_up_again(session, manager_url, second, 2)
+            result["all_back"] = (on_disk(), await served(third))
+            result["v2"] = [forward_logprobs(model, probe, o.output_ids) for o in result["all_back"][1]]
+            await epoch_of(third)
+            await publish(session, manager_url, 3)
+            for _ in range(200):  # (the manager deletes older directories once every server holds 3)
+                if "all servers hold weight version 3" in open(manager_log).read() and on_disk() == [2]:
+                    break
+                await asyncio.sleep(0.05)
+            result["after_3"] = on_disk()
+            result["v3_outs"] = await served(third)
+            result["v3"] = [forward_logprobs(model, probe, o.output_ids) for o in result["v3_outs"]]
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+        asyncio.run(scenario(manager_url))
+        publisher.close()
+        assert trial.complete() == 0
+    finally:
+        publisher.close(timeout_s=1)
+        trial.close()
+    log = open(manager_log).read()
+    assert result["after_1"] == [], result  # through the group, every server a member: not written
+    assert result["one_back"][0] == [1], result  # written once the restarted member needed it
+    assert "weight version 1 is not on disk: the trainer is asked to write it" in log, log[-3000:]
+    for out, expected in zip(result["one_back"][1], result["one_back"][2]):
+        assert out.weight_version == "1"
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), expected, atol=1e-4, rtol=0)
+    assert result["after_2"] == [1], result
+    held, outs = result["all_back"]
+    assert held == [1, 2], result  # written for the servers that all came back
+    assert "weight version 2 is not on disk: the trainer is asked to write it" in log, log[-3000:]
+    assert [o.weight_version for o in outs] == ["2", "2"]
+    for out, expected in zip(outs, result["v2"]):
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), expected, atol=1e-4, rtol=0)
+    assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
+    assert result["after_3"] == [2], result  # version 3 not written; the newest written (2) kept
+    assert [o.weight_version for o in result["v3_outs"]] == ["3", "3"]
+    for out, expected in zip(result["v3_outs"], result["v3"]):
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
 def _armed(tmp_path, monkeypatch, armed: str):

@@ -13,7 +13,9 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   `bucket_bytes`. Two buffers: one on the wire, one for the next snapshot; a
   version still waiting when a newer one is snapshotted is replaced by it
   (intermediate versions are skipped, as on the disk path), so the trainer
-  never waits for the network.
+  never waits for the network. Between versions the last one sent stays in
+  its buffer (a snapshot goes to the other) and the helper thread offers it
+  to `idle` every `idle_s` (the runtime writes it to disk on demand).
 - The **receiver** (`Receiver`): a helper thread joins the group, checks the
   tensor list against the model once, receives each version's buckets into
   its own flat buffer and hands the whole version (tensors viewing that
@@ -507,8 +509,11 @@ class Sender:
     helper thread forms the group and broadcasts the newest snapshot, then
     calls `after_send(version, tensors)` with it (views of its buffer, on
     CPU each with a storage of its own, valid until it returns: the disk
-    copy of the version is written there). Once
-    the group failed, versions still go to `after_send`, not to the wire."""
+    copy of the version may be written there). Once
+    the group failed, versions still go to `after_send`, not to the wire.
+    While nothing is pending, `idle(version, tensors)` is called every
+    `idle_s` with the last version `after_send` had, still in its buffer (a
+    snapshot meanwhile goes to the other one)."""
 
     def __init__(
         self,
@@ -517,15 +522,18 @@ class Sender:
         manifest: Manifest,
         bind_host: str,
         after_send: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        idle: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        idle_s: float = 0.25,
     ):
         self.spec, self.manifest = spec, manifest
         self._key, self._bind_host, self._device = key, bind_host, spec.device
-        self.after_send = after_send
+        self.after_send, self.idle, self._idle_s = after_send, idle, idle_s
         self._buffers = [_flat(manifest.nbytes, spec.device), _flat(manifest.nbytes, spec.device)]
         self._views = [manifest.views(b, separate=True) for b in self._buffers]  # (written as they are: after_send)
         self._cond = threading.Condition()
         self._pending: tuple[int, int] | None = None  # (buffer, version) snapshotted, not yet on the wire
         self._sending: int | None = None  # the buffer on the wire (or being written to disk)
+        self._last: tuple[int, int] | None = None  # (buffer, version) `after_send` had last, kept for `idle`
         self._closing = False
         self.sent_version: int | None = None  # the newest version every member received
         self.skipped: list[int] = []  # versions replaced by a newer one before they went out
@@ -545,7 +553,10 @@ class Sender:
         """Copies `tensors` (every name of the manifest) into the free buffer
         and queues it: the trainer's one copy; it never waits for the wire."""
         with self._cond:
-            index = 1 if self._sending == 0 else 0
+            busy = self._sending if self._sending is not None else self._last[0] if self._last else 1
+            index = 1 - busy  # (the last version sent is overwritten only once a newer one is on the wire)
+            if self._last is not None and self._last[0] == index:
+                self._last = None
             if self._pending is not None and self._pending[0] == index:
                 self.skipped.append(self._pending[1])
                 self._pending = None  # the helper must not start on a buffer being overwritten
@@ -588,6 +599,19 @@ class Sender:
             self._cond.notify_all()
         if timeout_s > 0:
             self._thread.join(timeout_s)
+
+    def _call(self, fn: Callable | None, what: str, index: int, version: int) -> None:
+        """`fn(version, tensors)` with buffer `index` (marked on the wire: a snapshot goes to the other one)."""
+        try:
+            if fn is not None:
+                fn(version, self._views[index])
+        except Exception as e:  # (the caller's; logged, and the next version is tried)
+            self.after_send_error = f"version {version}: {type(e).__name__}: {e}"
+            logger.exception("weight group %s: %s of version %d", self.spec.name, what, version)
+        if what == "idle":
+            with self._cond:
+                self._sending = None
+                self._cond.notify_all()
 
     def _to_each(self, groups: list, flat: torch.Tensor, buckets: list, n: int, store: SealedStore) -> None:
         """Announcement `n`'s buckets into each member's group of two, each on
@@ -640,12 +664,19 @@ class Sender:
         n = 0
         while True:
             with self._cond:
-                while self._pending is None and not self._closing:
-                    self._cond.wait()
-                if self._pending is None:
+                idle = False
+                while self._pending is None and not self._closing and not idle:
+                    idle = not self._cond.wait(self._idle_s if self.idle else None) and self._last is not None
+                idle = idle and self._pending is None
+                if idle:  # nothing pending for `idle_s`: the last version to `idle`
+                    (index, version), self._sending = self._last, self._last[0]
+                elif self._pending is None:
                     break
-                index, version = self._pending
-                self._pending, self._sending = None, index
+                else:
+                    (index, version), self._pending, self._sending = self._pending, None, self._pending[0]
+            if idle:
+                self._call(self.idle, "idle", index, version)
+                continue
             t0 = time.monotonic()
             if not self.failed:
                 try:
@@ -665,14 +696,9 @@ class Sender:
                     groups = None  # their connections close: the other members fail now, not at their timeout
             sent = not self.failed
             self.wire_s = time.monotonic() - t0
-            if self.after_send is not None:
-                try:
-                    self.after_send(version, self._views[index])
-                except Exception as e:  # (the caller's; logged, and the next version is tried)
-                    self.after_send_error = f"version {version}: {type(e).__name__}: {e}"
-                    logger.exception("weight group %s: after sending version %d", self.spec.name, version)
+            self._call(self.after_send, "after_send", index, version)
             with self._cond:
-                self._sending = None
+                self._sending, self._last = None, (index, version)
                 if sent:
                     self.sent_version = version
                     self.seconds[version] = self.wire_s
