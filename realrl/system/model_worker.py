@@ -198,6 +198,19 @@ def publish_weights(
     return VersionWriter(tokenizer_source, dtype, max_shard_size).publish(model, weights_dir, version, state_dict)
 
 
+def remove_versions_after(weights_dir: str, version: int) -> list[str]:
+    """Deletes `<weights_dir>/<u>` for integer u > version (directories, not
+    symlinks): a resume's discarded versions, which a previous launch wrote.
+    Under weights.transport=broadcast the resumed trainer writes its versions
+    only on demand, so a stale one would otherwise be loaded as its own (§8)."""
+    removed = []
+    for entry in os.scandir(weights_dir) if os.path.isdir(weights_dir) else []:
+        if entry.name.isdigit() and int(entry.name) > version and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 class _Layout:
     """What `save_model` wrote for a model: its one safetensors file (the names in
     it, its metadata) and the bytes of every other file of the directory."""
@@ -933,5 +946,8 @@ class ModelWorker(Worker):
         self.dataset.restore(restored, seen)
         state_dict = self._full_state_dict(self.actor.model)
         self._expect_shards(state_dict)
+        if self.dp_rank == 0 and self._broadcast is not None:  # (a previous launch's later versions)
+            for path in remove_versions_after(self.cfg.weights_dir, version):
+                self.logger.info("removed %s: a version after the checkpoint's, of a previous launch", path)
         self._publish(version, state_dict, disk_only=True)  # then a new epoch (docs/design.md §8)
         return {"version": version, "restored": len(restored)}

@@ -58,6 +58,20 @@ def test_delete_old_weight_dirs_only_touches_old_versions_and_keeps_the_newest(t
     assert sorted(os.listdir(tmp_path)) == [".tmp-4-abcd", "0123", "3", "README", "notes"]
 
 
+def test_a_resume_removes_the_versions_after_its_checkpoint(tmp_path):
+    """Broadcast writes versions on demand only: a resumed trainer removes a previous launch's
+    later directories, which a server would otherwise load as the resumed trial's (§8)."""
+    from realrl.system.model_worker import remove_versions_after
+
+    for name in ("3", "4", "5", ".tmp-6-abcd", "notes"):
+        (tmp_path / name).mkdir()
+    os.symlink(tmp_path / "notes", tmp_path / "9")  # a link named like a version: never followed
+    removed = remove_versions_after(str(tmp_path), 4)
+    assert [os.path.basename(p) for p in removed] == ["5"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-6-abcd", "3", "4", "9", "notes"]
+    assert remove_versions_after(str(tmp_path / "missing"), 4) == []
+
+
 def test_republishing_a_version_replaces_it_whole(tmp_path, tiny_model):
     """Recovery publishes its checkpoint's version again: the directory is
     replaced (renamed aside first, never half-deleted) and nothing is left over."""
