@@ -419,13 +419,12 @@ class WeightsConfig:
     """How each new weight version reaches the generation servers (docs/design.md §8)."""
 
     transport: str = "auto"
-    """auto | disk (an HF directory each server loads) | broadcast (buckets over a process group of the
-    trainer and the servers; each version is still written to disk, in the background, for servers that
-    join late or fall out of the group). broadcast needs torch or SGLang servers (not vLLM yet) and a full
-    model (no LoRA). auto: broadcast where the trial can take it, over gloo (CPU; NCCL is not measured
-    yet), and a version's weights (the model's parameters in model.dtype) are at least
-    weights.auto_broadcast_mb, else disk (what measures faster on each side of that size:
-    docs/benchmarks.md)."""
+    """auto | disk (an HF directory each server loads) | broadcast (buckets over a process group of the trainer and the
+    servers; a version is written to disk only when a server needs it from there: one that joins, restarts or falls
+    out of the group, which the manager asks the trainer for). broadcast needs torch or SGLang servers (not vLLM
+    yet) and a full model (no LoRA). auto: broadcast where the trial can take it, over gloo (CPU; NCCL is not
+    measured yet), and a version's weights (the model's parameters in model.dtype) are at least
+    weights.auto_broadcast_mb, else disk (what measures faster on each side of that size: docs/benchmarks.md)."""
     auto_broadcast_mb: int = 256
     """auto: broadcast from this many MiB of weights per version (on a 2-core CPU machine, time to every
     server ties at 135 and 175 MiB with 1-2 servers, and broadcast wins with 1, 2 and 4 servers at 270
