@@ -107,6 +107,7 @@ from realrl.base.http_auth import BearerGate
 from realrl.base.http_body import BodyError, from_json, read_json, to_json
 from realrl.impl.generation import make_client
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
+from realrl.impl.weights.on_disk import version_dirs
 from realrl.system.router import NoServerUp, RequestRouter, Reservations
 from realrl.system.server_registry import Server, ServerRegistry
 from realrl.system.staleness import StalenessController
@@ -129,18 +130,9 @@ _MAX_BODY_BYTES = 1024 * 1024
 _MAX_BODY_DEPTH = 8
 
 
-def _version_dirs(weights_dir: str) -> dict[int, str]:
-    """`<weights_dir>/<u>` for every integer u (directories, not symlinks)."""
-    try:
-        entries = list(os.scandir(weights_dir))
-    except FileNotFoundError:
-        return {}
-    return {int(e.name): e.path for e in entries if e.name.isdigit() and e.is_dir(follow_symlinks=False)}
-
-
 def newest_weight_dir(weights_dir: str) -> int:
     """The newest version with a directory in `weights_dir` (renamed into place whole), or -1."""
-    return max(_version_dirs(weights_dir), default=-1)
+    return max(version_dirs(weights_dir), default=-1)
 
 
 def delete_old_weight_dirs(weights_dir: str, current_version: int) -> list[str]:
@@ -149,7 +141,7 @@ def delete_old_weight_dirs(weights_dir: str, current_version: int) -> list[str]:
     version may have none: the newest written one stays); returns what it
     deleted. Nothing else (temp dirs of a publish in progress, other files,
     symlinks) is touched."""
-    dirs = _version_dirs(weights_dir)
+    dirs = version_dirs(weights_dir)
     newest = max(dirs, default=None)
     deleted = []
     for version, path in dirs.items():

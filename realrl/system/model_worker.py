@@ -68,6 +68,7 @@ from realrl.impl import lora
 from realrl.impl.ppo.batch import SequenceBatch
 from realrl.impl.ppo.models import AdapterDisabled, CriticModel, compute_in, load_policy
 from realrl.impl.ppo.trainer import Optimized, PPOTrainer, optimized_as_configured
+from realrl.impl.weights.on_disk import version_dirs
 from realrl.system.ledger import KeyLedger
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
@@ -203,11 +204,9 @@ def remove_versions_after(weights_dir: str, version: int) -> list[str]:
     symlinks): a resume's discarded versions, which a previous launch wrote.
     Under weights.transport=broadcast the resumed trainer writes its versions
     only on demand, so a stale one would otherwise be loaded as its own (§8)."""
-    removed = []
-    for entry in os.scandir(weights_dir) if os.path.isdir(weights_dir) else []:
-        if entry.name.isdigit() and int(entry.name) > version and entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
+    removed = [path for u, path in version_dirs(weights_dir).items() if u > version]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
 
 

@@ -247,9 +247,14 @@ class WeightEpochs:
         if spec.protocol == "sglang":  # the servers join once the sender is there (SGLangDriver)
             self.spec, self.members, self.failed = spec, members, False
             self._driver = SGLangDriver(
-                spec, members, self._client, _group_key(), on_abandon=self.abandon, left_paused=self.left_paused
+                spec,
+                members,
+                self._client,
+                _group_key(),
+                on_abandon=self.abandon,
+                left_paused=self.left_paused,
+                through_group=self.through_group,
             )
-            self._driver.through_group = self.through_group
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
                 "weight group %s: %d servers (%s), SGLang's routes", spec.name, len(members), ", ".join(members)
@@ -432,6 +437,7 @@ class SGLangDriver:
         key: bytes,
         on_abandon: Callable[[str, str], None] | None = None,
         left_paused: set[str] | None = None,
+        through_group: dict[str, int] | None = None,
     ):
         self.spec, self.members, self._client = spec, dict(members), client
         self._seal_key, self._on_abandon = key, on_abandon
@@ -439,7 +445,8 @@ class SGLangDriver:
         self._sent: dict[str, asyncio.Task] = {}  # `b/<n>/<i>` -> its wait, shared by the members
         self._store: SealedStore | None = None  # the epoch's store, as a client (connected in `_run`)
         self.held: dict[str, int] = {}  # url -> the newest version in place through the group
-        self.through_group: dict[str, int] = {}  # the same, kept by the manager beyond the epoch
+        # the same, kept by the manager beyond the epoch (`WeightEpochs.holds`)
+        self.through_group = through_group if through_group is not None else {}
         self.lost: dict[str, str] = {}  # url -> why it left the epoch
         self.failed = False
         self._stopping = False
