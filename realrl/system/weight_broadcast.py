@@ -41,6 +41,10 @@ not send, nor for a stalled peer (the others take the version meanwhile,
 and one a member took whole is not loaded again: `holds`); one that fails
 after its first bucket (SGLang loads each as it comes) stays paused until a
 version is loaded whole from disk (`WeightEpochs.left_paused`, `resume`).
+A member found down, or one that lags its peers in a version while a newer
+one waits, is dropped from the epoch (`SGLangDriver.drop`: `drop/<rank>`
+in the store, the sender feeds it no more) instead of the epoch abandoned:
+the others take the next version through the same epoch at once.
 """
 
 from __future__ import annotations
@@ -197,9 +201,14 @@ class WeightEpochs:
         bind_host: str,
         advertise_host: str,
         join_timeout_s: float,
+        straggler_s: float = 5.0,
+        on_straggler: Callable[[str, str], None] | None = None,
     ):
         self.cfg, self._client = cfg, client
         self.join_timeout_s = join_timeout_s
+        # SGLang: a member still in a version `straggler_s` after every other member holds it, while
+        # a newer one waits, goes to `on_straggler(url, why)` (the manager: out of routing, dropped)
+        self.straggler_s, self._on_straggler = straggler_s, on_straggler
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._bind_host, self._advertise_host = bind_host, advertise_host
@@ -219,7 +228,8 @@ class WeightEpochs:
 
     def needs_rebuild(self, up_urls: list[str]) -> bool:
         failed = self.failed or (self._driver is not None and self._driver.failed)
-        return bool(up_urls) and (failed or set(up_urls) != set(self.members))
+        live = set(self.members) - (self._driver.dropped if self._driver is not None else set())
+        return bool(up_urls) and (failed or set(up_urls) != live)
 
     async def rebuild(self, up_urls: list[str]) -> None:
         """A new epoch of the servers `up_urls` (a version boundary: no update in flight)."""
@@ -254,6 +264,8 @@ class WeightEpochs:
                 on_abandon=self.abandon,
                 left_paused=self.left_paused,
                 through_group=self.through_group,
+                straggler_s=self.straggler_s,
+                on_straggler=self._on_straggler,
             )
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
@@ -297,14 +309,19 @@ class WeightEpochs:
 
     def member_down(self, url: str, why: str) -> None:
         """The manager found `url` down: an epoch it is a member of cannot
-        carry versions to it, and one still forming would wait for it until
-        the rendezvous times out, so it is abandoned at once; a wait for it to
-        hold a version (`await_version`) ends now."""
+        carry versions to it. SGLang, once the epoch's groups formed: it is
+        dropped (`SGLangDriver.drop`), the others go on in the epoch. Else
+        the epoch is abandoned at once (one still forming would wait for it
+        until the rendezvous times out; torch servers share one group). A
+        wait for it to hold a version (`await_version`) ends now."""
         if (down := self._awaiting.get(url)) is not None:
             down.set()
         self.through_group.pop(url, None)  # (back, it reports its version again)
-        if self.spec is not None and url in self.members:
-            self.abandon(self.spec.name, f"{url} is down ({why})")
+        if self.spec is None or url not in self.members:
+            return
+        if self._driver is not None and (url in self._driver.dropped or self._driver.drop(url, why)):
+            return
+        self.abandon(self.spec.name, f"{url} is down ({why})")
 
     async def _leave(self, url: str, name: str) -> None:
         try:
@@ -438,8 +455,11 @@ class SGLangDriver:
         on_abandon: Callable[[str, str], None] | None = None,
         left_paused: set[str] | None = None,
         through_group: dict[str, int] | None = None,
+        straggler_s: float = 5.0,
+        on_straggler: Callable[[str, str], None] | None = None,
     ):
         self.spec, self.members, self._client = spec, dict(members), client
+        self.straggler_s, self._on_straggler = straggler_s, on_straggler
         self._seal_key, self._on_abandon = key, on_abandon
         self.left_paused = left_paused if left_paused is not None else set()
         self._sent: dict[str, asyncio.Task] = {}  # `b/<n>/<i>` -> its wait, shared by the members
@@ -448,6 +468,10 @@ class SGLangDriver:
         # the same, kept by the manager beyond the epoch (`WeightEpochs.holds`)
         self.through_group = through_group if through_group is not None else {}
         self.lost: dict[str, str] = {}  # url -> why it left the epoch
+        self.dropped: set[str] = set()  # the lost the epoch goes on without (`drop`)
+        self.formed = False  # every member joined: a member can be dropped from here on
+        self._partial: set[str] = set()  # members with part of the version in flight in place
+        self._left: set[asyncio.Task] = set()  # dropped members' versions, left to end on their own
         self.failed = False
         self._stopping = False
         self._sessions: dict[str, bool] = {}
@@ -477,6 +501,67 @@ class SGLangDriver:
     def _abandon(self, why: str) -> None:
         if self._on_abandon is not None:
             self._on_abandon(self.spec.name, why)
+
+    def drop(self, url: str, why: str) -> bool:
+        """Drops member `url` from the epoch, the others going on in it: the
+        sender, told through the store (`drop/<rank>`), leaves its group of
+        two, mid-version too, and feeds it no more; its versions go by disk
+        (it is lost to the epoch: the manager loads them), paused until then
+        if part of one went in, and the next epoch has it again. False where
+        the epoch cannot go on without it: not formed yet (the sender forms
+        the groups one by one), one group of all, or no other member left."""
+        others = [u for u in self.members if u != url and u not in self.lost]
+        if self.spec.sglang_groups != "pairs" or not self.formed or url in self.lost or not others:
+            return False
+        try:
+            self._store.set(f"drop/{self.members[url]}", b"dropped")
+        except Exception:  # the store gone: the epoch is over anyway
+            return False
+        self.dropped.add(url)
+        if url in self._partial:  # (SGLang loads each bucket as it comes)
+            self.left_paused.add(url)
+        self.lost[url] = f"dropped ({why})"
+        logger.warning(
+            "weight group %s: %s dropped (%s); its versions go by disk, %d members go on",
+            self.spec.name,
+            url,
+            why,
+            len(others),
+        )
+        self._changed.set()
+        return True
+
+    def _newer_waits(self, n: int) -> bool:
+        """Whether the sender holds a version newer than announcement `n`'s (`next/<n>`) or announced one."""
+        return self._store.check([f"next/{n}"]) or self._store.check([f"v/{n + 1}"])
+
+    async def _each_member(self, urls: list[str], n: int, version: int, buckets: list) -> None:
+        """Announcement `n` into each member not lost, until each took it, or
+        failed, or was dropped (its version left to end on its own). Once
+        every other member holds it, one still at it after `straggler_s`
+        while a newer version waits (the sender's `next/<n>`) holds the
+        others back: it goes to `on_straggler` (the manager takes it out of
+        routing, which drops it), as a server that does not answer a
+        health check in that time counts as failing it."""
+        loop = asyncio.get_running_loop()
+        tasks = {u: asyncio.ensure_future(self._version(u, n, version, buckets)) for u in urls if u not in self.lost}
+        peers_done: float | None = None
+        while waiting := {u: t for u, t in tasks.items() if not t.done() and u not in self.dropped}:
+            peers = [u for u in tasks if u not in waiting and u not in self.dropped]
+            if peers and not self._stopping and all(self.held.get(u, -1) >= version for u in peers):
+                peers_done = peers_done if peers_done is not None else loop.time()
+                if loop.time() - peers_done >= self.straggler_s and await asyncio.to_thread(self._newer_waits, n):
+                    for url in waiting:
+                        why = f"version {version} not in place {self.straggler_s:g} s after its peers, a newer waits"
+                        if self._on_straggler is not None:
+                            self._on_straggler(url, why)
+                        if url not in self.dropped:
+                            self.drop(url, why)
+            await asyncio.wait(waiting.values(), timeout=0.1)
+        for url, task in tasks.items():
+            if not task.done():
+                self._left.add(task)
+                task.add_done_callback(self._left.discard)
 
     def _lose(self, url: str, why: str) -> None:
         if url not in self.lost:
@@ -530,14 +615,15 @@ class SGLangDriver:
             if manifest_bytes is None:
                 return
             buckets = Manifest.from_bytes(manifest_bytes).bucket_entries(self.spec.bucket_bytes)
+            self.formed = True
             n = 0
-            while not self.lost:
+            while set(self.lost) <= self.dropped and len(self.dropped) < len(urls):
                 announced = await self._key(f"v/{n}")
                 if announced is None or announced == b"close":
                     return
                 version = int(announced)
                 self._sent.clear()
-                await asyncio.gather(*(self._version(url, n, version, buckets) for url in urls))
+                await self._each_member(urls, n, version, buckets)
                 self._changed.set()
                 n += 1
         except Exception as e:  # the store gone, a malformed tensor list: the epoch is over
@@ -573,6 +659,7 @@ class SGLangDriver:
                     if i:
                         await self._bucket_sent(n, i - 1, self.members[url])
                     partial = True
+                    self._partial.add(url)
                     last = i == len(buckets) - 1
                     await client.update_weights_from_distributed(
                         url, self._group_name(url), entries, str(version) if last else None, timeout_s=timeout
@@ -583,6 +670,7 @@ class SGLangDriver:
                     await client.end_weight_update(url, timeout_s=timeout)
         except (GenerationServerError, GenerationServerUnavailable, GroupError) as e:
             failure = e
+        self._partial.discard(url)
         if not partial:
             try:
                 await client.continue_generation(url)
@@ -590,9 +678,14 @@ class SGLangDriver:
                 failure = failure or e
         if failure is None:
             self.held[url] = self.through_group[url] = version
+            if url in self.dropped:  # (whole after all: not paused)
+                self.left_paused.discard(url)
             return
         if partial:
             self.left_paused.add(url)
+        if url in self.dropped:  # (the epoch went on without it: its group closes, nothing more)
+            await self._destroy(url)
+            return
         self._lose(url, f"version {version}: {failure}" + (" (paused until loaded from disk)" if partial else ""))
         # Alive, it takes part in none of the epoch's collectives from here on, and the sender
         # (and the members it relays to) would wait for it until the collective's timeout:
@@ -610,13 +703,15 @@ class SGLangDriver:
         One wait per key, shared by the members."""
         key = f"b/{n}/{i}/{rank}" if self.spec.sglang_groups == "pairs" else f"b/{n}/{i}"
         if (task := self._sent.get(key)) is None:
-            task = self._sent[key] = asyncio.ensure_future(self._wait_sent(key))
+            task = self._sent[key] = asyncio.ensure_future(self._wait_sent(key, rank))
         return task
 
-    async def _wait_sent(self, key: str) -> None:
+    async def _wait_sent(self, key: str, rank: int) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.spec.timeout_s
         while True:
+            if any(self.members[u] == rank for u in self.dropped):  # (the sender feeds it no more)
+                raise GroupError(f"weight group {self.spec.name}: member {rank} was dropped")
             try:
                 if await asyncio.to_thread(self._store.check, [key]):
                     return
