@@ -550,7 +550,8 @@ class Sender:
         self._last: tuple[int, int] | None = None  # (buffer, version) `after_send` had last, kept for `idle`
         self._closing = False
         self.sent_version: int | None = None  # the newest version every member received (but those dropped)
-        self.dropped: set[int] = set()  # SGLang: the members' ranks the owner dropped (`drop/<rank>`)
+        # SGLang: the members' ranks fed no more (the owner dropped them, `drop/<rank>`, or their group failed)
+        self.dropped: set[int] = set()
         self.skipped: list[int] = []  # versions replaced by a newer one before they went out
         self.error: str | None = None  # why the group failed
         self.after_send_error: str | None = None  # the last `after_send` failure
@@ -641,10 +642,13 @@ class Sender:
         a thread of its own at the member's own pace (`b/<n>/<i>/<rank>`:
         bucket i went to member `rank`, whose next is on its way): no member
         waits for another. A member the owner dropped (`drop/<rank>`: it
-        stalled, say) is left, mid-version too, and fed no more; the others
-        go on. While they are at it and a newer snapshot waits, `next/<n>`
-        says so (the owner's cue to drop a member that holds it back). Once
-        every one ended, raises the first failure."""
+        stalled, say) is left, mid-version too, and fed no more; so is one
+        whose group failed (it died, or the owner destroyed the group on it):
+        the others go on (the owner learns of that member's failure from it,
+        over its routes, and loads its versions from disk). While they are at
+        it and a newer snapshot waits, `next/<n>` says so (the owner's cue to
+        drop a member that holds it back). Raises once no member is left (the
+        epoch abandoned: its store closed)."""
         errors: list[Exception] = []
 
         def to_member(rank: int, group: dist.ProcessGroup) -> None:
@@ -660,6 +664,8 @@ class Sender:
                 except Exception:
                     pass
                 errors.append(e)
+                self.dropped.add(rank)
+                logger.warning("weight group %s: member %d fed no more: %s", self.spec.name, rank, e)
 
         live = [(rank, group) for rank, group in enumerate(groups, start=1) if not self._is_dropped(store, rank)]
         if not live:
@@ -680,10 +686,8 @@ class Sender:
                         store.set(f"next/{n}", b"waiting")
                     except Exception:  # (the store gone: the members' threads fail with it)
                         pass
-        if errors:
-            raise errors[0]
         if all(rank in self.dropped for rank, _ in live):
-            raise GroupError(f"weight group {self.spec.name}: every member was dropped")
+            raise errors[0] if errors else GroupError(f"weight group {self.spec.name}: every member was dropped")
 
     def _fail(self, e: Exception) -> None:
         with self._cond:
