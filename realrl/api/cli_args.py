@@ -404,7 +404,9 @@ class ServerConfig:
     health_check_interval: float = 2.0
     """The manager checks every server's /health this often (seconds)."""
     health_check_timeout: float = 5.0
-    """Seconds one /health check may take."""
+    """Seconds one /health check may take. Under weights.transport=broadcast with SGLang servers, also how
+    long a member may still be taking a version every other member holds, while a newer one waits, before
+    it leaves routing and the weight group (docs/design.md §8)."""
     health_check_failures: int = 3
     """Failed checks in a row (or one refused connection) that take a server out of routing."""
     max_restarts: int = 3
