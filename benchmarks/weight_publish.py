@@ -554,7 +554,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
     """For each server count n (the first n servers) and each transport: the
     versions' stall, time to all servers, generation pause, bytes moved."""
     from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
-    from realrl.system.weight_broadcast import SGLangDriver
+    from realrl.system.weight_broadcast_sglang import SGLangDriver
 
     tensors = published_tensors(model)
     scratch = os.path.join(work, "scratch-transports")
