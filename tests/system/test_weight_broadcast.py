@@ -503,6 +503,96 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
     assert "updating 3 servers to weight version 4 (broadcast)" in log, log[-3000:]
 
 
+def test_an_sglang_member_that_dies_between_an_announcement_and_its_first_bucket_is_dropped(
+    tmp_path, etcd_server, monkeypatch
+):
+    """Two torch servers emulating SGLang 0.5.23. Version 2 is announced and
+    one member dies before any of its buckets (SIGKILL at the
+    `weights.before_first_bucket` fault point, as its `/begin_weight_update`
+    begins: paused, nothing of version 2 in place), the sender already in
+    that member's collective or about to be. The manager drops it from the
+    epoch (its calls fail) and the sender leaves its group (its connections
+    closed): the other member takes version 2 through its own group in the
+    same epoch, not by disk, and no epoch is abandoned. The killed one,
+    restarted, loads version 2 from disk (written on demand) before it takes
+    requests, and an epoch of both carries version 3 to both, which answer
+    as the trainer's weights do."""
+    import asyncio
+
+    import aiohttp
+
+    from realrl.base import faults
+    from realrl.impl.generation import make_client
+    from tests.impl.weights.test_torch_server_group import forward_logprobs
+    from tests.system.test_generation_server import EXP
+
+    fault_dir = _armed(tmp_path, monkeypatch, "weights.before_first_bucket=kill;after=test.kill_member")
+    timeout_s = 120.0  # a collective's, and a weight update's: no step of the test may wait it out
+    model, weights_dir, trial, publisher, announce = _two_servers_and_a_sender(
+        tmp_path, etcd_server, "sglang", timeout_s, weight_update_timeout=timeout_s
+    )
+    manager_log = trial.launcher.log_path("gserver_manager", 0)
+    probe = [5, 6, 7, 8, 9]
+    result: dict = {}
+
+    def current_epoch() -> str:
+        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
+
+    async def publish(session, manager_url: str, version: int) -> None:
+        train_a_little(model, version)
+        assert publisher.publish(version, None, announce)
+        for _ in range(1200):
+            async with session.get(manager_url + "/get_model_version") as resp:
+                if (await resp.json())["version"] == version:
+                    return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the manager did not reach version {version}")
+
+    async def scenario(manager_url: str) -> None:
+        async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
+            await publish(session, manager_url, 1)  # through the first epoch
+            result["epoch"] = current_epoch()
+            (fault_dir / "test.kill_member").touch()  # a member dies as version 2 is announced to it
+            await publish(session, manager_url, 2)
+            for _ in range(2400):  # the killed one, restarted (at a new url), in an epoch of both
+                urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+                now, log = current_epoch(), open(manager_log).read()
+                if now != result["epoch"] and all(u and u in log for u in urls):
+                    if re.search(rf"weight group {now}: 2 servers", log):
+                        break
+                await asyncio.sleep(0.05)
+            await publish(session, manager_url, 3)
+        urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
+        async with make_client("sglang", timeout_s=60) as client:
+            result["held"] = [await client.weight_version(u) for u in urls]
+            greedy = {"max_new_tokens": 8, "temperature": 0.0}
+            result["outs"] = [await client.generate(u, probe, greedy) for u in urls]
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
+        asyncio.run(scenario(manager_url))
+        publisher.close()
+        assert trial.complete() == 0
+    finally:
+        publisher.close(timeout_s=1)
+        trial.close()
+    log = open(manager_log).read()
+    assert faults.fired("weights.before_first_bucket")
+    epoch = result["epoch"]
+    assert re.search(rf"weight group {epoch}: \S+ dropped \(version 2: ", log), log[-3000:]
+    assert not re.search(rf"weight group {epoch} abandoned", log), log[-3000:]
+    assert re.search(r"updating \d servers to weight version 2 \(broadcast\)", log), log[-3000:]
+    assert re.search(r"holds weight version \d: loading version 2 before it takes requests", log), log[-3000:]
+    assert "updating 2 servers to weight version 3 (broadcast)" in log, log[-3000:]
+    assert result["held"] == ["3", "3"]
+    outs = result["outs"]
+    assert outs[0].output_ids == outs[1].output_ids and outs[0].output_logprobs == outs[1].output_logprobs
+    torch.testing.assert_close(
+        torch.tensor(outs[0].output_logprobs), forward_logprobs(model, probe, outs[0].output_ids), atol=1e-4, rtol=0
+    )
+
+
 def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(tmp_path, etcd_server, monkeypatch):
     """Two torch servers emulating SGLang 0.5.23 take versions over SGLang's
     routes (`weights.transport=broadcast`; real manager and server workers,
