@@ -8,7 +8,8 @@ failed, it builds a new one: the up servers, each at its rank, are told to
 join (`/join_weights_group`), then the group's spec goes to the name service
 (`names.weights_group`). The trainer reads that key at each step end; on a
 new epoch it ends its old sender and starts one for the new group (its
-first version completes the rendezvous). A version that went through the
+first version completes the rendezvous; the first epoch's sender is made
+ahead, while the trainer waits for its first batch: `prepare`). A version that went through the
 group to every member is not written to disk: the sender's thread writes a
 version's HF directory from its snapshot only when the group failed, or
 when the manager asks (`names.weights_wanted`: a server joining, restarted,
@@ -110,6 +111,8 @@ class BroadcastPublisher:
         self._announced = -1
         self._announce_lock = threading.Lock()
         self._announce: Callable[[int], None] | None = None
+        self._sender_lock = threading.Lock()  # (`publish` and `prepare`'s thread make senders)
+        self._closed = threading.Event()
 
     def _current_spec(self) -> GroupSpec | None:
         try:
@@ -126,17 +129,43 @@ class BroadcastPublisher:
             return False
         self._announce = announce
         tensors = published_tensors(self.model, state_dict)
-        if self.sender is None or self.sender.spec.name != spec.name:
-            if self.sender is not None:
-                self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
-            logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
-            manifest = Manifest.of(tensors, self.dtype, packed=spec.protocol == "sglang")  # (SGLang's buckets)
-            sender = Sender(spec, _group_key(), manifest, self._bind_host)
-            sender.after_send = functools.partial(self._after_send, sender)
-            sender.idle = functools.partial(self._write, sender, why=None)  # (between versions)
-            self.sender = sender
-        self.sender.publish(version, tensors)
+        self._sender_for(spec, tensors).publish(version, tensors)
         return True
+
+    def _sender_for(self, spec: GroupSpec, tensors: dict[str, torch.Tensor]) -> Sender:
+        """The sender of `spec`'s group: the one there is, or a new one (the old one ends)."""
+        with self._sender_lock:
+            if self.sender is None or self.sender.spec.name != spec.name:
+                if self.sender is not None:
+                    self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
+                logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
+                manifest = Manifest.of(tensors, self.dtype, packed=spec.protocol == "sglang")  # (SGLang's buckets)
+                sender = Sender(spec, _group_key(), manifest, self._bind_host)
+                sender.after_send = functools.partial(self._after_send, sender)
+                sender.idle = functools.partial(self._write, sender, why=None)  # (between versions)
+                self.sender = sender
+            return self.sender
+
+    def prepare(self, poll_s: float = 0.25) -> None:
+        """Makes the first epoch's sender before the first version, on a thread
+        of its own: once the manager's first group is named, its two buffers
+        are allocated (and paged in) and the group forms while the trainer
+        waits for its first batch, not in the first publishes' stalls nor on
+        the first version's way to the servers. Only where `publish` is given
+        no state dict (the model's own tensors: not under FSDP)."""
+
+        def first_sender() -> None:
+            while not self._closed.wait(poll_s) and self.sender is None:
+                try:
+                    spec = self._current_spec()
+                    if spec is not None:
+                        self._sender_for(spec, published_tensors(self.model))
+                        return
+                except Exception:  # (the name service going away at exit; publish makes one as before)
+                    logger.warning("weight group: no sender made ahead of the first version", exc_info=True)
+                    return
+
+        threading.Thread(target=first_sender, name="weights-first-sender", daemon=True).start()
 
     def _after_send(self, sender: Sender, version: int, tensors: dict[str, torch.Tensor]) -> None:
         ok = not sender.failed
@@ -180,6 +209,7 @@ class BroadcastPublisher:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Waits for what is queued to go out (or to disk), then ends the group."""
+        self._closed.set()
         if self.sender is not None:
             self.sender.wait_idle(timeout_s)
             self.sender.close(timeout_s=5.0)

@@ -79,6 +79,53 @@ def test_each_version_goes_through_the_group_and_is_written_to_disk_only_when_th
         assert torch.equal(on_disk[name], t), name
 
 
+def test_the_first_epochs_sender_is_made_and_its_group_formed_before_the_first_version(tmp_path):
+    """`prepare` (the model worker's, before its first step): once the manager names the first
+    group, its sender is made and the group forms while the trainer waits for a batch; the
+    first publish takes that sender and its version goes through as any other."""
+    exp, trial = "wire-test", uuid.uuid4().hex[:8]
+    model = tiny_model("tied", seed=1)
+    weights_dir = str(tmp_path / "weights")
+    publisher = BroadcastPublisher(
+        WeightTransportConfig(transport="broadcast"),
+        model,
+        None,
+        lambda v, state: publish_weights(model, weights_dir, v, state_dict=state),
+        exp,
+        trial,
+        HOST,
+    )
+    publisher.prepare(poll_s=0.05)
+    store = StoreServer(HOST)
+    spec = GroupSpec(f"realrl-{trial}-e1", HOST, store.port, 2, timeout_s=30)
+    formed: list = []  # the tensor list, which the sender sets once the group formed
+    received: dict[int, dict] = {}
+    member = Receiver(
+        spec,
+        1,
+        b"",
+        HOST,
+        check=formed.append,
+        on_version=lambda v, t: received.update({v: {k: x.clone() for k, x in t.items()}}),
+    )
+    try:
+        name_resolve.add(names.weights_group(exp, trial, "actor"), json.dumps(spec.to_json()), replace=True)
+        wait_until(lambda: formed, 30, "the group formed before any version")
+        sender = publisher.sender
+        assert sender is not None and sender.spec.name == spec.name
+        train_a_little(model, 1)
+        assert publisher.publish(1, None, lambda v: None)
+        assert publisher.sender is sender and sender.wait_sent(1, 60)
+        v1 = published_tensors(model)
+    finally:
+        publisher.close()
+        member.join(30)
+        store.close()
+    assert member.error is None and sorted(received) == [1] and not os.path.exists(weights_dir)
+    for name, t in v1.items():
+        assert torch.equal(received[1][name], t), name
+
+
 @pytest.mark.parametrize("protocol", ["realrl", "sglang"])
 def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_version_rejoins(
     tmp_path, etcd_server, monkeypatch, protocol

@@ -512,6 +512,8 @@ def _strand(group: dist.ProcessGroup, work: dist.Work) -> None:
 
 def _flat(nbytes: int, device: str) -> torch.Tensor:
     flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    if flat.device.type == "cpu":  # its pages in now, not on the first copy into it (a publish's stall)
+        flat.zero_()
     return flat
 
 
