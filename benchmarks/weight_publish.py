@@ -12,10 +12,14 @@ manager's `SGLangDriver`, each member in a group of two with the sender, what
 realrl does, or all in one group, whose broadcast relays along a tree;
 `sglang-pairs-nomarks`: pairs with every bucket asked for at once, not after
 the sender's mark of the one before (what the marks cost; not safe with a
-stalled member); "wire s" is the sender's time on the wire per version): for each server count n and each transport, the
+stalled member); "wire s" is the sender's time on the wire per version; a
+broadcast kind writes no version to disk, as realrl does while every server
+is a member (docs/design.md §8: only on demand), and with `-copy` appended,
+e.g. `broadcast-copy`, writes each one after the wire as realrl did before
+03a04ec): for each server count n and each transport, the
 trainer's stall (disk: `publish_weights`; broadcast: the snapshot), the time
-from step end to every server serving the version, until its directory is on
-disk, the bytes moved, and the generation pause of `--inflight` requests per
+from step end to every server serving the version, (disk, `-copy`) until its
+directory is on disk, the bytes moved, and the generation pause of `--inflight` requests per
 server, against floors measured in the same run (one memory copy of the
 weights; safetensors written once + read n times). "ratio": broadcast / disk
 time to all servers at 2 servers (or the only count).
@@ -504,7 +508,8 @@ async def transport_version(
     kind: str, client, urls, model, weights_dir: str, version: int, sender, driver=None
 ) -> dict:
     """One version, step end -> every server in `urls` serves it: the trainer's
-    stall, the time to all servers, and (broadcast) the time until its disk copy exists."""
+    stall, the time to all servers, and (disk, a `-copy` broadcast) the time until its directory
+    exists (None for a broadcast that writes none)."""
     from realrl.impl.weights.broadcast import published_tensors
 
     t0 = time.perf_counter()
@@ -526,9 +531,10 @@ async def transport_version(
             if not all(a.success for a in answers):
                 raise RuntimeError(f"broadcast of version {version} failed: {[a.message for a in answers]}")
         t2 = time.perf_counter()
-        await asyncio.to_thread(sender.wait_idle, 300)  # its HF directory is written
-        t3 = time.perf_counter()
-        moved = sender.manifest.nbytes * len(urls) + dir_bytes(os.path.join(weights_dir, str(version)))
+        await asyncio.to_thread(sender.wait_idle, 300)  # the sender is done (and wrote it, with -copy)
+        written = os.path.join(weights_dir, str(version))
+        t3 = time.perf_counter() if sender.after_send is not None else None
+        moved = sender.manifest.nbytes * len(urls) + (dir_bytes(written) if os.path.isdir(written) else 0)
     served = await asyncio.gather(*(client.weight_version(u) for u in urls))
     if any(v != str(version) for v in served):
         raise RuntimeError(f"servers report versions {served} after {kind} version {version}")
@@ -536,7 +542,8 @@ async def transport_version(
         if name.isdigit() and int(name) < version:
             shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
     wire = sender.seconds.get(version) if sender is not None else None
-    return {"stall_s": t1 - t0, "to_all_s": t2 - t0, "on_disk_s": t3 - t0, "bytes_moved": moved, "wire_s": wire}
+    on_disk = t3 - t0 if t3 is not None else None
+    return {"stall_s": t1 - t0, "to_all_s": t2 - t0, "on_disk_s": on_disk, "bytes_moved": moved, "wire_s": wire}
 
 
 def dir_bytes(path: str) -> int:
@@ -547,7 +554,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
     """For each server count n (the first n servers) and each transport: the
     versions' stall, time to all servers, generation pause, bytes moved."""
     from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
-    from realrl.system.weight_broadcast import SGLangDriver
+    from realrl.system.weight_broadcast_sglang import SGLangDriver
 
     tensors = published_tensors(model)
     scratch = os.path.join(work, "scratch-transports")
@@ -563,6 +570,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                 members = urls[:n]
                 floor = disk_floor(tensors, n, scratch, max(3, repeats))
                 for kind in kinds:
+                    base = kind.removesuffix("-copy")  # (-copy: every version written after the wire)
                     weights_dir = os.path.join(work, f"weights-{kind}-{n}")
                     os.makedirs(weights_dir, exist_ok=True)
                     sender = driver = None
@@ -570,9 +578,10 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                     def to_disk(v, views, d=weights_dir):
                         publish_weights(model, d, v, state_dict={k: t.clone() for k, t in views.items()})
 
-                    if kind.startswith("sglang-"):
+                    copy = to_disk if base != kind else None
+                    if base.startswith("sglang-"):
                         spec = GroupSpec(
-                            f"bench-{kind}-{n}",
+                            f"bench-{base}-{n}",
                             "127.0.0.1",
                             store.port,
                             1 + n,
@@ -580,20 +589,20 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             bucket_bytes,
                             300,
                             protocol="sglang",
-                            sglang_groups=kind.removeprefix("sglang-").removesuffix("-nomarks"),
+                            sglang_groups=base.removeprefix("sglang-").removesuffix("-nomarks"),
                         )
                         driver = SGLangDriver(spec, {u: r for r, u in enumerate(members, start=1)}, client, b"")
-                        if kind.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
+                        if base.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
                             done = asyncio.get_running_loop().create_future()
                             done.set_result(None)
                             driver._bucket_sent = lambda *_, done=done: done
                         packed = Manifest.of(tensors, packed=True)
-                        sender = Sender(spec, b"", packed, "127.0.0.1", after_send=to_disk)
-                    if kind == "broadcast":
-                        spec = GroupSpec(f"bench-{n}", "127.0.0.1", store.port, 1 + n, "gloo", bucket_bytes, 300)
+                        sender = Sender(spec, b"", packed, "127.0.0.1", after_send=copy)
+                    if base == "broadcast":
+                        spec = GroupSpec(f"bench-{kind}-{n}", "127.0.0.1", store.port, 1 + n, "gloo", bucket_bytes, 300)
                         for rank, u in enumerate(members, start=1):
                             await client.join_weights_group(u, spec, rank)
-                        sender = Sender(spec, b"", Manifest.of(tensors), "127.0.0.1", after_send=to_disk)
+                        sender = Sender(spec, b"", Manifest.of(tensors), "127.0.0.1", after_send=copy)
                     load = InflightLoad(client, members, inflight, model.config.vocab_size, max_new)
                     rows = []
                     for r in range(repeats + 1):  # the first: warm-up (first-call allocations), not counted
@@ -632,7 +641,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             "servers": n,
                             "stall_s": med("stall_s"),
                             "to_all_s": med("to_all_s"),
-                            "on_disk_s": med("on_disk_s"),
+                            "on_disk_s": med("on_disk_s") if rows[0]["on_disk_s"] is not None else None,
                             "bytes_moved": med("bytes_moved"),
                             "wire_s": med("wire_s") if sender is not None else None,
                             "pause_s_median": statistics.median(pauses) if pauses else None,
@@ -663,7 +672,7 @@ def run_transports(name: str, model, dtype: str, counts, kinds, repeats, infligh
         model_dir = os.path.join(work, "model")
         model.save_pretrained(model_dir)
         sglang = any(k.startswith("sglang-") for k in kinds)
-        if sglang and "broadcast" in kinds:
+        if sglang and any(k.removesuffix("-copy") == "broadcast" for k in kinds):
             raise ValueError("--transport: broadcast (realrl's routes) and sglang-* (SGLang's) need other servers")
         running = start_servers(model_dir, max(counts), dtype, work, emulate_sglang=sglang)
         result = asyncio.run(
@@ -690,9 +699,10 @@ def print_transport_table(results: dict, repeats: int) -> None:
     for name, r in results.items():
         for row in r["rows"]:
             pause = f"{row['pause_s_median']:.3f}" if row["pause_s_median"] is not None else "-"
+            on_disk = f"{row['on_disk_s']:.3f}" if row["on_disk_s"] is not None else "-"
             print(
                 f"{name:<7}{row['transport']:<21}{row['servers']:>8}{row['stall_s']:>9.3f}{r['copy_floor_s']:>11.3f}"
-                f"{row['to_all_s']:>9.3f}{row['disk_floor_s']:>11.3f}{row['on_disk_s']:>10.3f}"
+                f"{row['to_all_s']:>9.3f}{row['disk_floor_s']:>11.3f}{on_disk:>10}"
                 f"{row['bytes_moved'] / 1e6:>9.0f}{pause:>9}"
                 + (f"{row['wire_s']:>8.3f}" if row.get("wire_s") is not None else f"{'-':>8}")
             )
@@ -701,7 +711,8 @@ def print_transport_table(results: dict, repeats: int) -> None:
     print(
         "stall = the trainer's time in publish (disk: the whole directory; broadcast: the snapshot); copy floor = one "
         "memory copy of the weights; disk floor = safetensors written once + read once per server; on disk = until "
-        "the version's directory exists (broadcast: written after the broadcast); pause = abort -> first token"
+        "the version's directory exists (-copy: written after the broadcast; broadcast writes none); pause = abort -> "
+        "first token"
     )
 
 

@@ -254,6 +254,10 @@ class GserverManager(AsyncWorker):
                 network.bind_address(self.info.mode, self.info.bind_address),
                 network.advertise_address(self.info.mode, self.info.bind_address),
                 self.epoch_join_timeout_s(),
+                # (SGLang: a member that lags its peers this long in a version, a newer one waiting,
+                # is out of routing and dropped from the epoch, as one that misses a health check)
+                straggler_s=self.cfg.health_check_timeout,
+                on_straggler=self._mark_down,
             )
             try:  # (a previous launch's request: this one asks for its own)
                 await asyncio.to_thread(name_resolve.delete, self._wanted_key())

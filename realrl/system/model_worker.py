@@ -573,6 +573,8 @@ class ModelWorker(Worker):
                 self.trial_name,
                 self.bind_host,
             )
+            if not self.cfg.fsdp:  # (under FSDP a version's tensors are gathered at each publish)
+                self._broadcast.prepare()
         self.logger.info(
             "actor with %.2fM parameters (%.3fM trainable%s) on %s; dp %d/%d",
             sum(p.numel() for p in actor.parameters()) / 1e6,

@@ -8,7 +8,8 @@ failed, it builds a new one: the up servers, each at its rank, are told to
 join (`/join_weights_group`), then the group's spec goes to the name service
 (`names.weights_group`). The trainer reads that key at each step end; on a
 new epoch it ends its old sender and starts one for the new group (its
-first version completes the rendezvous). A version that went through the
+first version completes the rendezvous; the first epoch's sender is made
+ahead, while the trainer waits for its first batch: `prepare`). A version that went through the
 group to every member is not written to disk: the sender's thread writes a
 version's HF directory from its snapshot only when the group failed, or
 when the manager asks (`names.weights_wanted`: a server joining, restarted,
@@ -22,7 +23,8 @@ member the manager only waits until it holds
 the version (`/await_weight_version`); one that does not within
 `weight_update_timeout` (its group failed) loads it from disk instead, and
 the next boundary builds an epoch again. SGLang servers (`protocol: sglang`)
-are driven over SGLang's own routes instead (`SGLangDriver`).
+are driven over SGLang's own routes instead (`SGLangDriver`,
+realrl/system/weight_broadcast_sglang.py).
 
 Each epoch has its own store, which the manager closes to abandon the epoch
 (`WeightEpochs.abandon`): a member that goes down, or one that cannot join
@@ -41,6 +43,10 @@ not send, nor for a stalled peer (the others take the version meanwhile,
 and one a member took whole is not loaded again: `holds`); one that fails
 after its first bucket (SGLang loads each as it comes) stays paused until a
 version is loaded whole from disk (`WeightEpochs.left_paused`, `resume`).
+A member found down, or one that lags its peers in a version while a newer
+one waits, is dropped from the epoch (`SGLangDriver.drop`: `drop/<rank>`
+in the store, the sender feeds it no more) instead of the epoch abandoned:
+the others take the next version through the same epoch at once.
 """
 
 from __future__ import annotations
@@ -53,23 +59,19 @@ import time
 from collections.abc import Callable
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from realrl.api.system_api import WeightTransportConfig
 from realrl.base import name_resolve, names, trial_secret
 from realrl.base.logging import getLogger
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.impl.weights.broadcast import (
-    _POLL_S,
-    GroupError,
     GroupSpec,
     Manifest,
-    SealedStore,
     Sender,
     StoreServer,
-    connect_store,
     published_tensors,
 )
+from realrl.system.weight_broadcast_sglang import SGLangDriver
 
 logger = getLogger("weight_broadcast")
 ROLE = "actor"
@@ -109,6 +111,8 @@ class BroadcastPublisher:
         self._announced = -1
         self._announce_lock = threading.Lock()
         self._announce: Callable[[int], None] | None = None
+        self._sender_lock = threading.Lock()  # (`publish` and `prepare`'s thread make senders)
+        self._closed = threading.Event()
 
     def _current_spec(self) -> GroupSpec | None:
         try:
@@ -125,17 +129,43 @@ class BroadcastPublisher:
             return False
         self._announce = announce
         tensors = published_tensors(self.model, state_dict)
-        if self.sender is None or self.sender.spec.name != spec.name:
-            if self.sender is not None:
-                self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
-            logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
-            manifest = Manifest.of(tensors, self.dtype, packed=spec.protocol == "sglang")  # (SGLang's buckets)
-            sender = Sender(spec, _group_key(), manifest, self._bind_host)
-            sender.after_send = functools.partial(self._after_send, sender)
-            sender.idle = functools.partial(self._write, sender, why=None)  # (between versions)
-            self.sender = sender
-        self.sender.publish(version, tensors)
+        self._sender_for(spec, tensors).publish(version, tensors)
         return True
+
+    def _sender_for(self, spec: GroupSpec, tensors: dict[str, torch.Tensor]) -> Sender:
+        """The sender of `spec`'s group: the one there is, or a new one (the old one ends)."""
+        with self._sender_lock:
+            if self.sender is None or self.sender.spec.name != spec.name:
+                if self.sender is not None:
+                    self.sender.close(timeout_s=0)  # (it finishes what it holds, then tells its members)
+                logger.info("weight group %s: sending to %d servers", spec.name, spec.world_size - 1)
+                manifest = Manifest.of(tensors, self.dtype, packed=spec.protocol == "sglang")  # (SGLang's buckets)
+                sender = Sender(spec, _group_key(), manifest, self._bind_host)
+                sender.after_send = functools.partial(self._after_send, sender)
+                sender.idle = functools.partial(self._write, sender, why=None)  # (between versions)
+                self.sender = sender
+            return self.sender
+
+    def prepare(self, poll_s: float = 0.25) -> None:
+        """Makes the first epoch's sender before the first version, on a thread
+        of its own: once the manager's first group is named, its two buffers
+        are allocated (and paged in) and the group forms while the trainer
+        waits for its first batch, not in the first publishes' stalls nor on
+        the first version's way to the servers. Only where `publish` is given
+        no state dict (the model's own tensors: not under FSDP)."""
+
+        def first_sender() -> None:
+            while not self._closed.wait(poll_s) and self.sender is None:
+                try:
+                    spec = self._current_spec()
+                    if spec is not None:
+                        self._sender_for(spec, published_tensors(self.model))
+                        return
+                except Exception:  # (the name service going away at exit; publish makes one as before)
+                    logger.warning("weight group: no sender made ahead of the first version", exc_info=True)
+                    return
+
+        threading.Thread(target=first_sender, name="weights-first-sender", daemon=True).start()
 
     def _after_send(self, sender: Sender, version: int, tensors: dict[str, torch.Tensor]) -> None:
         ok = not sender.failed
@@ -179,6 +209,7 @@ class BroadcastPublisher:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Waits for what is queued to go out (or to disk), then ends the group."""
+        self._closed.set()
         if self.sender is not None:
             self.sender.wait_idle(timeout_s)
             self.sender.close(timeout_s=5.0)
@@ -197,9 +228,14 @@ class WeightEpochs:
         bind_host: str,
         advertise_host: str,
         join_timeout_s: float,
+        straggler_s: float = 5.0,
+        on_straggler: Callable[[str, str], None] | None = None,
     ):
         self.cfg, self._client = cfg, client
         self.join_timeout_s = join_timeout_s
+        # SGLang: a member still in a version `straggler_s` after every other member holds it, while
+        # a newer one waits, goes to `on_straggler(url, why)` (the manager: out of routing, dropped)
+        self.straggler_s, self._on_straggler = straggler_s, on_straggler
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._bind_host, self._advertise_host = bind_host, advertise_host
@@ -219,7 +255,10 @@ class WeightEpochs:
 
     def needs_rebuild(self, up_urls: list[str]) -> bool:
         failed = self.failed or (self._driver is not None and self._driver.failed)
-        return bool(up_urls) and (failed or set(up_urls) != set(self.members))
+        if self._driver is not None and not failed and self._driver.in_version:
+            return False  # (SGLang: the members go on with the version the sender is sending; then a new epoch)
+        live = set(self.members) - (self._driver.dropped if self._driver is not None else set())
+        return bool(up_urls) and (failed or set(up_urls) != live)
 
     async def rebuild(self, up_urls: list[str]) -> None:
         """A new epoch of the servers `up_urls` (a version boundary: no update in flight)."""
@@ -254,6 +293,8 @@ class WeightEpochs:
                 on_abandon=self.abandon,
                 left_paused=self.left_paused,
                 through_group=self.through_group,
+                straggler_s=self.straggler_s,
+                on_straggler=self._on_straggler,
             )
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
@@ -297,14 +338,19 @@ class WeightEpochs:
 
     def member_down(self, url: str, why: str) -> None:
         """The manager found `url` down: an epoch it is a member of cannot
-        carry versions to it, and one still forming would wait for it until
-        the rendezvous times out, so it is abandoned at once; a wait for it to
-        hold a version (`await_version`) ends now."""
+        carry versions to it. SGLang, once the epoch's groups formed: it is
+        dropped (`SGLangDriver.drop`), the others go on in the epoch. Else
+        the epoch is abandoned at once (one still forming would wait for it
+        until the rendezvous times out; torch servers share one group). A
+        wait for it to hold a version (`await_version`) ends now."""
         if (down := self._awaiting.get(url)) is not None:
             down.set()
         self.through_group.pop(url, None)  # (back, it reports its version again)
-        if self.spec is not None and url in self.members:
-            self.abandon(self.spec.name, f"{url} is down ({why})")
+        if self.spec is None or url not in self.members:
+            return
+        if self._driver is not None and (url in self._driver.dropped or self._driver.drop(url, why)):
+            return
+        self.abandon(self.spec.name, f"{url} is down ({why})")
 
     async def _leave(self, url: str, name: str) -> None:
         try:
@@ -378,6 +424,8 @@ class WeightEpochs:
             ok, why = False, "it went down while the manager waited for it"
         if ok:
             return True
+        if self._driver is not None and url in self._driver.dropped:
+            return False  # (dropped from the epoch: the others go on in it)
         if not self.failed:
             logger.warning(
                 "weight group %s: %s did not get version %d through it (%s); loading from disk, "
@@ -405,244 +453,3 @@ class WeightEpochs:
         for store in self._stores.values():
             store.close()
         self._stores.clear()
-
-
-class SGLangDriver:
-    """One epoch of SGLang servers (`protocol: sglang`), driven over SGLang's
-    own routes as its source shows them (v0.5.16, v0.5.23): once the sender
-    announced itself in the store, every member `/init_weights_update_group`
-    (answered once the group formed); then for each version the sender
-    announces (`v/<n>`), every member concurrently: `/pause_generation`
-    (abort: requests in flight end and resume as for a disk update; new ones
-    wait), from 0.5.23 `/begin_weight_update`, one
-    `/update_weights_from_distributed` per bucket of the tensor list (packed:
-    `load_format: flattened_bucket`; the version's number with its last
-    bucket only, so the server's version changes when the whole version is
-    in place), `/end_weight_update`, `/continue_generation`; each bucket
-    after the first once the sender finished the one before (`_bucket_sent`).
-    A member whose call fails, or whose wait for the sender's bucket ends with
-    the epoch, is lost to the epoch (the manager loads its versions from
-    disk; the next boundary builds a new epoch), paused until then if part
-    of the version went in (`left_paused`). One that cannot join, or a
-    group not formed within the spec's `timeout_s`, has the epoch abandoned
-    at once (`on_abandon(name, why)`: SGLang gives the members waiting in
-    the rendezvous no bound of their own but torch's 30 minutes). `stop`
-    ends it at a version boundary and destroys the group on its members."""
-
-    def __init__(
-        self,
-        spec: GroupSpec,
-        members: dict[str, int],
-        client: GenerationClient,
-        key: bytes,
-        on_abandon: Callable[[str, str], None] | None = None,
-        left_paused: set[str] | None = None,
-        through_group: dict[str, int] | None = None,
-    ):
-        self.spec, self.members, self._client = spec, dict(members), client
-        self._seal_key, self._on_abandon = key, on_abandon
-        self.left_paused = left_paused if left_paused is not None else set()
-        self._sent: dict[str, asyncio.Task] = {}  # `b/<n>/<i>` -> its wait, shared by the members
-        self._store: SealedStore | None = None  # the epoch's store, as a client (connected in `_run`)
-        self.held: dict[str, int] = {}  # url -> the newest version in place through the group
-        # the same, kept by the manager beyond the epoch (`WeightEpochs.holds`)
-        self.through_group = through_group if through_group is not None else {}
-        self.lost: dict[str, str] = {}  # url -> why it left the epoch
-        self.failed = False
-        self._stopping = False
-        self._sessions: dict[str, bool] = {}
-        self._changed = asyncio.Event()
-        self._task = asyncio.create_task(self._run())
-
-    def stop(self) -> None:
-        self._stopping = True
-
-    async def await_version(self, url: str, version: int, timeout_s: float) -> tuple[bool, str]:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.held.get(url, -1) < version:
-            if url in self.lost:
-                return False, self.lost[url]
-            if self._task.done():
-                return False, f"weight group {self.spec.name} is over"
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return False, f"version {version} did not arrive within {timeout_s} s"
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
-            except asyncio.TimeoutError:
-                pass
-        return True, ""
-
-    def _abandon(self, why: str) -> None:
-        if self._on_abandon is not None:
-            self._on_abandon(self.spec.name, why)
-
-    def _lose(self, url: str, why: str) -> None:
-        if url not in self.lost:
-            logger.warning("weight group %s: %s left it: %s", self.spec.name, url, why)
-        self.lost[url] = why
-        self.failed = True
-        self._changed.set()
-
-    async def _key(self, key: str, timeout_s: float | None = None) -> bytes | None:
-        """The value of `key` once the sender set it (None: stopped, or `timeout_s` passed)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        while not self._stopping and (deadline is None or loop.time() < deadline):
-            if await asyncio.to_thread(self._store.check, [key]):
-                return await asyncio.to_thread(self._store.get, key)
-            await asyncio.sleep(_POLL_S)
-        return None
-
-    async def _join(self, url: str, rank: int, joined: set[str]) -> None:
-        try:
-            await self._client.init_weights_update_group(url, self.spec, rank, timeout_s=self.spec.timeout_s + 30)
-        except (GenerationServerError, GenerationServerUnavailable) as e:
-            self._lose(url, f"could not join: {e}")
-            # The others wait in the rendezvous for its rank: end the epoch now.
-            self._abandon(f"{url} could not join")
-        else:
-            joined.add(url)
-
-    async def _run(self) -> None:
-        urls = list(self.members)
-        try:
-            self._store = await asyncio.to_thread(connect_store, self.spec, self._seal_key)
-            if await self._key("sender", self.spec.join_timeout_s) is None:
-                if not self._stopping:
-                    for url in urls:
-                        self._lose(url, f"no sender within {self.spec.join_timeout_s:g} s")
-                return
-            joined: set[str] = set()
-            try:  # the rendezvous's bound, as the sender's (SGLang's own is torch's 30 minutes)
-                await asyncio.wait_for(
-                    asyncio.gather(*(self._join(url, rank, joined) for url, rank in self.members.items())),
-                    self.spec.timeout_s,
-                )
-            except asyncio.TimeoutError:
-                for url in set(urls) - joined:
-                    self._lose(url, f"not in the group within {self.spec.timeout_s:g} s")
-                self._abandon(f"the group did not form within {self.spec.timeout_s:g} s")
-            if self.lost:
-                return  # (the sender's rendezvous failed with the epoch's store: the version goes by disk)
-            manifest_bytes = await self._key("manifest")
-            if manifest_bytes is None:
-                return
-            buckets = Manifest.from_bytes(manifest_bytes).bucket_entries(self.spec.bucket_bytes)
-            n = 0
-            while not self.lost:
-                announced = await self._key(f"v/{n}")
-                if announced is None or announced == b"close":
-                    return
-                version = int(announced)
-                self._sent.clear()
-                await asyncio.gather(*(self._version(url, n, version, buckets) for url in urls))
-                self._changed.set()
-                n += 1
-        except Exception as e:  # the store gone, a malformed tensor list: the epoch is over
-            for url in urls:
-                self._lose(url, f"{type(e).__name__}: {e}")
-            self._abandon(f"{type(e).__name__}: {e}")
-        finally:
-            await asyncio.gather(*(self._destroy(url) for url in urls))
-
-    async def _version(self, url: str, n: int, version: int, buckets: list) -> None:
-        """Version `version` (announcement `n`) into member `url`. Bucket i + 1
-        is asked for only once the sender finished bucket i (`_bucket_sent`):
-        SGLang waits in a plain broadcast that looks at no store, and one
-        asked for a bucket the sender never sends (it leaves every
-        collective once the epoch is abandoned) would wait for it until the
-        collective's timeout, paused.
-        SGLang loads each bucket as it arrives (v0.5.6 `model_executor/
-        model_runner.py` `_update_bucketed_weights_from_distributed`; on a
-        failure: "partially updated. Please discard the whole weights."), so
-        a member that fails after its first bucket stays paused
-        (`left_paused`) until a version is loaded whole from disk
-        (`WeightEpochs.resume`): it never serves a half-swapped model."""
-        client, timeout = self._client, self.spec.timeout_s + 30
-        session = partial = False
-        failure: Exception | None = None
-        try:
-            await client.pause_generation(url, mode="abort")
-            try:
-                if await self._has_sessions(url):
-                    await client.begin_weight_update(url, timeout_s=timeout)
-                    session = True
-                for i, entries in enumerate(buckets):
-                    if i:
-                        await self._bucket_sent(n, i - 1, self.members[url])
-                    partial = True
-                    last = i == len(buckets) - 1
-                    await client.update_weights_from_distributed(
-                        url, self._group_name(url), entries, str(version) if last else None, timeout_s=timeout
-                    )
-                partial = False  # (the whole version is in place)
-            finally:
-                if session:  # also after a failure: a session left open refuses the next epoch's begin
-                    await client.end_weight_update(url, timeout_s=timeout)
-        except (GenerationServerError, GenerationServerUnavailable, GroupError) as e:
-            failure = e
-        if not partial:
-            try:
-                await client.continue_generation(url)
-            except (GenerationServerError, GenerationServerUnavailable) as e:
-                failure = failure or e
-        if failure is None:
-            self.held[url] = self.through_group[url] = version
-            return
-        if partial:
-            self.left_paused.add(url)
-        self._lose(url, f"version {version}: {failure}" + (" (paused until loaded from disk)" if partial else ""))
-        # Alive, it takes part in none of the epoch's collectives from here on, and the sender
-        # (and the members it relays to) would wait for it until the collective's timeout:
-        # gloo does not use the store once connected, so closing the store ends no such wait.
-        # Destroying its group closes its connections, which fails theirs at once; then the
-        # epoch is abandoned (the version goes by disk, the next boundary builds a new one).
-        await self._destroy(url)
-        self._abandon(f"{url} failed version {version}")
-
-    def _bucket_sent(self, n: int, i: int, rank: int) -> asyncio.Task:
-        """Ends once the sender finished bucket `i` of announcement `n` for
-        the member at `rank` (`b/<n>/<i>/<rank>`: in its group of two; one
-        group of all: `b/<n>/<i>`, every member has it); GroupError once the
-        epoch's store is gone (abandoned) or after a collective's timeout.
-        One wait per key, shared by the members."""
-        key = f"b/{n}/{i}/{rank}" if self.spec.sglang_groups == "pairs" else f"b/{n}/{i}"
-        if (task := self._sent.get(key)) is None:
-            task = self._sent[key] = asyncio.ensure_future(self._wait_sent(key))
-        return task
-
-    async def _wait_sent(self, key: str) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.spec.timeout_s
-        while True:
-            try:
-                if await asyncio.to_thread(self._store.check, [key]):
-                    return
-            except Exception as e:  # the epoch's store closed: abandoned
-                raise GroupError(f"weight group {self.spec.name} was abandoned (its store: {e})") from None
-            if loop.time() > deadline:
-                raise GroupError(f"weight group {self.spec.name}: {key} not sent within {self.spec.timeout_s:g} s")
-            await asyncio.sleep(_POLL_S)
-
-    async def _has_sessions(self, url: str) -> bool:
-        """Whether the server needs a weight-update session: SGLang 0.5.23 on
-        (`/get_server_info`'s `version`; v0.5.23 `managers/scheduler_components/
-        weight_updater.py`), not 0.5.16, which has no such routes."""
-        if url not in self._sessions:
-            release = (await self._client.server_info(url)).get("version", "0")
-            try:
-                self._sessions[url] = Version(str(release)) >= Version("0.5.23")
-            except InvalidVersion:
-                self._sessions[url] = True  # (a development build: the newest behaviour)
-        return self._sessions[url]
-
-    def _group_name(self, url: str) -> str:
-        return self.spec.sglang_group(self.members[url])[0]
-
-    async def _destroy(self, url: str) -> None:
-        try:
-            await self._client.destroy_weights_update_group(url, self._group_name(url), timeout_s=10)
-        except (GenerationServerError, GenerationServerUnavailable):
-            pass

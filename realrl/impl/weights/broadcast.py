@@ -29,7 +29,9 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   each member is in a group of two of its own with the sender (`GroupSpec.
   sglang_group`: no member relays another's buckets), fed on a thread of its
   own at its own pace, and each bucket sent to it is marked in the store
-  (`b/<n>/<i>/<rank>`: the manager's cue).
+  (`b/<n>/<i>/<rank>`: the manager's cue). The manager can drop one member
+  (`drop/<rank>`): the sender leaves its group, mid-version too, and the
+  others go on; `next/<n>` tells the manager a newer version waits.
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
@@ -99,6 +101,10 @@ _POLL_S = 0.01  # how often a member looks for the next announcement (a store re
 class GroupError(RuntimeError):
     """The group failed (a member died or timed out, a forged store value, a
     tensor list that does not fit the model); its members load from disk."""
+
+
+class Dropped(GroupError):
+    """The group's owner dropped this member (`drop/<rank>`): the others go on."""
 
 
 # ---- the tensor list -----------------------------------------------------------------------
@@ -446,12 +452,16 @@ def open_group(
 _LOOK_S = 0.25  # how often a process waiting in a collective looks whether its epoch still exists
 
 
-def _broadcast(groups: list, tensor: torch.Tensor, spec: GroupSpec, store: SealedStore) -> None:
+def _broadcast(
+    groups: list, tensor: torch.Tensor, spec: GroupSpec, store: SealedStore, drop_key: str | None = None
+) -> None:
     """One bucket's collective in each of `groups` (at once: SGLang's groups of
     two), waited for in slices of `_LOOK_S`: between
     two, the epoch's store must still answer. Its owner closes it to abandon
     the epoch (a member found down or unresponsive): the wait then ends with
-    GroupError within a slice, not at the collective's `timeout_s` (gloo
+    GroupError within a slice, not at the collective's `timeout_s`; or, for
+    one member's group of two, sets `drop_key` to drop that member alone
+    (`Dropped`; SGLang: `SGLangDriver.drop`). (gloo
     cannot be interrupted: once connected it no longer uses the store, its
     `abort` closes nothing, and a member that is up but stalled never closes
     its side). A collective left is left to end on its own (`_strand`)."""
@@ -471,8 +481,12 @@ def _broadcast(groups: list, tensor: torch.Tensor, spec: GroupSpec, store: Seale
                         raise  # the collective failed (a peer died, or its own timeout)
                 try:
                     store.check(["sender"])
+                    dropped = drop_key is not None and store.check([drop_key])
                 except Exception as e:
                     raise GroupError(f"weight group {spec.name} was abandoned by its owner (its store: {e})") from None
+                if dropped:
+                    store.get(drop_key)  # (its owner's: one not sealed by the trial fails the group)
+                    raise Dropped(f"weight group {spec.name}: {drop_key} by its owner")
     except BaseException:
         for group, work in zip(groups, works):
             if not work.is_completed():
@@ -498,6 +512,8 @@ def _strand(group: dist.ProcessGroup, work: dist.Work) -> None:
 
 def _flat(nbytes: int, device: str) -> torch.Tensor:
     flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    if flat.device.type == "cpu":  # its pages in now, not on the first copy into it (a publish's stall)
+        flat.zero_()
     return flat
 
 
@@ -535,7 +551,9 @@ class Sender:
         self._sending: int | None = None  # the buffer on the wire (or being written to disk)
         self._last: tuple[int, int] | None = None  # (buffer, version) `after_send` had last, kept for `idle`
         self._closing = False
-        self.sent_version: int | None = None  # the newest version every member received
+        self.sent_version: int | None = None  # the newest version every member received (but those dropped)
+        # SGLang: the members' ranks fed no more (the owner dropped them, `drop/<rank>`, or their group failed)
+        self.dropped: set[int] = set()
         self.skipped: list[int] = []  # versions replaced by a newer one before they went out
         self.error: str | None = None  # why the group failed
         self.after_send_error: str | None = None  # the last `after_send` failure
@@ -613,32 +631,65 @@ class Sender:
                 self._sending = None
                 self._cond.notify_all()
 
+    def _is_dropped(self, store: SealedStore, rank: int) -> bool:
+        """Whether the owner dropped the member at `rank` (`drop/<rank>`, sealed)."""
+        if rank not in self.dropped and store.check([f"drop/{rank}"]):
+            store.get(f"drop/{rank}")  # (its owner's: one not sealed by the trial fails the group)
+            self.dropped.add(rank)
+            logger.warning("weight group %s: member %d dropped by its owner; the others go on", self.spec.name, rank)
+        return rank in self.dropped
+
     def _to_each(self, groups: list, flat: torch.Tensor, buckets: list, n: int, store: SealedStore) -> None:
         """Announcement `n`'s buckets into each member's group of two, each on
         a thread of its own at the member's own pace (`b/<n>/<i>/<rank>`:
         bucket i went to member `rank`, whose next is on its way): no member
-        waits for another. Once every one ended, raises the first failure."""
+        waits for another. A member the owner dropped (`drop/<rank>`: it
+        stalled, say) is left, mid-version too, and fed no more; so is one
+        whose group failed (it died, or the owner destroyed the group on it):
+        the others go on (the owner learns of that member's failure from it,
+        over its routes, and loads its versions from disk). While they are at
+        it and a newer snapshot waits, `next/<n>` says so (the owner's cue to
+        drop a member that holds it back). Raises once no member is left (the
+        epoch abandoned: its store closed)."""
         errors: list[Exception] = []
 
         def to_member(rank: int, group: dist.ProcessGroup) -> None:
             try:
                 for i, (start, end) in enumerate(buckets):
-                    _broadcast([group], flat[start:end], self.spec, store)
+                    _broadcast([group], flat[start:end], self.spec, store, drop_key=f"drop/{rank}")
                     store.set(f"b/{n}/{i}/{rank}", b"sent")
                     faults.point(f"weights.bucket_sent.r{rank}")  # a test's sender held for one member
             except Exception as e:
+                try:
+                    if self._is_dropped(store, rank):  # (its connections closed by its owner, or left here)
+                        return
+                except Exception:
+                    pass
                 errors.append(e)
+                self.dropped.add(rank)
+                logger.warning("weight group %s: member %d fed no more: %s", self.spec.name, rank, e)
 
+        live = [(rank, group) for rank, group in enumerate(groups, start=1) if not self._is_dropped(store, rank)]
+        if not live:
+            raise GroupError(f"weight group {self.spec.name}: every member was dropped")
         threads = [
             threading.Thread(target=to_member, args=(rank, group), name=f"weights-send-r{rank}", daemon=True)
-            for rank, group in enumerate(groups, start=1)
+            for rank, group in live
         ]
         for thread in threads:
             thread.start()
+        newer_told = False
         for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+            while thread.is_alive():
+                thread.join(_LOOK_S / 5)
+                if not newer_told and self._pending is not None:
+                    newer_told = True
+                    try:
+                        store.set(f"next/{n}", b"waiting")
+                    except Exception:  # (the store gone: the members' threads fail with it)
+                        pass
+        if all(rank in self.dropped for rank, _ in live):
+            raise errors[0] if errors else GroupError(f"weight group {self.spec.name}: every member was dropped")
 
     def _fail(self, e: Exception) -> None:
         with self._cond:

@@ -24,7 +24,7 @@ from realrl.base import trial_secret
 from realrl.impl.generation.client import GenerationClient
 from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
 from realrl.system.model_worker import publish_weights
-from realrl.system.weight_broadcast import SGLangDriver
+from realrl.system.weight_broadcast_sglang import SGLangDriver
 from tests.impl.conftest import load_reference
 from tests.impl.weights.models import train_a_little
 from tests.impl.weights.test_torch_server_group import PROBE, forward_logprobs

@@ -128,6 +128,7 @@ class DistributedWeightUpdates:
         return True, "Succeeded to destroy custom process group."
 
     def begin(self) -> tuple[bool, str]:
+        faults.point("weights.before_first_bucket")  # a test's member dying once a version is announced
         with self._lock:
             if self.session_open:
                 return False, "a weight-update session is already open; call end_weight_update() first"
