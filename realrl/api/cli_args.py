@@ -427,10 +427,11 @@ class WeightsConfig:
     measured yet), and a version's weights (the model's parameters in model.dtype) are at least
     weights.auto_broadcast_mb, else disk (what measures faster on each side of that size: docs/benchmarks.md)."""
     auto_broadcast_mb: int = 256
-    """auto: broadcast from this many MiB of weights per version (on a 2-core CPU machine, time to every
-    server ties at 135 and 175 MiB with 1-2 servers, and broadcast wins with 1, 2 and 4 servers at 270
-    and 514 MiB; docs/benchmarks.md). On another machine measure it: benchmarks/weight_publish.py --transport
-    disk,broadcast --servers 1,2,4 --models <N>mib, and benchmarks/vs_inprocess.py --transport disk,broadcast."""
+    """auto: broadcast from this many MiB of weights per version (on a 2-core CPU machine whole runs tie from
+    23 to 283 MiB, disk is faster at 3 MiB and broadcast at 407 MiB; a version alone reaches 1-2 servers
+    faster by broadcast at every size measured; docs/benchmarks.md). On another machine measure it:
+    benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2,4 --models <N>mib, and
+    benchmarks/vs_inprocess.py --transport disk,broadcast."""
     backend: str = "auto"
     """broadcast: auto (nccl when trainer and servers run on cuda, else gloo) | gloo | nccl."""
     bucket_mb: int = 64
