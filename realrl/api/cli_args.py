@@ -214,7 +214,8 @@ class PPOConfig:
     max_tokens_per_mb: int = 8192
     """Micro-batch token budget (first-fit-decreasing packing)."""
     share_prompts: bool = True
-    """Train a prompt's answers in rows that hold the prompt once (where a FLOP estimate says it pays)."""
+    """Train a prompt's answers in rows that hold the prompt once, and rows of uneven widths side by side in
+    one (each where a FLOP estimate says it pays)."""
 
 
 ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae")

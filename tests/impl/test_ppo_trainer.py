@@ -245,6 +245,57 @@ def test_prompts_are_shared_where_the_flop_estimate_says_it_pays():
     assert share_prompt_rows(mixed, [0, 1, 2], 64, 8192) == [[0, 2], [1]]  # only identical prompts share
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_rows_side_by_side_train_exactly_like_separate_rows(tiny_llama_dir, attn, algorithm):
+    # Shared rows of uneven widths go side by side in fewer rows (each keeps
+    # its prompt, positions and mask): the logprobs, values, stats and
+    # updated weights must be those of one row per sequence.
+    from realrl.impl.ppo.packing import plan_micro_batches
+
+    torch.set_num_threads(1)
+    groups = make_groups(3, 8, 4, (5, 8), (1, 4), shared_prompt=True)
+    for group in groups[:2]:  # two groups of long answers: the others' rows are half as wide
+        for s in group:
+            s["ids"] += s["ids"][s["prompt_len"] :] * 3
+            s["behav"] = s["behav"] * 4
+    results = []
+    for share in (True, False):
+        ppo = PPOConfig(adv_estimator="gae" if algorithm == "ppo" else "grpo", group_size=4, share_prompts=share)
+        trainer, _ = build_trainer(tiny_llama_dir, ppo, torch.device("cpu"), attn_implementation=attn)
+        batch = make_batch(groups)
+        (plan,) = plan_micro_batches(batch, list(range(batch.n_seqs)), 8192, trainer._share_hidden)
+        packed = [row for row in plan if isinstance(row[0], list)]
+        assert bool(packed) == share and all(len(block) == 4 for row in packed for block in row)
+        trainer.inference(batch, decoupled=True)
+        logprobs = trainer.compute_logprobs(trainer.actor.model, batch)
+        stats = trainer.train_step(batch)
+        grads = {n: p.grad.clone() for n, p in trainer.actor.model.named_parameters()}
+        results.append((logprobs, batch.values, stats, grads))
+    (logp, values, stats, grads), (logp_1, values_1, stats_1, grads_1) = results
+    for a, b in zip(logp, logp_1):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if algorithm == "ppo":
+        for a, b in zip(values, values_1):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for key, value in stats.items():
+        assert value == pytest.approx(stats_1[key], rel=1e-4, abs=1e-5), key
+    assert abs(stats["actor_loss"]) > 1e-4
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_1[name], atol=1e-6, rtol=1e-4)
+
+
+def test_rows_go_side_by_side_only_where_the_flop_estimate_says_it_pays():
+    from realrl.impl.ppo.packing import pack_rows
+
+    assert pack_rows([40] * 8, 128, 8192) == [[j] for j in range(8)]  # even widths: nothing to fill
+    assert pack_rows([50, 50, 25, 25, 24, 26], 128, 8192) == [[0], [1], [4, 5], [2, 3]]  # two narrow rows fill one
+    assert pack_rows([50, 50, 25, 25, 24, 26], 128, 150) == [[j] for j in range(6)]  # the budget: 4 x 50 > 150
+    assert pack_rows([3000, 1500, 1500], 128, 10**6) == [[0], [1, 2]]  # as wide as the widest: fewer rows
+    assert pack_rows([1000, 900, 900], 128, 10**6) == [[0], [1], [2]]  # wider rows: attention would cost more
+    assert pack_rows([], 128, 8192) == []
+
+
 @pytest.mark.parametrize("arch,shares", [("gpt2", True), ("bloom", False), ("mistral-sliding", False)])
 def test_shared_prompt_rows_only_for_models_that_give_them_the_same_outputs(arch, shares):
     # Learned absolute positions come from position_ids: shared rows are exact.

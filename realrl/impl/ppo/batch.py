@@ -155,8 +155,9 @@ class MicroBatch:
 
     The model sees `rows`: each holds a prompt once, then the completions of
     the sequences that share it (one sequence per row when sharing is off or
-    does not pay), right-padded to [R, W]. With shared rows a completion's
-    tokens attend to the prompt and to themselves only (a 4-D mask) and
+    does not pay), or several such blocks side by side, right-padded to
+    [R, W]. With shared rows a completion's
+    tokens attend to its prompt and to themselves only (a 4-D mask) and
     carry their own positions (P, P+1, ...), so each gets exactly the
     logits it would get alone; gradients through the shared prompt are the
     sum of its completions' (as with separate rows).
@@ -196,40 +197,50 @@ class MicroBatch:
 
 
 def make_micro_batch(
-    batch: SequenceBatch, rows: list[list[int]], device: torch.device, pad_id: int = 0, additive_mask: bool = False
+    batch: SequenceBatch, rows: list, device: torch.device, pad_id: int = 0, additive_mask: bool = False
 ) -> MicroBatch:
-    """A micro-batch of these rows (each a list of sequences with the same
-    prompt; see `plan_micro_batches`). No rows gives the padding micro-batch
-    (one 2-token dummy with an all-zero loss mask) that a rank with fewer
-    micro-batches than the others runs to join their collectives. Shared
-    rows get a boolean mask (SDPA), or an additive one (`additive_mask`:
-    eager attention adds it to the scores)."""
-    indices = [i for row in rows for i in row]
+    """A micro-batch of these rows (see `plan_micro_batches`): a row is a
+    list of sequences with the same prompt, or a list of such lists (blocks
+    side by side in one row, each with its own prompt and positions). No rows
+    gives the padding micro-batch (one 2-token dummy with an all-zero loss
+    mask) that a rank with fewer micro-batches than the others runs to join
+    their collectives. Shared rows get a boolean mask (SDPA), or an additive
+    one (`additive_mask`: eager attention adds it to the scores)."""
+    rows = [row if row and isinstance(row[0], list) else [row] for row in rows]  # each row: its blocks
+    indices = [i for row in rows for block in row for i in block]
     # Built as Python lists, one tensor each at the end (a few small tensor
     # writes per sequence cost more than the forward of a tiny model).
-    ids_rows, seg_rows, pos_rows = [], [], []  # segment: 0 prompt, s + 1 completion s, -1 padding
+    # segment: 0 a prompt, s + 1 the row's completion s, -1 padding; block: the position's block (-1 padding)
+    ids_rows, seg_rows, blk_rows, pos_rows = [], [], [], []
     src_rows, src_cols, targets, masks = [], [], [], []
     for r, row in enumerate(rows):
-        P = batch.prompt_lens[row[0]]
-        ids, seg, pos = batch.input_ids[row[0]][:P].tolist(), [0] * P, list(range(P))
-        for s, i in enumerate(row, start=1):
-            completion = batch.input_ids[i][P:].tolist()
-            G, col = len(completion), len(ids)
-            # token j is predicted from the one before it: the prompt's last, then this completion's own
-            src_cols.append([P - 1, *range(col, col + G)])
-            src_rows.append(r)
-            targets.append(completion)
-            mask = None if batch.loss_masks is None else batch.loss_masks[i]
-            masks.append([1] * G if mask is None else mask.long().tolist())
-            ids += completion
-            seg += [s] * G
-            pos += range(P, P + G)
+        ids, seg, blk, pos, s = [], [], [], [], 0
+        for b, block in enumerate(row):
+            P, start = batch.prompt_lens[block[0]], len(ids)
+            ids += batch.input_ids[block[0]][:P].tolist()
+            seg += [0] * P
+            pos += range(P)
+            for i in block:
+                s += 1
+                completion = batch.input_ids[i][P:].tolist()
+                G, col = len(completion), len(ids)
+                # token j is predicted from the one before it: the prompt's last, then this completion's own
+                src_cols.append([start + P - 1, *range(col, col + G)])
+                src_rows.append(r)
+                targets.append(completion)
+                mask = None if batch.loss_masks is None else batch.loss_masks[i]
+                masks.append([1] * G if mask is None else mask.long().tolist())
+                ids += completion
+                seg += [s] * G
+                pos += range(P, P + G)
+            blk += [b] * (len(ids) - start)
         ids_rows.append(ids)
         seg_rows.append(seg)
+        blk_rows.append(blk)
         pos_rows.append(pos)
     if not rows:  # the padding micro-batch
-        ids_rows, seg_rows, pos_rows, src_rows, src_cols, targets = [[pad_id] * 2], [[0, 0]], [[0, 1]], [0], [[0]], [[]]
-        masks = [[]]
+        ids_rows, seg_rows, blk_rows, pos_rows = [[pad_id] * 2], [[0, 0]], [[0, 0]], [[0, 1]]
+        src_rows, src_cols, targets, masks = [0], [[0]], [[]], [[]]
     W = max(map(len, ids_rows))
     C = max(max(map(len, targets)), 0 if rows else 1)
 
@@ -244,10 +255,11 @@ def make_micro_batch(
     # inside a completion (and padding) get 0.
     loss_mask = padded(masks, C, 0).float()
     targets_t = padded(targets, C, 0)
-    if all(len(row) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
+    if all(len(row) == 1 and len(row[0]) == 1 for row in rows):  # separate rows: the 2-D padding mask says it all
         attention_mask, position_ids = (segment >= 0).long(), None
     else:
-        attention_mask = _shared_prompt_mask(segment, additive_mask)
+        blocks = padded(blk_rows, W, -1) if any(len(row) > 1 for row in rows) else None
+        attention_mask = _shared_prompt_mask(segment, additive_mask, blocks)
     return MicroBatch(
         indices,
         input_ids.to(device),
@@ -261,14 +273,17 @@ def make_micro_batch(
     )
 
 
-def _shared_prompt_mask(segment: torch.Tensor, additive: bool) -> torch.Tensor:
-    """[R, 1, W, W]: causal, and a completion sees the prompt and itself
-    only; a padding position sees itself (no empty softmax). True = attend,
-    or additive: 0 / the float32 minimum."""
+def _shared_prompt_mask(segment: torch.Tensor, additive: bool, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, 1, W, W]: causal, and a completion sees its prompt and itself
+    only (`blocks`, when a row holds several: within its own block); a padding
+    position sees itself (no empty softmax). True = attend, or additive: 0 /
+    the float32 minimum."""
     W = segment.shape[1]
     q, kv = segment[:, :, None], segment[:, None, :]
     causal = torch.ones(W, W, dtype=torch.bool).tril()
     allowed = causal & (q >= 0) & ((kv == 0) | (kv == q))
+    if blocks is not None:
+        allowed &= blocks[:, :, None] == blocks[:, None, :]
     allowed |= torch.eye(W, dtype=torch.bool)
     if not additive:
         return allowed[:, None]
