@@ -212,13 +212,10 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
             await asyncio.sleep(0.05)
         raise AssertionError("no epoch of both servers after the restart")
 
-    def current_epoch() -> str:
-        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
-
     async def wait_for_an_epoch_after(name: str) -> None:
         """A new epoch of both servers once epoch `name` failed (no server restarted)."""
         for _ in range(1200):
-            if (now := current_epoch()) != name and re.search(
+            if (now := _current_epoch(trial)) != name and re.search(
                 rf"weight group {now}: 2 servers", open(manager_log).read()
             ):
                 return
@@ -242,17 +239,17 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
                 if version == 4:  # the next version once the killed server is back in a new epoch of both
                     await wait_for_epoch_of_both()
                 if version == 5 and protocol == "sglang":  # a member up refuses a bucket of version 5
-                    refused_in = current_epoch()
+                    refused_in = _current_epoch(trial)
                     (fault_dir / "test.refuse_bucket").touch()
                 if version == 6 and protocol == "sglang":
                     await wait_for_an_epoch_after(refused_in)
                 if version == 6 and protocol == "realrl":  # a member stalls between two of its buckets
-                    stalled_in = current_epoch()
+                    stalled_in = _current_epoch(trial)
                     (fault_dir / "test.stall_server").touch()
                 if version == 7 and protocol == "realrl":  # the stalled server answers again: an epoch of both
                     os.kill(faults.stopped_pid(str(fault_dir), "weights.member_stalls"), signal.SIGCONT)
                     await wait_for_an_epoch_after(stalled_in)
-                    stalled_in_place = current_epoch()  # then a member stalls with all of version 7's buckets
+                    stalled_in_place = _current_epoch(trial)  # then a member stalls with all of version 7's buckets
                     (fault_dir / "test.stall_in_place").touch()
                 if version == 8:  # that server answers again: a new epoch of both
                     # (first, version 7's update ends while it is still stopped: its wait did not hold it)
@@ -391,14 +388,10 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
     greedy = {"max_new_tokens": 8, "temperature": 0.0}
     result: dict = {}
 
-    def current_epoch() -> str | None:
-        spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
-        return json.loads(spec)["name"] if spec else None
-
     async def epoch_of_three(other_than: str | None = None) -> list[str]:
         """The members of the current epoch once it has all three servers, in rank order."""
         for _ in range(2400):
-            now = current_epoch()
+            now = _current_epoch(trial)
             found = re.search(rf"weight group {now}: 3 servers \(([^)]*)\)", open(manager_log).read()) if now else None
             if found and now != other_than:
                 return found.group(1).split(", ")
@@ -436,7 +429,7 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
 
     async def scenario() -> None:
         members = await epoch_of_three()  # (the servers register in any order: the epoch of all three)
-        result["epoch"] = current_epoch()
+        result["epoch"] = _current_epoch(trial)
         publish(1)
         await manager_at(1)
         (fault_dir / "test.hold_sender").touch()  # the sender stops for rank 1 after version 2's first bucket
@@ -455,7 +448,7 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
             publish(3)  # while the stopped member still holds the sender's thread for version 2
             ready = time.monotonic()
             result["v3"] = await asyncio.gather(*(serving(client, u, 3, ready) for u in healthy))
-            result["v3_epoch"] = current_epoch()
+            result["v3_epoch"] = _current_epoch(trial)
             result["v3_trainer"] = [forward_logprobs(model, probe, s.output_ids) for s, _ in result["v3"]]
             await manager_at(3)
             os.kill(result["pid"], signal.SIGCONT)  # it answers again: version 3 from disk, then an epoch of three
@@ -540,28 +533,18 @@ def test_an_sglang_member_that_dies_between_an_announcement_and_its_first_bucket
     probe = [5, 6, 7, 8, 9]
     result: dict = {}
 
-    def current_epoch() -> str:
-        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
-
     async def publish(session, manager_url: str, version: int) -> None:
-        train_a_little(model, version)
-        assert publisher.publish(version, None, announce)
-        for _ in range(1200):
-            async with session.get(manager_url + "/get_model_version") as resp:
-                if (await resp.json())["version"] == version:
-                    return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the manager did not reach version {version}")
+        await _publish_and_wait(session, manager_url, model, publisher, announce, version)
 
     async def scenario(manager_url: str) -> None:
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             await publish(session, manager_url, 1)  # through the first epoch
-            result["epoch"] = current_epoch()
+            result["epoch"] = _current_epoch(trial)
             (fault_dir / "test.kill_member").touch()  # a member dies as version 2 is announced to it
             await publish(session, manager_url, 2)
             for _ in range(2400):  # the killed one, restarted (at a new url), in an epoch of both
                 urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
-                now, log = current_epoch(), open(manager_log).read()
+                now, log = _current_epoch(trial), open(manager_log).read()
                 if now != result["epoch"] and all(u and u in log for u in urls):
                     if re.search(rf"weight group {now}: 2 servers", log):
                         break
@@ -633,18 +616,8 @@ def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(t
     probe = [5, 6, 7, 8, 9]
     greedy = {"max_new_tokens": 8, "temperature": 0.0}
 
-    def current_epoch() -> str:
-        return json.loads(trial.get(names.weights_group(EXP, trial.trial, "actor")))["name"]
-
     async def publish(session, manager_url: str, version: int) -> None:
-        train_a_little(model, version)
-        assert publisher.publish(version, None, announce)
-        for _ in range(1200):
-            async with session.get(manager_url + "/get_model_version") as resp:
-                if (await resp.json())["version"] == version:
-                    return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the manager did not reach version {version}")
+        await _publish_and_wait(session, manager_url, model, publisher, announce, version)
 
     async def answers(url: str, timeout: float) -> bool:
         try:
@@ -660,7 +633,7 @@ def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(t
         urls = [trial.get(names.gen_server(EXP, trial.trial, i)) for i in range(2)]
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             await publish(session, manager_url, 1)  # through the first epoch
-            result["epoch"] = current_epoch()
+            result["epoch"] = _current_epoch(trial)
             (fault_dir / "test.stall_server").touch()  # a member stops in one of version 2's buckets
             train_a_little(model, 2)
             assert publisher.publish(2, None, announce)
@@ -687,7 +660,9 @@ def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(t
             os.kill(wait_pid(), signal.SIGCONT)  # the stalled one answers again: back by disk, then an epoch of both
             for _ in range(1200):
                 log = open(manager_log).read()
-                if (now := current_epoch()) != result["epoch"] and re.search(rf"weight group {now}: 2 servers", log):
+                if (now := _current_epoch(trial)) != result["epoch"] and re.search(
+                    rf"weight group {now}: 2 servers", log
+                ):
                     break
                 await asyncio.sleep(0.05)
             await publish(session, manager_url, 3)
@@ -791,13 +766,7 @@ def test_a_version_no_server_can_load_is_written_on_demand_also_with_every_serve
         raise AssertionError(f"no epoch of {now}")
 
     async def publish(session, manager_url: str, version: int) -> None:
-        train_a_little(model, version)
-        assert publisher.publish(version, None, announce)
-        for _ in range(1200):
-            if (await manager(session, manager_url, "/get_model_version"))["version"] == version:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the manager did not reach version {version}")
+        await _publish_and_wait(session, manager_url, model, publisher, announce, version)
 
     async def served(now: list[str]) -> list:
         async with make_client("sglang", timeout_s=60) as client:
@@ -860,6 +829,28 @@ def test_a_version_no_server_can_load_is_written_on_demand_also_with_every_serve
     assert [o.weight_version for o in result["v3_outs"]] == ["3", "3"]
     for out, expected in zip(result["v3_outs"], result["v3"]):
         torch.testing.assert_close(torch.tensor(out.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+def _current_epoch(trial) -> str | None:
+    """The name of the trial's current weight epoch (None before its first)."""
+    from tests.system.test_generation_server import EXP
+
+    spec = trial.get(names.weights_group(EXP, trial.trial, "actor"))
+    return json.loads(spec)["name"] if spec else None
+
+
+async def _publish_and_wait(session, manager_url: str, model, publisher, announce, version: int) -> None:
+    """Trains a little, publishes `version` and waits until the manager is at it."""
+    import asyncio
+
+    train_a_little(model, version)
+    assert publisher.publish(version, None, announce)
+    for _ in range(1200):
+        async with session.get(manager_url + "/get_model_version") as resp:
+            if (await resp.json())["version"] == version:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the manager did not reach version {version}")
 
 
 def _armed(tmp_path, monkeypatch, armed: str):
