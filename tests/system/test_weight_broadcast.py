@@ -275,19 +275,11 @@ def test_the_manager_takes_servers_through_epochs_and_a_server_killed_mid_versio
             outs = [await client.generate(u, probe, {"max_new_tokens": 8, "temperature": 0.0}) for u in urls]
         return held, outs
 
-    try:
-        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
-        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
-        held, outs = asyncio.run(scenario(manager_url))
-        publisher.close()
-        assert trial.complete() == 0
-    finally:
+    def resume_stalled() -> None:
         for point in ("weights.member_stalls", "weights.member_stalls_in_place"):
-            if (stalled := faults.stopped_pid(str(fault_dir), point)) is not None:
-                with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
-                    os.kill(stalled, signal.SIGCONT)
-        publisher.close(timeout_s=1)
-        trial.close()
+            _resume(faults.stopped_pid(str(fault_dir), point))
+
+    held, outs = _run_scenario(trial, publisher, scenario, on_exit=resume_stalled)
     assert (
         held == [str(last)] * 2
         and faults.fired("weights.before_rendezvous")
@@ -375,7 +367,6 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
     from realrl.base import faults
     from realrl.impl.generation import make_client
     from tests.impl.weights.test_torch_server_group import forward_logprobs
-    from tests.system.test_generation_server import EXP
     from tests.system.trial_thread import wait_until
 
     fault_dir = _armed(tmp_path, monkeypatch, "weights.bucket_sent.r1=gate;after=test.hold_sender")
@@ -398,7 +389,7 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
             await asyncio.sleep(0.05)
         raise AssertionError(f"no epoch of three servers: {open(manager_log).read()[-3000:]}")
 
-    async def manager_at(version: int) -> None:
+    async def manager_at(manager_url: str, version: int) -> None:
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
             for _ in range(1200):
                 async with session.get(manager_url + "/get_model_version") as resp:
@@ -427,11 +418,11 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
             await asyncio.sleep(0.05)
         raise AssertionError(f"{url} did not serve version {version}")
 
-    async def scenario() -> None:
+    async def scenario(manager_url: str) -> None:
         members = await epoch_of_three()  # (the servers register in any order: the epoch of all three)
         result["epoch"] = _current_epoch(trial)
         publish(1)
-        await manager_at(1)
+        await manager_at(manager_url, 1)
         (fault_dir / "test.hold_sender").touch()  # the sender stops for rank 1 after version 2's first bucket
         publish(2)
         held = lambda: faults.fired("weights.bucket_sent.r1")  # noqa: E731
@@ -450,31 +441,23 @@ def test_an_sglang_member_that_stalls_is_dropped_and_the_others_take_the_next_ve
             result["v3"] = await asyncio.gather(*(serving(client, u, 3, ready) for u in healthy))
             result["v3_epoch"] = _current_epoch(trial)
             result["v3_trainer"] = [forward_logprobs(model, probe, s.output_ids) for s, _ in result["v3"]]
-            await manager_at(3)
+            await manager_at(manager_url, 3)
             os.kill(result["pid"], signal.SIGCONT)  # it answers again: version 3 from disk, then an epoch of three
             result["pid"] = None
             await epoch_of_three(other_than=result["epoch"])
             back, _ = await serving(client, stalled, 3, time.monotonic())
             result["back"] = back, forward_logprobs(model, probe, back.output_ids)
         publish(4)
-        await manager_at(4)
+        await manager_at(manager_url, 4)
         async with make_client("sglang", timeout_s=60) as client:
             result["held"] = [await client.weight_version(u) for u in members]
 
-    try:
-        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
-        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
-        asyncio.run(scenario())
-        publisher.close()
-        assert trial.complete() == 0
-    finally:
-        if result.get("pid"):
-            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
-                os.kill(result["pid"], signal.SIGCONT)
+    def resume_stopped() -> None:
+        _resume(result.get("pid"))
         if faults.fired("weights.bucket_sent.r1"):
             faults.open_gate(str(fault_dir), "weights.bucket_sent.r1")
-        publisher.close(timeout_s=1)
-        trial.close()
+
+    _run_scenario(trial, publisher, scenario, on_exit=resume_stopped)
     log = open(manager_log).read()
     print(
         "healthy members serve v2 after the stall, v3 after it was published (s):",
@@ -556,15 +539,7 @@ def test_an_sglang_member_that_dies_between_an_announcement_and_its_first_bucket
             greedy = {"max_new_tokens": 8, "temperature": 0.0}
             result["outs"] = [await client.generate(u, probe, greedy) for u in urls]
 
-    try:
-        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
-        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
-        asyncio.run(scenario(manager_url))
-        publisher.close()
-        assert trial.complete() == 0
-    finally:
-        publisher.close(timeout_s=1)
-        trial.close()
+    _run_scenario(trial, publisher, scenario)
     log = open(manager_log).read()
     assert faults.fired("weights.before_first_bucket")
     epoch = result["epoch"]
@@ -671,18 +646,9 @@ def test_an_sglang_member_that_stalls_mid_version_does_not_hold_the_other_back(t
             result["outs"] = [await client.generate(u, probe, greedy) for u in (healthy, stalled)]
         result["stalled"] = stalled
 
-    try:
-        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
-        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
-        asyncio.run(scenario(manager_url))
-        publisher.close()
-        assert trial.complete() == 0
-    finally:
-        if (pid := faults.stopped_pid(str(fault_dir), "weights.member_stalls")) is not None:
-            with contextlib.suppress(ProcessLookupError):  # (a failed test must not leave it stopped)
-                os.kill(pid, signal.SIGCONT)
-        publisher.close(timeout_s=1)
-        trial.close()
+    _run_scenario(
+        trial, publisher, scenario, on_exit=lambda: _resume(faults.stopped_pid(str(fault_dir), "weights.member_stalls"))
+    )
     log = open(manager_log).read()
     # The healthy member served again within seconds of the stall, far below the collective's timeout,
     # and with version 2 whole (through its group), never a model with part of version 2 swapped in.
@@ -801,15 +767,7 @@ def test_a_version_no_server_can_load_is_written_on_demand_also_with_every_serve
             result["v3_outs"] = await served(third)
             result["v3"] = [forward_logprobs(model, probe, o.output_ids) for o in result["v3_outs"]]
 
-    try:
-        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
-        manager_url = trial.wait_key(names.gen_server_manager(EXP, trial.trial))
-        asyncio.run(scenario(manager_url))
-        publisher.close()
-        assert trial.complete() == 0
-    finally:
-        publisher.close(timeout_s=1)
-        trial.close()
+    _run_scenario(trial, publisher, scenario)
     log = open(manager_log).read()
     assert result["after_1"] == [], result  # through the group, every server a member: not written
     assert result["one_back"][0] == [1], result  # written once the restarted member needed it
@@ -851,6 +809,33 @@ async def _publish_and_wait(session, manager_url: str, model, publisher, announc
                 return
         await asyncio.sleep(0.05)
     raise AssertionError(f"the manager did not reach version {version}")
+
+
+def _run_scenario(trial, publisher, scenario, on_exit=lambda: None):
+    """Runs `scenario(manager_url)` once the manager named the first epoch,
+    then ends the trial; `on_exit` runs first either way (a failed test must
+    not leave a member stopped). Returns what the scenario returned."""
+    import asyncio
+
+    from tests.system.test_generation_server import EXP
+
+    try:
+        wait_until(lambda: trial.get(names.weights_group(EXP, trial.trial, "actor")), 120, "the first epoch")
+        out = asyncio.run(scenario(trial.wait_key(names.gen_server_manager(EXP, trial.trial))))
+        publisher.close()
+        assert trial.complete() == 0
+        return out
+    finally:
+        on_exit()
+        publisher.close(timeout_s=1)
+        trial.close()
+
+
+def _resume(pid: int | None) -> None:
+    """SIGCONT to a member a fault point stopped, if any (and still there)."""
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def _armed(tmp_path, monkeypatch, armed: str):
