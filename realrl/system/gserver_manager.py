@@ -361,7 +361,9 @@ class GserverManager(AsyncWorker):
                 self._update_task = asyncio.create_task(self._update_weights(self.controller.trainer_version))
             elif self._update_task is None and self._epochs is not None:
                 up = list(self.router.up_urls)
-                if self._epochs.needs_rebuild(up) and not self._trial_ending():  # a version boundary
+                if (
+                    self._epochs.needs_rebuild(up, self.controller.trainer_version) and not self._trial_ending()
+                ):  # a version boundary
                     self._update_task = asyncio.create_task(self._epochs.rebuild(up))
         await self._poll_servers(now)
         self._sync_admission_version()

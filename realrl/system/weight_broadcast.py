@@ -253,10 +253,13 @@ class WeightEpochs:
         self.through_group: dict[str, int] = {}
         self._awaiting: dict[str, asyncio.Event] = {}  # member -> set once it is found down (await_version)
 
-    def needs_rebuild(self, up_urls: list[str]) -> bool:
+    def needs_rebuild(self, up_urls: list[str], trainer_version: int) -> bool:
         failed = self.failed or (self._driver is not None and self._driver.failed)
-        if self._driver is not None and not failed and self._driver.in_version:
-            return False  # (SGLang: the members go on with the version the sender is sending; then a new epoch)
+        if self._driver is not None and not failed:
+            # (SGLang: the members go on with the version the sender is sending, and the manager
+            # loads it as this epoch's before a new one: the trainer announces it after its send)
+            if self._driver.in_version or self._driver.taken_version > trainer_version:
+                return False
         live = set(self.members) - (self._driver.dropped if self._driver is not None else set())
         return bool(up_urls) and (failed or set(up_urls) != live)
 

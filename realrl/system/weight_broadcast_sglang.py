@@ -64,6 +64,7 @@ class SGLangDriver:
         self.dropped: set[str] = set()  # the lost the epoch goes on without (`drop`)
         self.formed = False  # every member joined: a member can be dropped from here on
         self.in_version = False  # the members are taking a version the sender announced
+        self.taken_version = -1  # the last version the members took (those not dropped)
         self._partial: set[str] = set()  # members with part of the version in flight in place
         self._left: set[asyncio.Task] = set()  # dropped members' versions, left to end on their own
         self.failed = False
@@ -220,6 +221,7 @@ class SGLangDriver:
                 self.in_version = True
                 try:
                     await self._each_member(urls, n, version, buckets)
+                    self.taken_version = version
                 finally:
                     self.in_version = False
                 self._changed.set()
