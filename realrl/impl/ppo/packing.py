@@ -4,6 +4,7 @@ chosen by a FLOP estimate, packed into micro-batches by token budget."""
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from realrl.base.datapack import split_by_token_budget
 from realrl.impl.ppo.batch import SequenceBatch
@@ -32,20 +33,24 @@ def share_prompt_rows(
     by_prompt: dict[bytes, list[int]] = {}
     for i in indices:
         P = batch.prompt_lens[i]
-        key = P.to_bytes(4, "little") + batch.input_ids[i][:P].numpy().tobytes()
+        key = P.to_bytes(4, "little") + batch.input_ids[i].numpy()[:P].tobytes()
         by_prompt.setdefault(key, []).append(i)
     rows: list[list[int]] = []
+    lens = batch.completion_lens
     for same in by_prompt.values():
-        best: tuple[float, list[list[int]]] | None = None
-        for k in range(1, len(same) + 1):
-            chunks = [same[s : s + k] for s in range(0, len(same), k)]
-            widths = [_row_width(batch, c) for c in chunks]
+        P = batch.prompt_lens[same[0]]
+        ends = list(itertools.accumulate((lens[i] for i in same), initial=0))  # completions' tokens before each
+        n = len(same)
+        best: tuple[float, int] | None = None
+        for k in range(1, n + 1):
+            widths = [P + ends[min(s + k, n)] - ends[s] for s in range(0, n, k)]  # `_row_width` of each chunk
             if k > 1 and max(widths) > max_tokens:
                 continue
             cost = sum(w * (6 * hidden_size + w) for w in widths)
             if best is None or cost < best[0]:
-                best = (cost, chunks)
-        rows += best[1]
+                best = (cost, k)
+        k = best[1]
+        rows += [same[s : s + k] for s in range(0, n, k)]
     return rows
 
 
