@@ -13,6 +13,7 @@ import torch
 from realrl.impl.generation.torch_server import batch as batch_module
 from realrl.impl.generation.torch_server.batch import RunningBatch
 from realrl.impl.generation.torch_server.protocol import Request
+from realrl.impl.generation.torch_server.sampling import RowParams
 from tests.impl.conftest import tiny_llama_config
 
 CONFIG = tiny_llama_config()
@@ -76,6 +77,10 @@ def check(batch: RunningBatch) -> None:
             assert torch.equal(values[i, 0, width - n :, 0], -expected), (r.rid, layer)
     assert batch.positions.tolist() == [kv_len(r) for r in batch.requests]
     assert batch.last_tokens.tolist() == [r.output_ids[-1] for r in batch.requests]
+    expected_params = RowParams.from_requests(batch.requests, torch.device("cpu"))
+    for name, value in vars(batch.params).items():  # taken from the rows kept, or rebuilt: the same
+        want = getattr(expected_params, name)
+        assert torch.equal(value, want) if isinstance(value, torch.Tensor) else value == want, name
     for layer, (keys, values) in zip(batch.cache.layers, kv):  # what the model attends to
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
         assert layer.get_seq_length() == width
@@ -93,7 +98,10 @@ def test_rows_keep_their_keys_and_values_through_joins_steps_and_departures(monk
             group = []
             for _ in range(rng.randint(1, 3)):
                 prompt = [0] * rng.randint(1, 24)
-                group.append(Request(str(n_requests), prompt, 10**6, 0, 1.0, 1.0, -1, 0.0, frozenset(), False))
+                temperature, top_p = rng.choice([(1.0, 1.0), (0.0, 1.0), (0.7, 0.9)])  # sampled, greedy, filtered
+                group.append(
+                    Request(str(n_requests), prompt, 10**6, 0, temperature, top_p, -1, 0.0, frozenset(), False)
+                )
                 group[-1].output_ids.append(rng.randrange(64))  # the token sampled at prefill
                 n_requests += 1
             if batch is None:

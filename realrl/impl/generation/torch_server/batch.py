@@ -179,14 +179,21 @@ class RunningBatch:
             for buf, new in ((layer.keys_buf, k), (layer.values_buf, v))
         )
 
-    def _refresh_rows(self) -> None:
-        """Rebuild the per-row tensors from the requests (after rows changed)."""
+    def _refresh_rows(self, kept: list[int] | None = None) -> None:
+        """Rebuild the per-row tensors from the requests (after rows changed); `kept`: the rows are
+        some of the previous ones (row i was row kept[i]), whose tensors are taken instead."""
         device = self.mask.device
-        self.last_tokens = torch.tensor([r.output_ids[-1] for r in self.requests], dtype=torch.long, device=device)
-        self.positions = torch.tensor(
-            [len(r.input_ids) + len(r.output_ids) - 1 for r in self.requests], dtype=torch.long, device=device
-        )
-        self.params = RowParams.from_requests(self.requests, device)
+        if kept is not None:
+            index = torch.tensor(kept, dtype=torch.long, device=device)
+            self.last_tokens = self.last_tokens.index_select(0, index)
+            self.positions = self.positions.index_select(0, index)
+            self.params = self.params.select(index, self.requests)
+        else:
+            self.last_tokens = torch.tensor([r.output_ids[-1] for r in self.requests], dtype=torch.long, device=device)
+            self.positions = torch.tensor(
+                [len(r.input_ids) + len(r.output_ids) - 1 for r in self.requests], dtype=torch.long, device=device
+            )
+            self.params = RowParams.from_requests(self.requests, device)
         for layer in self.cache.layers:  # views over the new row count
             w = self.window
             layer.keys = layer.keys_buf[: w.rows, :, w.start : w.end]
@@ -220,6 +227,7 @@ class RunningBatch:
         # Kept rows beyond the new end move into the dropped slots below it.
         holes = [i for i in sorted(dropped) if i < n_left]
         movers = [i for i in range(n_left, w.rows) if i not in dropped]
+        kept = list(range(n_left))  # where each row left comes from
         if holes:
             device = self.mask.device
             dst = torch.tensor(holes, dtype=torch.long, device=device)
@@ -232,12 +240,13 @@ class RunningBatch:
             live_mask.index_copy_(0, dst, live_mask.index_select(0, src))
             for h, m in zip(holes, movers):
                 self.requests[h] = self.requests[m]
+                kept[h] = m
         del self.requests[n_left:]
         w.rows = n_left
         # Columns that are now padding in every row are dropped from the window.
         first = int(self.mask[:n_left, w.start : w.end].any(dim=0).int().argmax())
         w.start += first
-        self._refresh_rows()
+        self._refresh_rows(kept)
         return True
 
     def add(self, requests: list[Request], rows: Rows) -> None:

@@ -54,6 +54,20 @@ class RowParams:
             filtered=torch.tensor([r.needs_filter for r in requests], dtype=torch.bool, device=device),
         )
 
+    def select(self, index: torch.Tensor, requests: Sequence[Request]) -> RowParams:
+        """These rows' parameters (`index`), whose requests are `requests`, in that order."""
+        return RowParams(
+            temperature=self.temperature.index_select(0, index),
+            top_p=self.top_p.index_select(0, index),
+            top_k=self.top_k.index_select(0, index),
+            min_p=self.min_p.index_select(0, index),
+            # What holds for all rows holds for some; what holds for none holds for none of some.
+            all_greedy=self.all_greedy or (self.any_greedy and all(r.is_greedy for r in requests)),
+            any_greedy=self.any_greedy and any(r.is_greedy for r in requests),
+            any_filter=self.any_filter and any(r.needs_filter for r in requests),
+            filtered=self.filtered.index_select(0, index),
+        )
+
 
 def sample_tokens(
     logits: torch.Tensor,
