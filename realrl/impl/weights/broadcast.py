@@ -489,7 +489,10 @@ def _broadcast(
                     break
                 except RuntimeError:
                     if work.is_completed():
-                        raise  # the collective failed (a peer died, or its own timeout)
+                        # Done meanwhile (the slice ran out as it completed, a loaded machine's race):
+                        # its own outcome; a failed collective (a peer died, its timeout) raises here.
+                        work.wait()
+                        break
                 try:
                     store.check(["sender"])
                     dropped = drop_key is not None and store.check([drop_key])
