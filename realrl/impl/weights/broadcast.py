@@ -767,7 +767,9 @@ class Sender:
 class Receiver:
     """One member of a group at `rank`: a helper thread receives each version
     and calls `on_version(version, tensors)` with the whole version (views of
-    its buffer, valid until `on_version` returns), which puts it in place.
+    its buffer, valid until `on_version` returns), which puts it in place; or
+    keeps the buffer (the tensors became the model's own) and returns another
+    flat buffer of the same size (uint8) for the next version.
     `check(manifest)` runs once before anything is received; raising there
     (a tensor list that does not fit) fails the membership, as does any
     error of the group: `error` says why and `on_failure` is called."""
@@ -779,7 +781,7 @@ class Receiver:
         key: bytes,
         bind_host: str,
         check: Callable[[Manifest], None],
-        on_version: Callable[[int, dict[str, torch.Tensor]], None],
+        on_version: Callable[[int, dict[str, torch.Tensor]], torch.Tensor | None],
         on_failure: Callable[[str], None] | None = None,
     ):
         self.spec, self.rank = spec, rank
@@ -849,7 +851,9 @@ class Receiver:
                 if self._device != "cpu":
                     torch.cuda.current_stream().synchronize()
                 faults.point("weights.member_stalls_in_place")  # a test's member stalled with a whole version
-                self._on_version(version, views)
+                kept = self._on_version(version, views)
+                if kept is not None:  # (the buffer is the model's now: the next version goes to this one)
+                    flat, views = kept, manifest.views(kept)
                 self.received.append(version)
                 faults.point("weights.version_in_place")
                 n += 1
