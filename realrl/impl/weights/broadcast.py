@@ -782,7 +782,9 @@ class Sender:
 class Receiver:
     """One member of a group at `rank`: a helper thread receives each version
     and calls `on_version(version, tensors)` with the whole version (views of
-    its buffer, valid until `on_version` returns), which puts it in place.
+    its buffer, valid until `on_version` returns), which puts it in place; or
+    keeps the buffer (the tensors became the model's own) and returns another
+    flat buffer of the same size (uint8) for the next version.
     `check(manifest)` runs once before anything is received; raising there
     (a tensor list that does not fit) fails the membership, as does any
     error of the group: `error` says why and `on_failure` is called."""
@@ -794,7 +796,7 @@ class Receiver:
         key: bytes,
         bind_host: str,
         check: Callable[[Manifest], None],
-        on_version: Callable[[int, dict[str, torch.Tensor]], None],
+        on_version: Callable[[int, dict[str, torch.Tensor]], torch.Tensor | None],
         on_failure: Callable[[str], None] | None = None,
     ):
         self.spec, self.rank = spec, rank
@@ -868,7 +870,9 @@ class Receiver:
                 if drop_key is not None and store.check([drop_key]):  # (dropped meanwhile: its versions by disk)
                     store.get(drop_key)  # (its owner's: one not sealed by the trial fails the group)
                     raise Dropped(f"weight group {self.spec.name}: {drop_key} by its owner")
-                self._on_version(version, views)
+                kept = self._on_version(version, views)
+                if kept is not None:  # (the buffer is the model's now: the next version goes to this one)
+                    flat, views = kept, manifest.views(kept)
                 self.received.append(version)
                 faults.point("weights.version_in_place")
                 n += 1

@@ -97,6 +97,24 @@ def test_tied_tensors_need_one_name_and_are_copied_in_place():
         targets.check(dict(tensors(3), **{"norm.weight": torch.ones(5)}))
 
 
+def test_a_version_swapped_in_by_pointer_becomes_the_models_storage_tied_ones_together():
+    model = Tied()
+    targets = WeightTargets(model)
+    new = tensors(4)
+    assert targets.swappable(new)
+    assert not targets.swappable(dict(new, **{"head.weight": new["embed.weight"]}))  # an alias twice
+    assert not targets.swappable({k: v.double() for k, v in new.items()})  # another dtype: copied instead
+    targets.swap_in(new)
+    for name, param in (("embed.weight", model.embed.weight), ("norm.weight", model.norm.weight)):
+        assert param.data_ptr() == new[name].data_ptr()  # no copy
+    assert model.head.weight is model.embed.weight  # still tied
+    again = tensors(5)
+    targets.copy_in(again)  # a later copy (from disk) lands in the storage the model has now
+    assert torch.equal(model.head.weight, again["embed.weight"]) and torch.equal(
+        new["norm.weight"], again["norm.weight"]
+    )
+
+
 # ---- LoRA adapters
 
 
@@ -185,3 +203,41 @@ def test_adapters_that_do_not_fit_are_refused(tmp_path):
     write_adapter(tmp_path / "tied", {"head": ab(1, 8, 4)})
     with pytest.raises(WeightLoadError, match="tied"):
         AdapterTargets(tied).check(read_adapter(str(tmp_path / "tied")))
+
+
+def _file_mappings(path) -> list[tuple[int, int]]:
+    """The address ranges of this process mapping the file at `path`."""
+    name = str(path.resolve())
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == name:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def test_the_served_model_is_in_memory_of_its_own_not_the_mapped_file(tmp_path):
+    """from_pretrained leaves a CPU tensor stored as in the file as a view of
+    the file mapped private, so the first weight update would fault every
+    page out of it; load_model copies them out once (tied ones stay tied)."""
+    from transformers import AutoModelForCausalLM
+
+    from realrl.impl.generation.torch_server.model import load_model
+    from tests.impl.weights.models import tiny_model
+
+    tiny_model("tied", seed=3).save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    model = load_model(str(tmp_path), "cpu", "float32")
+
+    def in_file(model) -> list[str]:
+        mapped = _file_mappings(tmp_path / "model.safetensors")
+        return [n for n, p in model.named_parameters() if any(a <= p.data_ptr() < b for a, b in mapped)]
+
+    assert in_file(plain), "transformers no longer maps the file: this copy may be moot"
+    assert in_file(model) == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name

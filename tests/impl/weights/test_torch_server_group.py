@@ -50,24 +50,26 @@ def test_a_torch_server_takes_versions_over_the_wire_while_it_serves(start_serve
         inflight = [asyncio.create_task(client.generate(url, p, long)) for p in ([0, 5], PROBE)]
         while (await client.server_info(url))["num_running_requests"] < 2:
             await asyncio.sleep(0.05)
-        for version in (1, 2):
+        for version in (1, 2, 3):  # (the third into the buffer the parameters left at the second)
             train_a_little(trainer, version)
             versions[version] = copy.deepcopy(trainer)
             sender.publish(version, published_tensors(trainer))
             answer = await client.await_weight_version(url, version, 60)
             assert answer.success and answer.weight_version == str(version), answer
             versions[f"out{version}"] = await client.generate(url, PROBE, sample)
-        made = (await client.server_info(url))["stats"]["generated_tokens"]
-        while (await client.server_info(url))["stats"]["generated_tokens"] < made + 4:  # some under version 2
+        stats = (await client.server_info(url))["stats"]
+        assert stats["weight_updates_swapped"] == 3  # by pointer, each into the buffer the one before left
+        made = stats["generated_tokens"]
+        while (await client.server_info(url))["stats"]["generated_tokens"] < made + 4:  # some under version 3
             await asyncio.sleep(0.05)
         await client.abort_request(url, abort_all=True)
         aborted = await asyncio.gather(*inflight)
         sender.close()
-        after_close = await client.await_weight_version(url, 3, 30)
+        after_close = await client.await_weight_version(url, 4, 30)
         # An epoch whose sender never comes: the membership ends at the bound the manager sets.
         orphan = dataclasses.replace(spec, name="realrl-t-e2", join_timeout_s=1.0)
         await client.join_weights_group(url, orphan, 1)
-        orphaned = await client.await_weight_version(url, 3, 60)
+        orphaned = await client.await_weight_version(url, 4, 60)
         return aborted, after_close, orphaned
 
     try:
@@ -75,10 +77,10 @@ def test_a_torch_server_takes_versions_over_the_wire_while_it_serves(start_serve
     finally:
         sender.close()
         store.close()
-    for res in aborted:  # went on across both swaps, each span under its version
-        assert res.finish_reason == "abort" and res.weight_version == "2" and 0 < len(res.output_ids) < 4000
-        assert res.output_versions == sorted(res.output_versions) and set(res.output_versions) == {"0", "1", "2"}
-    for version in (1, 2):
+    for res in aborted:  # went on across the swaps, each span under its version
+        assert res.finish_reason == "abort" and res.weight_version == "3" and 0 < len(res.output_ids) < 4000
+        assert res.output_versions == sorted(res.output_versions) and set(res.output_versions) == {"0", "1", "2", "3"}
+    for version in (1, 2, 3):
         out = versions[f"out{version}"]
         assert out.weight_version == str(version)
         expected = forward_logprobs(versions[version], PROBE, out.output_ids)

@@ -28,7 +28,8 @@ until `continue`; mode `in_place` keeps them where they are, decoding nothing un
 
 **Weight updates.** New weights are read and checked off the loop (`weights`). Then, between two decode steps,
 the running requests go back to the head of the queue with their outputs (their keys/values, the old weights',
-are dropped), the tensors are copied into the existing parameters in place, and `weight_version` changes; the next
+are dropped), the tensors are copied into the existing parameters in place (a weight group's version, whose buffer
+the caller gives up, `swap`: the parameters take its storage instead, no copy), and `weight_version` changes; the next
 step prefills them again from prompt + outputs under the new weights and they go on, their answers naming each
 output span's version (`Request.switch_version`). Nothing runs on under the old weights, and nothing made is sent
 back to be sent again. `abort_all_requests=false` instead lets them finish while no new request starts. With
@@ -54,6 +55,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +191,7 @@ class GenerationEngine:
             "decode_steps": 0,
             "decode_rows": 0,
             "weight_updates": 0,
+            "weight_updates_swapped": 0,  # of those, taken by pointer (a weight group's buffer), not copied
             "requests_resumed": 0,  # running requests a weight update sent back to be prefilled again
             "weight_update_failures": 0,
             "lora_adapters_loaded": 0,
@@ -444,7 +447,8 @@ class GenerationEngine:
         return len(requests)
 
     def _apply_update(self, update: dict, num_aborted: int, flush_refused: bool = False, resumed: bool = False) -> None:
-        """New weights: full tensors copied in (`tensors`), or a LoRA adapter
+        """New weights: full tensors copied in (`tensors`; with `swap`, taken
+        as the model's own when `WeightTargets.swappable`), or a LoRA adapter
         merged (`adapter`: (name, LoraAdapter)), or neither (a new version
         number only); then the version switches and the caller is answered.
         `flush_refused` (SGLang emulation): 0.5.23 keeps the new weights but
@@ -453,9 +457,16 @@ class GenerationEngine:
             logger.error("SGLang %s: a refused cache flush after a weight update kills the server", self.compat.version)
             os._exit(1)
         source = update.get("model_path")
+        timing = update.get("timing", {})  # (filled in for the caller: a weight group's member logs it)
+        timing["taken"] = time.monotonic()
         try:
-            if "tensors" in update:
+            if "tensors" in update and update.get("swap") and self._targets.swappable(update["tensors"]):
+                self._targets.swap_in(update["tensors"])  # the caller's buffer is the model's now
+                timing["swapped"] = True
+                self.stats["weight_updates_swapped"] += 1
+            elif "tensors" in update:
                 self._targets.copy_in(update["tensors"])
+                timing["copy_s"] = time.monotonic() - timing["taken"]
             elif "adapter" in update:
                 name, adapter = update["adapter"]
                 self._adapter_targets.apply(adapter)  # all or nothing

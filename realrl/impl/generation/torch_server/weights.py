@@ -76,6 +76,7 @@ class WeightTargets:
     which names are aliases of one another (tied embeddings)."""
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.tensors = dict(model.state_dict())
         groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
         for name, t in self.tensors.items():
@@ -107,6 +108,32 @@ class WeightTargets:
         for name, t in loaded.items():
             if name in self.tensors:
                 self.tensors[name].copy_(t)
+
+    def swappable(self, loaded: dict[str, torch.Tensor]) -> bool:
+        """Whether `loaded` (checked: every tensor there) can become the
+        model's own as they are (`swap_in`): on the CPU, each in its target's
+        dtype, one per alias group."""
+        for group in self.groups:
+            names = [name for name in group if name in loaded]
+            if len(names) != 1:
+                return False
+            t, target = loaded[names[0]], self.tensors[names[0]]
+            if t.device.type != "cpu" or target.device.type != "cpu" or t.dtype != target.dtype:
+                return False
+        return True
+
+    @torch.no_grad()
+    def swap_in(self, loaded: dict[str, torch.Tensor]) -> None:
+        """The model's parameters and buffers take `loaded`'s storage (no
+        copy: `swappable` said so); every alias of a tied tensor takes it."""
+        for group in self.groups:
+            t = next(loaded[name] for name in group if name in loaded)
+            for name in group:
+                path, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(path)
+                owner = module._parameters.get(attr)
+                (owner if owner is not None else module._buffers[attr]).data = t
+        self.tensors = dict(self.model.state_dict())  # (views of the new storage)
 
 
 # ---- LoRA adapters ---------------------------------------------------------------------------
@@ -203,10 +230,6 @@ class AdapterTargets:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        names: dict[int, list[str]] = {}
-        for name, t in model.state_dict().items():
-            names.setdefault(t.data_ptr(), []).append(name)
-        self._aliases = names
         self._base: dict[str, torch.Tensor] = {}  # module path -> W0, on the CPU
         self.applied: LoraAdapter | None = None  # the adapter merged into the weights now
 
@@ -222,6 +245,9 @@ class AdapterTargets:
 
     def check(self, adapter: LoraAdapter) -> None:
         """Names and shapes against the model (any thread; nothing is changed)."""
+        aliases: dict[int, int] = {}  # storage -> names (looked up now: a version swapped in moves them)
+        for t in self.model.state_dict().values():
+            aliases[t.data_ptr()] = aliases.get(t.data_ptr(), 0) + 1
         for name, (a, b) in adapter.modules.items():
             weight = self._weight(name)
             out_features, in_features = weight.shape[::-1] if adapter.fan_in_fan_out else weight.shape
@@ -229,7 +255,7 @@ class AdapterTargets:
                 raise WeightLoadError(
                     f"{name}: adapter is {b.shape[0]} x {a.shape[1]}, the layer {out_features} x {in_features}"
                 )
-            if len(self._aliases.get(weight.data_ptr(), ())) > 1:
+            if aliases.get(weight.data_ptr(), 0) > 1:
                 raise WeightLoadError(
                     f"{name}: its weight is tied to another tensor; a merged adapter would change both"
                 )

@@ -4,9 +4,11 @@
 `/join_weights_group` starts a `Receiver` on a helper thread: it receives
 each version while the engine goes on serving the one before, then hands
 the whole version to the engine as a weight update (between two decode
-steps: in-flight requests are aborted and resumed by their clients, the
-tensors are copied in place, `weight_version` switches), and waits for it to
-be in place before the next version's buckets. `/await_weight_version`
+steps: the requests in flight go back to be prefilled again under the new
+weights, the parameters take the received buffer as their storage, or on a
+GPU or in another dtype the tensors are copied in, `weight_version`
+switches), and waits for it to be in place before the next version's
+buckets, which go to the buffer the parameters left. `/await_weight_version`
 answers once the server holds a version (or the group failed: the caller
 loads that version from disk), `/leave_weights_group` ends the membership.
 """
@@ -42,6 +44,9 @@ class GroupMembership:
         self._key, self._bind_host = key, bind_host
         self.receiver: Receiver | None = None
         self._changed = threading.Condition()  # a version in place, or the membership failed or ended
+        # The receiver's buffer that the engine's parameters took last (their storage): the next
+        # version after that goes to the one they left.
+        self._model_buffer: torch.Tensor | None = None
 
     def join(self, spec: GroupSpec, rank: int) -> None:
         """Leaves the group it is in (if any) and joins `spec` at `rank`."""
@@ -110,7 +115,13 @@ class GroupMembership:
         except WeightLoadError as e:
             raise WeightLoadError(f"the group's tensor list does not fit this model: {e}") from None
 
-    def _put_in_place(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _put_in_place(self, version: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The engine takes the version between two decode steps: on the CPU
+        the parameters take the receiver's buffer as their storage (a swap by
+        pointer, no copy), and the buffer they leave is returned to the
+        receiver for the next version; else the tensors are copied in."""
+        received = time.monotonic()
+        timing: dict[str, Any] = {}  # the engine's: when its loop took the update, swapped or the copy's seconds
         done = threading.Event()
         answer: list[Any] = []
 
@@ -120,16 +131,34 @@ class GroupMembership:
 
         args = {
             "tensors": tensors,
+            "swap": True,
             "weight_version": str(version),
             "abort_all_requests": True,
             "model_path": f"weight group {self.receiver.spec.name if self.receiver else '?'}",
+            "timing": timing,
         }
         self.engine.command("update", args, reply)
-        done.wait()  # the tensors view the receiver's buffer: the next version waits for the copy
+        done.wait()  # the tensors view the receiver's buffer: the next version waits for the swap or the copy
         if not getattr(answer[0], "success", False):
             raise WeightLoadError(f"version {version} could not be put in place: {getattr(answer[0], 'message', '')}")
         with self._changed:
             self._changed.notify_all()
+        logger.info(
+            "version %d in place %.3f s after its last bucket (the loop took it after %.3f s, %s)",
+            version,
+            time.monotonic() - received,
+            timing.get("taken", received) - received,
+            "swapped by pointer" if timing.get("swapped") else f"copied in {timing.get('copy_s', 0.0):.3f} s",
+        )
+        if not timing.get("swapped"):
+            return None
+        buffer = next(iter(tensors.values())).untyped_storage()
+        left, self._model_buffer = self._model_buffer, torch.empty(0, dtype=torch.uint8).set_(buffer)
+        if left is None or left.numel() != self._model_buffer.numel():
+            # (the first swap: what the parameters left was not a buffer of this layout; the new one's
+            # pages in now, not in the next version's reception)
+            left = torch.empty(self._model_buffer.numel(), dtype=torch.uint8).zero_()
+        return left
 
     def _failed(self, error: str) -> None:
         logger.warning("weight group membership failed (the manager loads versions from disk): %s", error)
