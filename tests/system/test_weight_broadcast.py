@@ -397,12 +397,7 @@ def test_a_member_that_stalls_is_dropped_and_the_others_take_the_next_version_in
 
     async def manager_at(manager_url: str, version: int) -> None:
         async with aiohttp.ClientSession(headers=trial_secret.http_headers()) as session:
-            for _ in range(1200):
-                async with session.get(manager_url + "/get_model_version") as resp:
-                    if (await resp.json())["version"] == version:
-                        return
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"the manager did not reach version {version}")
+            await _manager_at(session, manager_url, version)
 
     def publish(version: int) -> None:
         train_a_little(model, version)
@@ -807,10 +802,16 @@ def _current_epoch(trial) -> str | None:
 
 async def _publish_and_wait(session, manager_url: str, model, publisher, announce, version: int) -> None:
     """Trains a little, publishes `version` and waits until the manager is at it."""
-    import asyncio
 
     train_a_little(model, version)
     assert publisher.publish(version, None, announce)
+    await _manager_at(session, manager_url, version)
+
+
+async def _manager_at(session, manager_url: str, version: int) -> None:
+    """Waits until the manager at `manager_url` is at `version` (60 s at most)."""
+    import asyncio
+
     for _ in range(1200):
         async with session.get(manager_url + "/get_model_version") as resp:
             if (await resp.json())["version"] == version:
