@@ -581,26 +581,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                         publish_weights(model, d, v, state_dict={k: t.clone() for k, t in views.items()})
 
                     copy = to_disk if base != kind else None
-                    if base.startswith("sglang-"):
-                        spec = GroupSpec(
-                            f"bench-{base}-{n}",
-                            "127.0.0.1",
-                            store.port,
-                            1 + n,
-                            "gloo",
-                            bucket_bytes,
-                            300,
-                            protocol="sglang",
-                            member_groups=base.removeprefix("sglang-").removesuffix("-nomarks"),
-                        )
-                        driver = SGLangDriver(spec, {u: r for r, u in enumerate(members, start=1)}, client, b"")
-                        if base.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
-                            done = asyncio.get_running_loop().create_future()
-                            done.set_result(None)
-                            driver._bucket_sent = lambda *_, done=done: done
-                        packed = Manifest.of(tensors, packed=True)
-                        sender = Sender(spec, b"", packed, "127.0.0.1", after_send=copy)
-                    if base in ("broadcast", "broadcast-one"):
+                    if base != "disk":  # (a group: each member in its own with the sender, or one of all)
                         spec = GroupSpec(
                             f"bench-{kind}-{n}",
                             "127.0.0.1",
@@ -609,8 +590,18 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             "gloo",
                             bucket_bytes,
                             300,
-                            member_groups="one" if base == "broadcast-one" else "pairs",
+                            protocol="sglang" if base.startswith("sglang-") else "realrl",
+                            member_groups="one" if base.removesuffix("-nomarks").endswith("-one") else "pairs",
                         )
+                    if base.startswith("sglang-"):
+                        driver = SGLangDriver(spec, {u: r for r, u in enumerate(members, start=1)}, client, b"")
+                        if base.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
+                            done = asyncio.get_running_loop().create_future()
+                            done.set_result(None)
+                            driver._bucket_sent = lambda *_, done=done: done
+                        packed = Manifest.of(tensors, packed=True)
+                        sender = Sender(spec, b"", packed, "127.0.0.1", after_send=copy)
+                    if base in ("broadcast", "broadcast-one"):
                         for rank, u in enumerate(members, start=1):
                             await client.join_weights_group(u, spec, rank)
                         sender = Sender(spec, b"", Manifest.of(tensors), "127.0.0.1", after_send=copy)
