@@ -217,6 +217,13 @@ class NameRecordRepository(ABC):
                 raise TimeoutError(f"name_resolve: {name!r} did not appear within {timeout}s")
             time.sleep(poll_frequency)
 
+    def watch_values(self, names: Iterable[str], poll_interval: float = 0.5) -> ValueWatch:
+        """The values of a few keys for a reader that looks often (a loop's
+        checks): `ValueWatch.get` costs the name service nothing where the
+        backend pushes changes (etcd: one watch), else it reads through.
+        Listeners hear of a change at once (etcd) or within `poll_interval`."""
+        return ValueWatch(self, [validate_name(n) for n in names], poll_interval)
+
     def reset(self) -> None:
         """Deletes the keys this process added with delete_on_exit=True."""
         with self._lock:
@@ -272,6 +279,135 @@ class NameRecordRepository(ABC):
                         self._keepalive.pop(key, None)
             wait = min((ttl for _, ttl in items), default=1.0) / 6
             self._closed.wait(max(0.02, min(wait, 1.0)))
+
+
+class ValueWatch:
+    """A few keys' values as the name service last said (docs/design.md §3).
+
+    `get(name)` answers as `NameRecordRepository.get` does (the value, or
+    NameEntryNotFoundError); this base class reads through to the backend
+    each time, so a failing backend raises there as it would. `live` says
+    whether `get` is answered from pushed values instead (etcd). Listeners
+    (`add_listener`) are called from a thread of the watch after any of the
+    keys changed: here a thread polls every `poll_interval` while there are
+    listeners; etcd's subclass calls them on each event.
+    """
+
+    live = False
+
+    def __init__(self, repo: NameRecordRepository, names: list[str], poll_interval: float):
+        self._repo = repo
+        self.names = list(names)
+        self.poll_interval = poll_interval
+        self._listeners: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._polling = False
+
+    def get(self, name: str) -> str:
+        return self._repo._get(validate_name(name))
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(callback)
+        self._start_polling()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback()
+            except Exception:  # a listener's bug must not stop the watch
+                logger.exception("name_resolve watch listener failed")
+
+    def _start_polling(self) -> None:
+        with self._lock:
+            if self.live or not self._listeners or self._polling or self._closed.is_set():
+                return
+            self._polling = True
+        try:  # what a change is measured from: the values now, before the caller goes on
+            first = self._read_all()
+        except Exception:
+            first = None
+        threading.Thread(target=self._poll_loop, args=(first,), name="name_resolve-values", daemon=True).start()
+
+    def _read_all(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for name in self.names:
+            try:
+                out[name] = self._repo._get(name)
+            except NameEntryNotFoundError:
+                out[name] = None
+        return out
+
+    def _poll_loop(self, last: dict[str, str | None] | None) -> None:
+        while not self._closed.wait(self.poll_interval) and not self._repo._closed.is_set():
+            try:
+                now = self._read_all()
+            except Exception as e:  # the readers' own get() says so; keep polling
+                logger.debug("name_resolve watch: read failed: %s", e)
+                continue
+            if last is not None and now != last:
+                self._notify()
+            last = now
+
+
+class _EtcdValueWatch(ValueWatch):
+    """etcd: one watch per key from the revision its first read saw, so no
+    change between the read and the watch is missed; `get` answers from the
+    pushed values. If the watch stream ends (etcd gone, the client closed),
+    `get` reads through from then on (and fails as a read would) and a
+    polling thread serves the listeners."""
+
+    def __init__(self, repo: Etcd3NameRecordRepository, names: list[str], poll_interval: float):
+        super().__init__(repo, names, poll_interval)
+        self._values: dict[str, str | None] = {}
+        self._ids: list[int] = []
+        client = repo._client
+        for name in self.names:
+            response = client.get_response(name)
+            self._values[name] = response.kvs[0].value.decode() if response.count else None
+            self._ids.append(
+                client.add_watch_callback(name, self._on_response, start_revision=response.header.revision + 1)
+            )
+        self.live = True
+
+    def get(self, name: str) -> str:
+        if not self.live:
+            return super().get(name)
+        value = self._values[validate_name(name)]
+        if value is None:
+            raise NameEntryNotFoundError(name)
+        return value
+
+    def _on_response(self, response) -> None:
+        if response is None or isinstance(response, Exception):  # the stream ended
+            if self.live and not self._closed.is_set():
+                why = "closed" if response is None else type(response).__name__
+                logger.info("name_resolve watch of %s ended (%s): reading through", self.names, why)
+            self.live = False
+            self._notify()  # (readers look again, and see what a read says)
+            self._start_polling()
+            return
+        from pyetcd.events import PutEvent
+
+        for event in response.events:
+            self._values[event.key.decode()] = event.value.decode() if isinstance(event, PutEvent) else None
+        self._notify()
+
+    def close(self) -> None:
+        super().close()
+        if self.live:
+            self.live = False
+            for watch_id in self._ids:
+                try:
+                    self._repo._client.cancel_watch(watch_id)
+                except Exception as e:  # the client or etcd already gone
+                    logger.debug("name_resolve watch: cancel failed: %s", e)
 
 
 class MemoryNameRecordRepository(NameRecordRepository):
@@ -541,6 +677,9 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         value, _ = self._client.get(name)
         return value is not None and value.decode() == self._values.get(name)
 
+    def watch_values(self, names: Iterable[str], poll_interval: float = 0.5) -> ValueWatch:
+        return _EtcdValueWatch(self, [validate_name(n) for n in names], poll_interval)
+
     def close(self):
         super().close()
         self._client.close()
@@ -668,6 +807,10 @@ def clear_subtree(name_root: str) -> None:
 
 def wait(name: str, timeout: float | None = None, poll_frequency: float = 0.05) -> str:
     return default_repository().wait(name, timeout=timeout, poll_frequency=poll_frequency)
+
+
+def watch_values(names: Iterable[str], poll_interval: float = 0.5) -> ValueWatch:
+    return default_repository().watch_values(names, poll_interval)
 
 
 def reset() -> None:

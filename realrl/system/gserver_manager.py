@@ -23,7 +23,11 @@ whenever it may have opened, for up to `wait_s`.
 
 `_poll_async` reads `training_start` (once: the master writes it when it knows
 the step training starts from; admission opens with its counts),
-`model_version/actor` and `dropped_samples` every `poll_interval`. When the
+`model_version/actor` and `dropped_samples` through a `name_resolve` watch:
+etcd pushes their changes, which wake the loop at once (no read per poll);
+other backends are read every `poll_interval`. An idle loop polls every
+`poll_interval` at most; a routing change or a finished weight update wakes
+it too. When the
 trainer's version v is newer than what the servers hold, every server loads
 `<weights_dir>/<v>` concurrently (`GenerationClient.load_version`: full
 weights by `update_weights_from_disk`, a LoRA run's adapter by
@@ -206,6 +210,9 @@ class GserverManager(AsyncWorker):
         self._table_cache: tuple[int, bytes] | None = None
         self._loads: dict[int, dict[str, int]] = {}
         self._load_totals: collections.Counter[str] = collections.Counter()
+        # The trainer's version, dropped samples and training start (_read_trainer_state)
+        self._trainer_state: name_resolve.ValueWatch | None = None
+        self.max_idle_sleep = config.poll_interval  # (changes wake the loop: _watch_trainer_state)
         self.server_urls = self._wait_for_servers()
 
     def _wait_for_servers(self) -> list[str] | None:
@@ -264,6 +271,7 @@ class GserverManager(AsyncWorker):
             except name_resolve.NameEntryNotFoundError:
                 pass
         self._health_task = asyncio.create_task(self._health_loop())
+        await self._watch_trainer_state()
 
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._gate.middleware])
         post, get = app.router.add_post, app.router.add_get
@@ -299,8 +307,27 @@ class GserverManager(AsyncWorker):
             self.cfg.max_concurrent_rollouts,
         )
 
+    async def _watch_trainer_state(self) -> None:
+        keys = [
+            names.model_version(self.experiment_name, self.trial_name, "actor"),
+            names.dropped_samples(self.experiment_name, self.trial_name),
+            names.training_start(self.experiment_name, self.trial_name),
+        ]
+        self._trainer_state = await asyncio.to_thread(name_resolve.watch_values, keys, self.cfg.poll_interval)
+        loop = asyncio.get_running_loop()
+
+        def changed() -> None:  # (on the watch's thread)
+            try:
+                loop.call_soon_threadsafe(self.wake_poll)
+            except RuntimeError:  # the loop closed: the worker is gone
+                pass
+
+        self._trainer_state.add_listener(changed)
+
     async def _teardown_async(self) -> None:
         self._closing = True
+        if self._trainer_state is not None:
+            self._trainer_state.close()
         self._wake_allocations()
         self._routing_changed()
         if self._update_task is not None and not self._update_task.done():
@@ -336,9 +363,12 @@ class GserverManager(AsyncWorker):
             task, self._update_task = self._update_task, None
             task.result()  # a failed update stops the worker, and with it the trial
         now = time.monotonic()
-        if now - self._last_read >= self.cfg.poll_interval:
+        state = self._trainer_state
+        if state.live or now - self._last_read >= self.cfg.poll_interval:  # (live: no read, the values pushed)
             self._last_read = now
-            version, dropped, start = await asyncio.to_thread(self._read_trainer_state)
+            version, dropped, start = (
+                self._read_trainer_state() if state.live else await asyncio.to_thread(self._read_trainer_state)
+            )
             if version is not None and version != self.controller.trainer_version:
                 self.logger.info("trainer weight version %d -> %d", self.controller.trainer_version, version)
                 self.controller.trainer_version = version
@@ -358,13 +388,13 @@ class GserverManager(AsyncWorker):
                     start["dropped"],
                 )
             if self._update_task is None and self.controller.trainer_version > self.router.version:
-                self._update_task = asyncio.create_task(self._update_weights(self.controller.trainer_version))
+                self._start_update(self._update_weights(self.controller.trainer_version))
             elif self._update_task is None and self._epochs is not None:
                 up = list(self.router.up_urls)
                 if (
                     self._epochs.needs_rebuild(up, self.controller.trainer_version) and not self._trial_ending()
                 ):  # a version boundary
-                    self._update_task = asyncio.create_task(self._epochs.rebuild(up))
+                    self._start_update(self._epochs.rebuild(up))
         await self._poll_servers(now)
         self._sync_admission_version()
         c = self.controller
@@ -376,6 +406,11 @@ class GserverManager(AsyncWorker):
         self._log_stats()
         return IDLE
 
+    def _start_update(self, coro) -> None:
+        """A weight update or a new broadcast epoch; its end wakes the loop (the next one may wait)."""
+        self._update_task = asyncio.create_task(coro)
+        self._update_task.add_done_callback(lambda _: self.wake_poll())
+
     def _read_trainer_state(self) -> tuple[int | None, int | None, dict | None]:
         """(trainer version, dropped samples, training start); a missing count
         is 0, a missing start or an unreadable value None."""
@@ -385,7 +420,7 @@ class GserverManager(AsyncWorker):
             names.dropped_samples(self.experiment_name, self.trial_name),
         ):
             try:
-                values.append(int(name_resolve.get(key)))
+                values.append(int(self._trainer_state.get(key)))
             except name_resolve.NameEntryNotFoundError:
                 values.append(0)
             except Exception as e:  # a bad value or a name service hiccup: keep what we had
@@ -395,7 +430,7 @@ class GserverManager(AsyncWorker):
         if not self.controller.started:
             key = names.training_start(self.experiment_name, self.trial_name)
             try:
-                start = json.loads(name_resolve.get(key))
+                start = json.loads(self._trainer_state.get(key))
                 start = {
                     k: int(start.get(k, 0)) for k in ("step", "version", "consumed", "dropped", "filtered", "buffered")
                 }
@@ -903,6 +938,7 @@ class GserverManager(AsyncWorker):
     def _routing_changed(self) -> None:
         self._table_changed.set()
         self._table_changed = asyncio.Event()
+        self.wake_poll()  # (the servers' version may have moved: admission follows in the poll)
 
     async def _routing_table(self, request: RoutingTableRequest) -> web.Response:
         """The routing table once its revision is past `after` (a long poll)."""

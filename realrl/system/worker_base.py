@@ -427,6 +427,11 @@ class AsyncWorker(Worker):
     and stop an HTTP service)."""
 
     _loop_task: asyncio.Task | None = None
+    # An idle loop sleeps 1 ms after a poll that found nothing, then twice as long each time up to
+    # this; `wake_poll` ends the sleep at once (a worker that is told of its changes can sleep longer).
+    max_idle_sleep: float = _MAX_IDLE_SLEEP
+    _woken = False
+    _wake_future: asyncio.Future | None = None
 
     def awaiting(self) -> list[str]:
         """The coroutines the loop is suspended in, outermost first (function
@@ -445,6 +450,27 @@ class AsyncWorker(Worker):
 
     async def _setup_async(self) -> None:
         pass
+
+    def wake_poll(self) -> None:
+        """The next poll runs now, not after the idle sleep (call it on the loop's thread)."""
+        self._woken = True
+        future = self._wake_future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    async def _idle_sleep(self, seconds: float) -> None:
+        if self._woken:
+            self._woken = False
+            return
+        loop = asyncio.get_running_loop()
+        future = self._wake_future = loop.create_future()
+        timer = loop.call_later(seconds, _set_done, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+            self._wake_future = None
+            self._woken = False
 
     async def _poll_async(self) -> PollResult:
         raise NotImplementedError
@@ -485,12 +511,17 @@ class AsyncWorker(Worker):
                 idle_sleep = 0.001
                 await asyncio.sleep(0)
             else:
-                await asyncio.sleep(idle_sleep)
-                idle_sleep = min(idle_sleep * 2, _MAX_IDLE_SLEEP)
+                await self._idle_sleep(idle_sleep)
+                idle_sleep = min(idle_sleep * 2, self.max_idle_sleep)
 
     async def _watch_exit(self) -> None:
         while not self._check_exit_conditions():
             await asyncio.sleep(_STATUS_CHECK_INTERVAL / 5)
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def run_worker(spec: WorkerSpec) -> int:

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from realrl.base import name_resolve, names
+from realrl.base.etcd_server import EtcdServer
 from realrl.base.name_resolve import NameEntryExistsError, NameEntryNotFoundError
 from tests.conftest import make_nr_config
 
@@ -160,6 +161,64 @@ def test_watch_names_calls_back_when_all_gone(backend, unique_prefix):
     assert not fired.wait(0.4), "fired while one key was still present"
     repo.delete(keys[1])
     assert fired.wait(5)
+
+
+def test_watch_values_follow_the_keys_and_tell_listeners(backend, unique_prefix):
+    kind, _, repo = backend
+    a, b = f"{unique_prefix}/a", f"{unique_prefix}/b"
+    repo.add(a, "1")
+    watch = repo.watch_values([a, b], poll_interval=0.05)
+    changed = threading.Event()
+    watch.add_listener(changed.set)
+    try:
+        assert watch.live == (kind == "etcd3")  # (etcd pushes; the others read through)
+        assert watch.get(a) == "1"
+        with pytest.raises(NameEntryNotFoundError):
+            watch.get(b)
+        for step in ("put", "replace", "delete"):
+            changed.clear()
+            if step == "put":
+                repo.add(b, "x")
+            elif step == "replace":
+                repo.add(a, "2", replace=True)
+            else:
+                repo.delete(a)
+            assert changed.wait(10), f"no listener call after the {step}"
+            deadline = time.monotonic() + 10  # (a poll may see the change a beat before get does)
+            while time.monotonic() < deadline:
+                try:
+                    now = (watch.get(a), watch.get(b))
+                except NameEntryNotFoundError:
+                    now = (None, watch.get(b))
+                if now == {"put": ("1", "x"), "replace": ("2", "x"), "delete": (None, "x")}[step]:
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail(f"after the {step} the watch says {now}")
+    finally:
+        watch.close()
+
+
+def test_watch_values_read_through_once_etcd_is_gone(tmp_path):
+    """A watch whose etcd went away answers as a read would: it raises, so a
+    worker's checks find the name service gone as they did when they read."""
+    server = EtcdServer(str(tmp_path / "etcd")).start()
+    repo = name_resolve.make_repository(make_nr_config("etcd3", tmp_path, server))
+    try:
+        repo.add("k", "v")
+        watch = repo.watch_values(["k"])
+        changed = threading.Event()
+        watch.add_listener(changed.set)
+        assert watch.live and watch.get("k") == "v"
+        server.stop()
+        assert changed.wait(10)
+        assert not watch.live
+        with pytest.raises(Exception) as e:
+            watch.get("k")
+        assert not isinstance(e.value, NameEntryNotFoundError)
+    finally:
+        server.stop()
+        repo._client.close()
 
 
 def test_ttl_key_survives_while_owner_lives(backend, unique_prefix):
