@@ -379,7 +379,10 @@ class _EtcdValueWatch(ValueWatch):
     def get(self, name: str) -> str:
         if not self.live:
             return super().get(name)
-        value = self._values[validate_name(name)]
+        try:
+            value = self._values[name]
+        except KeyError:  # (the name as the caller spelled it: a leading or trailing '/')
+            value = self._values[validate_name(name)]
         if value is None:
             raise NameEntryNotFoundError(name)
         return value
