@@ -6,7 +6,9 @@
     python benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2,4 [--bucket-mb M] ...
 
 `--transport` compares the two ways a version reaches the servers
-(docs/design.md §8) instead (`sglang-pairs`, `sglang-one`: broadcast over
+(docs/design.md §8) instead (`broadcast`: realrl's routes, each member in a
+group of two with the sender, what realrl does; `broadcast-one`: all in one
+group, whose broadcast relays along a tree; `sglang-pairs`, `sglang-one`: broadcast over
 SGLang's routes to torch servers emulating SGLang 0.5.23, driven by the
 manager's `SGLangDriver`, each member in a group of two with the sender, what
 realrl does, or all in one group, whose broadcast relays along a tree;
@@ -589,7 +591,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             bucket_bytes,
                             300,
                             protocol="sglang",
-                            sglang_groups=base.removeprefix("sglang-").removesuffix("-nomarks"),
+                            member_groups=base.removeprefix("sglang-").removesuffix("-nomarks"),
                         )
                         driver = SGLangDriver(spec, {u: r for r, u in enumerate(members, start=1)}, client, b"")
                         if base.endswith("-nomarks"):  # (each bucket asked for without waiting for a mark)
@@ -598,8 +600,17 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             driver._bucket_sent = lambda *_, done=done: done
                         packed = Manifest.of(tensors, packed=True)
                         sender = Sender(spec, b"", packed, "127.0.0.1", after_send=copy)
-                    if base == "broadcast":
-                        spec = GroupSpec(f"bench-{kind}-{n}", "127.0.0.1", store.port, 1 + n, "gloo", bucket_bytes, 300)
+                    if base in ("broadcast", "broadcast-one"):
+                        spec = GroupSpec(
+                            f"bench-{kind}-{n}",
+                            "127.0.0.1",
+                            store.port,
+                            1 + n,
+                            "gloo",
+                            bucket_bytes,
+                            300,
+                            member_groups="one" if base == "broadcast-one" else "pairs",
+                        )
                         for rank, u in enumerate(members, start=1):
                             await client.join_weights_group(u, spec, rank)
                         sender = Sender(spec, b"", Manifest.of(tensors), "127.0.0.1", after_send=copy)
@@ -672,7 +683,7 @@ def run_transports(name: str, model, dtype: str, counts, kinds, repeats, infligh
         model_dir = os.path.join(work, "model")
         model.save_pretrained(model_dir)
         sglang = any(k.startswith("sglang-") for k in kinds)
-        if sglang and any(k.removesuffix("-copy") == "broadcast" for k in kinds):
+        if sglang and any(k.removesuffix("-copy") in ("broadcast", "broadcast-one") for k in kinds):
             raise ValueError("--transport: broadcast (realrl's routes) and sglang-* (SGLang's) need other servers")
         running = start_servers(model_dir, max(counts), dtype, work, emulate_sglang=sglang)
         result = asyncio.run(

@@ -27,6 +27,9 @@ class JoinWeightsGroupRequest:
     # How long the server waits for the group's sender to come (its first version of the
     # epoch); then its membership fails and the manager loads versions from disk.
     join_timeout_s: float = dataclasses.field(default=600.0, metadata=rule(min=0.1))
+    # `pairs`: the server is in a group of two of its own with the sender (`GroupSpec.member_group`);
+    # `one`: a single group of all (benchmarks only).
+    member_groups: str = "pairs"
 
 
 @dataclasses.dataclass

@@ -21,32 +21,34 @@ without one), so the key no longer means the directory exists: the manager
 waits for the directory it asked for (`GserverManager._on_disk`). For a
 member the manager only waits until it holds
 the version (`/await_weight_version`); one that does not within
-`weight_update_timeout` (its group failed) loads it from disk instead, and
-the next boundary builds an epoch again. SGLang servers (`protocol: sglang`)
+`weight_update_timeout` (its group failed) loads it from disk instead. SGLang servers (`protocol: sglang`)
 are driven over SGLang's own routes instead (`SGLangDriver`,
 realrl/system/weight_broadcast_sglang.py).
 
-Each epoch has its own store, which the manager closes to abandon the epoch
-(`WeightEpochs.abandon`): a member that goes down, or one that cannot join
-(SGLang: its `/init_weights_update_group` fails, or the group has not formed
-within `timeout_s`). Whoever waits in that epoch's rendezvous (the sender,
+Each member is in a process group of two with the sender (both protocols),
+so the manager can leave one alone: once the epoch's groups formed, a
+member found down, one whose version failed, or one that lags its peers in
+a version while a newer one waits (the lag rule: `WeightEpochs._watch`,
+`_lags`; SGLang: the driver's) is *dropped* (`drop/<rank>` in the epoch's
+store: the sender's thread for it stops feeding it, a torch member leaves
+with no part of the version in place), loads its versions from disk, and
+re-enters at the next epoch; the others go on in the same epoch. Each
+epoch has its own store, which the manager closes to abandon the epoch
+(`WeightEpochs.abandon`) where it cannot drop: a member that goes down
+while the groups still form, the last member left, or one that cannot
+join (SGLang: its `/init_weights_update_group` fails, or the group has not
+formed within `timeout_s`). Whoever waits in that epoch's rendezvous (the sender,
 the members still up; SGLang would wait torch's 30 minutes) then fails at
 once, the version goes by disk, and the next boundary builds a new epoch.
 So do the sender and torch servers waiting in a version's collective (they
-look at the store between slices of the wait): a member up but answering
-nothing, which the health checks take out of routing (`member_down`),
-holds versions back for that long, not for the collective's timeout.
+look at the store between slices of the wait, and at `drop/<rank>`).
 SGLang members wait in a plain broadcast that looks at no store: each is
-in a group of two with the sender, and asked for a bucket only once the
+asked for a bucket only once the
 sender finished the one before to it, so none waits for one the sender will
 not send, nor for a stalled peer (the others take the version meanwhile,
 and one a member took whole is not loaded again: `holds`); one that fails
 after its first bucket (SGLang loads each as it comes) stays paused until a
 version is loaded whole from disk (`WeightEpochs.left_paused`, `resume`).
-A member found down, or one that lags its peers in a version while a newer
-one waits, is dropped from the epoch (`SGLangDriver.drop`: `drop/<rank>`
-in the store, the sender feeds it no more) instead of the epoch abandoned:
-the others take the next version through the same epoch at once.
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ from realrl.impl.generation.client import GenerationClient, GenerationServerErro
 from realrl.impl.weights.broadcast import (
     GroupSpec,
     Manifest,
+    SealedStore,
     Sender,
     StoreServer,
+    connect_store,
     published_tensors,
 )
 from realrl.system.weight_broadcast_sglang import SGLangDriver
@@ -233,7 +237,7 @@ class WeightEpochs:
     ):
         self.cfg, self._client = cfg, client
         self.join_timeout_s = join_timeout_s
-        # SGLang: a member still in a version `straggler_s` after every other member holds it, while
+        # A member still in a version `straggler_s` after every other member holds it, while
         # a newer one waits, goes to `on_straggler(url, why)` (the manager: out of routing, dropped)
         self.straggler_s, self._on_straggler = straggler_s, on_straggler
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
@@ -252,16 +256,55 @@ class WeightEpochs:
         # its epoch since (a peer that stalled later failed it): no disk load of that version then.
         self.through_group: dict[str, int] = {}
         self._awaiting: dict[str, asyncio.Event] = {}  # member -> set once it is found down (await_version)
+        # Torch servers (protocol realrl): the members dropped from the current epoch (`_drop`), the
+        # epoch's store as a client (`drop/<rank>`, the sender's announcements), and the versions
+        # the sender announced in it (`v/<n>`: n -> version) and the members took through it.
+        self._dropped: set[str] = set()
+        self._store: SealedStore | None = None
+        self._announced: dict[int, int] = {}
+        self._held: dict[str, int] = {}
+        self._buckets: int | None = None  # how many buckets a version has (the epoch's tensor list)
+        self._watcher: asyncio.Task | None = None  # the lag rule while the sender is at a version (`_watch`)
+
+    def _dropped_now(self) -> set[str]:
+        return self._driver.dropped if self._driver is not None else self._dropped
+
+    def _epoch_store(self) -> SealedStore:
+        """The current epoch's store, as a client (torch servers; connected on first use)."""
+        if self._store is None:
+            self._store = connect_store(self.spec, _group_key())
+        return self._store
+
+    def _in_version(self, trainer_version: int) -> bool:
+        """Torch servers: whether the sender announced in the current epoch a
+        version the trainer has not announced yet (the members are taking it,
+        or took it and the trainer's announcement is on its way): a new epoch
+        now would load it by disk for every member."""
+        try:
+            store, n = self._epoch_store(), len(self._announced)
+            while store.check([f"v/{n}"]):
+                value = store.get(f"v/{n}")
+                if value == b"close":
+                    break
+                self._announced[n] = int(value)
+                n += 1
+        except Exception:  # (the store gone: the epoch is over, nothing in it)
+            return False
+        return bool(self._announced) and max(self._announced.values()) > trainer_version
 
     def needs_rebuild(self, up_urls: list[str], trainer_version: int) -> bool:
         failed = self.failed or (self._driver is not None and self._driver.failed)
-        if self._driver is not None and not failed:
-            # (SGLang: the members go on with the version the sender is sending, and the manager
-            # loads it as this epoch's before a new one: the trainer announces it after its send)
-            if self._driver.in_version or self._driver.taken_version > trainer_version:
-                return False
-        live = set(self.members) - (self._driver.dropped if self._driver is not None else set())
-        return bool(up_urls) and (failed or set(up_urls) != live)
+        live = set(self.members) - self._dropped_now()
+        if not up_urls or not (failed or set(up_urls) != live):
+            return False
+        if not failed:
+            # (the members go on with the version the sender is sending, and the manager loads it
+            # as this epoch's before a new one: the trainer announces it after its send)
+            if self._driver is not None:
+                return not (self._driver.in_version or self._driver.taken_version > trainer_version)
+            if self.spec is not None and self.spec.pairs and self.members:
+                return not self._in_version(trainer_version)
+        return True
 
     async def rebuild(self, up_urls: list[str]) -> None:
         """A new epoch of the servers `up_urls` (a version boundary: no update in flight)."""
@@ -269,7 +312,10 @@ class WeightEpochs:
         if self._driver is not None:
             self._driver.stop()  # (it destroys its group on the servers once its version is over)
             self._driver = None
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.epoch += 1
+        self._dropped, self._store, self._announced, self._held, self._buckets = set(), None, {}, {}, None
         name = f"realrl-{self._trial}-e{self.epoch}"
         for older in list(self._stores)[:-1]:  # (the previous epoch's sender may still finish a version)
             self._stores.pop(older).close()
@@ -317,6 +363,8 @@ class WeightEpochs:
             self.members = {}
             return
         await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
+        if spec.pairs:
+            self._watcher = asyncio.create_task(self._watch(spec))
         logger.info(
             "weight group %s: %d servers (%s)%s",
             spec.name,
@@ -341,19 +389,53 @@ class WeightEpochs:
 
     def member_down(self, url: str, why: str) -> None:
         """The manager found `url` down: an epoch it is a member of cannot
-        carry versions to it. SGLang, once the epoch's groups formed: it is
-        dropped (`SGLangDriver.drop`), the others go on in the epoch. Else
-        the epoch is abandoned at once (one still forming would wait for it
-        until the rendezvous times out; torch servers share one group). A
-        wait for it to hold a version (`await_version`) ends now."""
+        carry versions to it. Once the epoch's groups formed it is dropped
+        (`_drop`), the others go on in the epoch. Else the epoch is
+        abandoned at once (one still forming would wait for it until the
+        rendezvous times out). A wait for it to hold a version
+        (`await_version`) ends now."""
         if (down := self._awaiting.get(url)) is not None:
             down.set()
         self.through_group.pop(url, None)  # (back, it reports its version again)
         if self.spec is None or url not in self.members:
             return
-        if self._driver is not None and (url in self._driver.dropped or self._driver.drop(url, why)):
+        if self._drop(url, why):
             return
         self.abandon(self.spec.name, f"{url} is down ({why})")
+
+    def _drop(self, url: str, why: str) -> bool:
+        """Drops member `url` from the epoch, the others going on in it (both
+        protocols: each member is in a group of two with the sender): the
+        sender, told through the store (`drop/<rank>`, sealed), leaves its
+        group, mid-version too, and feeds it no more; a torch member looks
+        at the key in its waits and leaves (`Dropped`), putting no part of a
+        version in place; its versions go by disk and the next epoch has it
+        again. False where the epoch cannot go on without it: its groups not
+        formed yet (the sender forms them one by one; it sets the tensor list
+        after the last), one group of all, or no other member left."""
+        if self._driver is not None:
+            return url in self._driver.dropped or self._driver.drop(url, why)
+        if url in self._dropped:
+            return True
+        others = [u for u in self.members if u != url and u not in self._dropped]
+        if self.spec is None or not self.spec.pairs or self.failed or not others:
+            return False
+        try:
+            store = self._epoch_store()
+            if not store.check(["manifest"]):
+                return False
+            store.set(f"drop/{self.members[url]}", b"dropped")
+        except Exception:  # the store gone: the epoch is over anyway
+            return False
+        self._dropped.add(url)
+        logger.warning(
+            "weight group %s: %s dropped (%s); its versions go by disk, %d members go on",
+            self.spec.name,
+            url,
+            why,
+            len(others),
+        )
+        return True
 
     async def _leave(self, url: str, name: str) -> None:
         try:
@@ -384,7 +466,8 @@ class WeightEpochs:
         return self.through_group.get(url, -1) >= version
 
     def is_member(self, url: str) -> bool:
-        return not self.failed and url in self.members and (self._driver is None or url not in self._driver.lost)
+        lost = self._driver.lost if self._driver is not None else self._dropped
+        return not self.failed and url in self.members and url not in lost
 
     def went_through_group(self, version: int) -> bool:
         """Whether the trainer sent `version` (or a newer one) through the
@@ -406,19 +489,23 @@ class WeightEpochs:
         return not self.failed
 
     async def await_version(self, url: str, version: int, timeout_s: float) -> bool:
-        """Whether member `url` holds `version` through the group; False marks
+        """Whether member `url` holds `version` through the group; False drops
+        it from the epoch (`_drop`), or, where it cannot be dropped, marks
         the epoch failed. A member found down meanwhile (`member_down`: a
-        stalled one's health checks fail) ends the wait at once, not its
-        `timeout_s`."""
+        stalled one's health checks fail), or one that lags its peers
+        (`_lags`), ends the wait at once, not its `timeout_s`."""
         down = self._awaiting[url] = asyncio.Event()
         asked = asyncio.ensure_future(self._ask_version(url, version, timeout_s))
         gone = asyncio.ensure_future(down.wait())
+        waits = {asked, gone}
+        if self._driver is None and self.spec is not None and self.spec.pairs:  # (SGLang: the driver's own)
+            waits.add(asyncio.ensure_future(self._lags(url, version)))
         try:
-            done, _ = await asyncio.wait({asked, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if self._awaiting.get(url) is down:
                 del self._awaiting[url]
-            for task in (asked, gone):
+            for task in waits:
                 task.cancel()  # (the one done stays as it is)
         if asked in done:
             ok, why = asked.result()
@@ -426,8 +513,9 @@ class WeightEpochs:
             await asyncio.gather(asked, return_exceptions=True)
             ok, why = False, "it went down while the manager waited for it"
         if ok:
+            self._held[url] = max(version, self._held.get(url, -1))
             return True
-        if self._driver is not None and url in self._driver.dropped:
+        if url in self._dropped_now() or (self._driver is None and self._drop(url, why)):
             return False  # (dropped from the epoch: the others go on in it)
         if not self.failed:
             logger.warning(
@@ -441,6 +529,98 @@ class WeightEpochs:
         self.failed = True
         return False
 
+    async def _watch(self, spec: GroupSpec) -> None:
+        """Torch servers, the lag rule while the sender is at a version (as
+        `SGLangDriver._each_member`'s): once the sender finished announcement
+        n to some members (its mark of the last bucket, `b/<n>/<last>/<rank>`),
+        one it has not finished `straggler_s` later while a newer version
+        waits (`next/<n>`) holds the others back (the trainer announces n once
+        the sender is done with every member): it goes to `on_straggler` (the
+        manager: out of routing, which drops it), as a server that does not
+        answer a health check in that time counts as failing it."""
+        loop = asyncio.get_running_loop()
+        n, since = 0, None
+        while self.spec is spec and not self.failed:
+            await asyncio.sleep(0.1)
+            try:
+                progress = await asyncio.to_thread(self._progress, n)
+            except Exception:  # (the store gone, the epoch closed: over)
+                return
+            if progress is None:
+                continue
+            version, done, lagging, over = progress
+            if over:
+                n, since = n + 1, None
+                continue
+            if not done or not lagging:
+                continue
+            since = since if since is not None else loop.time()
+            if loop.time() - since >= self.straggler_s and await asyncio.to_thread(
+                self._epoch_store().check, [f"next/{n}"]
+            ):
+                for url in lagging:
+                    why = f"version {version} not sent to it {self.straggler_s:g} s after its peers, a newer waits"
+                    if self._on_straggler is not None:
+                        self._on_straggler(url, why)
+                    if url not in self._dropped:
+                        self._drop(url, why)
+
+    def _progress(self, n: int) -> tuple[int, list[str], list[str], bool] | None:
+        """Announcement `n` of the current epoch: its version, the members the
+        sender finished it to, those it has not, and whether it is over; None
+        before it. Raises once the sender ended the epoch (`close`)."""
+        store = self._epoch_store()
+        if self._buckets is None:
+            if not store.check(["manifest"]):
+                return None
+            self._buckets = len(Manifest.from_bytes(store.get("manifest")).buckets(self.spec.bucket_bytes))
+        if not store.check([f"v/{n}"]):
+            return None
+        if (announced := store.get(f"v/{n}")) == b"close":
+            raise EOFError("the sender closed the epoch")
+        done, lagging = [], []
+        for url, rank in self.members.items():
+            if url not in self._dropped:
+                finished = store.check([f"b/{n}/{self._buckets - 1}/{rank}"])
+                (done if finished else lagging).append(url)
+        return int(announced), done, lagging, not lagging or store.check([f"v/{n + 1}"])
+
+    async def _lags(self, url: str, version: int) -> None:
+        """Torch servers, the lag rule (as `SGLangDriver._each_member`'s): ends
+        once member `url` has not taken `version` `straggler_s` after every
+        other member not dropped holds it while a newer version waits (the
+        sender's `next/<n>`, or `v/<n + 1>`): it goes to `on_straggler` (the
+        manager: out of routing, which drops it), as a server that does not
+        answer a health check in that time counts as failing it."""
+        loop = asyncio.get_running_loop()
+        since: float | None = None
+        while True:
+            await asyncio.sleep(0.1)
+            peers = [u for u in self.members if u != url and u not in self._dropped]
+            if not peers or any(self._held.get(u, -1) < version for u in peers):
+                since = None
+                continue
+            since = since if since is not None else loop.time()
+            if loop.time() - since >= self.straggler_s and await asyncio.to_thread(self._newer_waits, version):
+                why = f"version {version} not in place {self.straggler_s:g} s after its peers, a newer waits"
+                if self._on_straggler is not None:
+                    self._on_straggler(url, why)
+                if url not in self._dropped:
+                    self._drop(url, why)
+                return
+
+    def _newer_waits(self, version: int) -> bool:
+        """Whether the sender holds a version newer than `version` (`next/<n>`) or announced one."""
+        self._in_version(version)  # (reads the announcements so far)
+        try:
+            store = self._epoch_store()
+            return any(
+                v == version and (store.check([f"next/{n}"]) or store.check([f"v/{n + 1}"]))
+                for n, v in list(self._announced.items())
+            )
+        except Exception:
+            return False
+
     async def _ask_version(self, url: str, version: int, timeout_s: float) -> tuple[bool, str]:
         if self._driver is not None:
             return await self._driver.await_version(url, version, timeout_s)
@@ -451,6 +631,9 @@ class WeightEpochs:
         return answer.success, answer.message
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self._store = None
         if self._driver is not None:
             self._driver.stop()
         for store in self._stores.values():

@@ -106,7 +106,7 @@ class SGLangDriver:
         the epoch cannot go on without it: not formed yet (the sender forms
         the groups one by one), one group of all, or no other member left."""
         others = [u for u in self.members if u != url and u not in self.lost]
-        if self.spec.sglang_groups != "pairs" or not self.formed or url in self.lost or not others:
+        if self.spec.member_groups != "pairs" or not self.formed or url in self.lost or not others:
             return False
         try:
             self._store.set(f"drop/{self.members[url]}", b"dropped")
@@ -305,7 +305,7 @@ class SGLangDriver:
         group of all: `b/<n>/<i>`, every member has it); GroupError once the
         epoch's store is gone (abandoned) or after a collective's timeout.
         One wait per key, shared by the members."""
-        key = f"b/{n}/{i}/{rank}" if self.spec.sglang_groups == "pairs" else f"b/{n}/{i}"
+        key = f"b/{n}/{i}/{rank}" if self.spec.member_groups == "pairs" else f"b/{n}/{i}"
         if (task := self._sent.get(key)) is None:
             task = self._sent[key] = asyncio.ensure_future(self._wait_sent(key, rank))
         return task
@@ -338,7 +338,7 @@ class SGLangDriver:
         return self._sessions[url]
 
     def _group_name(self, url: str) -> str:
-        return self.spec.sglang_group(self.members[url])[0]
+        return self.spec.member_group(self.members[url])[0]
 
     async def _destroy(self, url: str) -> None:
         try:

@@ -497,6 +497,7 @@ class GenerationClient:
             bucket_bytes=spec.bucket_bytes,
             timeout_s=spec.timeout_s,
             join_timeout_s=spec.join_timeout_s,
+            member_groups=spec.member_groups,
         )
         answer = await self._group_call(url, "/join_weights_group", request, timeout_s)
         if not answer.success:
@@ -527,7 +528,7 @@ class GenerationClient:
     ) -> None:
         """Joins SGLang server `url` into group `spec` at `rank`: answered once
         the group formed (the sender is there), or GenerationServerError."""
-        name, world_size, rank = spec.sglang_group(rank)  # (a group of two with the sender, or the epoch's one)
+        name, world_size, rank = spec.member_group(rank)  # (a group of two with the sender, or the epoch's one)
         request = InitWeightsUpdateGroupRequest(spec.store_host, spec.store_port, rank, world_size, name, spec.backend)
         await self._sglang_group_call(url, "/init_weights_update_group", request, timeout_s)
 

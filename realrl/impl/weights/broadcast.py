@@ -25,13 +25,15 @@ of a standalone process group (docs/design.md §8, "Broadcast").
   them over SGLang's routes: realrl/system/weight_broadcast.py): the tensor
   list is packed as SGLang's `FlattenedTensorBucket` (`Manifest.packed`) and
   the process group's own keys are laid out as SGLang's
-  `init_custom_process_group` lays them, unsealed (SGLang reads them plain);
-  each member is in a group of two of its own with the sender (`GroupSpec.
-  sglang_group`: no member relays another's buckets), fed on a thread of its
-  own at its own pace, and each bucket sent to it is marked in the store
-  (`b/<n>/<i>/<rank>`: the manager's cue). The manager can drop one member
-  (`drop/<rank>`): the sender leaves its group, mid-version too, and the
-  others go on; `next/<n>` tells the manager a newer version waits.
+  `init_custom_process_group` lays them, unsealed (SGLang reads them plain).
+- Both protocols: each member is in a group of two of its own with the
+  sender (`GroupSpec.member_group`: no member relays another's buckets),
+  fed on a thread of its own at its own pace, and each bucket sent to it
+  is marked in the store (`b/<n>/<i>/<rank>`: the manager's cue). The
+  manager can drop one member (`drop/<rank>`): the sender leaves its group,
+  mid-version too, and the others go on; a torch member leaves too
+  (`Dropped`), with no part of the version in place; `next/<n>` tells the
+  manager a newer version waits.
 - The **group** (`open_group`): its own TCPStore (hosted by whoever owns the
   epoch, `serve_store`) and its own gloo (CPU) or NCCL (GPU) process group,
   never the trainers' group. Every value in the store is sealed under a key
@@ -47,8 +49,9 @@ A version is announced in the store (`v/<n>`: its number) before its buckets
 go out, so a member waits for the announcement with a poll it can give up,
 and every collective it then enters is one the sender has begun: a member
 never sits in a collective with no end, and a collective's timeout
-(`timeout_s`) bounds a wedged or dead peer, which fails the group (the owner
-of the epoch builds a new one; its members load from disk meanwhile). Sooner
+(`timeout_s`) bounds a wedged or dead peer, which fails its group of two
+(the sender feeds that member no more; the owner drops it from the epoch
+and it loads from disk). Sooner
 than that, the owner closing the epoch's store (it found a member down, or
 up but answering nothing) ends every wait in it, a collective's included
 (`_broadcast` looks at the store between slices of its wait).
@@ -366,14 +369,19 @@ class GroupSpec:
     # process group's keys are laid out as SGLang lays them and cannot be sealed (it reads them
     # unsealed); the announcements and the tensor list stay sealed (only the manager reads them).
     protocol: str = "realrl"
-    # sglang: `pairs`, each member in a process group of its own with the sender (it waits for
-    # the sender alone); `one`, a single group of all, whose broadcast relays along a tree.
-    sglang_groups: str = "pairs"
+    # Both protocols: `pairs`, each member in a process group of its own with the sender (it
+    # waits for the sender alone, and the owner can drop it, `drop/<rank>`, the others going on);
+    # `one`, a single group of all, whose broadcast relays along a tree (benchmarks only).
+    member_groups: str = "pairs"
 
-    def sglang_group(self, rank: int) -> tuple[str, int, int]:
-        """The process group the member at `rank` joins (protocol sglang): its
-        name, world size and the member's rank in it."""
-        if self.sglang_groups == "pairs":
+    @property
+    def pairs(self) -> bool:
+        return self.member_groups == "pairs"
+
+    def member_group(self, rank: int) -> tuple[str, int, int]:
+        """The process group the member at `rank` joins: its name, world size
+        and the member's rank in it."""
+        if self.pairs:
             return f"{self.name}-r{rank}", 2, 1
         return self.name, self.world_size, rank
 
@@ -417,10 +425,12 @@ def open_group(
     a sealed prefix of the epoch's store (`store`, when already connected);
     blocks until every rank joined, at most the spec's `timeout_s` (a member
     enters only once the sender announced itself: `Receiver`). gloo listens
-    on `bind_host` only. SGLang: the sender's side of the group of the
-    member at rank `member` (`GroupSpec.sglang_group`)."""
+    on `bind_host` only. The sender (rank 0) joins the group of the member
+    at rank `member` (`GroupSpec.member_group`: with pairs, one per member);
+    a member joins its own."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    world_size = spec.world_size
+    name, world_size, group_rank = spec.member_group(member or rank)
+    group_rank = group_rank if rank else 0
     try:
         if store is None:
             store = connect_store(spec, key)
@@ -429,19 +439,20 @@ def open_group(
             # SGLang's `init_custom_process_group` (v0.5.16 and v0.5.23 `utils/common.py`): the
             # store under the group's name, then torch's `_new_process_group_helper` adds
             # "<name>/" and "<device>/" before the backend's own keys.
-            name, world_size, _ = spec.sglang_group(member)
             pg_store = dist.PrefixStore(
                 "cuda/" if spec.backend == "nccl" else "cpu/", dist.PrefixStore(f"{name}/", store.unsealed(name))
             )
+        elif spec.pairs:  # (each member's group under a sealed prefix of its own)
+            pg_store = dist.PrefixStore(name, store)
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(pg_store, rank, world_size, options)
+            group = dist.ProcessGroupNCCL(pg_store, group_rank, world_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-            group = dist.ProcessGroupGloo(pg_store, rank, world_size, options)
+            group = dist.ProcessGroupGloo(pg_store, group_rank, world_size, options)
     except GroupError:
         raise
     except Exception as e:  # a rank that never came, a forged address
@@ -478,7 +489,10 @@ def _broadcast(
                     break
                 except RuntimeError:
                     if work.is_completed():
-                        raise  # the collective failed (a peer died, or its own timeout)
+                        # Done meanwhile (the slice ran out as it completed, a loaded machine's race):
+                        # its own outcome; a failed collective (a peer died, its timeout) raises here.
+                        work.wait()
+                        break
                 try:
                     store.check(["sender"])
                     dropped = drop_key is not None and store.check([drop_key])
@@ -658,6 +672,7 @@ class Sender:
                 for i, (start, end) in enumerate(buckets):
                     _broadcast([group], flat[start:end], self.spec, store, drop_key=f"drop/{rank}")
                     store.set(f"b/{n}/{i}/{rank}", b"sent")
+                    faults.point("weights.bucket_sent")  # a test's trainer dying mid-version
                     faults.point(f"weights.bucket_sent.r{rank}")  # a test's sender held for one member
             except Exception as e:
                 try:
@@ -704,7 +719,7 @@ class Sender:
             # must not hold versions back, and one whose sender never comes gives up: `Receiver`).
             store = connect_store(self.spec, self._key)
             store.set("sender", b"here")
-            if self.spec.protocol == "sglang" and self.spec.sglang_groups == "pairs":  # one group per member
+            if self.spec.pairs:  # one group per member
                 members = range(1, self.spec.world_size)
                 groups = [open_group(self.spec, 0, self._key, self._bind_host, store, k)[0] for k in members]
             else:
@@ -734,7 +749,7 @@ class Sender:
                     store.set(f"v/{n}", str(version).encode())
                     announced, n = n, n + 1
                     flat, buckets = self._buffers[index], self.manifest.buckets(self.spec.bucket_bytes)
-                    if self.spec.protocol == "sglang" and self.spec.sglang_groups == "pairs":
+                    if self.spec.pairs:
                         self._to_each(groups, flat, buckets, announced, store)
                     else:
                         for i, (start, end) in enumerate(buckets):
@@ -827,6 +842,7 @@ class Receiver:
             faults.point("weights.before_rendezvous")  # a test's member dying before the group forms
             group, store = open_group(self.spec, self.rank, self._key, self._bind_host, store)
             groups = [group]
+            drop_key = f"drop/{self.rank}" if self.spec.pairs else None  # (the owner can drop it alone)
             data = self._wait_key(store, "manifest")
             if data is None:
                 return
@@ -845,12 +861,15 @@ class Receiver:
                     return
                 version = int(announced)
                 for start, end in buckets:
-                    _broadcast(groups, flat[start:end], self.spec, store)
+                    _broadcast(groups, flat[start:end], self.spec, store, drop_key)
                     faults.point("weights.bucket_received")  # a test's member dying mid-version
                     faults.point("weights.member_stalls")  # a test's member up but answering nothing
                 if self._device != "cpu":
                     torch.cuda.current_stream().synchronize()
                 faults.point("weights.member_stalls_in_place")  # a test's member stalled with a whole version
+                if drop_key is not None and store.check([drop_key]):  # (dropped meanwhile: its versions by disk)
+                    store.get(drop_key)  # (its owner's: one not sealed by the trial fails the group)
+                    raise Dropped(f"weight group {self.spec.name}: {drop_key} by its owner")
                 kept = self._on_version(version, views)
                 if kept is not None:  # (the buffer is the model's now: the next version goes to this one)
                     flat, views = kept, manifest.views(kept)

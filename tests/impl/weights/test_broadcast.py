@@ -142,15 +142,17 @@ def test_a_process_without_the_secret_cannot_join_or_read_the_group(store, secre
     assert "cannot join" in sender.error
     assert len(failures) == 1 and "not sealed by this trial" in failures[0] and outsider.received == []
     # What the store holds is sealed: the sender's address is not readable without the key.
+    # (the member's group of two with the sender, under a prefix of its own: `GroupSpec.member_group`)
     client = dist.TCPStore(HOST, store.port, None, False, datetime.timedelta(seconds=10))
-    raw = client.get(f"{spec.name}/0/0")
-    address = SealedStore(dist.PrefixStore(spec.name, client), key, spec.name).get("0/0")
+    rank0 = f"{spec.member_group(1)[0]}/0/0"
+    raw = client.get(f"{spec.name}/{rank0}")
+    address = SealedStore(dist.PrefixStore(spec.name, client), key, spec.name).get(rank0)
     assert len(address) > 8 and address not in raw
     with pytest.raises(GroupError):
-        SealedStore(dist.PrefixStore(spec.name, client), other_key, spec.name).get("0/0")
+        SealedStore(dist.PrefixStore(spec.name, client), other_key, spec.name).get(rank0)
     # Nor can a value sealed for one group be replayed into another.
     with pytest.raises(GroupError):
-        SealedStore(dist.PrefixStore(spec.name, client), key, "realrl-t-e4").get("0/0")
+        SealedStore(dist.PrefixStore(spec.name, client), key, "realrl-t-e4").get(rank0)
 
 
 def test_a_tensor_list_that_does_not_fit_fails_the_member_only(store, secret_file):

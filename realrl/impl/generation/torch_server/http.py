@@ -444,6 +444,8 @@ class TorchGenerationServer:
                 raise BodyError("this server receives weights from disk only", reason="unsupported")
             if join.backend not in ("gloo", "nccl") or join.rank >= join.world_size:
                 raise BodyError(f"backend {join.backend!r} or rank {join.rank} of {join.world_size}", reason="invalid")
+            if join.member_groups not in ("pairs", "one"):
+                raise BodyError(f"member_groups {join.member_groups!r}: pairs or one", reason="invalid")
         except BodyError as e:
             return self._reject(e)
         spec = GroupSpec(
@@ -455,6 +457,7 @@ class TorchGenerationServer:
             join.bucket_bytes,
             join.timeout_s,
             join.join_timeout_s,
+            member_groups=join.member_groups,
         )
         await asyncio.to_thread(self.weights_group.join, spec, join.rank)
         return self._group_answer(True, f"joining {join.group_name} as rank {join.rank}")
