@@ -11,6 +11,7 @@ import torch.nn as nn
 from realrl.base.logging import getLogger
 from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
 from realrl.impl.ppo.logprobs import entropy_from_logits, gather_logprobs
+from realrl.impl.weights.in_memory import in_own_memory
 
 logger = getLogger("ppo")
 
@@ -65,7 +66,9 @@ class CriticModel(nn.Module):
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
-        return cls(backbone, backbone.config.hidden_size).to(dtype)
+        model = cls(backbone, backbone.config.hidden_size).to(dtype)
+        in_own_memory(model)  # (on the CPU: else the first optimizer step copies every page out of the file)
+        return model
 
     @property
     def config(self):
@@ -89,6 +92,7 @@ def load_policy(path: str, dtype: torch.dtype, fp32_master: bool, lora: bool, de
 
     mixed = fp32_master and dtype != torch.float32 and not lora
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if mixed else dtype).to(device)
+    in_own_memory(model)  # (on the CPU: else the first optimizer step copies every page out of the file)
     if mixed:
         compute_in(model, device.type, dtype)
     return model
