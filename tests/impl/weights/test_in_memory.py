@@ -53,3 +53,18 @@ def test_a_loaded_model_is_in_memory_of_its_own_not_the_mapped_file(tmp_path, lo
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_the_trainers_critic_is_in_memory_of_its_own_too(tmp_path):
+    from transformers import AutoModel
+
+    from realrl.impl.ppo.models import CriticModel
+
+    tiny_model("tied", seed=3).save_pretrained(tmp_path)
+    plain = AutoModel.from_pretrained(tmp_path, dtype=torch.float32)
+    critic = CriticModel.from_pretrained(str(tmp_path), torch.float32)
+    mapped = _file_mappings(tmp_path / "model.safetensors")
+    assert [n for n, p in plain.named_parameters() if any(a <= p.data_ptr() < b for a, b in mapped)]
+    assert [n for n, p in critic.named_parameters() if any(a <= p.data_ptr() < b for a, b in mapped)] == []
+    for (name, p), q in zip(critic.backbone.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
