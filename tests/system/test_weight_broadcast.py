@@ -356,10 +356,10 @@ def test_a_member_that_stalls_is_dropped_and_the_others_take_the_next_version_in
     answering nothing. The two others take version 2 whole through their
     groups and serve it without waiting for anything of the stalled one's.
     Version 3 is published meanwhile: the manager drops the stalled member
-    from the epoch (`drop/<rank>`: SGLang, it lags its peers in a version
-    while a newer one waits; realrl, its health checks fail first, since
-    the trainer announces version 2 once the sender is done with every
-    member) instead of abandoning the epoch, the sender stops
+    from the epoch (`drop/<rank>`: by the lag rule, it lags its peers in a
+    version while a newer one waits, realrl: the sender has not finished
+    version 2 to it, SGLang: not in place; or by its failed health checks,
+    whichever comes first) instead of abandoning the epoch, the sender stops
     feeding it, and the others take version 3 through the same epoch
     (neither loaded from disk nor a new epoch first) and serve it as the
     trainer's weights answer. Once the stopped one answers again it loads
