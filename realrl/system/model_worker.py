@@ -489,7 +489,7 @@ class ModelWorker(Worker):
         trained = [actor]
         self.critic = None
         if ppo.adv_estimator == "gae":
-            critic = CriticModel.from_pretrained(config.model_path, trained_dtype).to(self.device)
+            critic = CriticModel.from_pretrained(config.model_path, trained_dtype, self.device)
             if mixed:
                 compute_in(critic, self.device.type, dtype)
             if config.fsdp:

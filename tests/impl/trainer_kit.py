@@ -145,7 +145,7 @@ def build_trainer(
 
     load = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     actor = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(device)
-    critic = CriticModel.from_pretrained(model_dir, **load).to(device) if ppo.adv_estimator == "gae" else None
+    critic = CriticModel.from_pretrained(model_dir, device=device, **load) if ppo.adv_estimator == "gae" else None
     if lora_rank:
         torch.manual_seed(0)
         actor = lora.wrap(actor, LoraConfig(rank=lora_rank, alpha=2 * lora_rank))

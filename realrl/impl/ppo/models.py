@@ -11,6 +11,7 @@ import torch.nn as nn
 from realrl.base.logging import getLogger
 from realrl.impl.ppo.batch import MicroBatch, SequenceBatch, make_micro_batch
 from realrl.impl.ppo.logprobs import entropy_from_logits, gather_logprobs
+from realrl.impl.weights.in_memory import in_own_memory
 
 logger = getLogger("ppo")
 
@@ -61,11 +62,18 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype, **kwargs) -> CriticModel:
+    def from_pretrained(
+        cls, path: str, dtype: torch.dtype, device: torch.device | str = "cpu", **kwargs
+    ) -> CriticModel:
+        """The value model on `device`, trained from there (on the CPU: in
+        memory of its own, else its first optimizer step copies every page
+        out of the checkpoint file: `in_own_memory`)."""
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
-        return cls(backbone, backbone.config.hidden_size).to(dtype)
+        model = cls(backbone, backbone.config.hidden_size).to(dtype=dtype, device=device)
+        in_own_memory(model)  # CPU tensors only: on a GPU `.to` has copied them already
+        return model
 
     @property
     def config(self):
@@ -89,6 +97,8 @@ def load_policy(path: str, dtype: torch.dtype, fp32_master: bool, lora: bool, de
 
     mixed = fp32_master and dtype != torch.float32 and not lora
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if mixed else dtype).to(device)
+    if not lora:  # (LoRA's base is never written: it may stay in the mapped file)
+        in_own_memory(model)  # on the CPU: else the first optimizer step copies every page out of the file
     if mixed:
         compute_in(model, device.type, dtype)
     return model

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from realrl.impl.generation.eos import token_ids
+from realrl.impl.weights.in_memory import in_own_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,27 +87,6 @@ def load_model(model_path: str, device: str, dtype: str) -> PreTrainedModel:
     if torch.device(device).type == "cpu":
         in_own_memory(model)
     return model.to(device).eval()
-
-
-@torch.no_grad()
-def in_own_memory(model: torch.nn.Module) -> None:
-    """Each parameter and buffer copied out of what loading left it in, tied
-    ones once (they stay tied). On the CPU, `from_pretrained` leaves a tensor
-    stored as in the file as a view of the safetensors file, mapped private:
-    the first write into it (the first weight update) then faults every page
-    in and copies it out of the file (~0.65 s for 406 MiB alone, ~1.3 s beside
-    generation, against ~0.03 s for a later update). Copied here, at load,
-    once, every update writes into memory of the process's own."""
-    copies: dict[tuple, torch.Tensor] = {}
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for t in tensors.values():
-                if t is None or t.device.type != "cpu":
-                    continue
-                key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-                if key not in copies:
-                    copies[key] = t.data.clone()
-                t.data = copies[key]
 
 
 def eos_token_ids_of(model: PreTrainedModel) -> frozenset[int]:
