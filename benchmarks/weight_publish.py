@@ -35,9 +35,10 @@ backend realrl picks there (`weights.backend=auto` ->
 `realrl.experiment.build.weights_backend`: nccl when the trainer and the
 servers are on CUDA), the floors on the GPU (one device memory copy;
 safetensors written from it once, read into it n times). NCCL refuses two
-ranks of one group on one GPU, so a broadcast kind needs two GPUs; without
-CUDA, or with one GPU and a broadcast kind, it stops with one line before
-anything starts.
+ranks of one group on one GPU, so a broadcast over nccl needs two GPUs (the
+override `weights.backend=gloo` broadcasts through host memory, on one GPU
+too); without CUDA, or with one GPU and a broadcast over nccl, it stops with
+one line before anything starts.
 
 Through the real components, for two models: the tiny kit's model (0.8M
 parameters; found or built first, by default under /tmp/kit when that exists)
