@@ -81,6 +81,7 @@ from realrl.impl.generation.client import (
     GenerationClient,
     GenerationServerError,
     GenerationServerUnavailable,
+    MalformedAnswer,
     lora_adapter_name,
     new_rid,
 )
@@ -158,6 +159,7 @@ class PartialRolloutStats:
     stale_adapters: int = 0  # LoRA requests whose server had unloaded the adapter they named (rescheduled)
     generated_tokens: int = 0
     dropped_tokens: int = 0  # tokens of aborted responses without their sampling logprobs, generated again
+    malformed_answers: int = 0  # columnar /generate answers that did not decode (`MalformedAnswer`: retried)
 
     def pop(self) -> dict[str, int]:
         out = dataclasses.asdict(self)
@@ -293,6 +295,7 @@ class PartialRolloutManager:
                     break
                 self._raise_if_final(e, request.qid, f"answers {live}", url)
                 self.stats.retries += len(live)  # each answer retries
+                self.stats.malformed_answers += isinstance(e, MalformedAnswer)
                 logger.warning(
                     "qid %s: batched request of %d answers on server %s failed (%s); each answer retries",
                     request.qid,
@@ -533,6 +536,7 @@ class PartialRolloutManager:
                     if url not in avoid:
                         avoid.append(url)
                 self.stats.retries += 1
+                self.stats.malformed_answers += isinstance(e, MalformedAnswer)
                 logger.warning(
                     "qid %s answer %d: server %s failed (%s); retry %d/%d (%d tokens kept)",
                     request.qid,
