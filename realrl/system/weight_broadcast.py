@@ -28,10 +28,8 @@ realrl/system/weight_broadcast_sglang.py).
 Each member is in a process group of two with the sender (both protocols),
 so the manager can leave one alone: once the epoch's groups formed, a
 member found down, one whose version failed, or one that lags its peers in
-a version while a newer one waits (the lag rule: `WeightEpochs._watch`,
-`_lags`; SGLang: the driver's) is *dropped* (`drop/<rank>` in the epoch's
-store: the sender's thread for it stops feeding it, a torch member leaves
-with no part of the version in place), loads its versions from disk, and
+a version while a newer one waits (the lag rule) is *dropped*
+(realrl/system/weight_drops.py), loads its versions from disk, and
 re-enters at the next epoch; the others go on in the same epoch. Each
 epoch has its own store, which the manager closes to abandon the epoch
 (`WeightEpochs.abandon`) where it cannot drop: a member that goes down
@@ -76,6 +74,7 @@ from realrl.impl.weights.broadcast import (
     published_tensors,
 )
 from realrl.system.weight_broadcast_sglang import SGLangDriver
+from realrl.system.weight_drops import Drops, Lag
 
 logger = getLogger("weight_broadcast")
 ROLE = "actor"
@@ -237,9 +236,7 @@ class WeightEpochs:
     ):
         self.cfg, self._client = cfg, client
         self.join_timeout_s = join_timeout_s
-        # A member still in a version `straggler_s` after every other member holds it, while
-        # a newer one waits, goes to `on_straggler(url, why)` (the manager: out of routing, dropped)
-        self.straggler_s, self._on_straggler = straggler_s, on_straggler
+        self.straggler_s, self._on_straggler = straggler_s, on_straggler  # the lag rule's (`Drops`)
         self._trial, self._key_name = trial_name, names.weights_group(experiment_name, trial_name, ROLE)
         self._sent_name = names.weights_sent(experiment_name, trial_name, ROLE)
         self._bind_host, self._advertise_host = bind_host, advertise_host
@@ -256,18 +253,18 @@ class WeightEpochs:
         # its epoch since (a peer that stalled later failed it): no disk load of that version then.
         self.through_group: dict[str, int] = {}
         self._awaiting: dict[str, asyncio.Event] = {}  # member -> set once it is found down (await_version)
-        # Torch servers (protocol realrl): the members dropped from the current epoch (`_drop`), the
-        # epoch's store as a client (`drop/<rank>`, the sender's announcements), and the versions
-        # the sender announced in it (`v/<n>`: n -> version) and the members took through it.
-        self._dropped: set[str] = set()
+        self._drops: Drops | None = None  # the epoch's drops (SGLang: its driver's)
+        # Torch servers: the epoch's store as a client (`drop/<rank>`, the sender's announcements),
+        # the versions the sender announced in it (`v/<n>`: n -> version) and the members took.
         self._store: SealedStore | None = None
         self._announced: dict[int, int] = {}
         self._held: dict[str, int] = {}
         self._buckets: int | None = None  # how many buckets a version has (the epoch's tensor list)
         self._watcher: asyncio.Task | None = None  # the lag rule while the sender is at a version (`_watch`)
 
-    def _dropped_now(self) -> set[str]:
-        return self._driver.dropped if self._driver is not None else self._dropped
+    @property
+    def _dropped(self) -> set[str]:
+        return self._drops.dropped if self._drops is not None else set()
 
     def _epoch_store(self) -> SealedStore:
         """The current epoch's store, as a client (torch servers; connected on first use)."""
@@ -294,7 +291,7 @@ class WeightEpochs:
 
     def needs_rebuild(self, up_urls: list[str], trainer_version: int) -> bool:
         failed = self.failed or (self._driver is not None and self._driver.failed)
-        live = set(self.members) - self._dropped_now()
+        live = set(self.members) - self._dropped
         if not up_urls or not (failed or set(up_urls) != live):
             return False
         if not failed:
@@ -315,7 +312,7 @@ class WeightEpochs:
         if self._watcher is not None:
             self._watcher.cancel()
         self.epoch += 1
-        self._dropped, self._store, self._announced, self._held, self._buckets = set(), None, {}, {}, None
+        self._store, self._announced, self._held, self._buckets = None, {}, {}, None
         name = f"realrl-{self._trial}-e{self.epoch}"
         for older in list(self._stores)[:-1]:  # (the previous epoch's sender may still finish a version)
             self._stores.pop(older).close()
@@ -345,6 +342,7 @@ class WeightEpochs:
                 straggler_s=self.straggler_s,
                 on_straggler=self._on_straggler,
             )
+            self._drops = self._driver.drops
             await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
             logger.info(
                 "weight group %s: %d servers (%s), SGLang's routes", spec.name, len(members), ", ".join(members)
@@ -362,6 +360,9 @@ class WeightEpochs:
                 await self._leave(url, spec.name)
             self.members = {}
             return
+        # (the groups formed: the sender sets the tensor list after the last)
+        formed = lambda: not self.failed and self._epoch_store().check(["manifest"])  # noqa: E731
+        self._drops = Drops(spec, members, self.straggler_s, self._on_straggler, self._epoch_store, formed)
         await asyncio.to_thread(name_resolve.add, self._key_name, json.dumps(spec.to_json()), replace=True)
         if spec.pairs:
             self._watcher = asyncio.create_task(self._watch(spec))
@@ -390,7 +391,7 @@ class WeightEpochs:
     def member_down(self, url: str, why: str) -> None:
         """The manager found `url` down: an epoch it is a member of cannot
         carry versions to it. Once the epoch's groups formed it is dropped
-        (`_drop`), the others go on in the epoch. Else the epoch is
+        (`Drops.drop`), the others go on in the epoch. Else the epoch is
         abandoned at once (one still forming would wait for it until the
         rendezvous times out). A wait for it to hold a version
         (`await_version`) ends now."""
@@ -399,43 +400,9 @@ class WeightEpochs:
         self.through_group.pop(url, None)  # (back, it reports its version again)
         if self.spec is None or url not in self.members:
             return
-        if self._drop(url, why):
+        if self._drops.drop(url, why):
             return
         self.abandon(self.spec.name, f"{url} is down ({why})")
-
-    def _drop(self, url: str, why: str) -> bool:
-        """Drops member `url` from the epoch, the others going on in it (both
-        protocols: each member is in a group of two with the sender): the
-        sender, told through the store (`drop/<rank>`, sealed), leaves its
-        group, mid-version too, and feeds it no more; a torch member looks
-        at the key in its waits and leaves (`Dropped`), putting no part of a
-        version in place; its versions go by disk and the next epoch has it
-        again. False where the epoch cannot go on without it: its groups not
-        formed yet (the sender forms them one by one; it sets the tensor list
-        after the last), one group of all, or no other member left."""
-        if self._driver is not None:
-            return url in self._driver.dropped or self._driver.drop(url, why)
-        if url in self._dropped:
-            return True
-        others = [u for u in self.members if u != url and u not in self._dropped]
-        if self.spec is None or not self.spec.pairs or self.failed or not others:
-            return False
-        try:
-            store = self._epoch_store()
-            if not store.check(["manifest"]):
-                return False
-            store.set(f"drop/{self.members[url]}", b"dropped")
-        except Exception:  # the store gone: the epoch is over anyway
-            return False
-        self._dropped.add(url)
-        logger.warning(
-            "weight group %s: %s dropped (%s); its versions go by disk, %d members go on",
-            self.spec.name,
-            url,
-            why,
-            len(others),
-        )
-        return True
 
     async def _leave(self, url: str, name: str) -> None:
         try:
@@ -466,7 +433,7 @@ class WeightEpochs:
         return self.through_group.get(url, -1) >= version
 
     def is_member(self, url: str) -> bool:
-        lost = self._driver.lost if self._driver is not None else self._dropped
+        lost = self._driver.lost if self._driver is not None else self._dropped  # (SGLang: the failed too)
         return not self.failed and url in self.members and url not in lost
 
     def went_through_group(self, version: int) -> bool:
@@ -490,15 +457,16 @@ class WeightEpochs:
 
     async def await_version(self, url: str, version: int, timeout_s: float) -> bool:
         """Whether member `url` holds `version` through the group; False drops
-        it from the epoch (`_drop`), or, where it cannot be dropped, marks
-        the epoch failed. A member found down meanwhile (`member_down`: a
+        a torch member from the epoch (`Drops.drop`; SGLang: its driver, on
+        the route that failed), or, where it cannot be dropped, marks the
+        epoch failed. A member found down meanwhile (`member_down`: a
         stalled one's health checks fail), or one that lags its peers
         (`_lags`), ends the wait at once, not its `timeout_s`."""
         down = self._awaiting[url] = asyncio.Event()
         asked = asyncio.ensure_future(self._ask_version(url, version, timeout_s))
         gone = asyncio.ensure_future(down.wait())
         waits = {asked, gone}
-        if self._driver is None and self.spec is not None and self.spec.pairs:  # (SGLang: the driver's own)
+        if self._driver is None and self.spec is not None and self.spec.pairs:  # (SGLang: `_each_member`'s)
             waits.add(asyncio.ensure_future(self._lags(url, version)))
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -515,7 +483,7 @@ class WeightEpochs:
         if ok:
             self._held[url] = max(version, self._held.get(url, -1))
             return True
-        if url in self._dropped_now() or (self._driver is None and self._drop(url, why)):
+        if url in self._dropped or (self._driver is None and self._drops.drop(url, why)):
             return False  # (dropped from the epoch: the others go on in it)
         if not self.failed:
             logger.warning(
@@ -530,16 +498,11 @@ class WeightEpochs:
         return False
 
     async def _watch(self, spec: GroupSpec) -> None:
-        """Torch servers, the lag rule while the sender is at a version (as
-        `SGLangDriver._each_member`'s): once the sender finished announcement
-        n to some members (its mark of the last bucket, `b/<n>/<last>/<rank>`),
-        one it has not finished `straggler_s` later while a newer version
-        waits (`next/<n>`) holds the others back (the trainer announces n once
-        the sender is done with every member): it goes to `on_straggler` (the
-        manager: out of routing, which drops it), as a server that does not
-        answer a health check in that time counts as failing it."""
-        loop = asyncio.get_running_loop()
-        n, since = 0, None
+        """Torch servers, the lag rule (`Lag`) while the sender is at a
+        version: a member holds announcement n once the sender finished it
+        to it (its mark of the last bucket, `b/<n>/<last>/<rank>`; the
+        trainer announces n once the sender is done with every member)."""
+        n, lag = 0, None
         while self.spec is spec and not self.failed:
             await asyncio.sleep(0.1)
             try:
@@ -550,20 +513,10 @@ class WeightEpochs:
                 continue
             version, done, lagging, over = progress
             if over:
-                n, since = n + 1, None
+                n, lag = n + 1, None
                 continue
-            if not done or not lagging:
-                continue
-            since = since if since is not None else loop.time()
-            if loop.time() - since >= self.straggler_s and await asyncio.to_thread(
-                self._epoch_store().check, [f"next/{n}"]
-            ):
-                for url in lagging:
-                    why = f"version {version} not sent to it {self.straggler_s:g} s after its peers, a newer waits"
-                    if self._on_straggler is not None:
-                        self._on_straggler(url, why)
-                    if url not in self._dropped:
-                        self._drop(url, why)
+            lag = lag if lag is not None else Lag(self._drops, version, "not sent to it")
+            await lag.check(bool(done), lagging, functools.partial(self._newer_waits, version))
 
     def _progress(self, n: int) -> tuple[int, list[str], list[str], bool] | None:
         """Announcement `n` of the current epoch: its version, the members the
@@ -586,38 +539,21 @@ class WeightEpochs:
         return int(announced), done, lagging, not lagging or store.check([f"v/{n + 1}"])
 
     async def _lags(self, url: str, version: int) -> None:
-        """Torch servers, the lag rule (as `SGLangDriver._each_member`'s): ends
-        once member `url` has not taken `version` `straggler_s` after every
-        other member not dropped holds it while a newer version waits (the
-        sender's `next/<n>`, or `v/<n + 1>`): it goes to `on_straggler` (the
-        manager: out of routing, which drops it), as a server that does not
-        answer a health check in that time counts as failing it."""
-        loop = asyncio.get_running_loop()
-        since: float | None = None
+        """Torch servers, the lag rule (`Lag`) once the trainer announced
+        `version`: ends once it dropped member `url`, which has not taken it."""
+        lag = Lag(self._drops, version)
         while True:
             await asyncio.sleep(0.1)
             peers = [u for u in self.members if u != url and u not in self._dropped]
-            if not peers or any(self._held.get(u, -1) < version for u in peers):
-                since = None
-                continue
-            since = since if since is not None else loop.time()
-            if loop.time() - since >= self.straggler_s and await asyncio.to_thread(self._newer_waits, version):
-                why = f"version {version} not in place {self.straggler_s:g} s after its peers, a newer waits"
-                if self._on_straggler is not None:
-                    self._on_straggler(url, why)
-                if url not in self._dropped:
-                    self._drop(url, why)
+            took = bool(peers) and all(self._held.get(u, -1) >= version for u in peers)
+            if await lag.check(took, [url], functools.partial(self._newer_waits, version)):
                 return
 
     def _newer_waits(self, version: int) -> bool:
-        """Whether the sender holds a version newer than `version` (`next/<n>`) or announced one."""
+        """`Drops.newer_waits` of the announcement of `version`."""
         self._in_version(version)  # (reads the announcements so far)
         try:
-            store = self._epoch_store()
-            return any(
-                v == version and (store.check([f"next/{n}"]) or store.check([f"v/{n + 1}"]))
-                for n, v in list(self._announced.items())
-            )
+            return any(v == version and self._drops.newer_waits(n) for n, v in list(self._announced.items()))
         except Exception:
             return False
 

@@ -6,6 +6,7 @@ The manager's epochs: realrl/system/weight_broadcast.py (`WeightEpochs`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 
 from packaging.version import InvalidVersion, Version
@@ -13,6 +14,7 @@ from packaging.version import InvalidVersion, Version
 from realrl.base.logging import getLogger
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.impl.weights.broadcast import _POLL_S, GroupError, GroupSpec, Manifest, SealedStore, connect_store
+from realrl.system.weight_drops import Drops, Lag
 
 logger = getLogger("weight_broadcast")
 
@@ -52,7 +54,6 @@ class SGLangDriver:
         on_straggler: Callable[[str, str], None] | None = None,
     ):
         self.spec, self.members, self._client = spec, dict(members), client
-        self.straggler_s, self._on_straggler = straggler_s, on_straggler
         self._seal_key, self._on_abandon = key, on_abandon
         self.left_paused = left_paused if left_paused is not None else set()
         self._sent: dict[str, asyncio.Task] = {}  # `b/<n>/<i>` -> its wait, shared by the members
@@ -61,7 +62,9 @@ class SGLangDriver:
         # the same, kept by the manager beyond the epoch (`WeightEpochs.holds`)
         self.through_group = through_group if through_group is not None else {}
         self.lost: dict[str, str] = {}  # url -> why it left the epoch
-        self.dropped: set[str] = set()  # the lost the epoch goes on without (`drop`)
+        self.drops = Drops(spec, self.members, straggler_s, on_straggler, lambda: self._store, lambda: self.formed)
+        self.drops.lost, self.drops.on_drop = lambda: self.lost, self._dropped
+        self.dropped = self.drops.dropped  # the lost the epoch goes on without
         self.formed = False  # every member joined: a member can be dropped from here on
         self.in_version = False  # the members are taking a version the sender announced
         self.taken_version = -1  # the last version the members took (those not dropped)
@@ -97,61 +100,25 @@ class SGLangDriver:
         if self._on_abandon is not None:
             self._on_abandon(self.spec.name, why)
 
-    def drop(self, url: str, why: str) -> bool:
-        """Drops member `url` from the epoch, the others going on in it: the
-        sender, told through the store (`drop/<rank>`), leaves its group of
-        two, mid-version too, and feeds it no more; its versions go by disk
-        (it is lost to the epoch: the manager loads them), paused until then
-        if part of one went in, and the next epoch has it again. False where
-        the epoch cannot go on without it: not formed yet (the sender forms
-        the groups one by one), one group of all, or no other member left."""
-        others = [u for u in self.members if u != url and u not in self.lost]
-        if self.spec.member_groups != "pairs" or not self.formed or url in self.lost or not others:
-            return False
-        try:
-            self._store.set(f"drop/{self.members[url]}", b"dropped")
-        except Exception:  # the store gone: the epoch is over anyway
-            return False
-        self.dropped.add(url)
+    def _dropped(self, url: str, why: str) -> None:
+        """SGLang's part of a drop (`Drops.drop`): it is lost to the epoch (the
+        manager loads its versions), paused until then if part of one went in."""
         if url in self._partial:  # (SGLang loads each bucket as it comes)
             self.left_paused.add(url)
         self.lost[url] = f"dropped ({why})"
-        logger.warning(
-            "weight group %s: %s dropped (%s); its versions go by disk, %d members go on",
-            self.spec.name,
-            url,
-            why,
-            len(others),
-        )
         self._changed.set()
-        return True
-
-    def _newer_waits(self, n: int) -> bool:
-        """Whether the sender holds a version newer than announcement `n`'s (`next/<n>`) or announced one."""
-        return self._store.check([f"next/{n}"]) or self._store.check([f"v/{n + 1}"])
 
     async def _each_member(self, urls: list[str], n: int, version: int, buckets: list) -> None:
         """Announcement `n` into each member not lost, until each took it, or
-        failed, or was dropped (its version left to end on its own). Once
-        every other member holds it, one still at it after `straggler_s`
-        while a newer version waits (the sender's `next/<n>`) holds the
-        others back: it goes to `on_straggler` (the manager takes it out of
-        routing, which drops it), as a server that does not answer a
-        health check in that time counts as failing it."""
-        loop = asyncio.get_running_loop()
+        failed, or was dropped (its version left to end on its own; the lag
+        rule, `Lag`, drops one that holds the others back)."""
+        lag = Lag(self.drops, version)
         tasks = {u: asyncio.ensure_future(self._version(u, n, version, buckets)) for u in urls if u not in self.lost}
-        peers_done: float | None = None
         while waiting := {u: t for u, t in tasks.items() if not t.done() and u not in self.dropped}:
             peers = [u for u in tasks if u not in waiting and u not in self.dropped]
-            if peers and not self._stopping and all(self.held.get(u, -1) >= version for u in peers):
-                peers_done = peers_done if peers_done is not None else loop.time()
-                if loop.time() - peers_done >= self.straggler_s and await asyncio.to_thread(self._newer_waits, n):
-                    for url in waiting:
-                        why = f"version {version} not in place {self.straggler_s:g} s after its peers, a newer waits"
-                        if self._on_straggler is not None:
-                            self._on_straggler(url, why)
-                        if url not in self.dropped:
-                            self.drop(url, why)
+            if not self._stopping:
+                took = bool(peers) and all(self.held.get(u, -1) >= version for u in peers)
+                await lag.check(took, list(waiting), functools.partial(self.drops.newer_waits, n))
             await asyncio.wait(waiting.values(), timeout=0.1)
         for url, task in tasks.items():
             if not task.done():
@@ -284,7 +251,7 @@ class SGLangDriver:
         if partial:
             self.left_paused.add(url)
         why = f"version {version}: {failure}" + (" (paused until loaded from disk)" if partial else "")
-        if url in self.dropped or self.drop(url, why):
+        if self.drops.drop(url, why):
             # The epoch goes on without it. Alive, it takes part in none of the epoch's collectives
             # from here on: destroying its group closes its connections, which ends the sender's
             # collective in that group at once (gloo does not use the store once connected).

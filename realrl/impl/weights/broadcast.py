@@ -472,7 +472,7 @@ def _broadcast(
     the epoch (a member found down or unresponsive): the wait then ends with
     GroupError within a slice, not at the collective's `timeout_s`; or, for
     one member's group of two, sets `drop_key` to drop that member alone
-    (`Dropped`; SGLang: `SGLangDriver.drop`). (gloo
+    (`Dropped`; the owner's side: realrl/system/weight_drops.py). (gloo
     cannot be interrupted: once connected it no longer uses the store, its
     `abort` closes nothing, and a member that is up but stalled never closes
     its side). A collective left is left to end on its own (`_strand`)."""
