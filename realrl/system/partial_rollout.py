@@ -35,7 +35,8 @@ next request continues after them. `version_start` is the version of the first g
 manager reported when the answer was first scheduled, if it has no token) and `version_end` that of the last.
 
 Failures: a server that cannot be reached, times out or answers 5xx is retried (rescheduled through the manager,
-exponential backoff) up to `request_retries` times in a row; then `PartialRolloutError` names the server, qid,
+exponential backoff) up to `request_retries` times in a row (a columnar answer that does not decode, too:
+`MalformedAnswer`, counted in `malformed_answers`); then `PartialRolloutError` names the server, qid,
 answer index and cause. A 4xx answer (e.g. prompt + budget longer than the model's context) fails at once: resending
 the same request cannot help; except, in a LoRA run, a refusal of an adapter the server no longer holds
 (`lora_not_loaded`: it moved on since the request was scheduled), retried like a 5xx, scheduled again and so naming
@@ -68,10 +69,7 @@ from realrl.api.generation_api import (
     GenerationResult,
     needs_sampling_logprobs,
 )
-from realrl.api.manager_api import (
-    ScheduledServer,
-    ScheduleReply,
-)
+from realrl.api.manager_api import ScheduledServer, ScheduleReply
 from realrl.api.sglang_api import SamplingParams
 from realrl.base.datapack import ffd_allocate
 from realrl.base.logging import getLogger
@@ -295,7 +293,6 @@ class PartialRolloutManager:
                     break
                 self._raise_if_final(e, request.qid, f"answers {live}", url)
                 self.stats.retries += len(live)  # each answer retries
-                self.stats.malformed_answers += isinstance(e, MalformedAnswer)
                 logger.warning(
                     "qid %s: batched request of %d answers on server %s failed (%s); each answer retries",
                     request.qid,
@@ -417,6 +414,7 @@ class PartialRolloutManager:
     def _raise_if_final(self, e: Exception, qid: str, which: str, url: str) -> None:
         """A 4xx answer: resending the same request cannot help (except
         naming a newer adapter, `_stale_adapter`)."""
+        self.stats.malformed_answers += isinstance(e, MalformedAnswer)  # (a 502: retried)
         if self._stale_adapter(e):
             self.stats.stale_adapters += 1
             return
@@ -536,7 +534,6 @@ class PartialRolloutManager:
                     if url not in avoid:
                         avoid.append(url)
                 self.stats.retries += 1
-                self.stats.malformed_answers += isinstance(e, MalformedAnswer)
                 logger.warning(
                     "qid %s answer %d: server %s failed (%s); retry %d/%d (%d tokens kept)",
                     request.qid,

@@ -723,7 +723,7 @@ class CorruptingProxy:
         self.upstream, self.bad, self.corrupted = upstream, bad, 0
 
     async def relay(self, request: web.Request) -> web.Response:
-        headers = {k: v for k, v in request.headers.items() if k in ("Accept", "Content-Type")}
+        headers = {k: v for k, v in request.headers.items() if k in ("Accept", "Authorization", "Content-Type")}
         async with self.session.request(
             request.method, f"{self.upstream}{request.path_qs}", data=await request.read(), headers=headers
         ) as resp:
