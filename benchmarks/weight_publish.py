@@ -4,6 +4,7 @@
                                         [--dtype float32|bfloat16] [--inflight K] [--models tiny,100m,<N>mib]
                                         [--lora-rank R]
     python benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2,4 [--bucket-mb M] ...
+    python benchmarks/weight_publish.py --transport disk,broadcast --servers 1,2 --device cuda ...
 
 `--transport` compares the two ways a version reaches the servers
 (docs/design.md §8) instead (`broadcast`: realrl's routes, each member in a
@@ -25,6 +26,19 @@ directory is on disk, the bytes moved, and the generation pause of `--inflight` 
 server, against floors measured in the same run (one memory copy of the
 weights; safetensors written once + read n times). "ratio": broadcast / disk
 time to all servers at 2 servers (or the only count).
+
+`--device cuda` (with `--transport`; default cpu) runs the same on GPUs: the
+trainer's weights on the first visible GPU, the torch servers with `--device
+cuda`, each on the next GPU (`CUDA_VISIBLE_DEVICES`, round robin over the
+others; all on the one when only one is visible), the broadcast over the
+backend realrl picks there (`weights.backend=auto` ->
+`realrl.experiment.build.weights_backend`: nccl when the trainer and the
+servers are on CUDA), the floors on the GPU (one device memory copy;
+safetensors written from it once, read into it n times). NCCL refuses two
+ranks of one group on one GPU, so a broadcast over nccl needs two GPUs (the
+override `weights.backend=gloo` broadcasts through host memory, on one GPU
+too); without CUDA, or with one GPU and a broadcast over nccl, it stops with
+one line before anything starts.
 
 Through the real components, for two models: the tiny kit's model (0.8M
 parameters; found or built first, by default under /tmp/kit when that exists)
@@ -182,10 +196,15 @@ def free_port() -> int:
 
 
 def start_servers(
-    model_dir: str, n: int, dtype: str, log_dir: str, emulate_sglang: bool = False
+    model_dir: str, n: int, dtype: str, log_dir: str, emulate_sglang: bool = False, gpus: list[str] | None = None
 ) -> list[tuple[subprocess.Popen, str]]:
+    """`gpus`: the servers on CUDA, server i on `gpus[i % len(gpus)]`
+    (its CUDA_VISIBLE_DEVICES); None: on CPU."""
     servers = []
     for i in range(n):
+        env = None
+        if gpus:
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)])
         port = free_port()
         with open(os.path.join(log_dir, f"server-{i}.log"), "wb") as log:
             cmd = [
@@ -207,12 +226,15 @@ def start_servers(
                 "--log-level",
                 "WARNING",
             ] + (["--emulate-sglang", "0.5.23"] if emulate_sglang else [])
+            if gpus:
+                cmd += ["--device", "cuda"]
             proc = subprocess.Popen(
                 with_parent_death_signal(cmd, os.getpid()),  # SIGKILLed with us, should we die
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=env,
             )
         servers.append((proc, f"http://127.0.0.1:{port}"))
     return servers
@@ -474,33 +496,46 @@ def run_model(
 
 def copy_floor(tensors: dict, repeats: int) -> float:
     """One memory copy of the weights: every tensor into one preallocated flat
-    buffer (the least a snapshot can cost), median of `repeats`."""
+    buffer on the weights' device (the least a snapshot can cost), median of `repeats`."""
     from realrl.impl.weights.broadcast import Manifest
 
     manifest = Manifest.of(tensors)
-    views = manifest.views(torch.empty(manifest.nbytes, dtype=torch.uint8))
+    device = next(iter(tensors.values())).device
+    views = manifest.views(torch.empty(manifest.nbytes, dtype=torch.uint8, device=device))
     times = []
     for _ in range(repeats):
+        sync(device)
         t0 = time.perf_counter()
         for name, t in tensors.items():
             views[name].copy_(t)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
+def sync(device: torch.device) -> None:
+    """Waits for the work queued on `device` (CUDA runs copies asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def disk_floor(tensors: dict, readers: int, scratch: str, repeats: int) -> float:
     """The weights written once and read `readers` times (safetensors, one
-    process, sequential): the least the disk path can cost, median of `repeats`."""
+    process, sequential; from and into the weights' device): the least the
+    disk path can cost, median of `repeats`."""
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(scratch, "floor.safetensors")
     plain = {k: v.contiguous() for k, v in tensors.items()}
+    device = next(iter(plain.values())).device
     times = []
     for _ in range(repeats):
+        sync(device)
         t0 = time.perf_counter()
         save_file(plain, path)
         for _ in range(readers):
-            load_file(path)
+            load_file(path, device=str(device))
+        sync(device)
         times.append(time.perf_counter() - t0)
         os.unlink(path)
     return statistics.median(times)
@@ -552,9 +587,12 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-async def measure_transports(model, urls, counts, kinds, work, repeats, inflight, max_new, bucket_bytes) -> dict:
+async def measure_transports(
+    model, urls, counts, kinds, work, repeats, inflight, max_new, bucket_bytes, backend: str = "gloo"
+) -> dict:
     """For each server count n (the first n servers) and each transport: the
-    versions' stall, time to all servers, generation pause, bytes moved."""
+    versions' stall, time to all servers, generation pause, bytes moved
+    (the broadcast over `backend`)."""
     from realrl.impl.weights.broadcast import GroupSpec, Manifest, Sender, StoreServer, published_tensors
     from realrl.system.weight_broadcast_sglang import SGLangDriver
 
@@ -587,7 +625,7 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
                             "127.0.0.1",
                             store.port,
                             1 + n,
-                            "gloo",
+                            backend,
                             bucket_bytes,
                             300,
                             protocol="sglang" if base.startswith("sglang-") else "realrl",
@@ -667,7 +705,20 @@ async def measure_transports(model, urls, counts, kinds, work, repeats, inflight
     return out
 
 
-def run_transports(name: str, model, dtype: str, counts, kinds, repeats, inflight, max_new, bucket_mb) -> dict:
+def run_transports(
+    name: str,
+    model,
+    dtype: str,
+    counts,
+    kinds,
+    repeats,
+    inflight,
+    max_new,
+    bucket_mb,
+    backend: str = "gloo",
+    server_gpus: list[str] | None = None,
+) -> dict:
+    """`server_gpus`: the servers on CUDA (`start_servers`), None: on CPU."""
     work = tempfile.mkdtemp(prefix=f"weight-transport-{name}-")
     running: list = []
     try:
@@ -676,16 +727,27 @@ def run_transports(name: str, model, dtype: str, counts, kinds, repeats, infligh
         sglang = any(k.startswith("sglang-") for k in kinds)
         if sglang and any(k.removesuffix("-copy") in ("broadcast", "broadcast-one") for k in kinds):
             raise ValueError("--transport: broadcast (realrl's routes) and sglang-* (SGLang's) need other servers")
-        running = start_servers(model_dir, max(counts), dtype, work, emulate_sglang=sglang)
+        running = start_servers(model_dir, max(counts), dtype, work, emulate_sglang=sglang, gpus=server_gpus)
         result = asyncio.run(
             measure_transports(
-                model, [u for _, u in running], counts, kinds, work, repeats, inflight, max_new, bucket_mb << 20
+                model,
+                [u for _, u in running],
+                counts,
+                kinds,
+                work,
+                repeats,
+                inflight,
+                max_new,
+                bucket_mb << 20,
+                backend,
             )
         )
         for proc, url in running:
             if proc.poll() is not None:
                 raise RuntimeError(f"server {url} exited with {proc.returncode}")
         result.update(params=sum(p.numel() for p in model.parameters()), dtype=dtype, repeats=repeats)
+        if server_gpus:
+            result.update(device="cuda", backend=backend)
         return result
     finally:
         stop_servers(running)
@@ -885,6 +947,43 @@ def print_lora_tables(results: dict, servers: int, repeats: int) -> None:
         print(f"{name:<7}{a['apply_merge_s']:>15.4f}{a['apply_forward_s']:>9.4f}{'|':>3}  {steps}")
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them (the first: the trainer's)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()][: torch.cuda.device_count()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def cuda_plan(args, overrides: list[str]) -> tuple[str, str | None]:
+    """`--device cuda`: the broadcast's backend as realrl picks it with the
+    trainer and the torch servers on CUDA (`weights.backend`, auto unless an
+    override says otherwise), and why the run cannot go on (None: it can)."""
+    if not args.transport:
+        return "", "needs --transport (the comparison of the weight transports)"
+    if torch.version.cuda is None:
+        return "", f"torch {torch.__version__} is built without CUDA"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)")
+        return "", f"no CUDA device is visible to torch {torch.__version__} (CUDA_VISIBLE_DEVICES={visible})"
+    from realrl.api.cli_args import parse_allocation_mode
+    from realrl.experiment.build import weights_backend
+    from realrl.experiment.config import load_config
+
+    cfg = load_config(
+        [f"fileroot={args.fileroot}", "train.device=cuda", "server.torch.device=cuda"]
+        + [o for o in overrides if o.startswith("weights.")]
+    )
+    backend = weights_backend(cfg, parse_allocation_mode(cfg.allocation_mode))
+    kinds = [k.strip() for k in args.transport.split(",") if k.strip()]
+    if backend == "nccl" and any(k != "disk" for k in kinds) and torch.cuda.device_count() < 2:
+        return backend, (
+            "a broadcast over nccl needs 2 GPUs (NCCL refuses two ranks of one group on one GPU), "
+            f"{torch.cuda.device_count()} visible; --transport disk runs on one"
+        )
+    return backend, None
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -904,6 +1003,12 @@ def main() -> None:
         "--transport", default="", help="disk,broadcast: compare the transports (docs/design.md §8) instead"
     )
     parser.add_argument("--bucket-mb", type=int, default=64, help="--transport broadcast: MiB per bucket")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="--transport: the trainer's weights and the servers on CPU, or on GPUs (the broadcast over NCCL)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 2)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--inflight", type=int, default=4, help="requests generating per server (0: none)")
@@ -914,6 +1019,14 @@ def main() -> None:
     if args.train_memory:  # the child of train_memory()
         print(json.dumps(train_step_peak_memory(args.train_memory[0], int(args.train_memory[1]))))
         return
+    backend, trainer_device, server_gpus = "gloo", torch.device("cpu"), None
+    if args.device == "cuda":
+        backend, why_not = cuda_plan(args, overrides)
+        if why_not is not None:  # (before any model is built or server started)
+            print(f"weight_publish: --device cuda: {why_not}", file=sys.stderr)
+            sys.exit(2)
+        visible = visible_gpus()
+        trainer_device, server_gpus = torch.device("cuda", 0), visible[1:] or visible[:1]
     repeats = args.repeats or (2 if args.quick else 5)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the servers on the way out
     torch.set_num_threads(1)  # the trainer's default (train.num_threads=1)
@@ -926,11 +1039,27 @@ def main() -> None:
             model = make_model(name, dtype, args.fileroot, overrides)
             if model is None:
                 parser.error(f"unknown model {name!r} (tiny, 100m, <N>mib)")
+            model = model.to(trainer_device)
             max_new = 200 if name == "tiny" else 1024
             results[name] = run_transports(
-                name, model, args.dtype, counts, kinds, repeats, args.inflight, max_new, args.bucket_mb
+                name,
+                model,
+                args.dtype,
+                counts,
+                kinds,
+                repeats,
+                args.inflight,
+                max_new,
+                args.bucket_mb,
+                backend,
+                server_gpus,
             )
         print_transport_table(results, repeats)
+        if args.device == "cuda":
+            print(
+                f"on CUDA: the trainer's weights on GPU {visible_gpus()[0]} ({torch.cuda.get_device_name(0)}), "
+                f"the servers on GPU(s) {','.join(server_gpus)}; broadcast over {backend}"
+            )
         if args.json:
             main_ratio = (results["100m"] if "100m" in results else next(iter(results.values()))).get("ratio")
             with open(args.json, "w") as f:

@@ -26,7 +26,14 @@ with less than a minute left is not run and says so):
 - `generation_throughput`: `benchmarks/generation_throughput.py --quick
   --device cuda` (the torch server vs `model.generate`, on the GPU);
 - `vs_inprocess`: `benchmarks/vs_inprocess.py --device cuda` (12 steps; the
-  tiny kit is built first if there is none), realrl against a one-process loop.
+  tiny kit is built first if there is none), realrl against a one-process loop;
+- `weight_publish_nccl`: `benchmarks/weight_publish.py --transport
+  disk,broadcast --servers 1,2 --models tiny,100m --device cuda --repeats 2`
+  (the trainer's weights on the first GPU, the torch servers on the others,
+  the broadcast over the backend realrl picks on CUDA: nccl), each against
+  its floors. NCCL refuses two ranks of one group on one GPU: with one GPU
+  visible it runs with `weights.backend=gloo` instead (everything on the one
+  GPU, the broadcast through host memory; its figures say which backend).
 
 The JSON: `{"skipped": false, "ok": <every check passed>, "device": {...},
 "packages": {realrl's requirements: the versions found}, "checks": {name:
@@ -137,7 +144,8 @@ def main() -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     checks: dict[str, dict] = {}
     figures = {
-        name: os.path.join(work, f"{name}.json") for name in ("paged_engine", "generation_throughput", "vs_inprocess")
+        name: os.path.join(work, f"{name}.json")
+        for name in ("paged_engine", "generation_throughput", "vs_inprocess", "weight_publish_nccl")
     }
     plan: list[tuple[str, list[str] | None, str | None]] = [
         ("torch_server", pytest("tests/impl/test_torch_server.py::test_cuda_server_matches_the_cpu_reference"), None),
@@ -169,6 +177,14 @@ def main() -> int:
             "vs_inprocess",
             [sys.executable, "benchmarks/vs_inprocess.py", "--device", "cuda", "--steps", "12", "--eval-every", "6"]
             + [f"--fileroot={work}/runs", f"tiny_kit.cache_dir={work}/kit", "--json", figures["vs_inprocess"]],
+            None,
+        ),
+        (
+            "weight_publish_nccl",
+            [sys.executable, "benchmarks/weight_publish.py", "--transport", "disk,broadcast", "--servers", "1,2"]
+            + ["--models", "tiny,100m", "--device", "cuda", "--repeats", "2", f"--fileroot={work}/runs"]
+            + [f"tiny_kit.cache_dir={work}/kit", "--json", figures["weight_publish_nccl"]]
+            + ([] if device["count"] >= 2 else ["weights.backend=gloo"]),  # (NCCL: one rank per GPU)
             None,
         ),
     ]
@@ -211,7 +227,8 @@ def main() -> int:
 
 
 def summarize(checks: dict) -> str:
-    """The headline figures: generation tokens/s and the realrl / in-process ratio."""
+    """The headline figures: generation tokens/s, the realrl / in-process ratio,
+    and the broadcast (NCCL) / disk time to every server at 2 servers."""
     parts = []
     paged = checks.get("paged_engine", {}).get("figures")
     if paged and not paged.get("skipped"):
@@ -223,6 +240,16 @@ def summarize(checks: dict) -> str:
     vs = checks.get("vs_inprocess", {}).get("figures")
     if vs:
         parts.append(f"realrl {vs['realrl']['steps_per_min']:.0f} steps/min (x{vs['ratio']:.2f} in-process)")
+    weights = checks.get("weight_publish_nccl", {}).get("figures")
+    if weights:
+        models = {name: r for name, r in weights.items() if isinstance(r, dict) and "to_all_ratio_by_servers" in r}
+        at2 = ", ".join(
+            f"{name} x{r['to_all_ratio_by_servers']['2']:.2f}"
+            for name, r in models.items()
+            if "2" in r["to_all_ratio_by_servers"]
+        )
+        backend = next((r.get("backend") for r in models.values()), None) or "?"
+        parts.append(f"weights broadcast ({backend}) / disk at 2 servers: {at2 or '-'}")
     return f": {', '.join(parts)}" if parts else ""
 
 

@@ -119,3 +119,29 @@ def test_the_paged_engine_step_skips_without_cuda_and_runs_on_cpu_as_a_dry_run(t
     assert result["ok"] and result["parity"]["paged"]["max_abs_delta_logprob"] <= 1e-4
     assert result["parity"]["greedy_tokens_equal"] and result["graphs"]["tokens_equal"]
     assert result["throughput"]["8"]["tokens"] > 0 and "fraction" in result["gpu_busy"]
+
+
+def test_weight_publish_on_cuda_refuses_in_one_line_without_cuda_and_the_summary_shows_its_ratio(tmp_path):
+    """gpu_check's weight_publish_nccl step: without CUDA, `weight_publish.py
+    --device cuda` says why in one line and exits 2 before any model or
+    server exists; on a GPU its JSON's broadcast / disk ratio at 2 servers is
+    in the check's summary line."""
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "benchmarks/weight_publish.py", "--transport", "disk,broadcast", "--servers", "1,2"]
+    cmd += ["--models", "tiny", "--device", "cuda", f"--fileroot={tmp_path}/runs"]
+    proc = subprocess.run(cmd, cwd=REPO, env=environ, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert re.fullmatch(
+        r"weight_publish: --device cuda: (torch \S+ is built without CUDA|no CUDA device is visible to .*)\n",
+        proc.stderr,
+    )
+    assert not (tmp_path / "runs").exists()
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        from gpu_check import summarize
+    finally:
+        sys.path.pop(0)
+    figures = {"ratio": 0.4, "tiny": {"to_all_ratio_by_servers": {"1": 0.5, "2": 0.25}, "backend": "nccl"}}
+    checks = {"weight_publish_nccl": {"ok": True, "figures": figures}}
+    assert summarize(checks) == ": weights broadcast (nccl) / disk at 2 servers: tiny x0.25"

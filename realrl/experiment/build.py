@@ -111,6 +111,15 @@ def version_weight_bytes(model_path: str, dtype: str) -> int:
     return count * _DTYPE_BYTES.get(dtype, 4)
 
 
+def weights_backend(cfg: AsyncPPOConfig, alloc: AllocationMode) -> str:
+    """`weights.backend`, with auto decided (docs/design.md §8): nccl when the
+    trainer and the servers are all on CUDA, else gloo."""
+    w = cfg.weights
+    servers_on_cuda = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
+    on_cuda = cfg.train.device == "cuda" and servers_on_cuda
+    return w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo")
+
+
 def weights_transport(cfg: AsyncPPOConfig, alloc: AllocationMode, model_path: str, backend: str) -> str:
     """`weights.transport`, with auto decided (docs/design.md §8): broadcast
     where the trial can take it, over gloo (the backend it was measured
@@ -173,9 +182,7 @@ def build_experiment(cfg: AsyncPPOConfig, claim_trial: Callable[[], None] | None
     train_threads = trainer_threads(cfg, alloc)
     w = cfg.weights
     sglang_servers = alloc.gen_backend == "sglang" or (alloc.gen_backend == "torch" and cfg.server.torch.emulate_sglang)
-    servers_on_cuda = alloc.gen_backend == "sglang" or cfg.server.torch.device == "cuda"
-    on_cuda = cfg.train.device == "cuda" and servers_on_cuda
-    backend = w.backend if w.backend != "auto" else ("nccl" if on_cuda else "gloo")
+    backend = weights_backend(cfg, alloc)
     weights = WeightTransportConfig(
         transport=weights_transport(cfg, alloc, model_path, backend),
         backend=backend,

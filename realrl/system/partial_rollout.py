@@ -35,7 +35,8 @@ next request continues after them. `version_start` is the version of the first g
 manager reported when the answer was first scheduled, if it has no token) and `version_end` that of the last.
 
 Failures: a server that cannot be reached, times out or answers 5xx is retried (rescheduled through the manager,
-exponential backoff) up to `request_retries` times in a row; then `PartialRolloutError` names the server, qid,
+exponential backoff) up to `request_retries` times in a row (a columnar answer that does not decode, too:
+`MalformedAnswer`, counted in `malformed_answers`); then `PartialRolloutError` names the server, qid,
 answer index and cause. A 4xx answer (e.g. prompt + budget longer than the model's context) fails at once: resending
 the same request cannot help; except, in a LoRA run, a refusal of an adapter the server no longer holds
 (`lora_not_loaded`: it moved on since the request was scheduled), retried like a 5xx, scheduled again and so naming
@@ -68,10 +69,7 @@ from realrl.api.generation_api import (
     GenerationResult,
     needs_sampling_logprobs,
 )
-from realrl.api.manager_api import (
-    ScheduledServer,
-    ScheduleReply,
-)
+from realrl.api.manager_api import ScheduledServer, ScheduleReply
 from realrl.api.sglang_api import SamplingParams
 from realrl.base.datapack import ffd_allocate
 from realrl.base.logging import getLogger
@@ -81,6 +79,7 @@ from realrl.impl.generation.client import (
     GenerationClient,
     GenerationServerError,
     GenerationServerUnavailable,
+    MalformedAnswer,
     lora_adapter_name,
     new_rid,
 )
@@ -158,6 +157,7 @@ class PartialRolloutStats:
     stale_adapters: int = 0  # LoRA requests whose server had unloaded the adapter they named (rescheduled)
     generated_tokens: int = 0
     dropped_tokens: int = 0  # tokens of aborted responses without their sampling logprobs, generated again
+    malformed_answers: int = 0  # columnar /generate answers that did not decode (`MalformedAnswer`: retried)
 
     def pop(self) -> dict[str, int]:
         out = dataclasses.asdict(self)
@@ -414,6 +414,7 @@ class PartialRolloutManager:
     def _raise_if_final(self, e: Exception, qid: str, which: str, url: str) -> None:
         """A 4xx answer: resending the same request cannot help (except
         naming a newer adapter, `_stale_adapter`)."""
+        self.stats.malformed_answers += isinstance(e, MalformedAnswer)  # (a 502: retried)
         if self._stale_adapter(e):
             self.stats.stale_adapters += 1
             return

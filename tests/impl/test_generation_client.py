@@ -167,3 +167,53 @@ def test_client_is_bound_to_one_event_loop(shared_server):
             await client.close()
 
     assert asyncio.run(reuse_after_close())
+
+
+def _post_generate(url: str, body: dict, accept: str | None) -> tuple[str, bytes]:
+    import json
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
+    request = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return resp.headers.get_content_type(), resp.read()
+
+
+def test_the_torch_server_answers_columnar_to_a_client_that_asks(shared_server):
+    """docs/design.md §6, columnar answers: asked with the Accept header, the
+    torch server's /generate answer is columnar (one prompt or a batch);
+    without it, JSON; the client asks and reads either into the same results."""
+    import json
+
+    from realrl.api.generate_answers import ANSWERS_MEDIA_TYPE, decode_answers
+
+    url = shared_server.url
+    greedy = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    batch = {"input_ids": [[0, 5, 6], [0, 7]], "sampling_params": greedy, "return_logprob": True}
+    kind, raw = _post_generate(url, batch, f"{ANSWERS_MEDIA_TYPE}, application/json;q=0.9")
+    assert kind == ANSWERS_MEDIA_TYPE
+    columnar, batched = decode_answers(raw)
+    kind, raw_json = _post_generate(url, batch, None)
+    assert kind == "application/json" and batched
+    plain = [GenerateResult.from_response(b) for b in json.loads(raw_json)]
+    one_kind, one = _post_generate(url, {**batch, "input_ids": [0, 7]}, ANSWERS_MEDIA_TYPE)
+    assert one_kind == ANSWERS_MEDIA_TYPE and decode_answers(one)[1] is False
+
+    async def go():
+        async with GenerationClient(timeout_s=60) as client:
+            return (
+                await client.generate_batch(url, batch["input_ids"], greedy),
+                await client.generate(url, [0, 7], greedy),
+            )
+
+    through_client, single = asyncio.run(go())
+    for results in ([GenerateResult.from_response(r) for r in columnar], through_client):
+        # The same greedy tokens and versions as the JSON answer; logprobs of a batch computed again.
+        assert [r.output_ids for r in results] == [r.output_ids for r in plain]
+        assert [(r.finish_reason, r.weight_version, r.prompt_tokens) for r in results] == [
+            (r.finish_reason, r.weight_version, r.prompt_tokens) for r in plain
+        ]
+        for r, p in zip(results, plain):
+            assert r.output_logprobs == pytest.approx(p.output_logprobs, abs=1e-5)
+            assert r.output_sampling_logprobs == pytest.approx(p.output_sampling_logprobs, abs=1e-5)
+    assert single.output_ids == plain[1].output_ids

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from realrl.api.agent_api import AgentSettings, PromptRecord, make_agent
 from realrl.api.cli_args import TorchServerConfig
 from realrl.api.env_api import make_env
+from realrl.api.generate_answers import ANSWERS_MEDIA_TYPE
 from realrl.api.generation_api import GenerationHyperparameters, GenerationRequest
 from realrl.api.manager_api import ScheduledServer, ScheduleReply
 from realrl.api.system_api import GenerationServerConfig, GserverManagerConfig
@@ -712,3 +713,65 @@ def test_a_lora_request_naming_an_adapter_its_server_unloaded_is_scheduled_again
     assert rejections == {"lora_not_loaded": 1}
     assert stats["stale_adapters"] == 1
     assert result.output_ids[0] and set(result.output_versions[0]) == {7}
+
+
+class CorruptingProxy:
+    """Relays every request to `upstream` (a real server) and cuts the last
+    byte off its first `bad` columnar /generate answers."""
+
+    def __init__(self, upstream: str, bad: int):
+        self.upstream, self.bad, self.corrupted = upstream, bad, 0
+
+    async def relay(self, request: web.Request) -> web.Response:
+        headers = {k: v for k, v in request.headers.items() if k in ("Accept", "Authorization", "Content-Type")}
+        async with self.session.request(
+            request.method, f"{self.upstream}{request.path_qs}", data=await request.read(), headers=headers
+        ) as resp:
+            body, content_type = await resp.read(), resp.content_type
+        if request.path == "/generate" and content_type == ANSWERS_MEDIA_TYPE and self.corrupted < self.bad:
+            self.corrupted += 1
+            body = body[:-1]
+        return web.Response(status=resp.status, body=body, content_type=content_type)
+
+    async def __aenter__(self) -> str:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.relay)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+def test_a_columnar_answer_that_does_not_decode_is_counted_and_retried():
+    """The columnar /generate answer (docs/design.md §6) of a server that
+    sends a broken one is refused (`MalformedAnswer`, never half-read),
+    counted, and retried as a server error: the episode, and the rollout
+    worker running it, go on; every answer comes back whole."""
+    from realrl.impl.generation.sim_server import SimServerConfig, SimServerHost
+
+    async def go():
+        host = SimServerHost(SimServerConfig(token_latency_s=0.001, output_tokens=6, vocab_size=64))
+        await host.start(1)
+        try:
+            proxy = CorruptingProxy(host.urls[0], bad=2)  # the batched answer, then one answer's own
+            async with proxy as url, GenerationClient(timeout_s=30) as client:
+                prm = PartialRolloutManager(StaleRouting(url, 0, 0), client, retry_backoff_s=0.01)
+                gconfig = GenerationHyperparameters(max_new_tokens=8)
+                result = await prm.generate(GenerationRequest("bad-0", [3, 4, 5], 4, gconfig))
+                return result, prm.stats.pop(), proxy.corrupted
+        finally:
+            await host.close()
+
+    result, stats, corrupted = asyncio.run(go())
+    assert corrupted == 2 and stats["malformed_answers"] == 2
+    assert stats["retries"] == 4 + 1  # the batch's four answers, then the one answer
+    assert [len(o) for o in result.output_ids] == [6] * 4
+    assert all(len(lp) == 6 for lp in result.output_logprobs)

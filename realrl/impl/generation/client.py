@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
+from realrl.api.generate_answers import ANSWERS_MEDIA_TYPE, decode_answers
 from realrl.api.generation_api import needs_sampling_logprobs
 from realrl.api.sglang_api import (
     AbortRequest,
@@ -95,6 +96,16 @@ class GenerationServerUnavailable(ConnectionError):
         super().__init__(f"generation server {url} unavailable: {reason}")
         self.url = url
         self.reason = reason
+
+
+class MalformedAnswer(GenerationServerError):
+    """A columnar `/generate` answer that does not decode (docs/design.md §6):
+    the server said it sent one and sent something else. HTTP 502 as a
+    proxy would say it: retried like a server error, and counted
+    (`PartialRolloutStats.malformed_answers`)."""
+
+    def __init__(self, message: str, url: str):
+        super().__init__(502, message, url)
 
 
 class ServerWeightsBroken(GenerationServerUnavailable):
@@ -227,6 +238,24 @@ def _sampling_mask(return_logprob: bool, params: list[SamplingParams]) -> bool |
     return True if return_logprob and any(needs_sampling_logprobs(p) for p in params) else None
 
 
+# `/generate` asks for the columnar answer (docs/design.md §6); SGLang and vLLM answer JSON whatever it asks.
+_ACCEPT_ANSWERS = {"Accept": f"{ANSWERS_MEDIA_TYPE}, application/json;q=0.9"}
+
+
+@dataclass
+class _Answers:
+    """A columnar `/generate` answer, decoded."""
+
+    responses: list[GenerateResponse]
+    batched: bool
+
+    def results(self, url: str) -> list[GenerateResult]:
+        try:
+            return [GenerateResult.from_response(r) for r in self.responses]
+        except BodyError as e:  # e.g. weight_versions that do not cover the tokens
+            raise MalformedAnswer(f"malformed columnar /generate answer ({e})", url) from None
+
+
 def _read(cls: type[T], body: Any, url: str, route: str) -> T:
     """An answer read through its contract; one that does not fit is the server's error."""
     try:
@@ -284,21 +313,35 @@ class GenerationClient:
         payload: Any = None,
         timeout_s: float | None = None,
         ok_statuses: tuple[int, ...] = (),
+        answers: bool = False,
     ) -> Any:
-        """Send one request; return the decoded JSON body (None if empty)."""
+        """Send one request; return the decoded JSON body (None if empty).
+        `answers` (`/generate`): ask for the columnar answer too, and return
+        one that comes as `_Answers` (`MalformedAnswer` if it does not decode)."""
         full = f"{_normalise(url)}{path}"
         timeout = aiohttp.ClientTimeout(
             total=self.timeout_s if timeout_s is None else timeout_s, sock_connect=self.connect_timeout_s
         )
         session = self._get_session()
+        headers = _ACCEPT_ANSWERS if answers else None
         try:
-            async with session.request(method, full, json=payload, timeout=timeout) as resp:
-                text = await resp.text()
+            async with session.request(method, full, json=payload, timeout=timeout, headers=headers) as resp:
                 status = resp.status
+                if answers and status == 200 and resp.content_type == ANSWERS_MEDIA_TYPE:
+                    raw = await resp.read()
+                else:
+                    raw = None
+                    text = await resp.text()
         except asyncio.TimeoutError as e:
             raise GenerationServerUnavailable(url, f"{method} {path} timed out") from e
         except aiohttp.ClientError as e:
             raise GenerationServerUnavailable(url, f"{method} {path}: {type(e).__name__}: {e}") from e
+        if raw is not None:
+            try:
+                decoded = await asyncio.to_thread(decode_answers, raw) if len(raw) > 1 << 20 else decode_answers(raw)
+            except BodyError as e:
+                raise MalformedAnswer(f"malformed columnar {path} answer ({e})", url) from None
+            return _Answers(*decoded)
         body: Any = None
         if text.strip():
             try:
@@ -336,7 +379,11 @@ class GenerationClient:
             lora_path=lora_path,
             priority=priority,
         )
-        body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
+        body = await self._request("POST", url, "/generate", to_json(request), timeout_s, answers=True)
+        if isinstance(body, _Answers):
+            if body.batched or len(body.responses) != 1:
+                raise MalformedAnswer(f"{len(body.responses)} columnar answers to one prompt", url)
+            return body.results(url)[0]
         return GenerateResult.from_response(_read(GenerateResponse, body, url, "/generate"))
 
     async def generate_batch(
@@ -371,7 +418,11 @@ class GenerationClient:
             rid=None if rids is None else list(rids),
             priority=priority,
         )
-        body = await self._request("POST", url, "/generate", to_json(request), timeout_s)
+        body = await self._request("POST", url, "/generate", to_json(request), timeout_s, answers=True)
+        if isinstance(body, _Answers):
+            if not body.batched or len(body.responses) != len(input_ids):
+                raise MalformedAnswer(f"{len(body.responses)} columnar answers to {len(input_ids)} prompts", url)
+            return body.results(url)
         if not isinstance(body, list) or len(body) != len(input_ids):
             raise GenerationServerError(200, f"unexpected batched /generate response: {str(body)[:200]}", url)
         return [GenerateResult.from_response(_read(GenerateResponse, b, url, "/generate")) for b in body]

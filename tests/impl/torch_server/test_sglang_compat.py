@@ -5,12 +5,14 @@ subprocess: the behaviours realrl must meet on SGLang, which cannot run here
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
 
+from realrl.api.generate_answers import ANSWERS_MEDIA_TYPE
 from realrl.impl.generation.client import GenerationClient, GenerationServerError, GenerationServerUnavailable
 from realrl.impl.generation.torch_server.sglang_compat import SGLangCompat
 from tests.impl.conftest import load_reference, save_perturbed
@@ -74,6 +76,14 @@ def test_shapes_prefix_aborts_pauses_and_health(start_server, tiny_llama_dir, tm
     assert "num_running_requests" not in info and "num_waiting_requests" not in info
     assert len(info["internal_states"]) == 2 and info["version"] == "0.5.16"
     assert status_of(url, "/get_weight_version") == 404  # "deprecated, use /model_info" from 0.5.8
+    # SGLang has no columnar answer: asked for one, the emulation answers JSON, as SGLang would.
+    asked = urllib.request.Request(
+        f"{url}/generate",
+        data=b'{"input_ids": [0, 5], "sampling_params": {"max_new_tokens": 2}}',
+        headers={"Content-Type": "application/json", "Accept": ANSWERS_MEDIA_TYPE},
+    )
+    with urllib.request.urlopen(asked, timeout=60) as resp:
+        assert resp.headers.get_content_type() == "application/json" and "output_ids" in json.loads(resp.read())
 
     async def go(client):
 

@@ -5,7 +5,9 @@
   {"type": "stop"|"length"|"abort", "matched"?}, "weight_version",
   "prompt_tokens", "completion_tokens", "output_token_logprobs": [[logprob,
   token_id, null], ...], "weight_versions"?}}` (spans `{"version", "start",
-  "end"}` of an answer that went on across a weight update).
+  "end"}` of an answer that went on across a weight update). A request with
+  `Accept: application/x-realrl-answers` gets the same answers columnar
+  (`realrl.api.generate_answers`), unless the server emulates SGLang.
 - `POST /update_weights_from_disk` `{"model_path", "weight_version",
   "abort_all_requests"}` -> `{"success", "message", "num_paused_requests"}`.
 - `POST /pause_generation` (`{"mode": "abort"|"in_place"}`, optional),
@@ -64,6 +66,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from realrl.api.generate_answers import ANSWERS_MEDIA_TYPE, encode_answers
 from realrl.api.sglang_api import (
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -296,6 +299,9 @@ class TorchGenerationServer:
                 self.compat.queued_abort_output(r) if _aborted(r) and req.rid in self._retracted else r
                 for req, r in zip(reqs, results)
             ]
+        if self.compat is None and ANSWERS_MEDIA_TYPE in request.headers.get("Accept", ""):
+            # The columnar answer (docs/design.md §6): the same answers, tokens and logprobs as flat arrays.
+            return web.Response(body=encode_answers(results, batched), content_type=ANSWERS_MEDIA_TYPE)
         return _json(results if batched else results[0])
 
     async def refuse_frozen(self, request: web.Request) -> web.Response:
