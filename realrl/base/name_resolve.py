@@ -20,6 +20,10 @@ Module-level functions (`add`, `get`, ...) use a process-wide repository that
 `reconfigure(NameResolveConfig(...))` replaces at run time; worker processes
 configure it from their worker info, and REALRL_NAME_RESOLVE_* environment
 variables give a default (see `config_from_env`).
+
+(Over 700 lines on purpose: one API and its three backends, each the same
+few primitives against another store, and the watch of values
+(`ValueWatch`) that the etcd backend answers with a watch of its own.)
 """
 
 from __future__ import annotations
