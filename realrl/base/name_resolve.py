@@ -301,6 +301,7 @@ class ValueWatch:
 
     def __init__(self, repo: NameRecordRepository, names: list[str], poll_interval: float):
         self._repo = repo
+        self.repository = repo  # (whose keys: a process that switches its name service makes a new watch)
         self.names = list(names)
         self.poll_interval = poll_interval
         self._listeners: list[Callable[[], None]] = []
@@ -840,12 +841,17 @@ def watch_names(
 
     def loop() -> None:
         failures = 0
+        reader: NameRecordRepository | ValueWatch = repo
+        try:  # (etcd: the keys' changes pushed, so a poll reads nothing)
+            reader = repo.watch_values(keys, poll_frequency)
+        except Exception as e:  # the name service not answering now: read each poll, as the loop says
+            logger.debug("watch_names: no watch (%s): reading", e)
         while True:
             present = False
             try:
                 for key in keys:
                     try:
-                        repo.get(key)
+                        reader.get(key)
                         present = True
                         break
                     except NameEntryNotFoundError:
@@ -856,6 +862,8 @@ def watch_names(
                 present = failures < 10
                 logger.warning("watch_names: backend error (%d): %s", failures, e)
             if not present:
+                if isinstance(reader, ValueWatch):
+                    reader.close()
                 call_back()
                 return
             time.sleep(poll_frequency)

@@ -176,6 +176,7 @@ class LocalLauncher:
         self._lock_file = None  # held while this launcher owns the trial
         self._owns_keepalive = False
         self._repo: name_resolve.NameRecordRepository | None = None  # the name service, as this launcher uses it
+        self._status_watch: name_resolve.ValueWatch | None = None  # experiment_status, as the wait loop reads it
         self.failed_worker: str | None = None
         # The hang watchdog (realrl/launcher/watchdog.py): seconds without training progress before a
         # hang report (0 = off; it needs a master_worker), then stop the trial or only report.
@@ -285,6 +286,10 @@ class LocalLauncher:
         name_resolve.add(keepalive, str(os.getpid()), keepalive_ttl=self.heartbeat_ttl, replace=True)
         self._owns_keepalive = True
         self._set_experiment_status(ExperimentStatus.RUNNING)
+        # The wait loop looks at experiment_status every poll_interval: with etcd, pushed to a watch.
+        self._status_watch = self._repo.watch_values(
+            [names.experiment_status(self.experiment_name, self.trial_name)], self.poll_interval
+        )
 
     def _cluster_problem(self, force: bool = False) -> str | None:
         """A machine of the trial that is gone (none here: one machine)."""
@@ -367,8 +372,9 @@ class LocalLauncher:
 
     # ---- waiting ----------------------------------------------------------------
     def _experiment_status(self) -> str | None:
+        key = names.experiment_status(self.experiment_name, self.trial_name)
         try:
-            return name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
+            return self._status_watch.get(key) if self._status_watch is not None else name_resolve.get(key)
         except name_resolve.NameEntryNotFoundError:
             return None
         except Exception as e:  # the backend itself failed
@@ -658,6 +664,9 @@ class LocalLauncher:
 
     def _release_name_resolve(self) -> None:
         """Stops using the launcher's repository (its keys with delete_on_exit go)."""
+        watch, self._status_watch = self._status_watch, None
+        if watch is not None:
+            watch.close()
         repo, self._repo = self._repo, None
         if repo is not None:
             name_resolve.release(repo)

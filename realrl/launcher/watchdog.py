@@ -1,7 +1,9 @@
 """The hang watchdog (`watchdog.timeout`, `watchdog.action`; docs/observability.md).
 
 The launcher calls `tick()` from its wait loop. Once every worker is RUNNING,
-the watchdog reads the master's progress record about once a second; a new
+the watchdog looks at the master's progress record about once a second
+(through a `name_resolve` watch of its keys: with etcd, read from the values
+etcd pushed, not from a read each time); a new
 step or a new stage (fetch, inference, train_step, evaluate, checkpoint,
 ...) is progress. When there has been none for `timeout` seconds it writes a
 hang report (every worker's progress record, heartbeat and stacks, and the
@@ -21,7 +23,7 @@ import datetime
 import time
 from collections.abc import Callable
 
-from realrl.base import name_resolve
+from realrl.base import name_resolve, names
 from realrl.base.logging import getLogger
 from realrl.system.hang_report import build_report, signal_local_worker
 from realrl.system.trial_status import Row, read_row
@@ -59,6 +61,7 @@ class Watchdog:
         self._since_wall = 0.0
         self.reports: list[str] = []
         self.culprit: str | None = None
+        self._master_keys: name_resolve.ValueWatch | None = None  # (the master's row, once armed)
 
     def tick(self) -> str | None:
         """None while all is well (or nothing to say yet); "report" or "stop" after a hang report."""
@@ -88,7 +91,18 @@ class Watchdog:
         self._mark, self._since, self._since_wall = mark, now, time.time()
 
     def _master_mark(self, repo) -> tuple | None:
-        row = read_row(repo, self.experiment, self.trial, *MASTER)
+        watch = self._master_keys
+        if watch is None or watch.repository is not repo:
+            kind, index = MASTER
+            keys = [
+                names.worker_status(self.experiment, self.trial, kind, index),
+                names.worker_progress(self.experiment, self.trial, kind, index),
+                names.worker_error(self.experiment, self.trial, kind, index),
+            ]
+            if watch is not None:
+                watch.close()
+            watch = self._master_keys = repo.watch_values(keys, READ_INTERVAL_S)
+        row = read_row(watch, self.experiment, self.trial, *MASTER)
         if not row.doing:
             return None
         return row.doing.get("step"), row.doing.get("stage")

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from realrl.base import names
-from realrl.base.name_resolve import NameEntryNotFoundError, NameRecordRepository
+from realrl.base.name_resolve import NameEntryNotFoundError, NameRecordRepository, ValueWatch
 from realrl.base.process import pid_alive
 
 LIVE_STATES = ("READY", "RUNNING", "PAUSED")
@@ -96,7 +96,7 @@ def published_workers(repo: NameRecordRepository, experiment: str, trial: str) -
     return out
 
 
-def _get(repo: NameRecordRepository, key: str) -> str | None:
+def _get(repo: NameRecordRepository | ValueWatch, key: str) -> str | None:
     try:
         return repo.get(key)
     except NameEntryNotFoundError:
@@ -104,7 +104,7 @@ def _get(repo: NameRecordRepository, key: str) -> str | None:
 
 
 def read_row(
-    repo: NameRecordRepository,
+    repo: NameRecordRepository | ValueWatch,
     experiment: str,
     trial: str,
     worker_type: str,

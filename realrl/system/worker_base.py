@@ -8,7 +8,8 @@ kind of worker:
   so a worker that dies even by SIGKILL drops out of name_resolve;
 - exit when `experiment_status` becomes COMPLETE or ABORTED, when the
   launcher's keep-alive key disappears (the launcher died), or on SIGTERM /
-  SIGINT;
+  SIGINT (those keys and the stack dump request are followed through a
+  `name_resolve` watch: with etcd the loop's checks read nothing);
 - on an exception: status ERROR, the traceback in the log and under
   `names.worker_error`, where the launcher reads it to say what failed;
 - a progress record under `names.worker_progress` (host, pid, state, a
@@ -112,6 +113,9 @@ class Worker:
         self._stacks_file = None
         self._stacks_lock = threading.Lock()
         self._ran = threading.Event()  # run() returned: the stack dump thread ends
+        # experiment_status and the stack dump request, as the loop's checks read them (`_names`)
+        self._watch: name_resolve.ValueWatch | None = None
+        self._watch_lock = threading.Lock()
 
     # ---- hooks for subclasses ---------------------------------------------
     def _configure(self, config: Any) -> None:
@@ -130,6 +134,24 @@ class Worker:
         return {}
 
     # ---- control ------------------------------------------------------------
+    def _names(self) -> name_resolve.ValueWatch:
+        """The trial's keys this worker's checks look at often (`experiment_status`,
+        `stack_dump_request`): with etcd a watch keeps them, so a check reads
+        nothing; made on first use, and again if the process's name service changed."""
+        repo = name_resolve.default_repository()
+        watch = self._watch
+        if watch is not None and watch.repository is repo:
+            return watch
+        with self._watch_lock:
+            if self._watch is None or self._watch.repository is not repo:
+                self._status_key = names.experiment_status(self.experiment_name, self.trial_name)
+                self._stack_key = names.stack_dump_request(self.experiment_name, self.trial_name)
+                keys = [self._status_key, self._stack_key]
+                old, self._watch = self._watch, repo.watch_values(keys, _STATUS_CHECK_INTERVAL)
+                if old is not None:
+                    old.close()
+            return self._watch
+
     @property
     def experiment_name(self) -> str:
         return self.info.experiment_name
@@ -222,7 +244,7 @@ class Worker:
         first = True
         while not self._ran.is_set():
             try:
-                request = name_resolve.get(key)
+                request = self._names().get(key)
             except Exception:  # none yet, or the name service hiccuped
                 request = None
             if first:  # a request from before we started is not for us
@@ -234,6 +256,9 @@ class Worker:
 
     def _uninstall_stack_dumps(self) -> None:
         self._ran.set()
+        with self._watch_lock:
+            if self._watch is not None:
+                self._watch.close()
         if self._stacks_file is None:
             return
         if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
@@ -279,10 +304,11 @@ class Worker:
         if self._stop.is_set():
             return True
         now = time.monotonic()
-        if now - self._last_status_check >= _STATUS_CHECK_INTERVAL:
+        watch = self._names()
+        if watch.live or now - self._last_status_check >= _STATUS_CHECK_INTERVAL:  # (live: nothing read)
             self._last_status_check = now
             try:
-                status = name_resolve.get(names.experiment_status(self.experiment_name, self.trial_name))
+                status = watch.get(self._status_key)
             except name_resolve.NameEntryNotFoundError:
                 status = None
             if status in (ExperimentStatus.COMPLETE, ExperimentStatus.ABORTED):
