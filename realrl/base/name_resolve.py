@@ -394,7 +394,7 @@ class _EtcdValueWatch(ValueWatch):
 
     def _on_response(self, response) -> None:
         if response is None or isinstance(response, Exception):  # the stream ended
-            if self.live and not self._closed.is_set():
+            if self.live and not self._closed.is_set() and not self._repo._closed.is_set():  # (not at the end)
                 why = "closed" if response is None else type(response).__name__
                 logger.info("name_resolve watch of %s ended (%s): reading through", self.names, why)
             self.live = False
