@@ -229,6 +229,7 @@ def run_trial(
         "n_pullers": dp,
         "batch_per_worker": B // pushers,
         "stale_every": stale_every,
+        "stale_from": eta + 1,  # (a version-0 trajectory is stale from the trainer's version eta + 1 on)
         "invalid_every": invalid_every,
         "oov_every": oov_every,
         "group_size": 2,

@@ -28,6 +28,7 @@ class SyntheticRolloutWorker(Worker):
         )
         self.produced = 0
         self.n_oov = 0
+        self.stale_at: set[int] = set()  # versions at which an extra stale one went first (`stale_from`)
 
     def _version(self) -> int:
         try:
@@ -41,29 +42,16 @@ class SyntheticRolloutWorker(Worker):
         if self.produced >= (version + 2) * self.cfg["batch_per_worker"]:
             time.sleep(0.02)
             return PollResult()
+        # Whether an every-k-th stale one is still buffered when it becomes stale depends on timing; so, from
+        # version `stale_from` (the trainer's bound + 1) on, one extra version-0 trajectory, outside the budget
+        # above, goes first at each version: it reaches the puller before that version's fresh ones.
+        if self.cfg["stale_every"] and version >= self.cfg.get("stale_from", 2) and version not in self.stale_at:
+            self.stale_at.add(version)
+            self.pusher.push(self._trajectory(str(100_000 + version), 0).validate().to_wire(), timeout=30)
         self.produced += 1
         stale = self.cfg["stale_every"] and self.produced % self.cfg["stale_every"] == 0
         v = max(0, version - 100) if stale else version
-        g, P, G = self.cfg["group_size"], self.cfg["prompt_len"], self.cfg["gen_len"]
-        prompt = self.rng.integers(3, self.cfg["vocab"], P).astype(np.int32)
-        traj = Trajectory(
-            qid=f"w{self.info.worker_index}-{self.produced}",
-            task="math",
-            birth_time=time.time(),
-            input_ids=[
-                np.concatenate([prompt, self.rng.integers(3, self.cfg["vocab"], G).astype(np.int32)]) for _ in range(g)
-            ],
-            prompt_len=[P] * g,
-            logprobs=[(-self.rng.random(G) * 3).astype(np.float32) for _ in range(g)],
-            versions=[np.full(G, v, dtype=np.int32) for _ in range(g)],
-            version_start=[v] * g,
-            version_end=[v] * g,
-            reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)],
-            no_eos=[False] * g,
-            scores=[0.0] * g,
-            rollout_id=f"{self.info.worker_index}:0:{self.produced}",  # one admitted rollout each
-        )
-        message = traj.validate().to_wire()
+        message = self._trajectory(str(self.produced), v).validate().to_wire()
         invalid_every = self.cfg.get("invalid_every", 0)
         if invalid_every and self.produced % invalid_every == 0:
             message["logprobs"] = message["logprobs"][:-1]  # one logprob short: rejected at the puller
@@ -77,6 +65,27 @@ class SyntheticRolloutWorker(Worker):
                 ids[0] = -1
         self.pusher.push(message, timeout=30)
         return PollResult(sample_count=1)
+
+    def _trajectory(self, tag: str, v: int) -> Trajectory:
+        g, P, G = self.cfg["group_size"], self.cfg["prompt_len"], self.cfg["gen_len"]
+        prompt = self.rng.integers(3, self.cfg["vocab"], P).astype(np.int32)
+        return Trajectory(
+            qid=f"w{self.info.worker_index}-{tag}",
+            task="math",
+            birth_time=time.time(),
+            input_ids=[
+                np.concatenate([prompt, self.rng.integers(3, self.cfg["vocab"], G).astype(np.int32)]) for _ in range(g)
+            ],
+            prompt_len=[P] * g,
+            logprobs=[(-self.rng.random(G) * 3).astype(np.float32) for _ in range(g)],
+            versions=[np.full(G, v, dtype=np.int32) for _ in range(g)],
+            version_start=[v] * g,
+            version_end=[v] * g,
+            reward=[float(x) for x in self.rng.choice([-1.0, 1.0], g)],
+            no_eos=[False] * g,
+            scores=[0.0] * g,
+            rollout_id=f"{self.info.worker_index}:0:{tag}",  # one admitted rollout each
+        )
 
     def _exit_hook(self):
         self.pusher.close()
