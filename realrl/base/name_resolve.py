@@ -38,6 +38,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
+from realrl.base.etcd_keepalive import LeaseKeepAliveStream
 from realrl.base.logging import getLogger
 
 logger = getLogger("name_resolve")
@@ -618,6 +619,7 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         self._client.call_credentials = None
         self._leases: dict[str, object] = {}  # key -> lease
         self._values: dict[str, str] = {}  # key -> value we wrote (ownership)
+        self._keepalive_stream = LeaseKeepAliveStream(self._client)  # (opened at the first refresh)
 
     def _add(self, name, value, ttl, replace):
         lease = self._client.lease(max(1, int(round(ttl)))) if ttl is not None else None
@@ -678,8 +680,9 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         lease = self._leases.get(name)
         if lease is None:
             return False
-        responses = list(self._client.refresh_lease(lease.id))
-        return bool(responses) and responses[0].TTL > 0
+        # One stream for every refresh (etcd_keepalive.py); an answer within a third of the TTL, so
+        # that a stalled one leaves time for the next try before the lease runs out.
+        return self._keepalive_stream.refresh(lease.id, timeout=max(0.5, ttl / 3)) > 0
 
     def _owned(self, name):
         value, _ = self._client.get(name)
@@ -690,6 +693,7 @@ class Etcd3NameRecordRepository(NameRecordRepository):
 
     def close(self):
         super().close()
+        self._keepalive_stream.close()
         self._client.close()
 
 

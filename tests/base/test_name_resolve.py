@@ -229,6 +229,32 @@ def test_ttl_key_survives_while_owner_lives(backend, unique_prefix):
     assert repo.get(key) == "x"
 
 
+def test_etcd_keepalive_stream_times_out_and_reopens(tmp_path):
+    """etcd's refreshes share one stream: a stalled etcd makes a refresh
+    raise within its timeout (not hang); once etcd answers again the next
+    refresh opens a new stream; a revoked lease reads as not ours."""
+    server = EtcdServer(str(tmp_path / "etcd")).start()
+    repo = name_resolve.make_repository(make_nr_config("etcd3", tmp_path, server))
+    try:
+        repo.add("k", "v", keepalive_ttl=30)
+        repo.add("k2", "v", keepalive_ttl=30)
+        assert repo._refresh("k", 30) and repo._refresh("k2", 30)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                repo._keepalive_stream.refresh(repo._leases["k"].id, timeout=0.5)
+            assert time.monotonic() - started < 5
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert repo._refresh("k", 30) and repo.get("k") == "v"
+        repo._leases["k2"].revoke()
+        assert not repo._refresh("k2", 30)
+    finally:
+        repo.close()
+        server.stop()
+
+
 # ---- several real processes (file, etcd3) ------------------------------------
 
 
