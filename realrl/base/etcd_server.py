@@ -97,7 +97,7 @@ class EtcdServer:
             f"realrl={peer}",
             "--logger=zap",
             "--log-level=error",
-            # Workers rewrite their progress records every second: keep ten
+            # Workers rewrite their progress records every two seconds: keep ten
             # minutes of history, not all of it (etcd's space quota).
             "--auto-compaction-mode=periodic",
             "--auto-compaction-retention=10m",

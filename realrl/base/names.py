@@ -61,7 +61,7 @@ def worker_progress_root(experiment_name: str, trial_name: str) -> str:
 
 def worker_progress(experiment_name: str, trial_name: str, worker_type: str, worker_index: int) -> str:
     """Value: JSON `{"host", "pid", "state", "time", "progress", "doing", ...}`,
-    rewritten by the worker about once a second from its loop (no TTL: a dead
+    rewritten by the worker every two seconds from its loop (no TTL: a dead
     worker's last record stays, and its `time` says since when it is silent)."""
     return f"{worker_progress_root(experiment_name, trial_name)}/{worker_type}/{worker_index}"
 

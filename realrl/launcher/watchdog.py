@@ -1,7 +1,7 @@
 """The hang watchdog (`watchdog.timeout`, `watchdog.action`; docs/observability.md).
 
 The launcher calls `tick()` from its wait loop. Once every worker is RUNNING,
-the watchdog looks at the master's progress record about once a second
+the watchdog looks at the master's progress record (rewritten every two seconds) about once a second
 (through a `name_resolve` watch of its keys: with etcd, read from the values
 etcd pushed, not from a read each time); a new
 step or a new stage (fetch, inference, train_step, evaluate, checkpoint,

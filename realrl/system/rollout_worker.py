@@ -81,7 +81,12 @@ from realrl.system.stream_dataset import HELD_QUERY
 from realrl.system.worker_base import RESTARTS_ENV, AsyncWorker, PollResult
 
 STATS_INTERVAL_S = 10.0
-CURSOR_AHEAD = 32  # prompts the published data cursor runs ahead of the real one
+# The published data cursor runs ahead of the real one by about CURSOR_PERIOD_S of prompts at the
+# rate they are issued, at least CURSOR_AHEAD, at most CURSOR_AHEAD_MAX: one name-service write
+# every ~2 s however fast the prompts go (a resumed trial generates at most that many prompts early).
+CURSOR_AHEAD = 32
+CURSOR_AHEAD_MAX = 4096
+CURSOR_PERIOD_S = 2.0
 PUSH_POLL_S = 1.0  # a blocked delivery re-checks for exit this often
 # An allocation the manager refuses waits there up to this long for admission
 # to open (a new weight version, a finished rollout): the next rollout starts
@@ -144,6 +149,8 @@ class RolloutWorker(AsyncWorker):
         self._ledger = Ledger()  # what is done (docs/design.md §12), as training_start and the manager say
         self.n_regenerated = 0
         self._cursor_published = 0
+        self._cursor_ahead = CURSOR_AHEAD  # (adapted to the rate of prompts, see CURSOR_PERIOD_S)
+        self._cursor_time: float | None = None  # monotonic time of the last write ahead
         self._training_started = False
         self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))  # set by the launcher when it restarted this worker
 
@@ -240,7 +247,7 @@ class RolloutWorker(AsyncWorker):
             record = self._record(self.epoch, self._position)
             self._position += 1
             if self._position > self._cursor_published:
-                self._publish_cursor(ahead=CURSOR_AHEAD)
+                self._publish_cursor(ahead=self._next_cursor_ahead())
             # Past the cursor, the ledger may still hold a rollout (one finished between the
             # cursor's reading and the checkpoint's end): done is done.
             if not self._ledger.is_done(record.metadata["rollout_id"]):
@@ -281,6 +288,17 @@ class RolloutWorker(AsyncWorker):
         )
         with urllib.request.urlopen(request, timeout=MANAGER_CALL_TIMEOUT_S) as resp:
             return from_json(ResetRolloutWorkerReply, json.loads(resp.read()))
+
+    def _next_cursor_ahead(self) -> int:
+        """How far ahead to publish the cursor now: the last write's lead took
+        `elapsed` seconds to use up, so the next one lasts about CURSOR_PERIOD_S."""
+        now = time.monotonic()
+        if self._cursor_time is not None:
+            elapsed = max(now - self._cursor_time, 1e-3)
+            scaled = int(self._cursor_ahead * CURSOR_PERIOD_S / elapsed)
+            self._cursor_ahead = max(CURSOR_AHEAD, min(CURSOR_AHEAD_MAX, scaled))
+        self._cursor_time = now
+        return self._cursor_ahead
 
     def _publish_cursor(self, ahead: int = 0) -> None:
         """Publishes a cursor up to `ahead` prompts past the real one (one

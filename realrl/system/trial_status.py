@@ -1,7 +1,7 @@
 """What every worker of a trial is doing, read from its name_resolve keys
 (docs/observability.md): one `Row` per worker, from its status key (the
 heartbeat: held with a TTL) and its progress record (`names.worker_progress`,
-rewritten by the worker's loop about once a second).
+rewritten by the worker's loop every two seconds).
 
 Used by `realrl status` (realrl/cli/status.py), the launcher's hang watchdog
 (realrl/launcher/watchdog.py) and the launcher's final snapshot. Reading

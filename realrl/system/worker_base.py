@@ -14,7 +14,7 @@ kind of worker:
   `names.worker_error`, where the launcher reads it to say what failed;
 - a progress record under `names.worker_progress` (host, pid, state, a
   progress counter and what the worker is doing: `_progress_info`),
-  rewritten about once a second from the loop, for `realrl status` and the
+  rewritten every two seconds (PROGRESS_INTERVAL) from the loop, for `realrl status` and the
   hang watchdog (docs/observability.md);
 - stack dumps of all its threads into `<log_dir>/stacks/<type>-<index>.txt`,
   on SIGUSR1 (faulthandler, works even while the process is wedged) or when
@@ -77,7 +77,9 @@ IDLE = PollResult(0, 0)
 _MAX_IDLE_SLEEP = 0.05  # seconds; a poll that found nothing backs off up to this
 RESTARTS_ENV = "REALRL_WORKER_RESTARTS"  # set by the launcher for a worker it started again after it failed
 _STATUS_CHECK_INTERVAL = 0.5  # seconds between reads of experiment_status
-PROGRESS_INTERVAL = 1.0  # seconds between rewrites of the progress record
+# Seconds between rewrites of the progress record: each is a name-service write (etcd: a put
+# and its fsync, ~2 ms of CPU both sides); realrl status calls a record stale after STALE_S (10 s).
+PROGRESS_INTERVAL = 2.0
 _STACK_REQUEST_POLL = 1.0  # seconds between reads of the stack dump request key
 
 
@@ -130,7 +132,7 @@ class Worker:
     def _progress_info(self) -> dict:
         """What this worker is doing now, in a few JSON-able fields (its queue
         depths among them), for `realrl status` and the hang watchdog. Called
-        about once a second from the loop while RUNNING: keep it cheap."""
+        every two seconds from the loop while RUNNING: keep it cheap."""
         return {}
 
     # ---- control ------------------------------------------------------------
