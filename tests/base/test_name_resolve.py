@@ -229,6 +229,11 @@ def test_ttl_key_survives_while_owner_lives(backend, unique_prefix):
     assert repo.get(key) == "x"
 
 
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_etcd_keepalive_stream_times_out_and_reopens(tmp_path):
     """etcd's refreshes share one stream: a stalled etcd makes a refresh
     raise within its timeout (not hang); once etcd answers again the next
@@ -236,11 +241,15 @@ def test_etcd_keepalive_stream_times_out_and_reopens(tmp_path):
     server = EtcdServer(str(tmp_path / "etcd")).start()
     repo = name_resolve.make_repository(make_nr_config("etcd3", tmp_path, server))
     try:
-        repo.add("k", "v", keepalive_ttl=30)
-        repo.add("k2", "v", keepalive_ttl=30)
+        for key in ("k", "k2"):  # leased, without the keep-alive thread (the test refreshes)
+            repo._add(key, "v", 30, replace=True)
         assert repo._refresh("k", 30) and repo._refresh("k2", 30)
         os.kill(server.process.pid, signal.SIGSTOP)
         try:
+            deadline = time.monotonic() + 10
+            while _proc_state(server.process.pid) != "T":  # (stopped: the signal is taken asynchronously)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             started = time.monotonic()
             with pytest.raises(TimeoutError):
                 repo._keepalive_stream.refresh(repo._leases["k"].id, timeout=0.5)
