@@ -165,6 +165,7 @@ class MasterWorker(AsyncWorker):
         self._wait_data_s = 0.0  # of the last _fetch: time the ranks held too few trajectories
         # One rank: the ids of the next step's `assemble`, sent right behind a train step (`_train_step`).
         self._next_batch: list[str] | None = None
+        self._next_batch_since: float | None = None  # when the step it was sent behind ended (None: unknown)
         self._http: aiohttp.ClientSession | None = None  # to the manager, kept open (one connection, not one per call)
         self._manager_url: str | None = None  # resolved once; again after a connection error
         self._finished = False
@@ -367,6 +368,10 @@ class MasterWorker(AsyncWorker):
         if self._rollout_stats is None:  # no baseline (the manager did not answer at the previous step)
             self._rollout_stats = await self._read_rollout_stats()
         t0 = time.monotonic()
+        if self._next_batch is not None and self._next_batch_since is not None:
+            # The rank took this batch while the master logged the previous step: the step is
+            # timed from that step's reply, logging included, so that none of its time is left out.
+            t0 = self._next_batch_since
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
         t_fetch = time.monotonic()
@@ -402,6 +407,7 @@ class MasterWorker(AsyncWorker):
             self.stream.gather_async(train_ids, timeout=self.cfg.rpc_timeout), self._read_rollout_stats()
         )
         t_train = time.monotonic()
+        self._next_batch_since = t_train
         before, self._rollout_stats = self._rollout_stats, rollout_stats
         self.version += 1
         self.step += 1
@@ -456,6 +462,7 @@ class MasterWorker(AsyncWorker):
             and self.step < self.cfg.total_train_steps
         ):
             stats["eval/accuracy"] = (await self._evaluate())["accuracy"]
+            self._next_batch_since = None  # (evaluation time is not a step's)
         if self._checkpoint_due(self.step, prefetched):
             await self._checkpoint()
         self.stats_logger.log(self.step, stats)
