@@ -620,6 +620,7 @@ class ModelWorker(Worker):
 
         self.version = 0
         self.step_trajectories: list = []
+        self._assembled: SequenceBatch | None = None  # the step's batch, built by `assemble`
         self.step_batch: SequenceBatch | None = None
         # A token id past an embedding table kills inference (IndexError), a sequence past the model's
         # positions stalls a step: the puller rejects such trajectories as invalid (check_trainable).
@@ -812,6 +813,9 @@ class ModelWorker(Worker):
         if outgoing or recv_from:
             mine += self._exchange(outgoing, recv_from)
         self.step_trajectories = mine
+        # The batch is built here, not in the train step: with one rank the master asks for it
+        # right behind the previous train step, while it reads that step's reply.
+        self._assembled = SequenceBatch.from_trajectories(mine)
         current = int(data["current_version"])
         return {
             "staleness": [current - t.min_version_start for t in mine],
@@ -860,16 +864,21 @@ class ModelWorker(Worker):
 
     def _handle_inference(self, data: dict) -> dict:
         t0 = time.monotonic()
-        self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+        self.step_batch = self._assembled_batch()
         self.trainer.inference(self.step_batch, decoupled=bool(data.get("decoupled", True)))
         return {"seconds": time.monotonic() - t0}
+
+    def _assembled_batch(self) -> SequenceBatch:
+        """The step's batch: `assemble`'s, once."""
+        batch, self._assembled = self._assembled, None
+        return SequenceBatch.from_trajectories(self.step_trajectories) if batch is None else batch
 
     def _handle_train_step(self, data: dict) -> dict:
         if self.dp_rank == 0 and getattr(self, "_checkpointed", False):  # a test's trainer dying after a checkpoint
             faults.point("model_worker.step_after_checkpoint")
         t0 = time.monotonic()
         if self.step_batch is None:  # no `inference` request this step: nothing in it runs a model
-            self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+            self.step_batch = self._assembled_batch()
             self.trainer.inference(self.step_batch, decoupled=bool(data.get("decoupled", False)))
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0
