@@ -7,7 +7,10 @@ Each step, over the request-reply stream to the model workers:
    `train_batch_size` trajectories together; the oldest B of all of them
    (`choose_batch`) are split across the ranks balanced by tokens
    (`plan_batch`), and `assemble` moves them there. With one rank, one
-   `assemble` with `oldest: B` does both (its B oldest are the batch). No rank has a quota of
+   `assemble` with `oldest: B` does both (its B oldest are the batch), sent
+   right behind the previous step's `train_step` (not behind the last step,
+   one a checkpoint follows, or before a step a test's gate holds), so the
+   rank takes it as soon as that step is done. No rank has a quota of
    its own, so trajectories that arrive unevenly never stall a step. Stale
    drops are published under `dropped_samples` at once so the
    GserverManager gives their staleness budget back (what the pullers refuse
@@ -160,6 +163,9 @@ class MasterWorker(AsyncWorker):
         # figures and of its rejected groups. None: not read yet, or the manager did not answer.
         self._rollout_stats: RolloutStats | None = None
         self._wait_data_s = 0.0  # of the last _fetch: time the ranks held too few trajectories
+        # One rank: the ids of the next step's `assemble`, sent right behind a train step (`_train_step`).
+        self._next_batch: list[str] | None = None
+        self._next_batch_since: float | None = None  # when the step it was sent behind ended (None: unknown)
         self._http: aiohttp.ClientSession | None = None  # to the manager, kept open (one connection, not one per call)
         self._manager_url: str | None = None  # resolved once; again after a connection error
         self._finished = False
@@ -247,19 +253,23 @@ class MasterWorker(AsyncWorker):
     async def _fetch(self) -> dict:
         n, B = self.cfg.n_model_workers, self.cfg.train_batch_size
         all_ranks = list(range(n))
-        min_version = self.version - self.cfg.max_head_offpolicyness
+        min_version = self.version - self.cfg.max_head_offpolicyness  # (n > 1; one rank: `_oldest_request`)
         started = waiting_since = last_warning = last_rejection_check = time.monotonic()
         # The count at the previous step's reading (this step's start, give or take a train step).
         rejected_before = None if self._rollout_stats is None else self._rollout_stats.rejected
         have = -1
         while True:
             asked = time.monotonic()
-            if n == 1:
+            if n == 1 and self._next_batch is not None:  # asked for behind the previous train step
+                ids, self._next_batch, asked = self._next_batch, None, started
+                replies = await self.stream.gather_async(ids, timeout=self.cfg.rpc_timeout)
+            elif n == 1:
                 # One rank: the batch is its B oldest (choose_batch's order, which its buffer
                 # keeps), so one `assemble` drops the stale, looks and takes them: no inventory
                 # round trip before it.
-                request = {"oldest": B, "min_version": min_version, "current_version": self.version}
-                replies = await self.stream.call_async(all_ranks, "assemble", [request], timeout=self.cfg.rpc_timeout)
+                replies = await self.stream.call_async(
+                    all_ranks, "assemble", [self._oldest_request(self.version)], timeout=self.cfg.rpc_timeout
+                )
             else:
                 replies = await self.stream.call_async(
                     all_ranks, "inventory", [{"min_version": min_version, "limit": B}] * n, timeout=self.cfg.rpc_timeout
@@ -315,6 +325,23 @@ class MasterWorker(AsyncWorker):
                 batch["env"][k] = batch["env"].get(k, 0.0) + v
         return batch
 
+    def _oldest_request(self, version: int) -> dict:
+        """One rank's `assemble` of the step that trains at `version`: its B oldest, none staler than η."""
+        return {
+            "oldest": self.cfg.train_batch_size,
+            "min_version": version - self.cfg.max_head_offpolicyness,
+            "current_version": version,
+        }
+
+    def _checkpoint_due(self, step: int, prefetched: bool) -> bool:
+        """Whether a checkpoint follows `step`. The time-based one is not taken after a step behind
+        which the next batch was taken already (those trajectories are neither buffered nor trained,
+        so the checkpoint would lose them): it waits one step, for one taken after it."""
+        every_n, every_s = self.cfg.checkpoint_every_n_steps, self.cfg.checkpoint_every_minutes * 60
+        if every_n and step % every_n == 0:
+            return True
+        return bool(every_s) and not prefetched and time.monotonic() - self._last_checkpoint >= every_s
+
     async def _assemble(self, chosen: list[tuple[int, int, int]]) -> list[dict]:
         """Moves the chosen trajectories to the ranks that train them (`plan_batch`): the ranks' replies."""
         all_ranks = list(range(self.cfg.n_model_workers))
@@ -341,6 +368,10 @@ class MasterWorker(AsyncWorker):
         if self._rollout_stats is None:  # no baseline (the manager did not answer at the previous step)
             self._rollout_stats = await self._read_rollout_stats()
         t0 = time.monotonic()
+        if self._next_batch is not None and self._next_batch_since is not None:
+            # The rank took this batch while the master logged the previous step: the step is
+            # timed from that step's reply, logging included, so that none of its time is left out.
+            t0 = self._next_batch_since
         all_ranks = list(range(self.cfg.n_model_workers))
         batch = await self._fetch()
         t_fetch = time.monotonic()
@@ -352,25 +383,31 @@ class MasterWorker(AsyncWorker):
                 timeout=self.cfg.rpc_timeout,
             )
         t_inf = time.monotonic()
+        last_step = self.step + 1 == self.cfg.total_train_steps
+        train = {"version": self.version + 1, "last_step": last_step, "decoupled": self.cfg.use_decoupled_loss}
+        train_ids = await self.stream.request_async(all_ranks, "train_step", [train] * len(all_ranks))
+        # One rank: the next step's batch is asked for right behind this train step. The rank runs
+        # its requests in order, so it takes the batch as soon as the step (and the publish of its
+        # version) is done, from what it holds then, as the next step's `_fetch` would: while this
+        # reply travels and the master logs this step instead of after. Not behind the last step,
+        # nor one a checkpoint follows (the taken batch would be neither buffered nor trained in it),
+        # nor before a step a test holds the trial at (its gate: the batch is taken after it).
+        prefetched = (
+            len(all_ranks) == 1
+            and not last_step
+            and not self._checkpoint_due(self.step + 1, prefetched=False)
+            and not faults.is_armed(f"master_worker.step_{self.step + 2}")
+        )
+        if prefetched:
+            request = self._oldest_request(self.version + 1)  # the next step's: at the version this one makes
+            self._next_batch = await self.stream.request_async(all_ranks, "assemble", [request])
         # The manager's figures are read while the trainers train: an HTTP round trip between two
         # steps (or two in the fetch) would keep the trainers waiting.
         results, rollout_stats = await asyncio.gather(
-            self.stream.call_async(
-                all_ranks,
-                "train_step",
-                [
-                    {
-                        "version": self.version + 1,
-                        "last_step": self.step + 1 == self.cfg.total_train_steps,
-                        "decoupled": self.cfg.use_decoupled_loss,
-                    }
-                ]
-                * len(all_ranks),
-                timeout=self.cfg.rpc_timeout,
-            ),
-            self._read_rollout_stats(),
+            self.stream.gather_async(train_ids, timeout=self.cfg.rpc_timeout), self._read_rollout_stats()
         )
         t_train = time.monotonic()
+        self._next_batch_since = t_train
         before, self._rollout_stats = self._rollout_stats, rollout_stats
         self.version += 1
         self.step += 1
@@ -425,8 +462,8 @@ class MasterWorker(AsyncWorker):
             and self.step < self.cfg.total_train_steps
         ):
             stats["eval/accuracy"] = (await self._evaluate())["accuracy"]
-        every_n, every_s = self.cfg.checkpoint_every_n_steps, self.cfg.checkpoint_every_minutes * 60
-        if (every_n and self.step % every_n == 0) or (every_s and time.monotonic() - self._last_checkpoint >= every_s):
+            self._next_batch_since = None  # (evaluation time is not a step's)
+        if self._checkpoint_due(self.step, prefetched):
             await self._checkpoint()
         self.stats_logger.log(self.step, stats)
         acc = stats.get("rollout/accuracy", 0.0)  # trained answers with full credit

@@ -53,6 +53,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
 
@@ -212,12 +213,23 @@ def remove_versions_after(weights_dir: str, version: int) -> list[str]:
 
 class _Layout:
     """What `save_model` wrote for a model: its one safetensors file (the names in
-    it, its metadata) and the bytes of every other file of the directory."""
+    it, its metadata; `head`, the file's header bytes, and `entries`, its tensors'
+    names, dtypes and shapes in the file's order, when the file is the header then
+    those tensors' bytes end to end, else None) and the bytes of every other file."""
 
-    __slots__ = ("names", "metadata", "files")
+    __slots__ = ("names", "metadata", "files", "head", "entries", "mode")
 
-    def __init__(self, names: list[str], metadata: dict[str, str] | None, files: dict[str, bytes]):
+    def __init__(
+        self,
+        names: list[str],
+        metadata: dict[str, str] | None,
+        files: dict[str, bytes],
+        head: bytes | None = None,
+        entries: list[tuple[str, torch.dtype, torch.Size]] | None = None,
+        mode: int = 0o644,
+    ):
         self.names, self.metadata, self.files = names, metadata, files
+        self.head, self.entries, self.mode = head, entries, mode
 
 
 class VersionWriter:
@@ -270,14 +282,61 @@ class VersionWriter:
         return state if self.dtype is None else cast_state_dict(state, self.dtype)
 
     def _write_direct(self, layout: _Layout, model: torch.nn.Module, path: str, state_dict: dict | None) -> None:
-        from safetensors.torch import save_file
-
         state = self._state(model, state_dict)
-        tensors = {name: state[name].contiguous() for name in layout.names}
-        save_file(tensors, os.path.join(path, _WEIGHTS_FILE), layout.metadata)
+        weights = os.path.join(path, _WEIGHTS_FILE)
+        if layout.entries is None or not _write_stream(weights, layout, state):
+            from safetensors.torch import save_file
+
+            save_file({name: state[name].contiguous() for name in layout.names}, weights, layout.metadata)
         for name, data in layout.files.items():
             with open(os.path.join(path, name), "wb") as f:
                 f.write(data)
+
+
+def _write_stream(path: str, layout: _Layout, state: dict) -> bool:
+    """The safetensors file of `state` as `layout` describes it, written as its first
+    version's header and then each tensor's bytes from the tensor itself, in one
+    gathered write: the bytes safetensors' `save_file` writes (same names, dtypes,
+    shapes, so the same header), without its per-tensor Python and its copy of every
+    tensor into one buffer first. False (nothing written) if a tensor's dtype or shape
+    is not the layout's."""
+    chunks: list = [layout.head]
+    for name, dtype, shape in layout.entries or ():
+        tensor = state[name].detach()
+        if tensor.dtype != dtype or tensor.shape != shape:
+            return False
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        chunks.append(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, layout.mode)
+    try:
+        while views:  # writev may write part of the list: go on from where it stopped
+            n = os.writev(fd, views[:_IOV_MAX])
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+    finally:
+        os.close(fd)
+    return True
+
+
+_IOV_MAX = 512  # buffers per writev (Linux allows 1024)
+# safetensors' dtype names of the dtypes a stream-written file may hold.
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 _WEIGHTS_FILE = "model.safetensors"
@@ -306,7 +365,37 @@ def _layout_of(path: str, state: dict | None) -> _Layout | None:
         if name != _WEIGHTS_FILE:
             with open(os.path.join(path, name), "rb") as fh:
                 contents[name] = fh.read()
-    return _Layout(names, metadata, contents)
+    return _Layout(names, metadata, contents, *_stream_layout(os.path.join(path, _WEIGHTS_FILE), state))
+
+
+def _stream_layout(path: str, state: dict) -> tuple[bytes | None, list | None, int]:
+    """The safetensors file at `path` (written from `state`) as header bytes and its tensors
+    in file order, if it is exactly the header (8-byte length, JSON) and then those
+    tensors' bytes end to end, each as `state` holds it; else (None, None). And its mode."""
+    mode = os.stat(path).st_mode & 0o777
+    if sys.byteorder != "little":  # safetensors is little-endian; a tensor's bytes are the machine's
+        return None, None, mode
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = f.read(size)
+    info = json.loads(header)
+    info.pop("__metadata__", None)
+    entries, offset = [], 0
+    for name in sorted(info, key=lambda k: info[k]["data_offsets"][0]):
+        tensor, (start, end) = state[name], info[name]["data_offsets"]
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            start != offset
+            or end - start != nbytes
+            or info[name]["dtype"] != _SAFETENSORS_DTYPES.get(tensor.dtype)
+            or info[name]["shape"] != list(tensor.shape)
+        ):
+            return None, None, mode
+        entries.append((name, tensor.dtype, tensor.shape))
+        offset = end
+    if 8 + size + offset != os.path.getsize(path):
+        return None, None, mode
+    return size.to_bytes(8, "little") + header, entries, mode
 
 
 def _sampled_lens(t: Trajectory) -> list[int]:
@@ -531,6 +620,7 @@ class ModelWorker(Worker):
 
         self.version = 0
         self.step_trajectories: list = []
+        self._assembled: SequenceBatch | None = None  # the step's batch, built by `assemble`
         self.step_batch: SequenceBatch | None = None
         # A token id past an embedding table kills inference (IndexError), a sequence past the model's
         # positions stalls a step: the puller rejects such trajectories as invalid (check_trainable).
@@ -723,6 +813,9 @@ class ModelWorker(Worker):
         if outgoing or recv_from:
             mine += self._exchange(outgoing, recv_from)
         self.step_trajectories = mine
+        # The batch is built here, not in the train step: with one rank the master asks for it
+        # right behind the previous train step, while it reads that step's reply.
+        self._assembled = SequenceBatch.from_trajectories(mine)
         current = int(data["current_version"])
         return {
             "staleness": [current - t.min_version_start for t in mine],
@@ -771,16 +864,21 @@ class ModelWorker(Worker):
 
     def _handle_inference(self, data: dict) -> dict:
         t0 = time.monotonic()
-        self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+        self.step_batch = self._assembled_batch()
         self.trainer.inference(self.step_batch, decoupled=bool(data.get("decoupled", True)))
         return {"seconds": time.monotonic() - t0}
+
+    def _assembled_batch(self) -> SequenceBatch:
+        """The step's batch: `assemble`'s, once."""
+        batch, self._assembled = self._assembled, None
+        return SequenceBatch.from_trajectories(self.step_trajectories) if batch is None else batch
 
     def _handle_train_step(self, data: dict) -> dict:
         if self.dp_rank == 0 and getattr(self, "_checkpointed", False):  # a test's trainer dying after a checkpoint
             faults.point("model_worker.step_after_checkpoint")
         t0 = time.monotonic()
         if self.step_batch is None:  # no `inference` request this step: nothing in it runs a model
-            self.step_batch = SequenceBatch.from_trajectories(self.step_trajectories)
+            self.step_batch = self._assembled_batch()
             self.trainer.inference(self.step_batch, decoupled=bool(data.get("decoupled", False)))
         stats = self.trainer.train_step(self.step_batch)
         stats["train_seconds"] = time.monotonic() - t0

@@ -154,10 +154,11 @@ def test_a_mixed_precision_version_is_published_in_the_runs_dtype(source_dirs, t
 @pytest.mark.parametrize("family,dtype", [("llama3", None), ("qwen2.5", torch.bfloat16)])
 def test_a_trainers_later_versions_are_the_directory_save_pretrained_writes(family, dtype, source_dirs, tmp_path):
     """A trainer's `VersionWriter` writes its first version with save_pretrained and
-    the later ones directly (safetensors + the first one's other files): each later
-    version holds the same files as save_pretrained's directory of the same weights,
-    byte for byte but the weights file, whose tensors and metadata are the same
-    (Qwen2.5: the tied embedding written once; in a mixed-precision run's dtype)."""
+    the later ones directly (the first one's safetensors header, each tensor's bytes
+    after it, and the first one's other files): each later version holds the same
+    files as save_pretrained's directory of the same weights, byte for byte, the
+    weights file too (Qwen2.5: the tied embedding written once; in a
+    mixed-precision run's dtype)."""
     from safetensors import safe_open
 
     source = source_dirs[family]
@@ -172,9 +173,8 @@ def test_a_trainers_later_versions_are_the_directory_save_pretrained_writes(fami
         reference = publish_weights(model, str(tmp_path / "reference"), version, tokenizer_source=source, dtype=dtype)
         assert sorted(os.listdir(direct)) == sorted(os.listdir(reference))
         for name in os.listdir(reference):
-            if name != "model.safetensors":
-                with open(os.path.join(direct, name), "rb") as a, open(os.path.join(reference, name), "rb") as b:
-                    assert a.read() == b.read(), name
+            with open(os.path.join(direct, name), "rb") as a, open(os.path.join(reference, name), "rb") as b:
+                assert a.read() == b.read(), name
         with (
             safe_open(os.path.join(direct, "model.safetensors"), "pt") as a,
             safe_open(os.path.join(reference, "model.safetensors"), "pt") as b,
@@ -187,6 +187,7 @@ def test_a_trainers_later_versions_are_the_directory_save_pretrained_writes(fami
         for name, p in loaded.named_parameters():
             assert torch.equal(p, master[name].to(dtype or p.dtype)), name
     assert writer.n_direct == 2  # (save_pretrained each time: 0)
+    assert writer._layout.entries is not None  # written from the tensors' own bytes, not through save_file
     assert sorted(os.listdir(tmp_path / "weights")) == ["1", "2", "3"]
 
 
