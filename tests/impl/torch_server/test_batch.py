@@ -11,7 +11,7 @@ import random
 import torch
 
 from realrl.impl.generation.torch_server import batch as batch_module
-from realrl.impl.generation.torch_server.batch import RunningBatch
+from realrl.impl.generation.torch_server.batch import Rows, RunningBatch
 from realrl.impl.generation.torch_server.protocol import Request
 from realrl.impl.generation.torch_server.sampling import RowParams
 from tests.impl.conftest import tiny_llama_config
@@ -30,20 +30,30 @@ def key(req: Request, position: int, layer: int) -> float:
     return int(req.rid) * 10_000 + position * 10 + layer + 1
 
 
-def prefilled(group: list[Request]) -> tuple[list, torch.Tensor]:
+def prefilled(group: list[Request], rng: random.Random | None = None) -> Rows:
     """What a prefill hands over: per layer (keys, values) [n, 1, length, 1]
-    and the mask, each row right-aligned."""
+    and the mask, each row right-aligned. With `rng`, half the time as a prefill of
+    distinct prompts does: the tensors hold the rows shuffled among rows no request
+    takes (NaN), and `source` says which row is whose."""
     length = max(kv_len(r) for r in group)
     mask = torch.zeros((len(group), length), dtype=torch.bool)
+    source = None
+    at = list(range(len(group)))
+    n_rows = len(group)
+    if rng is not None and rng.random() < 0.5:
+        n_rows = len(group) + rng.randint(0, 2)
+        at = rng.sample(range(n_rows), len(group))
+        source = torch.tensor(at, dtype=torch.long)
     kv = []
     for layer in range(LAYERS):
-        keys = torch.zeros((len(group), 1, length, 1))
+        keys = torch.full((n_rows, 1, length, 1), float("nan"))
         for i, r in enumerate(group):
             n = kv_len(r)
             mask[i, length - n :] = True
-            keys[i, 0, length - n :, 0] = torch.tensor([key(r, j, layer) for j in range(n)])
+            keys[at[i], 0, : length - n, 0] = 0.0
+            keys[at[i], 0, length - n :, 0] = torch.tensor([key(r, j, layer) for j in range(n)])
         kv.append((keys, -keys))
-    return kv, mask
+    return Rows(kv, mask, source)
 
 
 def decode_step(batch: RunningBatch, token: int) -> None:
@@ -64,7 +74,8 @@ def decode_step(batch: RunningBatch, token: int) -> None:
 
 
 def check(batch: RunningBatch) -> None:
-    kv, mask = batch.live()
+    kv, mask, source = batch.live()
+    assert source is None
     width = batch.length
     assert len(batch.requests) == batch.size == mask.shape[0]
     assert bool(mask[:, 0].any()), "a leading column that is padding in every row stayed in the window"
@@ -72,6 +83,7 @@ def check(batch: RunningBatch) -> None:
         n = kv_len(r)
         assert mask[i].tolist() == [False] * (width - n) + [True] * n, r.rid
         for layer, (keys, values) in enumerate(kv):
+            assert bool(keys[i].isfinite().all() and values[i].isfinite().all()), (r.rid, layer)  # padding too
             expected = torch.tensor([key(r, j, layer) for j in range(n)])
             assert torch.equal(keys[i, 0, width - n :, 0], expected), (r.rid, layer)
             assert torch.equal(values[i, 0, width - n :, 0], -expected), (r.rid, layer)
@@ -105,10 +117,10 @@ def test_rows_keep_their_keys_and_values_through_joins_steps_and_departures(monk
                 group[-1].output_ids.append(rng.randrange(64))  # the token sampled at prefill
                 n_requests += 1
             if batch is None:
-                batch = RunningBatch(group, prefilled(group), CONFIG, max_rows=4)
+                batch = RunningBatch(group, prefilled(group, rng), CONFIG, max_rows=4)
             else:
                 buffer, start = batch.mask.data_ptr(), batch.window.start
-                batch.add(group, prefilled(group))
+                batch.add(group, prefilled(group, rng))
                 if batch.mask.data_ptr() != buffer:
                     seen["join_reallocating"] += 1
                 else:

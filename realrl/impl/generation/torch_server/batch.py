@@ -15,6 +15,8 @@ a ready 4D boolean mask, so HF builds no mask per step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -66,8 +68,23 @@ class KVBuffer(DynamicLayer):
         return self.window.end - self.window.start
 
 
-# Keys/values of some rows, (per-layer (keys, values), mask), columns right-aligned.
-Rows = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+class Rows(NamedTuple):
+    """Keys/values of some rows, columns right-aligned: per layer (keys, values) and the rows' mask. `source`
+    None: row i of the tensors is row i; else row i is the tensors' row `source[i]` (a prefill's distinct
+    prompts, each the source of its answers' rows), copied straight into the batch's buffers by one indexed
+    copy per tensor, with no copy of the rows in between."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor
+    source: torch.Tensor | None = None
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor, source: torch.Tensor | None) -> None:
+    """`dst` (a view of a buffer) = `src`, or `src`'s rows `source`."""
+    if source is None:
+        dst.copy_(src)
+    else:
+        torch.index_select(src, 0, source, out=dst)
 
 
 class RunningBatch:
@@ -87,8 +104,8 @@ class RunningBatch:
         self.config = config
         self.max_rows = max_rows
         self.requests: list[Request] = []
-        kv, mask = rows
-        self._allocate([(kv, mask)], n_rows=mask.shape[0], length=mask.shape[1], extra_requests=requests, spare=spare)
+        n_rows, length = rows.mask.shape
+        self._allocate([rows], n_rows=n_rows, length=length, extra_requests=requests, spare=spare)
         self.requests = list(requests)
         self._refresh_rows()
 
@@ -108,7 +125,7 @@ class RunningBatch:
             (layer.keys_buf[: w.rows, :, w.start : w.end], layer.values_buf[: w.rows, :, w.start : w.end])
             for layer in self.cache.layers
         ]
-        return kv, self.mask[: w.rows, w.start : w.end]
+        return Rows(kv, self.mask[: w.rows, w.start : w.end])
 
     def decode_mask(self) -> torch.Tensor:
         """The 4D boolean mask [rows, 1, 1, length + 1] for the next decode step
@@ -140,26 +157,26 @@ class RunningBatch:
         row_capacity = min(max(self.max_rows, n_rows), max(2 * n_rows, 8))
         col_capacity = length + self.headroom(requests)
         self.window = Window(n_rows, 0, length)
-        if spare is not None and spare._fits(parts[0][0], row_capacity, col_capacity):
+        if spare is not None and spare._fits(parts[0].kv, row_capacity, col_capacity):
             self.mask = spare.mask
             self.mask.zero_()
             layers = [KVBuffer(old.keys_buf, old.values_buf, self.window) for old in spare.cache.layers]
             spare.cache.layers = []  # the buffers are this batch's now
         else:
-            self.mask = torch.zeros((row_capacity, col_capacity), dtype=torch.bool, device=parts[0][1].device)
+            self.mask = torch.zeros((row_capacity, col_capacity), dtype=torch.bool, device=parts[0].mask.device)
             layers = []
-            for k0, v0 in parts[0][0]:
+            for k0, v0 in parts[0].kv:
                 keys = k0.new_zeros((row_capacity, k0.shape[1], col_capacity, k0.shape[3]))
                 values = v0.new_zeros((row_capacity, v0.shape[1], col_capacity, v0.shape[3]))
                 layers.append(KVBuffer(keys, values, self.window))
         row = 0
-        for kv, part_mask in parts:
+        for kv, part_mask, source in parts:
             n, cols = part_mask.shape
             offset = length - cols
             self.mask[row : row + n, offset:length] = part_mask
             for layer, (k, v) in zip(layers, kv):
-                layer.keys_buf[row : row + n, :, offset:length] = k
-                layer.values_buf[row : row + n, :, offset:length] = v
+                _put(layer.keys_buf[row : row + n, :, offset:length], k, source)
+                _put(layer.values_buf[row : row + n, :, offset:length], v, source)
             row += n
         self.cache = DynamicCache(config=self.config)
         self.cache.layers = layers
@@ -251,7 +268,7 @@ class RunningBatch:
 
     def add(self, requests: list[Request], rows: Rows) -> None:
         """Join freshly prefilled rows (keys/values/mask right-aligned)."""
-        kv, mask = rows
+        kv, mask, source = rows
         n, cols = mask.shape
         w = self.window
         row_capacity, col_capacity = self.mask.shape
@@ -267,8 +284,8 @@ class RunningBatch:
             self.mask[r0:r1, w.start : w.end] = False
             self.mask[r0:r1, c0 : w.end] = mask
             for layer, (k, v) in zip(self.cache.layers, kv):
-                layer.keys_buf[r0:r1, :, c0 : w.end] = k
-                layer.values_buf[r0:r1, :, c0 : w.end] = v
+                _put(layer.keys_buf[r0:r1, :, c0 : w.end], k, source)
+                _put(layer.values_buf[r0:r1, :, c0 : w.end], v, source)
             w.rows = r1
         self.requests.extend(requests)
         self._refresh_rows()

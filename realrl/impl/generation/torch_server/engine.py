@@ -683,19 +683,17 @@ class GenerationEngine:
         rows = source_rows[torch.tensor(keep, dtype=torch.long, device=self.device)]
         row_mask = mask.index_select(0, rows)
         first = int(row_mask.any(dim=0).int().argmax())
-        row_mask = row_mask[:, first:]
-        # The kept rows' columns from `first` on, copied once; the padded positions zeroed in
-        # that copy: their keys/values are never attended, but they must be finite.
-        kv = [
-            (layer.keys[:, :, first:].index_select(0, rows), layer.values[:, :, first:].index_select(0, rows))
-            for layer in cache.layers
-        ]
-        if not bool(row_mask.all()):
-            pad = ~row_mask[:, None, :, None]
+        # Each distinct prompt's columns from `first` on, its padded positions zeroed in place (their
+        # keys/values are never attended, but they must be finite); the batch copies them into the kept
+        # rows (`rows`: each row's prompt) with one indexed copy per tensor, no copy of the rows before.
+        kv = [(layer.keys[:, :, first:], layer.values[:, :, first:]) for layer in cache.layers]
+        prompt_mask = mask[:, first:]
+        if not bool(prompt_mask.all()):
+            pad = ~prompt_mask[:, None, :, None]
             for k, v in kv:
                 k.masked_fill_(pad, 0)
                 v.masked_fill_(pad, 0)
-        return [group[i] for i in keep], (kv, row_mask)
+        return [group[i] for i in keep], Rows(kv, row_mask[:, first:], rows)
 
     def _banned(self, requests: list[Request]) -> list[tuple[int, list[int]]] | None:
         banned = [
@@ -773,9 +771,9 @@ class GenerationEngine:
                 type(error).__name__,
                 error,
             )
-            kv, mask = batch.live()
+            kv, mask, _ = batch.live()
             for i, req in enumerate(batch.requests):
-                row = ([(k[i : i + 1], v[i : i + 1]) for k, v in kv], mask[i : i + 1])
+                row = Rows([(k[i : i + 1], v[i : i + 1]) for k, v in kv], mask[i : i + 1])
                 try:
                     self._step(RunningBatch([req], row, self.config, max_rows=1))
                 except Exception as e:
