@@ -585,15 +585,11 @@ class LocalLauncher:
         )
 
     def _watchdog_tick(self) -> str | None:
-        """The watchdog's tick. It reads the workers' rows from the name service
-        itself, so it may be the first to find it gone (the status watch learns
-        that its stream ended a moment later): then the trial ends as the
-        status check ends it, with the one line that names the name service."""
+        """The watchdog reads the rows itself, so it may be the first to find the name service gone."""
         try:
             return self._watchdog.tick()
         except Exception:
-            problem = self._name_service_problem()
-            if problem is None:  # (the name service answers: the watchdog's own failure)
+            if (problem := self._name_service_problem()) is None:  # (the watchdog's own failure)
                 raise
             raise NameServiceLost(problem) from None
 
