@@ -20,6 +20,7 @@ import transformers
 from realrl.base import trial_secret
 from realrl.base.cpu_threads import FollowIdleCores, IdleCores
 from realrl.base.logging import configure, getLogger
+from realrl.base.malloc import hold_malloc
 from realrl.base.process import exit_process
 from realrl.impl.generation.eos import eos_token_ids_in_dir
 from realrl.impl.generation.torch_server.http import TorchGenerationServer, serve
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     configure(f"torch_server:{args.port}", args.log_level)
     keys = trial_secret.install(args.secret_file)  # a bad secret file stops it before the model loads
     transformers.logging.disable_progress_bar()  # a "Loading weights" bar per weight update
+    hold_malloc()  # the decode steps' temporaries come from the heap, not a fresh mmap each (realrl/base/malloc.py)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
