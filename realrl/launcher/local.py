@@ -440,7 +440,7 @@ class LocalLauncher:
             if status == ExperimentStatus.ABORTED:
                 self._say("realrl: trial aborted (experiment_status=ABORTED)")
                 return 1
-            if self._watchdog is not None and self._watchdog.tick() == "stop":
+            if self._watchdog is not None and self._watchdog_tick() == "stop":
                 return self._stop_hung_trial()
             if deadline is not None and time.monotonic() > deadline:
                 self._say(f"realrl: trial did not finish within {timeout}s; stopping it")
@@ -583,6 +583,15 @@ class LocalLauncher:
             self._say,
             signal_worker=self._signal_for_stacks,
         )
+
+    def _watchdog_tick(self) -> str | None:
+        """The watchdog reads the rows itself, so it may be the first to find the name service gone."""
+        try:
+            return self._watchdog.tick()
+        except Exception:
+            if (problem := self._name_service_problem()) is None:  # (the watchdog's own failure)
+                raise
+            raise NameServiceLost(problem) from None
 
     def _signal_for_stacks(self, row) -> bool:
         """SIGUSR1 to a worker that did not answer a stack dump request: only a

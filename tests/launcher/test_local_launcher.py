@@ -253,3 +253,32 @@ def test_a_trial_running_elsewhere_on_a_shared_etcd_is_left_alone(tmp_path, etcd
             repo.add(names.experiment_status("launchtest", trial), "ABORTED", replace=True, delete_on_exit=False)
             thread.join(60)
         repo.close()
+
+
+def test_etcd_lost_under_the_watchdogs_read_ends_the_trial_with_the_one_line(tmp_path):
+    """The watchdog reads the workers' rows from etcd itself, so it can be the
+    first to find etcd gone (the status watch learns a moment later that its
+    stream ended). That read must end the trial as the status check does:
+    NameServiceLost naming etcd, not the read's traceback."""
+    from realrl.launcher.local import NameServiceLost
+    from realrl.launcher.watchdog import Watchdog
+
+    launcher = LocalLauncher("launchtest", "wdlost", str(tmp_path), NameResolveConfig(type="etcd3"), heartbeat_ttl=2)
+    launcher.acquire_trial()
+    try:
+        launcher._start_name_resolve()
+        watchdog = Watchdog("launchtest", "wdlost", launcher.log_dir, [("master_worker", 0)], 60, "stop", print)
+        launcher._watchdog = watchdog
+        assert launcher._watchdog_tick() is None  # etcd answers: no row yet, nothing to say
+        [etcd] = [p for p in psutil.Process(launcher._etcd_supervisor.pid).children() if p.name() == "etcd"]
+        etcd.kill()
+        etcd.wait(10)
+        watchdog._last_read = -float("inf")  # (its next tick reads the rows)
+        with pytest.raises(NameServiceLost, match=r"etcd at 127\.0\.0\.1:\d+ does not answer|private etcd .* exited"):
+            launcher._watchdog_tick()
+    finally:
+        launcher._owns_keepalive = False
+        launcher._release_name_resolve()
+        launcher._stop_name_resolve()
+        launcher.release_trial()
+    assert launcher._etcd_supervisor.poll() is not None
