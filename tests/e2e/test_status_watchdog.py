@@ -53,6 +53,18 @@ def table(text: str) -> dict[str, list[str]]:
     return rows
 
 
+def _doing_in_training(rows: dict[str, list[str]]) -> bool:
+    """Whether each worker's DOING shows what it does once training runs."""
+    doing = {tag: cells[4] for tag, cells in rows.items()}
+    return bool(
+        re.search(r"step=\d+/400 stage=\w+", doing.get("master_worker/0", ""))
+        and "buffered=" in doing.get("model_worker/0", "")
+        and "episodes=" in doing.get("rollout_worker/0", "")
+        and re.search(r"admission=(?!not started)", doing.get("gserver_manager/0", ""))
+        and "version=" in doing.get("generation_server/0", "")
+    )
+
+
 def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache):
     """Also test_faults' killed worker for the rollout worker: its death stops the trial, the
     rest exit by themselves. (A rollout worker is started again by default: test_recovery.py.)"""
@@ -62,19 +74,24 @@ def test_status_while_running_after_a_kill_and_after_the_end(tmp_path, kit_cache
         trial.wait_for_step(2)
         workers = trial.workers()
 
-        # Running: every worker listed with a live heartbeat and what it does.
-        shown = status(tmp_path, "status")
-        assert shown.returncode == 0, shown.stdout + shown.stderr
-        assert shown.stdout.startswith("trial async-ppo-tiny/status: RUNNING"), shown.stdout
-        rows = table(shown.stdout)
+        # Running: every worker listed with a live heartbeat and what it does. A worker rewrites its
+        # record every PROGRESS_INTERVAL (2 s), so the first ones may predate training: read again
+        # until every worker's record says what it does in training.
+        deadline = time.monotonic() + 60
+        while True:
+            shown = status(tmp_path, "status")
+            assert shown.returncode == 0, shown.stdout + shown.stderr
+            assert shown.stdout.startswith("trial async-ppo-tiny/status: RUNNING"), shown.stdout
+            rows = table(shown.stdout)
+            if all(tag in rows for tag in tags) and _doing_in_training(rows) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert sorted(rows) == sorted(tags), shown.stdout
         for tag in tags:
             _, pid, state, heartbeat, _ = rows[tag]
             assert state.startswith("RUNNING") and re.fullmatch(r"[\d.]+[smh]", heartbeat), shown.stdout
             assert int(pid) == workers[tag.replace("/", "-")].pid
-        assert re.search(r"step=\d+/400 stage=\w+", rows["master_worker/0"][4]), shown.stdout
-        assert "buffered=" in rows["model_worker/0"][4] and "episodes=" in rows["rollout_worker/0"][4]
-        assert "admission=" in rows["gserver_manager/0"][4] and "version=" in rows["generation_server/0"][4]
+        assert _doing_in_training(rows), shown.stdout
 
         # --stacks: a report with every worker's stacks.
         shown = status(tmp_path, "status", "--stacks")
