@@ -16,6 +16,8 @@ layer, each usable alone:
 - `sampling`: one token per row of a batch, and its logprob
   (`log_softmax(logits / T)`, before filtering);
 - `batch`: the running batch and its left-padded, preallocated KV buffers;
+- `lean_decode`: a Llama decode step's forward without transformers' module
+  dispatch (HF's ops exactly, its logits bit for bit);
 - `weights`: reading a safetensors directory, checking names and shapes,
   copying it into the model in place; LoRA adapters read and merged into
   the weights (docs/design.md §8);

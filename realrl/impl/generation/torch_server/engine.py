@@ -74,6 +74,7 @@ from realrl.api.sglang_api import (
 from realrl.base.http_body import BodyError
 from realrl.base.logging import getLogger
 from realrl.impl.generation.torch_server.batch import Rows, RunningBatch
+from realrl.impl.generation.torch_server.lean_decode import lean_decoder
 from realrl.impl.generation.torch_server.model import attention_layout
 from realrl.impl.generation.torch_server.protocol import GenerateLimits, Request
 from realrl.impl.generation.torch_server.sampling import RowParams, sample_tokens
@@ -160,6 +161,8 @@ class GenerationEngine:
         )
         # Refuses attention it cannot serve exactly; the masks of a decode step (model.py).
         self.layout = attention_layout(self.config)
+        # A decode step's forward without transformers' module dispatch, HF's ops exactly (Llama); else None
+        self._lean = lean_decoder(model) if self.layout.window is None else None
         self._targets = WeightTargets(model)
         # LoRA adapters (docs/design.md §8): those loaded, by name; one at a time is merged into the weights.
         self._adapter_targets = AdapterTargets(model)
@@ -730,15 +733,18 @@ class GenerationEngine:
         column `end`, but the window does not advance: a step that raises can
         be run again."""
         batch.reserve(1)
-        out = self.model(
-            input_ids=batch.last_tokens[:, None],
-            attention_mask=self.layout.decode_masks(batch.decode_mask()),
-            position_ids=batch.positions[:, None],
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
+        if self._lean is not None:
+            logits = self._lean(batch.last_tokens[:, None], batch.decode_mask(), batch.positions[:, None], batch.cache)
+        else:
+            logits = self.model(
+                input_ids=batch.last_tokens[:, None],
+                attention_mask=self.layout.decode_masks(batch.decode_mask()),
+                position_ids=batch.positions[:, None],
+                past_key_values=batch.cache,
+                use_cache=True,
+            ).logits[:, -1, :]
         tokens, logprobs, sampling_logprobs = sample_tokens(
-            out.logits[:, -1, :], batch.params, self._generator, self._banned(batch.requests)
+            logits, batch.params, self._generator, self._banned(batch.requests)
         )
         return tokens, tokens.tolist(), logprobs.tolist(), sampling_logprobs.tolist()
 
