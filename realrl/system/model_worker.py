@@ -754,7 +754,10 @@ class ModelWorker(Worker):
 
     def _exit_hook(self) -> None:
         if getattr(self, "_announcer", None) is not None:
-            self._announcer.close()  # the version handed over last is written
+            try:
+                self._announcer.close()  # the version handed over last is written
+            except RuntimeError as e:  # (e.g. the name service gone as an aborted trial ends: no one to tell)
+                self.logger.warning("%s", e)
         if getattr(self, "_broadcast", None) is not None:
             self._broadcast.close()  # versions still queued go out
         for closer in ("server", "dataset"):
