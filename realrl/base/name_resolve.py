@@ -602,6 +602,22 @@ class FileNameRecordRepository(NameRecordRepository):
             return False
 
 
+# grpc waits for a stream's next message in slices of `grpc._common.MAXIMUM_WAIT_TIMEOUT` (0.1 s,
+# so that a main thread blocked there still runs its signal handlers): the watch thread of every
+# process woke 10 times a second with nothing to read. Our streams (the watch, the lease
+# keep-alive) are read by daemon threads only; a message or the stream's end still wakes them at once.
+GRPC_STREAM_WAIT_S = 1.0
+
+
+def _relax_grpc_stream_wait() -> None:
+    try:
+        from grpc import _common
+    except ImportError:  # (a grpc without it: its own default stays)
+        return
+    if getattr(_common, "MAXIMUM_WAIT_TIMEOUT", GRPC_STREAM_WAIT_S) < GRPC_STREAM_WAIT_S:
+        _common.MAXIMUM_WAIT_TIMEOUT = GRPC_STREAM_WAIT_S
+
+
 class Etcd3NameRecordRepository(NameRecordRepository):
     """A real etcd (v3 API) through the `pyetcd` client (etcd-sdk-python),
     authenticated as `user` when one is given."""
@@ -609,6 +625,7 @@ class Etcd3NameRecordRepository(NameRecordRepository):
     def __init__(self, addr: str, user: str = "", password: str | None = None) -> None:
         import pyetcd  # heavy (grpc); imported only when etcd is used
 
+        _relax_grpc_stream_wait()
         super().__init__()
         host, _, port = addr.rpartition(":")
         self.addr = addr

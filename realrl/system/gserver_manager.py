@@ -183,6 +183,7 @@ class GserverManager(AsyncWorker):
         self.bad_requests = 0
         self._gate = BearerGate(trial_secret.http_api_key())  # docs/design.md §14
         self.requests_served = 0  # HTTP requests answered (progress record: the load on the manager)
+        self.requests_by_path: collections.Counter[str] = collections.Counter()  # (logged at the end)
         self._refusals: collections.Counter[str] = collections.Counter()
         # Set (and replaced) whenever admission may have opened: waiting allocations try again.
         self._admission_changed = asyncio.Event()
@@ -347,6 +348,7 @@ class GserverManager(AsyncWorker):
             self._epochs.close()
         if self.router is not None:
             self._log_stats(force=True)
+        self.logger.info("HTTP requests served per path: %s", dict(self.requests_by_path.most_common()))
 
     async def _server_version(self, url: str) -> int:
         version = await self._client.weight_version(url)
@@ -795,6 +797,7 @@ class GserverManager(AsyncWorker):
 
         async def wrapped(request: web.Request) -> web.Response:
             self.requests_served += 1
+            self.requests_by_path[request.path] += 1
             try:
                 args = []
                 if parse is not None:

@@ -8,6 +8,7 @@ replies are the typed bodies of `realrl/api/manager_api.py`.
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any, TypeVar
 
 import aiohttp
@@ -67,6 +68,7 @@ class GserverManagerClient:
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self._session: aiohttp.ClientSession | None = None
+        self.calls: collections.Counter[str] = collections.Counter()  # requests sent, per path
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -84,6 +86,7 @@ class GserverManagerClient:
         retries = self.retries if retries is None else retries
         attempt = 0
         while True:
+            self.calls[path] += 1
             try:
                 async with self._get_session().request(method, f"{self.url}{path}", json=payload) as resp:
                     text = await resp.text()

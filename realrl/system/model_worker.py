@@ -73,6 +73,7 @@ from realrl.impl.weights.on_disk import version_dirs
 from realrl.system.ledger import KeyLedger
 from realrl.system.request_reply_stream.reply_server import NameResolvingReplyServer
 from realrl.system.stream_dataset import PullerStreamDataset
+from realrl.system.version_announce import VersionAnnouncer
 from realrl.system.weights_check import (
     checked_parameters,
     expected_shard_checksums,
@@ -648,6 +649,7 @@ class ModelWorker(Worker):
             self.server.register(name, getattr(self, f"_handle_{name}"))
         for name in ("assemble", "inference", "train_step", "evaluate", "save", "checkpoint", "load"):
             self.server.register(name, getattr(self, f"_handle_{name}"), long_running=True)
+        self._announcer: VersionAnnouncer | None = None
         if self.dp_rank == 0:
             self._set_version(0)
         self._broadcast = None  # weights.transport=broadcast: rank 0's sender (docs/design.md §8)
@@ -665,6 +667,8 @@ class ModelWorker(Worker):
             )
             if not self.cfg.fsdp:  # (under FSDP a version's tensors are gathered at each publish)
                 self._broadcast.prepare()
+        if self.dp_rank == 0 and self._broadcast is None:  # (broadcast: its sender's thread announces)
+            self._announcer = VersionAnnouncer(self._announce_version)
         self.logger.info(
             "actor with %.2fM parameters (%.3fM trainable%s) on %s; dp %d/%d",
             sum(p.numel() for p in actor.parameters()) / 1e6,
@@ -719,7 +723,10 @@ class ModelWorker(Worker):
 
     def _set_version(self, version: int) -> None:
         self.version = version
-        self._announce_version(version)
+        if self._announcer is not None:  # (the step goes on: the write is the announcer thread's)
+            self._announcer.announce(version)
+        else:
+            self._announce_version(version)
 
     def _announce_version(self, version: int) -> None:
         """`model_version/actor` = version (any thread): its directory is on disk, unless
@@ -746,6 +753,11 @@ class ModelWorker(Worker):
         }
 
     def _exit_hook(self) -> None:
+        if getattr(self, "_announcer", None) is not None:
+            try:
+                self._announcer.close()  # the version handed over last is written
+            except RuntimeError as e:  # (e.g. the name service gone as an aborted trial ends: no one to tell)
+                self.logger.warning("%s", e)
         if getattr(self, "_broadcast", None) is not None:
             self._broadcast.close()  # versions still queued go out
         for closer in ("server", "dataset"):
@@ -901,6 +913,8 @@ class ModelWorker(Worker):
         if data.get("last_step", True):  # hashing the full weights costs: the end's check needs the last step's
             self._expect_shards(state_dict)
         self._publish(new_version, state_dict)
+        if data.get("last_step", True) and self._announcer is not None:  # (the trial's end looks at it)
+            self._announcer.flush()
         stats["publish_seconds"] = time.monotonic() - t1
         if self.dp_rank == self.dp_size - 1 and faults.point("model_worker.weights_drift"):
             nudge_local_weights(self.actor.model)  # a test: this rank's weights drift from the others'
@@ -1049,4 +1063,6 @@ class ModelWorker(Worker):
             for path in remove_versions_after(self.cfg.weights_dir, version):
                 self.logger.info("removed %s: a version after the checkpoint's, of a previous launch", path)
         self._publish(version, state_dict, disk_only=True)  # then a new epoch (docs/design.md §8)
+        if self._announcer is not None:  # (announced before the master says where training starts)
+            self._announcer.flush()
         return {"version": version, "restored": len(restored)}

@@ -28,10 +28,11 @@ Each rollout worker owns a shard of the prompt data set
    (docs/design.md §12), is pushed (`traj.to_wire()`) to this worker's
    trainer puller and acknowledged by it, through an `AckedPusher` (a thread
    of its own, so that back-pressure never blocks the event loop, and many
-   trajectories in flight at once, not a round trip each); then
-   `/finish_rollout` with the number of trajectories the trainer holds (0:
-   the agent rejected the prompt, which uses no staleness budget), one call
-   for the episodes that end together.
+   trajectories in flight at once, not a round trip each; the episodes that
+   end together submit theirs as one call: one frame, one acknowledgement
+   message); then `/finish_rollout` with the number of trajectories the
+   trainer holds (0: the agent rejected the prompt, which uses no staleness
+   budget), one call for the episodes that end together.
 
 A rollout id is `<worker>:<epoch>:<row>`, the same when the rollout is
 generated again. A resumed trial's worker, and one the launcher restarted,
@@ -158,7 +159,9 @@ class RolloutWorker(AsyncWorker):
         # Episodes that ended, as their tasks' done-callbacks say: a poll takes these instead of
         # looking at every running task (8k of them per worker at scale, many polls a second).
         self._ended: collections.deque[tuple[str, asyncio.Task]] = collections.deque()
-        # Episodes that end together report it in one /finish_rollout.
+        # Episodes that end together push their trajectories in one submit (one frame, one
+        # acknowledgement message, one future) and report it in one /finish_rollout.
+        self._deliveries: TickBatcher[tuple[list, list]] = TickBatcher(self._send_deliveries)
         self._finishes: TickBatcher[tuple[str, int, int]] = TickBatcher(self._send_finishes)
         self._next_allocate_time = 0.0
         self._refusal_backoff = REFUSAL_BACKOFF_S[0]
@@ -510,8 +513,8 @@ class RolloutWorker(AsyncWorker):
         rid = record.metadata["rollout_id"]
         for index, traj in enumerate(trajectories):
             traj.rollout_id, traj.index, traj.rollout_size = rid, index, len(trajectories)
-        acks = await asyncio.wrap_future(
-            self._delivery.submit([traj.to_wire() for traj in trajectories], [traj.key for traj in trajectories])
+        acks = await self._deliveries.submit(
+            None, ([traj.to_wire() for traj in trajectories], [traj.key for traj in trajectories])
         )
         n_tokens = held = 0
         for index, (traj, ack) in enumerate(zip(trajectories, acks)):
@@ -549,6 +552,20 @@ class RolloutWorker(AsyncWorker):
         if redo:
             if faults.armed():
                 await asyncio.to_thread(faults.point, "rollout_worker.redo_finished")
+
+    async def _send_deliveries(self, _key, episodes: list[tuple[list, list]]) -> list[list]:
+        """The trajectories of episodes that ended together, as one `AckedPusher.submit`;
+        each episode gets its own acknowledgements back."""
+        if len(episodes) == 1:
+            return [await asyncio.wrap_future(self._delivery.submit(*episodes[0]))]
+        acks = await asyncio.wrap_future(
+            self._delivery.submit([m for ms, _ in episodes for m in ms], [k for _, ks in episodes for k in ks])
+        )
+        out, start = [], 0
+        for messages, _ in episodes:
+            out.append(acks[start : start + len(messages)])
+            start += len(messages)
+        return out
 
     async def _send_finishes(self, _key, finished: list[tuple[str, int, int]]) -> list[None]:
         await self.manager.finish_rollouts(finished)
@@ -615,12 +632,19 @@ class RolloutWorker(AsyncWorker):
             task.cancel()
         await asyncio.gather(*self._episodes.values(), return_exceptions=True)
         self._episodes.clear()
+        await self._deliveries.close()
         await self._finishes.close()
         if getattr(self, "_endpoint_scope", None) is not None:
             await self._endpoint_scope.aclose()
         if getattr(self, "partial_rollout", None) is not None:
             await self.partial_rollout.close()
         self._log_stats()
+        if getattr(self, "manager", None) is not None:
+            self.logger.info(
+                "manager calls per path: %s; trajectory frames sent %d",
+                dict(self.manager.calls.most_common()),
+                self._delivery.n_frames,
+            )
         for client in (getattr(self, "client", None), getattr(self, "manager", None)):  # None: setup did not get there
             if client is not None:
                 await client.close()

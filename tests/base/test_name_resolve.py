@@ -221,6 +221,26 @@ def test_watch_values_read_through_once_etcd_is_gone(tmp_path):
         repo._client.close()
 
 
+def test_etcd_stream_threads_wait_in_long_slices(tmp_path, etcd_server):
+    """grpc's stream readers (the watch thread, the lease keep-alive) wait in slices of
+    GRPC_STREAM_WAIT_S, not grpc's 0.1 s, once an etcd repository exists; a change still
+    reaches the watch's listener (a message wakes the reader, whatever the slice)."""
+    from grpc import _common
+
+    repo = name_resolve.make_repository(make_nr_config("etcd3", tmp_path, etcd_server))
+    try:
+        assert _common.MAXIMUM_WAIT_TIMEOUT >= name_resolve.GRPC_STREAM_WAIT_S == 1.0
+        key = f"slices/{os.getpid()}"
+        watch = repo.watch_values([key])
+        changed = threading.Event()
+        watch.add_listener(changed.set)
+        repo.add(key, "1", keepalive_ttl=3)
+        assert changed.wait(10) and watch.get(key) == "1"
+        watch.close()
+    finally:
+        repo.close()
+
+
 def test_ttl_key_survives_while_owner_lives(backend, unique_prefix):
     _, _, repo = backend
     key = f"{unique_prefix}/alive"
