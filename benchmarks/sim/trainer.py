@@ -60,6 +60,9 @@ class SimTrainer(ModelWorker):
             self.server.register(name, getattr(self, f"_handle_{name}"))
         for name in ("assemble", "inference", "train_step"):
             self.server.register(name, getattr(self, f"_handle_{name}"), long_running=True)
+        # The key is set on this thread, so `published` holds when each version was announced
+        # (the real trainer hands the write to its VersionAnnouncer's thread).
+        self._announcer = None
         self._set_version(0)
 
     def _handle_spec(self, data=None) -> dict:
