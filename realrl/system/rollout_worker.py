@@ -556,8 +556,6 @@ class RolloutWorker(AsyncWorker):
     async def _send_deliveries(self, _key, episodes: list[tuple[list, list]]) -> list[list]:
         """The trajectories of episodes that ended together, as one `AckedPusher.submit`;
         each episode gets its own acknowledgements back."""
-        if len(episodes) == 1:
-            return [await asyncio.wrap_future(self._delivery.submit(*episodes[0]))]
         acks = await asyncio.wrap_future(
             self._delivery.submit([m for ms, _ in episodes for m in ms], [k for _, ks in episodes for k in ks])
         )
